@@ -1,0 +1,315 @@
+//! The public messages of the actor API and their completions.
+//!
+//! Every pipe operation can be awaited (`pipe.send(Write::new(m)).await` resolves when the write
+//! is complete) or fired with a recipient that receives the completion
+//! (`pipe.do_send(Write::new(m).notify(me.recipient()))`). Completions of one kind (writes;
+//! descriptor reads and reads) arrive in the order the operations were issued, errors included.
+
+use actix::{Addr, Message as ActixMessage, Recipient};
+
+use super::{Listener, Pipe};
+use crate::error::Error;
+use crate::message::{Allocation, Descriptor, Message};
+
+/// An operation on a pipe: it completes with [`Op::Done`].
+pub trait Op: ActixMessage<Result = <Self as Op>::Done> + Send + Sized + 'static {
+    /// The completion message.
+    type Done: ActixMessage<Result = ()> + Send + 'static;
+
+    /// Fires this operation: `to` receives the completion instead of the caller awaiting it.
+    fn notify(self, to: Recipient<Self::Done>) -> Notify<Self> {
+        Notify { op: self, to }
+    }
+
+    /// The completion used if the pipe actor vanished before answering (it never does while
+    /// anyone holds its address; this keeps an await from panicking if it did).
+    #[doc(hidden)]
+    fn lost(id: u64) -> Self::Done;
+}
+
+/// An operation whose completion goes to a recipient; see [`Op::notify`].
+#[derive(Debug)]
+pub struct Notify<M: Op> {
+    /// The operation.
+    pub op: M,
+    /// Who gets the completion.
+    pub to: Recipient<M::Done>,
+}
+
+impl<M: Op> ActixMessage for Notify<M> {
+    type Result = ();
+}
+
+fn vanished() -> Error {
+    Error::Closed {
+        reason: "the pipe actor stopped before completing the operation".into(),
+        origin: Default::default(),
+    }
+}
+
+/// Start listening on every URL (`tcp://127.0.0.1:0` picks a port). The listener sends
+/// [`Accepted`] to `subscriber` for each pipe a peer opens.
+#[derive(Debug)]
+pub struct Listen {
+    /// Where to listen.
+    pub urls: Vec<String>,
+    /// Who gets the accepted pipes.
+    pub subscriber: Recipient<Accepted>,
+}
+
+impl Listen {
+    /// Listen on `urls`, handing pipes to `subscriber`.
+    pub fn new<S: Into<String>>(
+        urls: impl IntoIterator<Item = S>,
+        subscriber: Recipient<Accepted>,
+    ) -> Self {
+        Listen {
+            urls: urls.into_iter().map(Into::into).collect(),
+            subscriber,
+        }
+    }
+}
+
+impl ActixMessage for Listen {
+    type Result = Result<Listening, Error>;
+}
+
+/// A running listener and the URLs it is reachable at (ports resolved).
+#[derive(Debug, Clone)]
+pub struct Listening {
+    /// The listener actor; send it [`StopListening`] to stop accepting.
+    pub listener: Addr<Listener>,
+    /// Where peers can connect.
+    pub urls: Vec<String>,
+}
+
+/// Stops a listener; pipes it already accepted keep running.
+#[derive(Debug, Clone, Copy)]
+pub struct StopListening;
+
+impl ActixMessage for StopListening {
+    type Result = ();
+}
+
+/// A peer opened a pipe to a listener.
+#[derive(Debug)]
+pub struct Accepted {
+    /// The new pipe.
+    pub pipe: Addr<Pipe>,
+    /// The peer's address.
+    pub peer: String,
+}
+
+impl ActixMessage for Accepted {
+    type Result = ();
+}
+
+/// Open a pipe to a listener at `url`; resolves once negotiation is done.
+#[derive(Debug, Clone)]
+pub struct Connect {
+    /// The listener's URL.
+    pub url: String,
+}
+
+impl Connect {
+    /// Connect to `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        Connect { url: url.into() }
+    }
+}
+
+impl ActixMessage for Connect {
+    type Result = Result<Addr<Pipe>, Error>;
+}
+
+/// Send a message. The buffers come back in [`WriteDone`], on success and on failure.
+#[derive(Debug)]
+pub struct Write {
+    /// What to send.
+    pub message: Message,
+}
+
+impl Write {
+    /// Send `message`.
+    pub fn new(message: Message) -> Self {
+        Write { message }
+    }
+}
+
+/// A write finished.
+#[derive(Debug)]
+pub struct WriteDone {
+    /// Per-pipe write number, from 0.
+    pub id: u64,
+    /// `Ok` once every byte is handed to the transport.
+    pub result: Result<(), Error>,
+    /// The message, with all its buffers, for reuse.
+    pub message: Message,
+}
+
+impl ActixMessage for Write {
+    type Result = WriteDone;
+}
+
+impl ActixMessage for WriteDone {
+    type Result = ();
+}
+
+impl Op for Write {
+    type Done = WriteDone;
+    fn lost(id: u64) -> WriteDone {
+        WriteDone {
+            id,
+            result: Err(vanished()),
+            message: Message::default(),
+        }
+    }
+}
+
+/// Wait for the next incoming message's descriptor.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReadDescriptor;
+
+/// The next message's descriptor (or why there is none).
+#[derive(Debug)]
+pub struct DescriptorReady {
+    /// Per-pipe read number, from 0 (shared with [`Read`]).
+    pub id: u64,
+    /// What to allocate for.
+    pub descriptor: Result<Descriptor, Error>,
+}
+
+impl ActixMessage for ReadDescriptor {
+    type Result = DescriptorReady;
+}
+
+impl ActixMessage for DescriptorReady {
+    type Result = ();
+}
+
+impl Op for ReadDescriptor {
+    type Done = DescriptorReady;
+    fn lost(id: u64) -> DescriptorReady {
+        DescriptorReady {
+            id,
+            descriptor: Err(vanished()),
+        }
+    }
+}
+
+/// Receive the message whose descriptor was delivered last, into these buffers.
+#[derive(Debug)]
+pub struct Read {
+    /// One buffer per payload and per tensor, each exactly the announced size.
+    pub allocation: Allocation,
+}
+
+impl Read {
+    /// Read into `allocation`.
+    pub fn new(allocation: Allocation) -> Self {
+        Read { allocation }
+    }
+}
+
+/// A read finished: the buffers come back filled, as a message.
+#[derive(Debug)]
+pub struct ReadDone {
+    /// Per-pipe read number (shared with [`ReadDescriptor`]).
+    pub id: u64,
+    /// `Ok` once every byte has landed.
+    pub result: Result<(), Error>,
+    /// The message: the descriptor's metadata and the buffers handed in.
+    pub message: Message,
+}
+
+impl ActixMessage for Read {
+    type Result = ReadDone;
+}
+
+impl ActixMessage for ReadDone {
+    type Result = ();
+}
+
+impl Op for Read {
+    type Done = ReadDone;
+    fn lost(id: u64) -> ReadDone {
+        ReadDone {
+            id,
+            result: Err(vanished()),
+            message: Message::default(),
+        }
+    }
+}
+
+/// Close the pipe now: pending operations complete with [`Error::Closed`], the peer is told, and
+/// subscribers get [`Closed`]. Resolves once every pending operation has completed.
+#[derive(Debug, Clone, Default)]
+pub struct Close {
+    /// Told to the peer and put in the error.
+    pub reason: String,
+}
+
+impl Close {
+    /// Close with a reason.
+    pub fn because(reason: impl Into<String>) -> Self {
+        Close {
+            reason: reason.into(),
+        }
+    }
+}
+
+/// A pipe is closed; `error` is what every pending operation completed with.
+#[derive(Debug, Clone)]
+pub struct Closed {
+    /// Why.
+    pub error: Error,
+}
+
+impl ActixMessage for Close {
+    type Result = Closed;
+}
+
+impl ActixMessage for Closed {
+    type Result = ();
+}
+
+impl Op for Close {
+    type Done = Closed;
+    fn lost(_: u64) -> Closed {
+        Closed { error: vanished() }
+    }
+}
+
+/// Receive [`Closed`] when the pipe closes, for whatever reason. A subscriber that joins after
+/// the close gets it at once.
+#[derive(Debug)]
+pub struct Subscribe(pub Recipient<Closed>);
+
+impl ActixMessage for Subscribe {
+    type Result = ();
+}
+
+/// Ask a pipe what it is and what it negotiated.
+#[derive(Debug, Clone, Copy)]
+pub struct GetInfo;
+
+/// What a pipe is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PipeInfo {
+    /// Process-local id.
+    pub id: u64,
+    /// The peer's address.
+    pub peer: String,
+    /// Our address.
+    pub local: String,
+    /// The transport of the control stream.
+    pub transport: String,
+    /// The channel per device pair, as `name (cpu->cpu)`.
+    pub channels: Vec<String>,
+    /// Whether the pipe is closed.
+    pub closed: bool,
+}
+
+impl ActixMessage for GetInfo {
+    type Result = PipeInfo;
+}

@@ -1,0 +1,978 @@
+//! The `Pipe` actor: the ordering state machine of one pipe.
+//!
+//! Writes: each `Write` becomes a descriptor frame plus payload bytes (one vectored write on the
+//! connection) and one operation per tensor on its channel. The pipe reserves connection tickets
+//! for all of them at once, so the bytes of message n always precede those of message n + 1
+//! whichever mailbox each part went through.
+//!
+//! Reads: the pipe keeps one descriptor read armed ahead of the user (the *prefetch*), so a
+//! `ReadDescriptor` is answered as soon as the frame is in, and a peer that goes away is noticed
+//! even when nothing is pending. A `Read` hands the user's buffers to the connection and the
+//! channels, then arms the next prefetch.
+//!
+//! Completions are delivered strictly in issue order per kind (writes; descriptor reads and
+//! reads). On any failure the pipe records the first error, stops its connection (which hands
+//! every buffer back), completes every pending operation with that error, in order, and then sends
+//! `Closed` to its subscribers.
+
+use std::collections::VecDeque;
+use std::mem;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
+
+use actix::prelude::*;
+use tokio::sync::{mpsc, oneshot};
+
+use super::channel::{Channel, ChannelKind, RecvTensor, SendTensor, StopChannel};
+use super::connection::{Connection, Link, Shutdown};
+use super::context::Config;
+use super::messages::*;
+use crate::error::{Error, Origin};
+use crate::handshake::Handshaken;
+use crate::message::{Allocation, Buffer, Descriptor, Message, Payload, Tensor};
+use crate::negotiate::{DeviceKind, DevicePair};
+use crate::transport::stream::{unexpected, Done, InOp, OutOp, Reply};
+use crate::wire::{self, encode_frame, Frame, FrameKind, Limits, WireDescriptor};
+
+static NEXT_PIPE_ID: AtomicU64 = AtomicU64::new(1);
+
+/// How often a pipe checks whether anyone still holds its address.
+const ORPHAN_CHECK: Duration = Duration::from_secs(2);
+
+/// Where a completion goes: back to an awaiting caller, or to a recipient.
+pub(crate) enum Completer<T: actix::Message<Result = ()> + Send> {
+    Reply(oneshot::Sender<T>),
+    Notify(Recipient<T>),
+}
+
+impl<T: actix::Message<Result = ()> + Send + 'static> Completer<T> {
+    fn complete(self, v: T) {
+        match self {
+            Completer::Reply(tx) => {
+                let _ = tx.send(v);
+            }
+            Completer::Notify(r) => r.do_send(v),
+        }
+    }
+}
+
+/// The queue of completions from the connection loops, as a stream the actor polls.
+struct Completions(mpsc::UnboundedReceiver<Done>);
+
+impl futures_core::Stream for Completions {
+    type Item = Done;
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Option<Done>> {
+        self.0.poll_recv(cx)
+    }
+}
+
+struct PendingWrite {
+    id: u64,
+    ticket: u64,
+    message: Message,
+    payloads_out: bool,
+    tensors_out: usize,
+    error: Option<Error>,
+    completer: Completer<WriteDone>,
+}
+
+enum ReadState {
+    /// Not started: waiting for its descriptor.
+    Waiting(Allocation),
+    /// Buffers handed to the connection and channels.
+    Running {
+        seq: u64,
+        payload_ticket: Option<u64>,
+        payloads_out: bool,
+        tensors_out: usize,
+        error: Option<Error>,
+    },
+    /// Done (or refused before starting).
+    Finished(Result<(), Error>),
+}
+
+enum PendingRead {
+    Descriptor {
+        id: u64,
+        completer: Completer<DescriptorReady>,
+        result: Option<Result<Descriptor, Error>>,
+    },
+    Read {
+        id: u64,
+        completer: Completer<ReadDone>,
+        message: Message,
+        state: ReadState,
+    },
+    /// Transient, while an entry is being worked on.
+    Taken,
+}
+
+impl PendingRead {
+    fn finished(&self) -> bool {
+        match self {
+            PendingRead::Descriptor { result, .. } => result.is_some(),
+            PendingRead::Read { state, .. } => match state {
+                ReadState::Waiting(_) => false,
+                ReadState::Running {
+                    payloads_out,
+                    tensors_out,
+                    ..
+                } => !payloads_out && *tensors_out == 0,
+                ReadState::Finished(_) => true,
+            },
+            PendingRead::Taken => false,
+        }
+    }
+}
+
+enum Prefetch {
+    Idle,
+    InFlight,
+    Ready(WireDescriptor),
+}
+
+/// One pipe: ordered messages to and from one peer.
+pub struct Pipe {
+    id: u64,
+    origin: Origin,
+    info: PipeInfo,
+    limits: Limits,
+    /// Index of the channel for CPU->CPU tensors.
+    cpu_channel: usize,
+    conn: Option<(Addr<Connection>, Link)>,
+    channels: Vec<Addr<Channel>>,
+    reply: Option<Reply>,
+    completions: Option<mpsc::UnboundedReceiver<Done>>,
+    error: Option<Error>,
+    closed_sent: bool,
+    subscribers: Vec<Recipient<Closed>>,
+    closers: Vec<Completer<Closed>>,
+
+    writes: VecDeque<PendingWrite>,
+    next_write_id: u64,
+    out_ticket: u64,
+    frames: Vec<Vec<u8>>,
+
+    reads: VecDeque<PendingRead>,
+    read_cursor: usize,
+    next_read_id: u64,
+    in_ticket: u64,
+    expect_seq: u64,
+    prefetch: Prefetch,
+    current: Option<WireDescriptor>,
+}
+
+/// Builds the actors of a pipe over a handshaken connection and starts them.
+pub(crate) fn spawn_pipe(hs: Handshaken, config: &Arc<Config>) -> Addr<Pipe> {
+    let id = NEXT_PIPE_ID.fetch_add(1, Ordering::Relaxed);
+    let backend = format!(
+        "{}/{}",
+        hs.choice.transport,
+        hs.choice
+            .channels
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect::<Vec<_>>()
+            .join("+")
+    );
+    let origin = Origin::new(hs.peer.clone(), backend).with_pipe(id);
+    let (conn, link) = Connection::start(hs.read, hs.write, config.limits, origin.clone());
+    let (reply, completions) = mpsc::unbounded_channel();
+    let channels = hs
+        .choice
+        .channels
+        .iter()
+        .map(|c| {
+            // Negotiation only offers what this build has; `basic` is the one channel so far.
+            debug_assert_eq!(c.name, "basic");
+            let kind = ChannelKind::Basic {
+                chunk_size: config.chunk_size,
+            };
+            Channel::new(kind, link.clone(), reply.clone(), origin.clone()).start()
+        })
+        .collect();
+    let info = PipeInfo {
+        id,
+        peer: hs.peer.clone(),
+        local: hs.local.clone(),
+        transport: hs.choice.transport.clone(),
+        channels: hs
+            .choice
+            .channels
+            .iter()
+            .map(|c| format!("{} ({})", c.name, c.devices))
+            .collect(),
+        closed: false,
+    };
+    let cpu_channel = hs.choice.channel_for(DevicePair::CPU).unwrap_or(0);
+    tracing::debug!(pipe = id, peer = %hs.peer, backend = %origin.backend, "pipe open");
+    Pipe {
+        id,
+        origin,
+        info,
+        limits: config.limits,
+        cpu_channel,
+        conn: Some((conn, link)),
+        channels,
+        reply: Some(reply),
+        completions: Some(completions),
+        error: None,
+        closed_sent: false,
+        subscribers: Vec::new(),
+        closers: Vec::new(),
+        writes: VecDeque::new(),
+        next_write_id: 0,
+        out_ticket: 0,
+        frames: Vec::new(),
+        reads: VecDeque::new(),
+        read_cursor: 0,
+        next_read_id: 0,
+        in_ticket: 0,
+        expect_seq: 0,
+        prefetch: Prefetch::Idle,
+        current: None,
+    }
+    .start()
+}
+
+impl Actor for Pipe {
+    type Context = actix::Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        if let Some(rx) = self.completions.take() {
+            ctx.add_stream(Completions(rx));
+        }
+        self.arm_prefetch();
+        ctx.run_interval(ORPHAN_CHECK, |act, ctx| {
+            if ctx.connected() {
+                return;
+            }
+            act.fail(Error::Closed {
+                reason: "every address of the pipe was dropped".into(),
+                origin: act.origin.clone(),
+            });
+            if act.closed_sent {
+                ctx.stop();
+            }
+        });
+    }
+
+    fn stopped(&mut self, _: &mut Self::Context) {
+        tracing::debug!(pipe = self.id, "pipe actor stopped");
+    }
+}
+
+impl StreamHandler<Done> for Pipe {
+    fn handle(&mut self, done: Done, _: &mut Self::Context) {
+        self.on_done(done);
+    }
+
+    fn finished(&mut self, _: &mut Self::Context) {
+        // Every completion sender is gone; the pipe lives on to answer with its error.
+    }
+}
+
+impl Pipe {
+    fn link_gone(&self) -> impl FnOnce() -> Error + '_ {
+        || Error::Closed {
+            reason: "connection already stopped".into(),
+            origin: self.origin.clone(),
+        }
+    }
+
+    fn route(&self, t: &Tensor) -> Result<usize, Error> {
+        let source = match t.device() {
+            crate::message::Device::Cpu => DeviceKind::Cpu,
+            crate::message::Device::Cuda(_) => DeviceKind::Cuda,
+        };
+        if source == DeviceKind::Cpu {
+            return Ok(self.cpu_channel);
+        }
+        Err(Error::Unavailable {
+            backend: "channel".into(),
+            reason: format!("no channel negotiated for {} tensors", t.device()),
+        })
+    }
+
+    fn check_limits(&self, m: &Message) -> Result<(), Error> {
+        let over = |limit, value: u64, max: u64| {
+            (value > max).then(|| Error::LimitExceeded {
+                limit,
+                value,
+                max,
+                origin: self.origin.clone(),
+            })
+        };
+        let l = &self.limits;
+        let checks = [
+            over(
+                "payload count",
+                m.payloads.len() as u64,
+                l.max_payloads as u64,
+            ),
+            over("tensor count", m.tensors.len() as u64, l.max_tensors as u64),
+            m.payloads
+                .iter()
+                .find_map(|p| over("payload size", p.data.len() as u64, l.max_payload_size)),
+            m.tensors
+                .iter()
+                .find_map(|t| over("tensor size", t.buffer.len(), l.max_tensor_size)),
+        ];
+        match checks.into_iter().flatten().next() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    // ----- writes -------------------------------------------------------------------------
+
+    fn submit_write(&mut self, mut message: Message, completer: Completer<WriteDone>) {
+        let id = self.next_write_id;
+        self.next_write_id += 1;
+        let mut w = PendingWrite {
+            id,
+            ticket: u64::MAX,
+            message: Message::default(),
+            payloads_out: false,
+            tensors_out: 0,
+            error: None,
+            completer,
+        };
+        let refusal = match &self.error {
+            Some(e) => Some(e.clone()),
+            None => self
+                .check_limits(&message)
+                .and_then(|_| {
+                    message
+                        .tensors
+                        .iter()
+                        .try_for_each(|t| self.route(t).map(drop))
+                })
+                .err(),
+        };
+        let Some(link) = self
+            .conn
+            .as_ref()
+            .map(|c| &c.1)
+            .filter(|_| refusal.is_none())
+        else {
+            w.error = refusal;
+            w.message = message;
+            self.writes.push_back(w);
+            self.pump_writes();
+            return;
+        };
+        let mut frame = self.frames.pop().unwrap_or_default();
+        frame.clear();
+        let cpu = self.cpu_channel as u8;
+        encode_frame(&mut frame, FrameKind::Descriptor, |b| {
+            wire::encode_descriptor(b, id, &message, |_| (cpu, &[]))
+        });
+        let body = (frame.len() - wire::LEN_PREFIX) as u64;
+        if body > self.limits.max_frame_size as u64 {
+            w.error = Some(Error::LimitExceeded {
+                limit: "frame size",
+                value: body,
+                max: self.limits.max_frame_size as u64,
+                origin: self.origin.clone(),
+            });
+            w.message = message;
+            self.frames.push(frame);
+            self.writes.push_back(w);
+            self.pump_writes();
+            return;
+        }
+        let ticket = self.out_ticket;
+        self.out_ticket += 1 + message.tensors.len() as u64;
+        let reply = self
+            .reply
+            .clone()
+            .expect("reply queue lives while the connection does");
+        link.write(
+            OutOp::Message {
+                ticket,
+                frame,
+                payloads: mem::take(&mut message.payloads),
+                reply,
+            },
+            self.link_gone(),
+        );
+        for (i, t) in message.tensors.iter_mut().enumerate() {
+            let Buffer::Cpu(buffer) = mem::take(&mut t.buffer);
+            self.channels[self.cpu_channel].do_send(SendTensor {
+                ticket: ticket + 1 + i as u64,
+                seq: id,
+                index: i as u32,
+                buffer,
+            });
+        }
+        w.ticket = ticket;
+        w.payloads_out = true;
+        w.tensors_out = message.tensors.len();
+        w.message = message;
+        self.writes.push_back(w);
+    }
+
+    fn pump_writes(&mut self) {
+        while self
+            .writes
+            .front()
+            .is_some_and(|w| !w.payloads_out && w.tensors_out == 0)
+        {
+            let w = self.writes.pop_front().expect("front exists");
+            w.completer.complete(WriteDone {
+                id: w.id,
+                result: w.error.map_or(Ok(()), Err),
+                message: w.message,
+            });
+        }
+        self.maybe_closed();
+    }
+
+    // ----- reads --------------------------------------------------------------------------
+
+    fn arm_prefetch(&mut self) {
+        if self.error.is_some() || !matches!(self.prefetch, Prefetch::Idle) {
+            return;
+        }
+        let (Some((_, link)), Some(reply)) = (&self.conn, &self.reply) else {
+            return;
+        };
+        let ticket = self.in_ticket;
+        self.in_ticket += 1;
+        self.prefetch = Prefetch::InFlight;
+        link.read(
+            InOp::Frame {
+                ticket,
+                reply: reply.clone(),
+            },
+            self.link_gone(),
+        );
+    }
+
+    fn check_descriptor(&self, wd: &WireDescriptor) -> Result<(), Error> {
+        if wd.seq != self.expect_seq {
+            return Err(Error::protocol(
+                format!(
+                    "descriptor for message {} arrived where message {} was expected",
+                    wd.seq, self.expect_seq
+                ),
+                &self.origin,
+            ));
+        }
+        for (i, ((ch, _), t)) in wd.routes.iter().zip(&wd.descriptor.tensors).enumerate() {
+            let ok =
+                *ch as usize == self.cpu_channel && t.source_device == crate::message::Device::Cpu;
+            if !ok {
+                return Err(Error::protocol(
+                    format!(
+                        "tensor {i} of message {} names channel {ch} for a {} tensor; that is not what was negotiated",
+                        wd.seq, t.source_device
+                    ),
+                    &self.origin,
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts every read that can start, in order, then completes what is finished.
+    fn advance_reads(&mut self) {
+        while self.read_cursor < self.reads.len() {
+            let i = self.read_cursor;
+            let mut op = mem::replace(&mut self.reads[i], PendingRead::Taken);
+            let progressed = self.try_start(&mut op);
+            self.reads[i] = op;
+            if !progressed {
+                break;
+            }
+            self.read_cursor += 1;
+        }
+        self.pump_reads();
+    }
+
+    fn try_start(&mut self, op: &mut PendingRead) -> bool {
+        match op {
+            PendingRead::Descriptor { result, .. } => {
+                if let Some(e) = &self.error {
+                    *result = Some(Err(e.clone()));
+                    return true;
+                }
+                if self.current.is_some() {
+                    // The previous message has not been read yet.
+                    return false;
+                }
+                match mem::replace(&mut self.prefetch, Prefetch::Idle) {
+                    Prefetch::Ready(wd) => {
+                        *result = Some(Ok(wd.descriptor.clone()));
+                        self.current = Some(wd);
+                        true
+                    }
+                    other => {
+                        self.prefetch = other;
+                        false
+                    }
+                }
+            }
+            PendingRead::Read { message, state, .. } => {
+                let ReadState::Waiting(alloc) = mem::replace(state, ReadState::Finished(Ok(())))
+                else {
+                    return true;
+                };
+                let refusal = match (&self.error, &self.current) {
+                    (Some(e), _) => Some(e.clone()),
+                    (None, None) => Some(Error::invalid(
+                        "Read issued with no descriptor to read: send ReadDescriptor first",
+                    )),
+                    (None, Some(wd)) => alloc.check(&wd.descriptor).err(),
+                };
+                if let Some(e) = refusal {
+                    *message = hand_back(alloc);
+                    *state = ReadState::Finished(Err(e));
+                } else {
+                    let wd = self.current.take().expect("checked above");
+                    (*message, *state) = self.start_read(wd, alloc);
+                }
+                true
+            }
+            PendingRead::Taken => true,
+        }
+    }
+
+    fn start_read(&mut self, wd: WireDescriptor, alloc: Allocation) -> (Message, ReadState) {
+        let WireDescriptor {
+            seq,
+            descriptor,
+            routes,
+        } = wd;
+        let message = Message {
+            metadata: descriptor.metadata,
+            payloads: descriptor
+                .payloads
+                .into_iter()
+                .map(|p| Payload {
+                    data: Vec::new(),
+                    metadata: p.metadata,
+                })
+                .collect(),
+            tensors: descriptor
+                .tensors
+                .into_iter()
+                .map(|t| Tensor {
+                    buffer: Buffer::default(),
+                    metadata: t.metadata,
+                    target_device: t.target_device,
+                })
+                .collect(),
+        };
+        let (Some((_, link)), Some(reply)) = (&self.conn, &self.reply) else {
+            unreachable!("reads start only while the pipe is open");
+        };
+        let mut ticket = self.in_ticket;
+        let payload_ticket = (!alloc.payloads.is_empty()).then_some(ticket);
+        if payload_ticket.is_some() {
+            link.read(
+                InOp::Payloads {
+                    ticket,
+                    buffers: alloc.payloads,
+                    reply: reply.clone(),
+                },
+                self.link_gone(),
+            );
+            ticket += 1;
+        }
+        let tensors_out = alloc.tensors.len();
+        for (i, (buffer, (ch, _))) in alloc.tensors.into_iter().zip(routes).enumerate() {
+            let Buffer::Cpu(buffer) = buffer;
+            self.channels[ch as usize].do_send(RecvTensor {
+                ticket,
+                seq,
+                index: i as u32,
+                buffer,
+            });
+            ticket += 1;
+        }
+        self.in_ticket = ticket;
+        self.arm_prefetch();
+        (
+            message,
+            ReadState::Running {
+                seq,
+                payload_ticket,
+                payloads_out: payload_ticket.is_some(),
+                tensors_out,
+                error: None,
+            },
+        )
+    }
+
+    fn pump_reads(&mut self) {
+        while self.reads.front().is_some_and(PendingRead::finished) {
+            let op = self.reads.pop_front().expect("front exists");
+            self.read_cursor -= 1;
+            match op {
+                PendingRead::Descriptor {
+                    id,
+                    completer,
+                    result,
+                } => completer.complete(DescriptorReady {
+                    id,
+                    descriptor: result.expect("finished"),
+                }),
+                PendingRead::Read {
+                    id,
+                    completer,
+                    message,
+                    state,
+                } => {
+                    let result = match state {
+                        ReadState::Finished(r) => r,
+                        ReadState::Running { error, .. } => error.map_or(Ok(()), Err),
+                        ReadState::Waiting(_) => unreachable!("not finished"),
+                    };
+                    completer.complete(ReadDone {
+                        id,
+                        result,
+                        message,
+                    });
+                }
+                PendingRead::Taken => {}
+            }
+        }
+        self.maybe_closed();
+    }
+
+    fn running_read(&mut self, seq: u64) -> Option<(&mut Message, &mut ReadState)> {
+        self.reads.iter_mut().find_map(|op| match op {
+            PendingRead::Read { message, state, .. } => match state {
+                ReadState::Running { seq: s, .. } if *s == seq => Some((message, state)),
+                _ => None,
+            },
+            _ => None,
+        })
+    }
+
+    // ----- completions from the connection and channels ------------------------------------
+
+    /// Records an operation's failure: the pipe fails with it (if it had not already), and the
+    /// operation reports the pipe's first error, the root cause.
+    fn op_failed(&mut self, e: Error) -> Error {
+        self.fail(e);
+        self.error.clone().expect("fail sets the error")
+    }
+
+    fn on_done(&mut self, done: Done) {
+        match done {
+            Done::Wrote {
+                ticket,
+                frame,
+                payloads,
+                result,
+            } => {
+                if self.frames.len() < 4 {
+                    self.frames.push(frame);
+                }
+                let err = result.err().map(|e| self.op_failed(e));
+                if let Some(w) = self.writes.iter_mut().find(|w| w.ticket == ticket) {
+                    w.message.payloads = payloads;
+                    w.payloads_out = false;
+                    if err.is_some() {
+                        w.error = err;
+                    }
+                }
+                self.pump_writes();
+            }
+            Done::WroteTensor {
+                seq,
+                index,
+                buffer,
+                result,
+            } => {
+                let err = result.err().map(|e| self.op_failed(e));
+                if let Some(w) = self.writes.iter_mut().find(|w| w.id == seq) {
+                    if let Some(t) = w.message.tensors.get_mut(index as usize) {
+                        t.buffer = Buffer::Cpu(buffer);
+                    }
+                    w.tensors_out -= 1;
+                    if err.is_some() {
+                        w.error = err;
+                    }
+                }
+                self.pump_writes();
+            }
+            Done::Frame { result, .. } => {
+                let outcome = result.and_then(|f| match f {
+                    Frame::Descriptor(wd) => self.check_descriptor(&wd).map(|_| wd),
+                    f => Err(unexpected(f, "a message descriptor", &self.origin)),
+                });
+                match outcome {
+                    Ok(wd) => {
+                        self.expect_seq += 1;
+                        self.prefetch = Prefetch::Ready(wd);
+                        self.advance_reads();
+                    }
+                    Err(e) => {
+                        self.prefetch = Prefetch::Idle;
+                        self.fail(e);
+                    }
+                }
+            }
+            Done::Payloads {
+                ticket,
+                buffers,
+                result,
+            } => {
+                let err = result.err().map(|e| self.op_failed(e));
+                let hit = self.reads.iter_mut().find_map(|op| match op {
+                    PendingRead::Read {
+                        message,
+                        state:
+                            ReadState::Running {
+                                payload_ticket,
+                                payloads_out,
+                                error,
+                                ..
+                            },
+                        ..
+                    } if *payload_ticket == Some(ticket) => Some((message, payloads_out, error)),
+                    _ => None,
+                });
+                if let Some((message, out, error)) = hit {
+                    for (p, b) in message.payloads.iter_mut().zip(buffers) {
+                        p.data = b;
+                    }
+                    *out = false;
+                    if err.is_some() {
+                        *error = err;
+                    }
+                }
+                self.pump_reads();
+            }
+            Done::Tensor {
+                seq,
+                index,
+                buffer,
+                result,
+            } => {
+                let err = result.err().map(|e| self.op_failed(e));
+                if let Some((
+                    message,
+                    ReadState::Running {
+                        tensors_out, error, ..
+                    },
+                )) = self.running_read(seq)
+                {
+                    if let Some(t) = message.tensors.get_mut(index as usize) {
+                        t.buffer = Buffer::Cpu(buffer);
+                    }
+                    *tensors_out -= 1;
+                    if err.is_some() {
+                        *error = err;
+                    }
+                }
+                self.pump_reads();
+            }
+        }
+    }
+
+    // ----- closing ------------------------------------------------------------------------
+
+    fn fail(&mut self, e: Error) {
+        if self.error.is_some() {
+            return;
+        }
+        let e = e.at_pipe(self.id);
+        match &e {
+            Error::PeerClosed { .. } | Error::Closed { .. } => {
+                tracing::debug!(pipe = self.id, error = %e, "pipe closing")
+            }
+            _ => tracing::warn!(pipe = self.id, error = %e, "pipe failed"),
+        }
+        let farewell = match &e {
+            Error::PeerClosed { .. } => Vec::new(),
+            Error::Closed { reason, .. } => close_frame(reason),
+            other => close_frame(&other.to_string()),
+        };
+        self.error = Some(e);
+        self.info.closed = true;
+        if let Some((conn, _link)) = self.conn.take() {
+            conn.do_send(Shutdown { farewell });
+        }
+        for ch in self.channels.drain(..) {
+            ch.do_send(StopChannel);
+        }
+        // Our own sender goes; the completion stream ends once every buffer is back.
+        self.reply = None;
+        if let Prefetch::Ready(_) = self.prefetch {
+            self.prefetch = Prefetch::Idle;
+        }
+        self.advance_reads();
+        self.pump_writes();
+    }
+
+    fn maybe_closed(&mut self) {
+        if self.closed_sent
+            || self.error.is_none()
+            || !self.writes.is_empty()
+            || !self.reads.is_empty()
+        {
+            return;
+        }
+        self.closed_sent = true;
+        let error = self.error.clone().expect("checked");
+        for s in self.subscribers.drain(..) {
+            s.do_send(Closed {
+                error: error.clone(),
+            });
+        }
+        for c in self.closers.drain(..) {
+            c.complete(Closed {
+                error: error.clone(),
+            });
+        }
+    }
+
+    fn submit(&mut self, op: PendingOp) {
+        match op {
+            PendingOp::Write(m, c) => self.submit_write(m, c),
+            PendingOp::ReadDescriptor(completer) => {
+                let id = self.next_read_id;
+                self.next_read_id += 1;
+                self.reads.push_back(PendingRead::Descriptor {
+                    id,
+                    completer,
+                    result: None,
+                });
+                self.advance_reads();
+            }
+            PendingOp::Read(alloc, completer) => {
+                let id = self.next_read_id;
+                self.next_read_id += 1;
+                self.reads.push_back(PendingRead::Read {
+                    id,
+                    completer,
+                    message: Message::default(),
+                    state: ReadState::Waiting(alloc),
+                });
+                self.advance_reads();
+            }
+            PendingOp::Close(reason, completer) => {
+                self.closers.push(completer);
+                self.fail(Error::Closed {
+                    reason,
+                    origin: self.origin.clone(),
+                });
+                self.maybe_closed();
+            }
+        }
+    }
+}
+
+fn close_frame(reason: &str) -> Vec<u8> {
+    let mut b = Vec::new();
+    wire::encode_serde(&mut b, FrameKind::Close, &reason);
+    b
+}
+
+/// The buffers of a refused read, handed back as a message.
+fn hand_back(alloc: Allocation) -> Message {
+    Message {
+        metadata: Vec::new(),
+        payloads: alloc.payloads.into_iter().map(Payload::new).collect(),
+        tensors: alloc
+            .tensors
+            .into_iter()
+            .map(|buffer| Tensor {
+                buffer,
+                ..Tensor::default()
+            })
+            .collect(),
+    }
+}
+
+/// An operation with its completer, whichever way it arrived.
+enum PendingOp {
+    Write(Message, Completer<WriteDone>),
+    ReadDescriptor(Completer<DescriptorReady>),
+    Read(Allocation, Completer<ReadDone>),
+    Close(String, Completer<Closed>),
+}
+
+trait IntoPending: Op {
+    fn into_pending(self, c: Completer<Self::Done>) -> PendingOp;
+}
+
+impl IntoPending for Write {
+    fn into_pending(self, c: Completer<WriteDone>) -> PendingOp {
+        PendingOp::Write(self.message, c)
+    }
+}
+
+impl IntoPending for ReadDescriptor {
+    fn into_pending(self, c: Completer<DescriptorReady>) -> PendingOp {
+        PendingOp::ReadDescriptor(c)
+    }
+}
+
+impl IntoPending for Read {
+    fn into_pending(self, c: Completer<ReadDone>) -> PendingOp {
+        PendingOp::Read(self.allocation, c)
+    }
+}
+
+impl IntoPending for Close {
+    fn into_pending(self, c: Completer<Closed>) -> PendingOp {
+        PendingOp::Close(self.reason, c)
+    }
+}
+
+/// Awaited and fired forms of every operation share one path.
+macro_rules! pipe_op {
+    ($op:ty, $counter:ident) => {
+        impl Handler<$op> for Pipe {
+            type Result = ResponseFuture<<$op as Op>::Done>;
+
+            fn handle(&mut self, op: $op, _: &mut Self::Context) -> Self::Result {
+                let id = self.$counter;
+                let (tx, rx) = oneshot::channel();
+                self.submit(op.into_pending(Completer::Reply(tx)));
+                Box::pin(async move { rx.await.unwrap_or_else(|_| <$op as Op>::lost(id)) })
+            }
+        }
+
+        impl Handler<Notify<$op>> for Pipe {
+            type Result = ();
+
+            fn handle(&mut self, n: Notify<$op>, _: &mut Self::Context) {
+                self.submit(n.op.into_pending(Completer::Notify(n.to)));
+            }
+        }
+    };
+}
+
+pipe_op!(Write, next_write_id);
+pipe_op!(ReadDescriptor, next_read_id);
+pipe_op!(Read, next_read_id);
+pipe_op!(Close, next_read_id);
+
+impl Handler<Subscribe> for Pipe {
+    type Result = ();
+
+    fn handle(&mut self, Subscribe(r): Subscribe, _: &mut Self::Context) {
+        match (&self.error, self.closed_sent) {
+            (Some(e), true) => r.do_send(Closed { error: e.clone() }),
+            _ => self.subscribers.push(r),
+        }
+    }
+}
+
+impl Handler<GetInfo> for Pipe {
+    type Result = MessageResult<GetInfo>;
+
+    fn handle(&mut self, _: GetInfo, _: &mut Self::Context) -> Self::Result {
+        MessageResult(self.info.clone())
+    }
+}

@@ -1,0 +1,36 @@
+//! Channels: bulk movers for tensors.
+//!
+//! A channel moves tensor bytes between one device pair (CPU->CPU, CUDA->CUDA, …). It may carry
+//! its data over the pipe's control connection (as `basic` does) or over its own path (shared
+//! memory, `process_vm_readv`, several sockets, CUDA IPC), and may send small control messages
+//! over the pipe's connection. Whatever the path, it preserves the pipe's order: the n-th tensor
+//! the receiver asks for is the n-th tensor the sender sent through that channel.
+//!
+//! This module holds what is plain data and arithmetic (offers, chunk planning); the `Channel`
+//! actor in `actors/channel.rs` drives it.
+
+pub mod basic;
+
+use crate::negotiate::{ChannelOffer, DevicePair};
+
+/// A channel backend, as a context offers it.
+pub trait ChannelBackend: Send + Sync + 'static {
+    /// Name in brochures (`basic`).
+    fn name(&self) -> &'static str;
+    /// Default priority; higher wins.
+    fn priority(&self) -> i32;
+    /// Domain descriptor: both peers must advertise the same string to use it.
+    fn domain(&self) -> String;
+    /// What it moves between.
+    fn devices(&self) -> DevicePair;
+
+    /// This backend's entry in a brochure.
+    fn offer(&self) -> ChannelOffer {
+        ChannelOffer {
+            name: self.name().into(),
+            priority: self.priority(),
+            domain: self.domain(),
+            devices: self.devices(),
+        }
+    }
+}

@@ -1,0 +1,261 @@
+//! One error type for the whole runtime.
+//!
+//! Each variant is a failure class a caller acts on differently: reconnect after
+//! [`Error::PeerClosed`], fix the peer after [`Error::Protocol`], raise a limit after
+//! [`Error::LimitExceeded`], pick another backend after [`Error::Unavailable`], retry after
+//! [`Error::Timeout`] or [`Error::Connect`]. Every variant carries an [`Origin`] saying which pipe,
+//! which peer and which backend it happened on.
+//!
+//! `Error` is `Clone` because one failure completes every pending operation of a pipe: each of
+//! them receives the same error.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Where an error happened: the pipe, the peer and the backend involved.
+///
+/// Any field may be empty when it is not known yet (an error while connecting has no pipe).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Origin {
+    /// Process-local pipe id, if a pipe exists.
+    pub pipe: Option<u64>,
+    /// The peer's address, as a URL (`tcp://127.0.0.1:5000`).
+    pub peer: String,
+    /// Backend in use (`tcp`, `tcp/basic`, …).
+    pub backend: String,
+}
+
+impl Origin {
+    /// An origin for a peer reached over a backend, before any pipe exists.
+    pub fn new(peer: impl Into<String>, backend: impl Into<String>) -> Self {
+        Origin {
+            pipe: None,
+            peer: peer.into(),
+            backend: backend.into(),
+        }
+    }
+
+    /// The same origin, attached to a pipe.
+    pub fn with_pipe(mut self, pipe: u64) -> Self {
+        self.pipe = Some(pipe);
+        self
+    }
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut first = true;
+        let mut sep = |f: &mut fmt::Formatter<'_>| {
+            let s = if first { "" } else { ", " };
+            first = false;
+            f.write_str(s)
+        };
+        f.write_str("[")?;
+        if let Some(p) = self.pipe {
+            sep(f)?;
+            write!(f, "pipe {p}")?;
+        }
+        if !self.peer.is_empty() {
+            sep(f)?;
+            write!(f, "peer {}", self.peer)?;
+        }
+        if !self.backend.is_empty() {
+            sep(f)?;
+            write!(f, "backend {}", self.backend)?;
+        }
+        f.write_str("]")
+    }
+}
+
+/// Every failure actorpipe reports.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The peer closed the pipe or the connection went away. Pending operations cannot finish;
+    /// open a new pipe to continue.
+    #[error("peer closed the pipe: {reason} {origin}")]
+    PeerClosed {
+        /// What was observed (a close frame and its reason, end of stream, reset).
+        reason: String,
+        /// Where.
+        origin: Origin,
+    },
+    /// This side closed the pipe (a `Close` request); operations issued before or after it end
+    /// with this error.
+    #[error("pipe closed locally: {reason} {origin}")]
+    Closed {
+        /// Why it was closed.
+        reason: String,
+        /// Where.
+        origin: Origin,
+    },
+    /// The peer sent something this protocol does not allow: bytes that do not decode, a frame
+    /// out of place, a sequence number that does not match. The pipe is closed; the peer is
+    /// buggy or not an actorpipe peer.
+    #[error("protocol violation: {detail} {origin}")]
+    Protocol {
+        /// What was wrong.
+        detail: String,
+        /// Where.
+        origin: Origin,
+    },
+    /// The peer speaks another protocol version. Upgrade one side.
+    #[error("protocol version mismatch: we speak v{ours}, the peer speaks v{theirs} {origin}")]
+    Version {
+        /// Our version.
+        ours: u32,
+        /// The peer's version.
+        theirs: u32,
+        /// Where.
+        origin: Origin,
+    },
+    /// A size or count went over a configured limit; nothing was allocated for it. Raise the
+    /// limit in the context builder if the peer is legitimate.
+    #[error("limit exceeded: {limit} is {value}, the maximum is {max} {origin}")]
+    LimitExceeded {
+        /// Which limit (`frame size`, `tensor count`, …).
+        limit: &'static str,
+        /// The value announced or requested.
+        value: u64,
+        /// The configured maximum.
+        max: u64,
+        /// Where.
+        origin: Origin,
+    },
+    /// A backend cannot run here, or the two peers share no backend for something they need.
+    #[error("backend {backend} unavailable: {reason}")]
+    Unavailable {
+        /// The backend's name.
+        backend: String,
+        /// Why.
+        reason: String,
+    },
+    /// Something did not happen in time.
+    #[error("timed out after {after:?} while {what} {origin}")]
+    Timeout {
+        /// What was being waited for.
+        what: &'static str,
+        /// The configured duration.
+        after: Duration,
+        /// Where.
+        origin: Origin,
+    },
+    /// Opening a connection failed (refused, unreachable, bad address). Nothing was created;
+    /// retrying later may work.
+    #[error("cannot connect to {url}: {source}")]
+    Connect {
+        /// The URL that was dialed.
+        url: String,
+        /// The operating system's answer.
+        source: Arc<std::io::Error>,
+    },
+    /// An I/O error on an established connection.
+    #[error("I/O error while {op}: {source} {origin}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The operating system's answer.
+        source: Arc<std::io::Error>,
+        /// Where.
+        origin: Origin,
+    },
+    /// The caller asked for something that does not fit: a URL that does not parse, a `Read`
+    /// whose buffers do not match the descriptor, a `Read` without a descriptor. The pipe stays
+    /// usable.
+    #[error("invalid argument: {detail}")]
+    InvalidArgument {
+        /// What was wrong.
+        detail: String,
+    },
+}
+
+impl Error {
+    /// A protocol violation.
+    pub fn protocol(detail: impl Into<String>, origin: &Origin) -> Self {
+        Error::Protocol {
+            detail: detail.into(),
+            origin: origin.clone(),
+        }
+    }
+
+    /// An I/O error while doing `op`.
+    pub fn io(op: &'static str, source: std::io::Error, origin: &Origin) -> Self {
+        Error::Io {
+            op,
+            source: Arc::new(source),
+            origin: origin.clone(),
+        }
+    }
+
+    /// An invalid argument.
+    pub fn invalid(detail: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            detail: detail.into(),
+        }
+    }
+
+    /// The short name of this error's class, stable for logs and metrics labels.
+    pub fn class(&self) -> &'static str {
+        match self {
+            Error::PeerClosed { .. } => "peer_closed",
+            Error::Closed { .. } => "closed",
+            Error::Protocol { .. } => "protocol",
+            Error::Version { .. } => "version",
+            Error::LimitExceeded { .. } => "limit",
+            Error::Unavailable { .. } => "unavailable",
+            Error::Timeout { .. } => "timeout",
+            Error::Connect { .. } => "connect",
+            Error::Io { .. } => "io",
+            Error::InvalidArgument { .. } => "invalid_argument",
+        }
+    }
+
+    /// Attach a pipe id to the error's origin, where it has one.
+    pub(crate) fn at_pipe(mut self, pipe: u64) -> Self {
+        match &mut self {
+            Error::PeerClosed { origin, .. }
+            | Error::Closed { origin, .. }
+            | Error::Protocol { origin, .. }
+            | Error::Version { origin, .. }
+            | Error::LimitExceeded { origin, .. }
+            | Error::Timeout { origin, .. }
+            | Error::Io { origin, .. } => origin.pipe = Some(pipe),
+            _ => {}
+        }
+        self
+    }
+}
+
+/// `Result` with actorpipe's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn origin_display_names_what_is_known() {
+        let o = Origin::new("tcp://127.0.0.1:1", "tcp").with_pipe(7);
+        assert_eq!(
+            o.to_string(),
+            "[pipe 7, peer tcp://127.0.0.1:1, backend tcp]"
+        );
+        assert_eq!(Origin::default().to_string(), "[]");
+    }
+
+    #[test]
+    fn error_messages_carry_context() {
+        let e = Error::LimitExceeded {
+            limit: "tensor count",
+            value: 10,
+            max: 5,
+            origin: Origin::new("tcp://h:1", "tcp"),
+        }
+        .at_pipe(3);
+        let s = e.to_string();
+        assert!(s.contains("tensor count is 10"), "{s}");
+        assert!(s.contains("pipe 3"), "{s}");
+        assert_eq!(e.class(), "limit");
+    }
+}

@@ -1,0 +1,356 @@
+//! What moves: messages made of metadata, CPU payloads and tensors.
+//!
+//! The sender builds a [`Message`] and hands it to a pipe's `Write`; the buffers come back in
+//! `WriteDone` (on success and on failure), so they can be reused. The receiver first gets a
+//! [`Descriptor`] (counts, sizes, devices, metadata: everything needed to allocate), then hands an
+//! [`Allocation`] to `Read` and gets the filled buffers back as a [`Message`] in `ReadDone`.
+//!
+//! Sizes are `u64`: a tensor over 4 GiB is legal.
+
+use serde::{Deserialize, Serialize};
+
+/// Where a buffer lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Device {
+    /// Host memory.
+    Cpu,
+    /// Memory of the CUDA device with this ordinal.
+    Cuda(u32),
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+/// The memory of one tensor.
+///
+/// Only host memory exists in this build; device memory joins as another variant, which is why
+/// the type is an enum.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Buffer {
+    /// Host memory; its length is the tensor's size in bytes.
+    Cpu(Vec<u8>),
+}
+
+impl Buffer {
+    /// The device this buffer lives on.
+    pub fn device(&self) -> Device {
+        match self {
+            Buffer::Cpu(_) => Device::Cpu,
+        }
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> u64 {
+        match self {
+            Buffer::Cpu(v) => v.len() as u64,
+        }
+    }
+
+    /// Whether the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The host bytes, if this is host memory.
+    pub fn as_cpu(&self) -> Option<&[u8]> {
+        match self {
+            Buffer::Cpu(v) => Some(v),
+        }
+    }
+
+    /// The host bytes, mutably, if this is host memory.
+    pub fn as_cpu_mut(&mut self) -> Option<&mut Vec<u8>> {
+        match self {
+            Buffer::Cpu(v) => Some(v),
+        }
+    }
+
+    /// Takes the host vector out, if this is host memory.
+    pub fn into_cpu(self) -> Option<Vec<u8>> {
+        match self {
+            Buffer::Cpu(v) => Some(v),
+        }
+    }
+}
+
+impl Default for Buffer {
+    fn default() -> Self {
+        Buffer::Cpu(Vec::new())
+    }
+}
+
+impl From<Vec<u8>> for Buffer {
+    fn from(v: Vec<u8>) -> Self {
+        Buffer::Cpu(v)
+    }
+}
+
+/// A small CPU buffer sent inline with the message's descriptor.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Payload {
+    /// The bytes.
+    pub data: Vec<u8>,
+    /// Application metadata, delivered in the receiver's descriptor.
+    pub metadata: Vec<u8>,
+}
+
+impl Payload {
+    /// A payload with no metadata.
+    pub fn new(data: Vec<u8>) -> Self {
+        Payload {
+            data,
+            metadata: Vec::new(),
+        }
+    }
+}
+
+/// A large buffer moved by a channel.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Tensor {
+    /// The memory; its device is the tensor's source device.
+    pub buffer: Buffer,
+    /// Application metadata, delivered in the receiver's descriptor.
+    pub metadata: Vec<u8>,
+    /// Where the sender would like the receiver to put it (a hint the receiver sees in its
+    /// descriptor); `None` means "same kind of device as the source".
+    pub target_device: Option<Device>,
+}
+
+impl Tensor {
+    /// A host tensor with no metadata.
+    pub fn cpu(data: Vec<u8>) -> Self {
+        Tensor {
+            buffer: Buffer::Cpu(data),
+            metadata: Vec::new(),
+            target_device: None,
+        }
+    }
+
+    /// The device the tensor lives on.
+    pub fn device(&self) -> Device {
+        self.buffer.device()
+    }
+}
+
+/// One message: metadata, payloads and tensors, delivered whole and in order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Message {
+    /// Application metadata for the whole message.
+    pub metadata: Vec<u8>,
+    /// Small CPU buffers.
+    pub payloads: Vec<Payload>,
+    /// Large buffers.
+    pub tensors: Vec<Tensor>,
+}
+
+impl Message {
+    /// An empty message.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds message metadata.
+    pub fn with_metadata(mut self, metadata: Vec<u8>) -> Self {
+        self.metadata = metadata;
+        self
+    }
+
+    /// Appends a payload.
+    pub fn with_payload(mut self, payload: Payload) -> Self {
+        self.payloads.push(payload);
+        self
+    }
+
+    /// Appends a tensor.
+    pub fn with_tensor(mut self, tensor: Tensor) -> Self {
+        self.tensors.push(tensor);
+        self
+    }
+
+    /// Total bytes of payloads and tensors (metadata not counted).
+    pub fn total_bytes(&self) -> u64 {
+        let p: u64 = self.payloads.iter().map(|p| p.data.len() as u64).sum();
+        let t: u64 = self.tensors.iter().map(|t| t.buffer.len()).sum();
+        p + t
+    }
+
+    /// The descriptor a receiver of this message will see.
+    pub fn descriptor(&self) -> Descriptor {
+        Descriptor {
+            metadata: self.metadata.clone(),
+            payloads: self
+                .payloads
+                .iter()
+                .map(|p| PayloadDescriptor {
+                    length: p.data.len() as u64,
+                    metadata: p.metadata.clone(),
+                })
+                .collect(),
+            tensors: self
+                .tensors
+                .iter()
+                .map(|t| TensorDescriptor {
+                    length: t.buffer.len(),
+                    source_device: t.device(),
+                    target_device: t.target_device,
+                    metadata: t.metadata.clone(),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// What the receiver learns about a payload before allocating.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PayloadDescriptor {
+    /// Size in bytes.
+    pub length: u64,
+    /// The sender's payload metadata.
+    pub metadata: Vec<u8>,
+}
+
+/// What the receiver learns about a tensor before allocating.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorDescriptor {
+    /// Size in bytes.
+    pub length: u64,
+    /// Where the tensor lives on the sender.
+    pub source_device: Device,
+    /// Where the sender suggests putting it.
+    pub target_device: Option<Device>,
+    /// The sender's tensor metadata.
+    pub metadata: Vec<u8>,
+}
+
+/// Everything a receiver needs to allocate for one incoming message.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Descriptor {
+    /// Message metadata.
+    pub metadata: Vec<u8>,
+    /// One entry per payload, in order.
+    pub payloads: Vec<PayloadDescriptor>,
+    /// One entry per tensor, in order.
+    pub tensors: Vec<TensorDescriptor>,
+}
+
+impl Descriptor {
+    /// Total bytes announced (payloads and tensors).
+    pub fn total_bytes(&self) -> u64 {
+        self.payloads
+            .iter()
+            .map(|p| p.length)
+            .chain(self.tensors.iter().map(|t| t.length))
+            .fold(0u64, u64::saturating_add)
+    }
+}
+
+/// The buffers a receiver hands to `Read`: one per payload and one per tensor, each exactly the
+/// announced size.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Allocation {
+    /// Payload buffers, in order.
+    pub payloads: Vec<Vec<u8>>,
+    /// Tensor buffers, in order.
+    pub tensors: Vec<Buffer>,
+}
+
+impl Allocation {
+    /// Allocates zeroed host buffers matching a descriptor (tensors on the CPU regardless of
+    /// their target device).
+    ///
+    /// Returns an error instead of aborting when a size does not fit this machine's address
+    /// space.
+    pub fn for_descriptor(d: &Descriptor) -> crate::Result<Self> {
+        let size = |n: u64| {
+            usize::try_from(n)
+                .map_err(|_| crate::Error::invalid(format!("{n} bytes do not fit in memory")))
+        };
+        let mut payloads = Vec::with_capacity(d.payloads.len());
+        for p in &d.payloads {
+            payloads.push(vec![0u8; size(p.length)?]);
+        }
+        let mut tensors = Vec::with_capacity(d.tensors.len());
+        for t in &d.tensors {
+            tensors.push(Buffer::Cpu(vec![0u8; size(t.length)?]));
+        }
+        Ok(Allocation { payloads, tensors })
+    }
+
+    /// Checks that these buffers match a descriptor exactly.
+    pub fn check(&self, d: &Descriptor) -> crate::Result<()> {
+        if self.payloads.len() != d.payloads.len() || self.tensors.len() != d.tensors.len() {
+            return Err(crate::Error::invalid(format!(
+                "allocation has {} payloads and {} tensors, the descriptor announces {} and {}",
+                self.payloads.len(),
+                self.tensors.len(),
+                d.payloads.len(),
+                d.tensors.len()
+            )));
+        }
+        for (i, (b, p)) in self.payloads.iter().zip(&d.payloads).enumerate() {
+            if b.len() as u64 != p.length {
+                return Err(crate::Error::invalid(format!(
+                    "payload {i} buffer holds {} bytes, the descriptor announces {}",
+                    b.len(),
+                    p.length
+                )));
+            }
+        }
+        for (i, (b, t)) in self.tensors.iter().zip(&d.tensors).enumerate() {
+            if b.len() != t.length {
+                return Err(crate::Error::invalid(format!(
+                    "tensor {i} buffer holds {} bytes, the descriptor announces {}",
+                    b.len(),
+                    t.length
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptor_mirrors_message() {
+        let m = Message::new()
+            .with_metadata(b"m".to_vec())
+            .with_payload(Payload::new(vec![1, 2, 3]))
+            .with_tensor(Tensor::cpu(vec![0; 10]));
+        let d = m.descriptor();
+        assert_eq!(d.payloads[0].length, 3);
+        assert_eq!(d.tensors[0].length, 10);
+        assert_eq!(d.tensors[0].source_device, Device::Cpu);
+        assert_eq!(d.total_bytes(), 13);
+        assert_eq!(m.total_bytes(), 13);
+        let a = Allocation::for_descriptor(&d).unwrap();
+        a.check(&d).unwrap();
+    }
+
+    #[test]
+    fn allocation_mismatch_is_an_error() {
+        let d = Message::new()
+            .with_tensor(Tensor::cpu(vec![0; 10]))
+            .descriptor();
+        let bad = Allocation {
+            payloads: vec![],
+            tensors: vec![Buffer::Cpu(vec![0; 9])],
+        };
+        let e = bad.check(&d).unwrap_err();
+        assert!(
+            e.to_string().contains("tensor 0 buffer holds 9 bytes"),
+            "{e}"
+        );
+        let bad = Allocation::default();
+        assert!(bad.check(&d).is_err());
+    }
+}

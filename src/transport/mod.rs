@@ -1,0 +1,75 @@
+//! Transports: byte movers for control frames and small payloads.
+//!
+//! A transport turns a URL into a connected byte stream (a [`Stream`]: a read half and a write
+//! half), and a listening URL into an [`Acceptor`] of such streams. Everything above it (framing,
+//! ordering, the handshake) is shared: [`stream`] holds the read and write loops that every
+//! stream transport runs, so a transport only has to provide bytes. Readiness comes from tokio
+//! (epoll on sockets, eventfd through `AsyncFd` for shared memory); no transport runs a busy
+//! thread unless asked to.
+
+pub mod stream;
+pub mod tcp;
+mod url;
+
+pub use url::{Host, Url};
+
+use std::future::Future;
+use std::pin::Pin;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use crate::error::Error;
+
+/// The read half of a connection.
+pub type BoxRead = Box<dyn AsyncRead + Send + Unpin>;
+/// The write half of a connection.
+pub type BoxWrite = Box<dyn AsyncWrite + Send + Unpin>;
+/// A boxed future, as transports return them.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
+
+/// A connected byte stream, split in halves so reading and writing proceed independently.
+pub struct Stream {
+    /// Bytes from the peer.
+    pub read: BoxRead,
+    /// Bytes to the peer.
+    pub write: BoxWrite,
+    /// The peer's address as a URL.
+    pub peer: String,
+    /// The local address as a URL.
+    pub local: String,
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stream")
+            .field("peer", &self.peer)
+            .field("local", &self.local)
+            .finish()
+    }
+}
+
+/// A bound listening endpoint that yields connected streams.
+pub trait Acceptor {
+    /// The URLs this endpoint is reachable at (ports resolved).
+    fn urls(&self) -> Vec<String>;
+    /// Waits for the next incoming connection.
+    fn accept(&mut self) -> BoxFuture<'_, std::io::Result<Stream>>;
+}
+
+/// A transport backend: how to reach a peer and how to be reached.
+pub trait Transport: Send + Sync + 'static {
+    /// The backend's name in brochures and URLs (`tcp`).
+    fn name(&self) -> &'static str;
+    /// Default priority in negotiation; higher wins.
+    fn priority(&self) -> i32;
+    /// The domain descriptor: both peers must advertise the same string to use it.
+    fn domain(&self) -> String;
+    /// Connects to `url` (the scheme is this transport's).
+    fn connect<'a>(
+        &'a self,
+        url: &'a Url,
+        timeout: std::time::Duration,
+    ) -> BoxFuture<'a, Result<Stream, Error>>;
+    /// Binds a listening endpoint at `url`.
+    fn listen<'a>(&'a self, url: &'a Url) -> BoxFuture<'a, Result<Box<dyn Acceptor>, Error>>;
+}

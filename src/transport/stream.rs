@@ -1,0 +1,722 @@
+//! The read and write loops every stream transport shares.
+//!
+//! A connection is driven by two loops, one per direction. Each takes operations from a queue,
+//! executes them strictly in *ticket* order (tickets are handed out by the pipe, so a channel's
+//! operations and the pipe's own interleave exactly as the pipe decided, whichever mailbox they
+//! came through) and reports each completion, with the caller's buffers, to the reply queue named
+//! in the operation.
+//!
+//! Bytes land directly in the caller's buffers: payloads and tensor pieces are read with
+//! `read_exact` into the user's memory (the 64 KiB read buffer only serves frame headers; tokio
+//! bypasses it for large reads), and written with vectored writes straight from the user's
+//! memory. Encoding and frame buffers are reused, so steady state allocates nothing here.
+//!
+//! When stopped, a loop interrupts the operation in progress and completes it and every later
+//! one with an error, handing all buffers back; the writer sends a farewell frame first if the
+//! stream is at a frame boundary.
+
+use std::collections::VecDeque;
+use std::io::IoSlice;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::sync::{mpsc, watch};
+
+use super::{BoxRead, BoxWrite};
+use crate::error::{Error, Origin};
+use crate::message::Payload;
+use crate::wire::{self, ChunkHeader, Frame, FrameKind, Limits, LEN_PREFIX};
+
+/// Where a loop sends completions.
+pub type Reply = mpsc::UnboundedSender<Done>;
+
+/// Capacity of the buffered reader in front of each connection.
+pub const READ_BUFFER: usize = 64 << 10;
+
+/// A write, in ticket order.
+#[derive(Debug)]
+pub enum OutOp {
+    /// A pre-encoded frame followed by raw payload bytes.
+    Message {
+        /// Position in the write order.
+        ticket: u64,
+        /// The encoded frame (with its length prefix), handed back for reuse.
+        frame: Vec<u8>,
+        /// Payloads whose `data` follows the frame, handed back.
+        payloads: Vec<Payload>,
+        /// Where the completion goes.
+        reply: Reply,
+    },
+    /// A tensor, as chunk frames each followed by a piece of the buffer.
+    Tensor {
+        /// Position in the write order.
+        ticket: u64,
+        /// Message sequence number.
+        seq: u64,
+        /// Tensor index in the message.
+        index: u32,
+        /// The bytes, handed back.
+        buffer: Vec<u8>,
+        /// Largest piece per chunk frame.
+        chunk_size: usize,
+        /// Where the completion goes.
+        reply: Reply,
+    },
+}
+
+/// A read, in ticket order.
+#[derive(Debug)]
+pub enum InOp {
+    /// The next frame, whatever its kind and size (within limits).
+    Frame {
+        /// Position in the read order.
+        ticket: u64,
+        /// Where the completion goes.
+        reply: Reply,
+    },
+    /// Raw bytes exactly filling each buffer, in order.
+    Payloads {
+        /// Position in the read order.
+        ticket: u64,
+        /// The receiver's buffers, handed back filled.
+        buffers: Vec<Vec<u8>>,
+        /// Where the completion goes.
+        reply: Reply,
+    },
+    /// A tensor sent as chunk frames by [`OutOp::Tensor`].
+    Tensor {
+        /// Position in the read order.
+        ticket: u64,
+        /// Expected message sequence number.
+        seq: u64,
+        /// Expected tensor index.
+        index: u32,
+        /// The receiver's buffer, handed back filled.
+        buffer: Vec<u8>,
+        /// Where the completion goes.
+        reply: Reply,
+    },
+}
+
+/// A completed operation, with its buffers.
+#[derive(Debug)]
+pub enum Done {
+    /// [`OutOp::Message`] finished.
+    Wrote {
+        /// Its ticket.
+        ticket: u64,
+        /// The frame buffer, for reuse.
+        frame: Vec<u8>,
+        /// The payloads.
+        payloads: Vec<Payload>,
+        /// Outcome.
+        result: Result<(), Error>,
+    },
+    /// [`OutOp::Tensor`] finished.
+    WroteTensor {
+        /// Message sequence number.
+        seq: u64,
+        /// Tensor index.
+        index: u32,
+        /// The buffer.
+        buffer: Vec<u8>,
+        /// Outcome.
+        result: Result<(), Error>,
+    },
+    /// [`InOp::Frame`] finished.
+    Frame {
+        /// Its ticket.
+        ticket: u64,
+        /// The frame, or why none came.
+        result: Result<Frame, Error>,
+    },
+    /// [`InOp::Payloads`] finished.
+    Payloads {
+        /// Its ticket.
+        ticket: u64,
+        /// The buffers.
+        buffers: Vec<Vec<u8>>,
+        /// Outcome.
+        result: Result<(), Error>,
+    },
+    /// [`InOp::Tensor`] finished.
+    Tensor {
+        /// Message sequence number.
+        seq: u64,
+        /// Tensor index.
+        index: u32,
+        /// The buffer.
+        buffer: Vec<u8>,
+        /// Outcome.
+        result: Result<(), Error>,
+    },
+}
+
+trait Ticketed {
+    fn ticket(&self) -> u64;
+    fn complete(self, result: Result<(), Error>);
+}
+
+fn send(reply: &Reply, d: Done) {
+    // The owner may be gone already (pipe dropped); then nobody wants the answer.
+    let _ = reply.send(d);
+}
+
+impl Ticketed for OutOp {
+    fn ticket(&self) -> u64 {
+        match self {
+            OutOp::Message { ticket, .. } | OutOp::Tensor { ticket, .. } => *ticket,
+        }
+    }
+
+    fn complete(self, result: Result<(), Error>) {
+        match self {
+            OutOp::Message {
+                ticket,
+                frame,
+                payloads,
+                reply,
+            } => send(
+                &reply,
+                Done::Wrote {
+                    ticket,
+                    frame,
+                    payloads,
+                    result,
+                },
+            ),
+            OutOp::Tensor {
+                seq,
+                index,
+                buffer,
+                reply,
+                ..
+            } => send(
+                &reply,
+                Done::WroteTensor {
+                    seq,
+                    index,
+                    buffer,
+                    result,
+                },
+            ),
+        }
+    }
+}
+
+impl OutOp {
+    /// Completes the write with an error, handing its buffers back.
+    pub fn fail(self, e: Error) {
+        self.complete(Err(e));
+    }
+}
+
+impl InOp {
+    /// Completes the read with an error, handing its buffers back.
+    pub fn fail(self, e: Error) {
+        match self {
+            InOp::Frame { ticket, reply } => send(
+                &reply,
+                Done::Frame {
+                    ticket,
+                    result: Err(e),
+                },
+            ),
+            op => op.complete(Err(e)),
+        }
+    }
+}
+
+impl Ticketed for InOp {
+    fn ticket(&self) -> u64 {
+        match self {
+            InOp::Frame { ticket, .. }
+            | InOp::Payloads { ticket, .. }
+            | InOp::Tensor { ticket, .. } => *ticket,
+        }
+    }
+
+    /// Completes a buffer-carrying read (frames complete through [`InOp::fail`] or directly).
+    fn complete(self, result: Result<(), Error>) {
+        match self {
+            InOp::Frame { ticket, reply } => send(
+                &reply,
+                Done::Frame {
+                    ticket,
+                    result: result
+                        .and_then(|_| Err(Error::invalid("frame read completed without a frame"))),
+                },
+            ),
+            InOp::Payloads {
+                ticket,
+                buffers,
+                reply,
+            } => send(
+                &reply,
+                Done::Payloads {
+                    ticket,
+                    buffers,
+                    result,
+                },
+            ),
+            InOp::Tensor {
+                seq,
+                index,
+                buffer,
+                reply,
+                ..
+            } => send(
+                &reply,
+                Done::Tensor {
+                    seq,
+                    index,
+                    buffer,
+                    result,
+                },
+            ),
+        }
+    }
+}
+
+/// Puts operations that arrive out of order back into ticket order.
+///
+/// Gaps are short (a channel's operations arrive through another mailbox a moment after the
+/// pipe's), so a ring of slots indexed from the next expected ticket serves, with no allocation
+/// once it has grown to the usual spread.
+#[derive(Debug)]
+pub struct Sequencer<T> {
+    next: u64,
+    slots: VecDeque<Option<T>>,
+}
+
+impl<T> Default for Sequencer<T> {
+    fn default() -> Self {
+        Sequencer {
+            next: 0,
+            slots: VecDeque::new(),
+        }
+    }
+}
+
+impl<T> Sequencer<T> {
+    /// Files `item` under `ticket`; a ticket already used or already passed is refused.
+    pub fn push(&mut self, ticket: u64, item: T) -> Result<(), T> {
+        let Some(pos) = ticket.checked_sub(self.next) else {
+            return Err(item);
+        };
+        let pos = pos as usize;
+        if self.slots.len() <= pos {
+            self.slots.resize_with(pos + 1, || None);
+        }
+        if self.slots[pos].is_some() {
+            return Err(item);
+        }
+        self.slots[pos] = Some(item);
+        Ok(())
+    }
+
+    /// The item holding the next ticket, if it has arrived.
+    pub fn pop(&mut self) -> Option<T> {
+        match self.slots.front_mut() {
+            Some(slot @ Some(_)) => {
+                let item = slot.take();
+                self.slots.pop_front();
+                self.next += 1;
+                item
+            }
+            _ => None,
+        }
+    }
+
+    /// Everything held, in any order (used to fail them all).
+    pub fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
+        self.slots.drain(..).flatten()
+    }
+}
+
+/// The stop signal both loops watch: `None` while running, `Some(farewell)` once stopped, where
+/// `farewell` is a frame the writer sends if it can (empty for none).
+pub type Stop = watch::Receiver<Option<Vec<u8>>>;
+
+async fn stopped(stop: &mut Stop) {
+    // An error means the sender is gone, which also means stop.
+    let _ = stop.wait_for(|s| s.is_some()).await;
+}
+
+fn cancelled(origin: &Origin) -> Error {
+    Error::Closed {
+        reason: "connection stopped".into(),
+        origin: origin.clone(),
+    }
+}
+
+/// Waits for the next operation in ticket order. Returns `None` when the queue is closed and
+/// nothing is left, or when stopped (then `*halted` is set).
+async fn next_op<T: Ticketed>(
+    seq: &mut Sequencer<T>,
+    rx: &mut mpsc::UnboundedReceiver<T>,
+    stop: &mut Stop,
+    halted: &mut bool,
+) -> Option<T> {
+    loop {
+        if let Some(op) = seq.pop() {
+            return Some(op);
+        }
+        tokio::select! {
+            biased;
+            _ = stopped(stop) => {
+                *halted = true;
+                return None;
+            }
+            op = rx.recv() => {
+                let op = op?;
+                if let Err(op) = seq.push(op.ticket(), op) {
+                    // A duplicate ticket is a bug in the caller; fail the op, keep the loop.
+                    op.complete(Err(Error::invalid("duplicate or stale connection ticket")));
+                }
+            }
+        }
+    }
+}
+
+/// After a failure or a stop: fail everything held and everything that still arrives.
+async fn fail_all<T: Ticketed>(
+    seq: &mut Sequencer<T>,
+    rx: &mut mpsc::UnboundedReceiver<T>,
+    e: Error,
+    fail: impl Fn(T, Error),
+) {
+    for op in seq.drain() {
+        fail(op, e.clone());
+    }
+    while let Some(op) = rx.recv().await {
+        fail(op, e.clone());
+    }
+}
+
+/// Writes every slice completely, in one system call when the stream allows.
+async fn write_all_vectored<W: AsyncWrite + Unpin + ?Sized>(
+    w: &mut W,
+    mut bufs: &mut [IoSlice<'_>],
+) -> std::io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        let n = w.write_vectored(bufs).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut bufs, n);
+    }
+    Ok(())
+}
+
+/// Slices per vectored write; larger payload lists go out in several calls.
+const IOV_BATCH: usize = 16;
+
+async fn write_op(w: &mut BoxWrite, op: &OutOp, scratch: &mut Vec<u8>) -> std::io::Result<()> {
+    match op {
+        OutOp::Message {
+            frame, payloads, ..
+        } => {
+            let mut iov = [IoSlice::new(&[]); IOV_BATCH];
+            iov[0] = IoSlice::new(frame);
+            let mut n = 1;
+            for p in payloads {
+                if n == IOV_BATCH {
+                    write_all_vectored(w, &mut iov[..n]).await?;
+                    n = 0;
+                }
+                iov[n] = IoSlice::new(&p.data);
+                n += 1;
+            }
+            write_all_vectored(w, &mut iov[..n]).await
+        }
+        OutOp::Tensor {
+            seq,
+            index,
+            buffer,
+            chunk_size,
+            ..
+        } => {
+            for (offset, len) in
+                crate::channel::basic::chunks(buffer.len() as u64, *chunk_size as u64)
+            {
+                scratch.clear();
+                let h = ChunkHeader {
+                    seq: *seq,
+                    tensor: *index,
+                    offset,
+                    length: len,
+                };
+                wire::encode_frame(scratch, FrameKind::Chunk, |b| wire::encode_chunk(b, &h));
+                let body = &buffer[offset as usize..(offset + len) as usize];
+                write_all_vectored(w, &mut [IoSlice::new(scratch), IoSlice::new(body)]).await?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Runs a connection's write side until every sender is gone.
+pub async fn write_loop(
+    mut w: BoxWrite,
+    mut rx: mpsc::UnboundedReceiver<OutOp>,
+    mut stop: Stop,
+    origin: Origin,
+) {
+    let mut seq = Sequencer::default();
+    let mut scratch = Vec::with_capacity(64);
+    let mut halted = false;
+    let failure = loop {
+        let Some(op) = next_op(&mut seq, &mut rx, &mut stop, &mut halted).await else {
+            if !halted {
+                // Every sender is gone: nothing more to write.
+                let _ = w.shutdown().await;
+                return;
+            }
+            // Stopped at a frame boundary: say goodbye if there is something to say.
+            let farewell = stop.borrow().clone().unwrap_or_default();
+            if !farewell.is_empty() {
+                let bye = async {
+                    w.write_all(&farewell).await?;
+                    w.shutdown().await
+                };
+                let _ = tokio::time::timeout(std::time::Duration::from_millis(200), bye).await;
+            }
+            break cancelled(&origin);
+        };
+        let result = tokio::select! {
+            biased;
+            _ = stopped(&mut stop) => {
+                op.complete(Err(cancelled(&origin)));
+                break cancelled(&origin);
+            }
+            r = write_op(&mut w, &op, &mut scratch) => r,
+        };
+        match result {
+            Ok(()) => op.complete(Ok(())),
+            Err(e) => {
+                let e = io_error("writing", e, &origin);
+                op.complete(Err(e.clone()));
+                break e;
+            }
+        }
+    };
+    drop(w);
+    fail_all(&mut seq, &mut rx, failure, |op, e| op.complete(Err(e))).await;
+}
+
+/// Maps an I/O error: a reset or broken pipe means the peer went away.
+pub fn io_error(op: &'static str, e: std::io::Error, origin: &Origin) -> Error {
+    use std::io::ErrorKind::*;
+    match e.kind() {
+        UnexpectedEof | ConnectionReset | BrokenPipe | ConnectionAborted => Error::PeerClosed {
+            reason: format!("connection lost while {op} ({e})"),
+            origin: origin.clone(),
+        },
+        _ => Error::io(op, e, origin),
+    }
+}
+
+/// Reads one frame's bytes (after the prefix) into `buf`. End of stream before the first byte
+/// is a clean close by the peer.
+pub async fn read_frame_bytes<R: AsyncRead + Unpin + ?Sized>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+    limits: &Limits,
+    origin: &Origin,
+) -> Result<(), Error> {
+    let mut prefix = [0u8; LEN_PREFIX];
+    let mut got = 0;
+    while got < LEN_PREFIX {
+        let n = r
+            .read(&mut prefix[got..])
+            .await
+            .map_err(|e| io_error("reading a frame", e, origin))?;
+        if n == 0 {
+            let reason = if got == 0 {
+                "the peer closed the connection".to_string()
+            } else {
+                "connection lost in the middle of a frame".to_string()
+            };
+            return Err(Error::PeerClosed {
+                reason,
+                origin: origin.clone(),
+            });
+        }
+        got += n;
+    }
+    let len =
+        wire::check_frame_len(u32::from_le_bytes(prefix), limits).map_err(|e| e.at(origin))?;
+    buf.clear();
+    buf.resize(len, 0);
+    r.read_exact(buf)
+        .await
+        .map_err(|e| io_error("reading a frame", e, origin))?;
+    Ok(())
+}
+
+/// Reads and decodes one frame.
+pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+    limits: &Limits,
+    origin: &Origin,
+) -> Result<Frame, Error> {
+    read_frame_bytes(r, buf, limits, origin).await?;
+    let frame = wire::decode_frame(buf, limits).map_err(|e| e.at(origin));
+    if buf.capacity() > 4 * READ_BUFFER {
+        // One large frame should not pin its buffer for the life of the pipe.
+        buf.clear();
+        buf.shrink_to(READ_BUFFER);
+    }
+    frame
+}
+
+/// A close frame in place of data ends the pipe as a peer close; anything else is a violation.
+pub fn unexpected(frame: Frame, wanted: &str, origin: &Origin) -> Error {
+    match frame {
+        Frame::Close(reason) => Error::PeerClosed {
+            reason: format!("the peer closed the pipe: {reason}"),
+            origin: origin.clone(),
+        },
+        f => Error::protocol(
+            format!("expected {wanted}, got a {:?} frame", f.kind()),
+            origin,
+        ),
+    }
+}
+
+async fn read_tensor(
+    r: &mut BufReader<BoxRead>,
+    seq: u64,
+    index: u32,
+    buffer: &mut [u8],
+    buf: &mut Vec<u8>,
+    limits: &Limits,
+    origin: &Origin,
+) -> Result<(), Error> {
+    let total = buffer.len() as u64;
+    let mut done = 0u64;
+    while done < total {
+        let h = match read_frame(r, buf, limits, origin).await? {
+            Frame::Chunk(h) => h,
+            f => return Err(unexpected(f, "a tensor chunk", origin)),
+        };
+        if h.seq != seq
+            || h.tensor != index
+            || h.offset != done
+            || h.length == 0
+            || h.length > total - done
+        {
+            return Err(Error::protocol(
+                format!(
+                    "chunk for message {} tensor {} at offset {} of {} bytes does not fit: expected message {seq} tensor {index} at offset {done}, {} bytes left",
+                    h.seq, h.tensor, h.offset, h.length, total - done
+                ),
+                origin,
+            ));
+        }
+        let piece = &mut buffer[done as usize..(done + h.length) as usize];
+        r.read_exact(piece)
+            .await
+            .map_err(|e| io_error("reading a tensor", e, origin))?;
+        done += h.length;
+    }
+    Ok(())
+}
+
+async fn read_op(
+    r: &mut BufReader<BoxRead>,
+    op: &mut InOp,
+    buf: &mut Vec<u8>,
+    limits: &Limits,
+    origin: &Origin,
+) -> Result<Option<Frame>, Error> {
+    match op {
+        InOp::Frame { .. } => read_frame(r, buf, limits, origin).await.map(Some),
+        InOp::Payloads { buffers, .. } => {
+            for b in buffers.iter_mut() {
+                r.read_exact(b)
+                    .await
+                    .map_err(|e| io_error("reading a payload", e, origin))?;
+            }
+            Ok(None)
+        }
+        InOp::Tensor {
+            seq, index, buffer, ..
+        } => {
+            read_tensor(r, *seq, *index, buffer, buf, limits, origin).await?;
+            Ok(None)
+        }
+    }
+}
+
+/// Runs a connection's read side until every sender is gone.
+pub async fn read_loop(
+    mut r: BufReader<BoxRead>,
+    mut rx: mpsc::UnboundedReceiver<InOp>,
+    mut stop: Stop,
+    limits: Limits,
+    origin: Origin,
+) {
+    let mut seq = Sequencer::default();
+    let mut buf = Vec::with_capacity(256);
+    let mut halted = false;
+    let failure = loop {
+        let Some(mut op) = next_op(&mut seq, &mut rx, &mut stop, &mut halted).await else {
+            if !halted {
+                return;
+            }
+            break cancelled(&origin);
+        };
+        let result = tokio::select! {
+            biased;
+            _ = stopped(&mut stop) => {
+                op.fail(cancelled(&origin));
+                break cancelled(&origin);
+            }
+            r = read_op(&mut r, &mut op, &mut buf, &limits, &origin) => r,
+        };
+        match (result, op) {
+            (Ok(Some(frame)), InOp::Frame { ticket, reply }) => send(
+                &reply,
+                Done::Frame {
+                    ticket,
+                    result: Ok(frame),
+                },
+            ),
+            (Ok(_), op) => op.complete(Ok(())),
+            (Err(e), op) => {
+                op.fail(e.clone());
+                break e;
+            }
+        }
+    };
+    drop(r);
+    fail_all(&mut seq, &mut rx, failure, |op, e| op.fail(e)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sequencer_restores_ticket_order() {
+        let mut s = Sequencer::default();
+        s.push(2, "c").unwrap();
+        s.push(1, "b").unwrap();
+        assert_eq!(s.pop(), None);
+        s.push(0, "a").unwrap();
+        assert_eq!(s.pop(), Some("a"));
+        assert_eq!(s.pop(), Some("b"));
+        assert_eq!(s.pop(), Some("c"));
+        assert_eq!(s.pop(), None);
+        assert_eq!(s.push(1, "stale"), Err("stale"));
+        s.push(3, "d").unwrap();
+        assert_eq!(s.push(3, "dup"), Err("dup"));
+        s.push(5, "f").unwrap();
+        let mut left: Vec<_> = s.drain().collect();
+        left.sort();
+        assert_eq!(left, vec!["d", "f"]);
+    }
+}
