@@ -71,6 +71,8 @@ impl futures_core::Stream for Completions {
 
 struct PendingWrite {
     id: u64,
+    /// Sequence number on the wire; only writes that reach the wire get one.
+    seq: u64,
     ticket: u64,
     message: Message,
     payloads_out: bool,
@@ -153,6 +155,7 @@ pub struct Pipe {
 
     writes: VecDeque<PendingWrite>,
     next_write_id: u64,
+    next_wire_seq: u64,
     out_ticket: u64,
     frames: Vec<Vec<u8>>,
 
@@ -225,6 +228,7 @@ pub(crate) fn spawn_pipe(hs: Handshaken, config: &Arc<Config>) -> Addr<Pipe> {
         closers: Vec::new(),
         writes: VecDeque::new(),
         next_write_id: 0,
+        next_wire_seq: 0,
         out_ticket: 0,
         frames: Vec::new(),
         reads: VecDeque::new(),
@@ -334,6 +338,7 @@ impl Pipe {
         self.next_write_id += 1;
         let mut w = PendingWrite {
             id,
+            seq: u64::MAX,
             ticket: u64::MAX,
             message: Message::default(),
             payloads_out: false,
@@ -365,11 +370,12 @@ impl Pipe {
             self.pump_writes();
             return;
         };
+        let seq = self.next_wire_seq;
         let mut frame = self.frames.pop().unwrap_or_default();
         frame.clear();
         let cpu = self.cpu_channel as u8;
         encode_frame(&mut frame, FrameKind::Descriptor, |b| {
-            wire::encode_descriptor(b, id, &message, |_| (cpu, &[]))
+            wire::encode_descriptor(b, seq, &message, |_| (cpu, &[]))
         });
         let body = (frame.len() - wire::LEN_PREFIX) as u64;
         if body > self.limits.max_frame_size as u64 {
@@ -385,6 +391,7 @@ impl Pipe {
             self.pump_writes();
             return;
         }
+        self.next_wire_seq += 1;
         let ticket = self.out_ticket;
         self.out_ticket += 1 + message.tensors.len() as u64;
         let reply = self
@@ -404,11 +411,12 @@ impl Pipe {
             let Buffer::Cpu(buffer) = mem::take(&mut t.buffer);
             self.channels[self.cpu_channel].do_send(SendTensor {
                 ticket: ticket + 1 + i as u64,
-                seq: id,
+                seq,
                 index: i as u32,
                 buffer,
             });
         }
+        w.seq = seq;
         w.ticket = ticket;
         w.payloads_out = true;
         w.tensors_out = message.tensors.len();
@@ -692,7 +700,7 @@ impl Pipe {
                 result,
             } => {
                 let err = result.err().map(|e| self.op_failed(e));
-                if let Some(w) = self.writes.iter_mut().find(|w| w.id == seq) {
+                if let Some(w) = self.writes.iter_mut().find(|w| w.seq == seq) {
                     if let Some(t) = w.message.tensors.get_mut(index as usize) {
                         t.buffer = Buffer::Cpu(buffer);
                     }
@@ -860,6 +868,10 @@ impl Pipe {
                 self.advance_reads();
             }
             PendingOp::Close(reason, completer) => {
+                if let (true, Some(e)) = (self.closed_sent, &self.error) {
+                    completer.complete(Closed { error: e.clone() });
+                    return;
+                }
                 self.closers.push(completer);
                 self.fail(Error::Closed {
                     reason,

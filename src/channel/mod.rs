@@ -10,6 +10,7 @@
 //! actor in `actors/channel.rs` drives it.
 
 pub mod basic;
+pub mod cma;
 
 use crate::negotiate::{ChannelOffer, DevicePair};
 

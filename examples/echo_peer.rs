@@ -1,0 +1,120 @@
+//! An echo server written as application actors: it accepts pipes and sends every message it
+//! receives straight back, tensors included.
+//!
+//! ```text
+//! cargo run --release --example echo_peer -- tcp://127.0.0.1:0
+//! ```
+//!
+//! It prints `listening on <url>` once ready, then a line per pipe. The tests start it as a
+//! separate process to talk to it over loopback.
+
+use actix::prelude::*;
+use actorpipe::*;
+
+/// Accepts pipes and starts an [`Echo`] for each.
+struct Server;
+
+impl Actor for Server {
+    type Context = actix::Context<Self>;
+}
+
+impl Handler<Accepted> for Server {
+    type Result = ();
+
+    fn handle(&mut self, a: Accepted, _: &mut Self::Context) {
+        println!("pipe from {}", a.peer);
+        Echo { pipe: a.pipe }.start();
+    }
+}
+
+/// Echoes one pipe: read a descriptor, read the message, write it back, repeat.
+struct Echo {
+    pipe: Addr<Pipe>,
+}
+
+impl Actor for Echo {
+    type Context = actix::Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        let me = ctx.address();
+        self.pipe.do_send(Subscribe(me.clone().recipient()));
+        self.pipe.do_send(ReadDescriptor.notify(me.recipient()));
+    }
+}
+
+impl Handler<DescriptorReady> for Echo {
+    type Result = ();
+
+    fn handle(&mut self, d: DescriptorReady, ctx: &mut Self::Context) {
+        // An error here means the pipe closed; `Closed` will say why.
+        let Ok(descriptor) = d.descriptor else { return };
+        match Allocation::for_descriptor(&descriptor) {
+            Ok(alloc) => self
+                .pipe
+                .do_send(Read::new(alloc).notify(ctx.address().recipient())),
+            Err(e) => {
+                eprintln!("cannot allocate: {e}");
+                self.pipe
+                    .do_send(Close::because("echo peer cannot allocate"));
+            }
+        }
+    }
+}
+
+impl Handler<ReadDone> for Echo {
+    type Result = ();
+
+    fn handle(&mut self, r: ReadDone, ctx: &mut Self::Context) {
+        if r.result.is_err() {
+            return;
+        }
+        let me = ctx.address();
+        self.pipe
+            .do_send(Write::new(r.message).notify(me.clone().recipient()));
+        // Reads and writes are independent: ask for the next message right away.
+        self.pipe.do_send(ReadDescriptor.notify(me.recipient()));
+    }
+}
+
+impl Handler<WriteDone> for Echo {
+    type Result = ();
+
+    fn handle(&mut self, _: WriteDone, _: &mut Self::Context) {}
+}
+
+impl Handler<Closed> for Echo {
+    type Result = ();
+
+    fn handle(&mut self, c: Closed, ctx: &mut Self::Context) {
+        println!("pipe closed: {}", c.error);
+        ctx.stop();
+    }
+}
+
+fn main() -> std::io::Result<()> {
+    let url = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "tcp://127.0.0.1:0".into());
+    let system = System::new();
+    system.block_on(async move {
+        let ctx = actorpipe::Context::builder().start();
+        let server = Server.start();
+        match ctx.send(Listen::new([url], server.recipient())).await {
+            Ok(Ok(l)) => {
+                // The tests read this line to find the port.
+                println!("listening on {}", l.urls[0]);
+                use std::io::Write as _;
+                std::io::stdout().flush().ok();
+            }
+            Ok(Err(e)) => {
+                eprintln!("cannot listen: {e}");
+                std::process::exit(2);
+            }
+            Err(e) => {
+                eprintln!("context gone: {e}");
+                std::process::exit(2);
+            }
+        }
+    });
+    system.run()
+}

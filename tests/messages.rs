@@ -1,0 +1,213 @@
+//! Messages of every shape between two contexts in one process, checked by checksum and order.
+
+mod common;
+
+use actorpipe::*;
+use common::*;
+
+/// 1 000 messages with random counts of payloads and tensors of sizes 0, 1, 31, 32, 4 KiB, 1 MiB
+/// and 64 MiB, with up to 8 writes in flight and a small chunk size so tensors are chunked.
+#[actix::test]
+async fn thousand_random_messages_arrive_intact_and_in_order() {
+    let builder = || Context::builder().chunk_size(256 << 10);
+    let (tx, rx, _server) = pair(builder(), builder()).await;
+    let (done_to, mut done) = inbox::<WriteDone>();
+    const N: u64 = 1000;
+    const WINDOW: u64 = 8;
+
+    let writer = async {
+        let mut rng = Rng(0x5eed);
+        let mut in_flight = 0;
+        let mut next_done = 0;
+        let mut big = 0;
+        for i in 0..N {
+            let payloads: Vec<usize> = (0..rng.below(4)).map(|_| draw_size(&mut rng)).collect();
+            let tensors: Vec<usize> = (0..rng.below(4)).map(|_| draw_size(&mut rng)).collect();
+            big += tensors
+                .iter()
+                .chain(&payloads)
+                .filter(|&&s| s == 64 << 20)
+                .count();
+            let m = checked_message(i, &payloads, &tensors);
+            tx.do_send(Write::new(m).notify(done_to.clone()));
+            in_flight += 1;
+            while in_flight >= WINDOW || (i == N - 1 && in_flight > 0) {
+                let d = done.recv().await.expect("write completion");
+                assert_eq!(d.id, next_done, "write completions in issue order");
+                d.result.expect("write succeeds");
+                // The buffers come back whole.
+                assert_eq!(verify(&d.message), next_done);
+                next_done += 1;
+                in_flight -= 1;
+            }
+        }
+        assert_eq!(next_done, N);
+        assert!(big > 0, "the plan includes 64 MiB buffers");
+    };
+    let reader = async {
+        for i in 0..N {
+            let m = read_one(&rx).await.expect("read succeeds");
+            assert_eq!(verify(&m), i, "the n-th read matches the n-th write");
+        }
+    };
+    within(300, "1000 messages", async { tokio::join!(writer, reader) }).await;
+}
+
+/// Empty messages, empty payloads and empty tensors are legal.
+#[actix::test]
+async fn empty_messages_and_buffers() {
+    let (tx, rx, _s) = pair(Context::builder(), Context::builder()).await;
+    let w = tx.send(Write::new(Message::new()));
+    let m = read_one(&rx).await.unwrap();
+    assert_eq!(m, Message::new());
+    w.await.unwrap().result.unwrap();
+    let m = checked_message(7, &[0, 0], &[0, 1, 0]);
+    let w = tx.send(Write::new(m.clone()));
+    assert_eq!(read_one(&rx).await.unwrap(), m);
+    w.await.unwrap().result.unwrap();
+}
+
+/// Both directions at once on one pipe.
+#[actix::test]
+async fn both_directions_concurrently() {
+    let (a, b, _s) = pair(Context::builder().chunk_size(4096), Context::builder()).await;
+    let one_way = |from: actix::Addr<Pipe>, to: actix::Addr<Pipe>, base: u64| async move {
+        for i in 0..50 {
+            let m = checked_message(base + i, &[100], &[70_000]);
+            let w = from.send(Write::new(m));
+            assert_eq!(verify(&read_one(&to).await.unwrap()), base + i);
+            w.await.unwrap().result.unwrap();
+        }
+    };
+    within(60, "bidirectional", async {
+        tokio::join!(one_way(a.clone(), b.clone(), 0), one_way(b, a, 10_000))
+    })
+    .await;
+}
+
+/// A tensor's target device and every metadata field reach the receiver's descriptor.
+#[actix::test]
+async fn descriptor_carries_everything_needed_to_allocate() {
+    let (tx, rx, _s) = pair(Context::builder(), Context::builder()).await;
+    let mut t = Tensor::cpu(vec![5; 33]);
+    t.target_device = Some(Device::Cuda(1));
+    t.metadata = b"shape=[33]".to_vec();
+    let m = Message::new()
+        .with_metadata(b"batch 3".to_vec())
+        .with_payload(Payload {
+            data: vec![1, 2],
+            metadata: b"hdr".to_vec(),
+        })
+        .with_tensor(t);
+    let _w = tx.send(Write::new(m.clone()));
+    let d = rx.send(ReadDescriptor).await.unwrap().descriptor.unwrap();
+    assert_eq!(d, m.descriptor());
+    assert_eq!(d.tensors[0].target_device, Some(Device::Cuda(1)));
+    assert_eq!(d.total_bytes(), 35);
+    let done = rx
+        .send(Read::new(Allocation::for_descriptor(&d).unwrap()))
+        .await
+        .unwrap();
+    done.result.unwrap();
+    assert_eq!(done.message, m);
+}
+
+/// A Read whose buffers do not match the descriptor is refused, its buffers come back, and the
+/// pipe stays usable: a correct Read then succeeds.
+#[actix::test]
+async fn mismatched_allocation_is_refused_and_the_pipe_survives() {
+    let (tx, rx, _s) = pair(Context::builder(), Context::builder()).await;
+    let m = checked_message(1, &[10], &[20]);
+    let _w = tx.send(Write::new(m));
+    let d = rx.send(ReadDescriptor).await.unwrap().descriptor.unwrap();
+    let wrong = Allocation {
+        payloads: vec![vec![0; 10]],
+        tensors: vec![Buffer::Cpu(vec![0; 19])],
+    };
+    let done = rx.send(Read::new(wrong)).await.unwrap();
+    match done.result {
+        Err(Error::InvalidArgument { detail }) => assert!(detail.contains("tensor 0"), "{detail}"),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    assert_eq!(
+        done.message.tensors[0].buffer.len(),
+        19,
+        "buffers handed back"
+    );
+    let done = rx
+        .send(Read::new(Allocation::for_descriptor(&d).unwrap()))
+        .await
+        .unwrap();
+    done.result.unwrap();
+    assert_eq!(verify(&done.message), 1);
+}
+
+/// A Read with no descriptor delivered is an error for that read only.
+#[actix::test]
+async fn read_without_descriptor_is_refused() {
+    let (_tx, rx, _s) = pair(Context::builder(), Context::builder()).await;
+    let done = rx.send(Read::new(Allocation::default())).await.unwrap();
+    assert!(matches!(done.result, Err(Error::InvalidArgument { .. })));
+    assert!(!rx.send(GetInfo).await.unwrap().closed);
+}
+
+/// Fired operations: ReadDescriptor then Read issued back to back, without waiting, complete in
+/// order through a recipient.
+#[actix::test]
+async fn fired_reads_complete_in_order() {
+    let (tx, rx, _s) = pair(Context::builder(), Context::builder()).await;
+    let (desc_to, mut descs) = inbox::<DescriptorReady>();
+    let (read_to, mut reads) = inbox::<ReadDone>();
+    for i in 0..3 {
+        let m = checked_message(i, &[8], &[16]);
+        tx.do_send(Write::new(m));
+    }
+    for _ in 0..3 {
+        rx.do_send(ReadDescriptor.notify(desc_to.clone()));
+        // The allocation is known in advance here (fixed sizes), so no need to wait.
+        rx.do_send(
+            Read::new(Allocation {
+                payloads: vec![vec![0; 8]],
+                tensors: vec![Buffer::Cpu(vec![0; 16])],
+            })
+            .notify(read_to.clone()),
+        );
+    }
+    for i in 0..3 {
+        let d = within(10, "descriptor", descs.recv()).await.unwrap();
+        assert_eq!(d.id, 2 * i);
+        d.descriptor.unwrap();
+        let r = within(10, "read", reads.recv()).await.unwrap();
+        assert_eq!(r.id, 2 * i + 1);
+        r.result.unwrap();
+        assert_eq!(verify(&r.message), i);
+    }
+}
+
+/// Over the limits on the sending side: the write fails with LimitExceeded, hands its buffers
+/// back, and the pipe stays open.
+#[actix::test]
+async fn write_over_limits_fails_alone() {
+    let limits = Limits {
+        max_tensors: 2,
+        ..Limits::default()
+    };
+    let (tx, rx, _s) = pair(Context::builder().limits(limits), Context::builder()).await;
+    let done = tx
+        .send(Write::new(checked_message(0, &[], &[1, 1, 1])))
+        .await
+        .unwrap();
+    assert!(matches!(
+        done.result,
+        Err(Error::LimitExceeded {
+            limit: "tensor count",
+            value: 3,
+            max: 2,
+            ..
+        })
+    ));
+    assert_eq!(done.message.tensors.len(), 3);
+    let w = tx.send(Write::new(checked_message(1, &[], &[1, 1])));
+    assert_eq!(verify(&read_one(&rx).await.unwrap()), 1);
+    w.await.unwrap().result.unwrap();
+}
