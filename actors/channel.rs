@@ -1,29 +1,112 @@
 //! The `Channel` actor: owns one negotiated channel of one pipe and moves its tensors.
 //!
-//! The pipe hands it each tensor with the connection tickets reserved for it, so the channel's
-//! traffic on the shared connection lands exactly where the pipe ordered it. Completions go
-//! straight to the pipe's queue. The basic channel is implemented here; channels with their own
-//! data path join as further kinds.
+//! - `basic`: chunks over the pipe's control connection, at the tickets the pipe reserved, so
+//!   they land exactly where the pipe ordered them. Completions go straight to the pipe.
+//! - `xth`: one copy through the process-wide table of [`crate::channel::xth`].
+//! - `cma`: the receiver reads the sender's memory with `process_vm_readv` (on a blocking thread)
+//!   and acknowledges on the channel's side connection; the sender hands the buffer back on the
+//!   ack. If the read is refused at run time (EPERM, ENOSYS: ptrace rules, seccomp), the receiver
+//!   asks for the bytes instead and the sender streams them over the side connection: the pipe
+//!   lives on and the fallback is counted and logged.
+//! - `mpt`: each tensor is split in stripes, one per lane connection, read in place.
+//!
+//! For the last three, completions come back here first (the channel tracks what it holds and
+//! must hand every buffer back even when stopped), then go on to the pipe. A stopping channel
+//! stays alive until every buffer it holds has gone back.
 
-use actix::{Actor, ActorContext, Context, Handler, Message};
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::Poll;
 
-use super::connection::Link;
+use actix::prelude::*;
+use tokio::sync::mpsc;
+
+use super::connection::{Connection, Link, Shutdown};
+use crate::channel::cma::{self, CmaError, RemoteBuffer};
+use crate::channel::{mpt, xth};
 use crate::error::{Error, Origin};
-use crate::transport::stream::{InOp, OutOp, Reply};
+use crate::transport::stream::{Done, InOp, Memory, OutOp, Region, Reply};
+use crate::wire::{self, Ack, Frame, FrameKind};
 
 /// Which channel backend this actor runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ChannelKind {
     /// Tensor bytes in chunks over the pipe's connection.
     Basic { chunk_size: usize },
+    /// In-process copy.
+    Xth { pipe: u64 },
+    /// `process_vm_readv`, with a side connection for acks and fallback bytes.
+    Cma { threads: usize, chunk_size: usize },
+    /// Stripes over several lane connections.
+    Mpt { chunk_size: usize },
+}
+
+impl ChannelKind {
+    /// Whether its bytes travel on the pipe's control connection (and so take tickets there).
+    pub fn uses_control(&self) -> bool {
+        matches!(self, ChannelKind::Basic { .. })
+    }
+}
+
+/// A queue of events, as a stream an actor polls.
+pub(crate) struct Queue<T>(pub mpsc::UnboundedReceiver<T>);
+
+impl<T> futures_core::Stream for Queue<T> {
+    type Item = T;
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Option<T>> {
+        self.0.poll_recv(cx)
+    }
+}
+
+/// A lane: a connection of the channel's own.
+struct Lane {
+    conn: Addr<Connection>,
+    link: Link,
+    out_ticket: u64,
+    in_ticket: u64,
+}
+
+/// A tensor the channel holds while it moves.
+struct Held {
+    buffer: Vec<u8>,
+    /// Operations still out (stripes for mpt).
+    out: usize,
+    error: Option<Error>,
+    sending: bool,
+    /// A cma tensor whose bytes are streaming over the side connection (fallback).
+    streaming: bool,
+}
+
+/// The outcome of a cma read on a blocking thread.
+struct CmaRead {
+    seq: u64,
+    index: u32,
+    dst: Vec<u8>,
+    result: Result<(), CmaError>,
+}
+
+impl Message for CmaRead {
+    type Result = ();
 }
 
 /// One negotiated channel of one pipe.
 pub struct Channel {
     kind: ChannelKind,
     link: Link,
+    lanes: Vec<Lane>,
     reply: Reply,
+    own: Reply,
+    own_rx: Option<mpsc::UnboundedReceiver<Done>>,
     origin: Origin,
+    held: HashMap<(u64, u32), Held>,
+    xth_keys: Vec<xth::Key>,
+    ack_armed: bool,
+    /// cma reads running on blocking threads.
+    reading: usize,
+    stopping: bool,
+    fallbacks: Arc<AtomicU64>,
 }
 
 /// Send one tensor.
@@ -39,20 +122,21 @@ impl Message for SendTensor {
     type Result = ();
 }
 
-/// Receive one tensor into `buffer`.
+/// Receive one tensor into `buffer`; `data` is the channel's bytes from the descriptor.
 #[derive(Debug)]
 pub(crate) struct RecvTensor {
     pub ticket: u64,
     pub seq: u64,
     pub index: u32,
     pub buffer: Vec<u8>,
+    pub data: Vec<u8>,
 }
 
 impl Message for RecvTensor {
     type Result = ();
 }
 
-/// Stop once everything already in the mailbox is handed on.
+/// Stop once every buffer held has gone back to the pipe.
 #[derive(Debug)]
 pub(crate) struct StopChannel;
 
@@ -61,12 +145,37 @@ impl Message for StopChannel {
 }
 
 impl Channel {
-    pub(crate) fn new(kind: ChannelKind, link: Link, reply: Reply, origin: Origin) -> Self {
+    pub(crate) fn new(
+        kind: ChannelKind,
+        link: Link,
+        lanes: Vec<(Addr<Connection>, Link)>,
+        reply: Reply,
+        origin: Origin,
+        fallbacks: Arc<AtomicU64>,
+    ) -> Self {
+        let (own, own_rx) = mpsc::unbounded_channel();
         Channel {
             kind,
             link,
+            lanes: lanes
+                .into_iter()
+                .map(|(conn, link)| Lane {
+                    conn,
+                    link,
+                    out_ticket: 0,
+                    in_ticket: 0,
+                })
+                .collect(),
             reply,
+            own,
+            own_rx: Some(own_rx),
             origin,
+            held: HashMap::new(),
+            xth_keys: Vec::new(),
+            ack_armed: false,
+            reading: 0,
+            stopping: false,
+            fallbacks,
         }
     }
 
@@ -76,10 +185,377 @@ impl Channel {
             origin: self.origin.clone(),
         }
     }
+
+    fn to_pipe(&self, d: Done) {
+        let _ = self.reply.send(d);
+    }
+
+    /// Hands a held tensor back to the pipe once nothing of it is out any more.
+    fn release(&mut self, key: (u64, u32)) {
+        if self.held.get(&key).is_some_and(|h| h.out == 0) {
+            let h = self.held.remove(&key).expect("present");
+            let result = h.error.map_or(Ok(()), Err);
+            let memory = Memory::Owned(h.buffer);
+            self.to_pipe(if h.sending {
+                Done::WroteTensor {
+                    seq: key.0,
+                    index: key.1,
+                    memory,
+                    result,
+                }
+            } else {
+                Done::Tensor {
+                    seq: key.0,
+                    index: key.1,
+                    memory,
+                    result,
+                }
+            });
+        }
+    }
+
+    fn maybe_stop(&mut self, ctx: &mut Context<Self>) {
+        if self.stopping && self.held.is_empty() && self.xth_keys.is_empty() && self.reading == 0 {
+            ctx.stop();
+        }
+    }
+
+    // ----- mpt ----------------------------------------------------------------------------
+
+    fn stripe(&mut self, seq: u64, index: u32, mut buffer: Vec<u8>, sending: bool, chunk: usize) {
+        let len = buffer.len() as u64;
+        let lanes = self.lanes.len() as u32;
+        let base = buffer.as_mut_ptr();
+        let mut out = 0;
+        for (lane, offset, n) in mpt::stripes(len, lanes) {
+            // SAFETY: the stripes are disjoint ranges inside `buffer`, whose heap memory stays
+            // in `self.held` untouched until every stripe's operation has completed (`release`
+            // waits for `out == 0`, and a stopping channel waits for `held` to empty).
+            let region = unsafe { Region::new(base.add(offset as usize), n as usize) };
+            let l = &mut self.lanes[lane as usize];
+            let origin = &self.origin;
+            let gone = || Error::Closed {
+                reason: "lane already stopped".into(),
+                origin: origin.clone(),
+            };
+            if sending {
+                let ticket = l.out_ticket;
+                l.out_ticket += 1;
+                l.link.write(
+                    OutOp::Tensor {
+                        ticket,
+                        seq,
+                        index,
+                        memory: Memory::Region(region),
+                        offset,
+                        chunk_size: chunk,
+                        reply: self.own.clone(),
+                    },
+                    gone,
+                );
+            } else {
+                let ticket = l.in_ticket;
+                l.in_ticket += 1;
+                l.link.read(
+                    InOp::Tensor {
+                        ticket,
+                        seq,
+                        index,
+                        memory: Memory::Region(region),
+                        offset,
+                        reply: self.own.clone(),
+                    },
+                    gone,
+                );
+            }
+            out += 1;
+        }
+        self.held.insert(
+            (seq, index),
+            Held {
+                buffer,
+                out,
+                error: None,
+                sending,
+                streaming: false,
+            },
+        );
+        self.release((seq, index));
+    }
+
+    // ----- cma ----------------------------------------------------------------------------
+
+    fn arm_ack(&mut self) {
+        if self.ack_armed || self.lanes.is_empty() {
+            return;
+        }
+        self.ack_armed = true;
+        let l = &mut self.lanes[0];
+        let ticket = l.in_ticket;
+        l.in_ticket += 1;
+        l.link.read(
+            InOp::Frame {
+                ticket,
+                reply: self.own.clone(),
+            },
+            || Error::Closed {
+                reason: "side connection already stopped".into(),
+                origin: Origin::default(),
+            },
+        );
+    }
+
+    fn send_ack(&mut self, ack: Ack) {
+        let Some(l) = self.lanes.first_mut() else {
+            return;
+        };
+        let mut frame = Vec::with_capacity(24);
+        wire::encode_frame(&mut frame, FrameKind::Ack, |b| wire::encode_ack(b, &ack));
+        let ticket = l.out_ticket;
+        l.out_ticket += 1;
+        l.link.write(
+            OutOp::Message {
+                ticket,
+                frame,
+                payloads: Vec::new(),
+                reply: self.own.clone(),
+            },
+            || Error::Closed {
+                reason: "side connection already stopped".into(),
+                origin: Origin::default(),
+            },
+        );
+    }
+
+    fn on_ack(&mut self, ack: Ack, chunk_size: usize) {
+        let key = (ack.seq, ack.tensor);
+        if ack.ok {
+            if let Some(h) = self.held.get_mut(&key) {
+                h.out -= 1;
+            }
+            self.release(key);
+            return;
+        }
+        // The receiver cannot read our memory: stream the bytes over the side connection.
+        let Some(h) = self.held.get_mut(&key) else {
+            return;
+        };
+        h.streaming = true;
+        let n = h.buffer.len();
+        let ptr = h.buffer.as_mut_ptr();
+        // SAFETY: the buffer stays in `self.held`, untouched, until this operation completes
+        // (its `Done` decrements `out`, which is still 1 for the ack we were waiting for).
+        let region = unsafe { Region::new(ptr, n) };
+        let l = &mut self.lanes[0];
+        let ticket = l.out_ticket;
+        l.out_ticket += 1;
+        l.link.write(
+            OutOp::Tensor {
+                ticket,
+                seq: ack.seq,
+                index: ack.tensor,
+                memory: Memory::Region(region),
+                offset: 0,
+                chunk_size,
+                reply: self.own.clone(),
+            },
+            || Error::Closed {
+                reason: "side connection already stopped".into(),
+                origin: Origin::default(),
+            },
+        );
+    }
+
+    fn on_cma_read(&mut self, r: CmaRead, ctx: &mut Context<Self>) {
+        self.reading -= 1;
+        let key = (r.seq, r.index);
+        match r.result {
+            Ok(()) => {
+                self.send_ack(Ack {
+                    seq: r.seq,
+                    tensor: r.index,
+                    ok: true,
+                });
+                self.to_pipe(Done::Tensor {
+                    seq: r.seq,
+                    index: r.index,
+                    memory: Memory::Owned(r.dst),
+                    result: Ok(()),
+                });
+            }
+            Err(CmaError::NotPermitted { .. }) if !self.lanes.is_empty() => {
+                let n = self.fallbacks.fetch_add(1, Ordering::Relaxed);
+                if n == 0 {
+                    tracing::warn!(pipe = ?self.origin.pipe, "cma read refused by the kernel; falling back to the side connection");
+                }
+                self.send_ack(Ack {
+                    seq: r.seq,
+                    tensor: r.index,
+                    ok: false,
+                });
+                let mut dst = r.dst;
+                let n = dst.len();
+                let ptr = dst.as_mut_ptr();
+                self.held.insert(
+                    key,
+                    Held {
+                        buffer: dst,
+                        out: 1,
+                        error: None,
+                        sending: false,
+                        streaming: true,
+                    },
+                );
+                // SAFETY: as in `stripe`: `dst` stays in `self.held` until this read completes.
+                let region = unsafe { Region::new(ptr, n) };
+                let l = &mut self.lanes[0];
+                let ticket = l.in_ticket;
+                l.in_ticket += 1;
+                l.link.read(
+                    InOp::Tensor {
+                        ticket,
+                        seq: r.seq,
+                        index: r.index,
+                        memory: Memory::Region(region),
+                        offset: 0,
+                        reply: self.own.clone(),
+                    },
+                    || Error::Closed {
+                        reason: "side connection already stopped".into(),
+                        origin: Origin::default(),
+                    },
+                );
+            }
+            Err(e) => self.to_pipe(Done::Tensor {
+                seq: r.seq,
+                index: r.index,
+                memory: Memory::Owned(r.dst),
+                result: Err(e.into_error(&self.origin)),
+            }),
+        }
+        self.maybe_stop(ctx);
+    }
+
+    fn on_own(&mut self, d: Done, ctx: &mut Context<Self>) {
+        match d {
+            // xth completions pass through to keep the list of parked keys current.
+            Done::WroteTensor {
+                seq,
+                index,
+                memory: Memory::Owned(b),
+                result,
+            } => {
+                self.xth_keys.retain(|k| (k.seq, k.index) != (seq, index));
+                self.to_pipe(Done::WroteTensor {
+                    seq,
+                    index,
+                    memory: Memory::Owned(b),
+                    result,
+                });
+            }
+            Done::Tensor {
+                seq,
+                index,
+                memory: Memory::Owned(b),
+                result,
+            } => {
+                self.xth_keys.retain(|k| (k.seq, k.index) != (seq, index));
+                self.to_pipe(Done::Tensor {
+                    seq,
+                    index,
+                    memory: Memory::Owned(b),
+                    result,
+                });
+            }
+            // Stripes and fallback transfers of held buffers.
+            Done::WroteTensor {
+                seq, index, result, ..
+            }
+            | Done::Tensor {
+                seq, index, result, ..
+            } => {
+                if let Some(h) = self.held.get_mut(&(seq, index)) {
+                    h.out -= 1;
+                    if let Err(e) = result {
+                        h.error.get_or_insert(e);
+                    }
+                }
+                self.release((seq, index));
+            }
+            Done::Frame { result, .. } => {
+                self.ack_armed = false;
+                let chunk_size = match self.kind {
+                    ChannelKind::Cma { chunk_size, .. } => chunk_size,
+                    _ => 1 << 20,
+                };
+                match result {
+                    Ok(Frame::Ack(a)) => self.on_ack(a, chunk_size),
+                    Ok(f) => self.fail_held(crate::transport::stream::unexpected(
+                        f,
+                        "a cma acknowledgement",
+                        &self.origin,
+                    )),
+                    Err(e) => self.fail_held(e),
+                }
+                if self.held.values().any(|h| h.sending) {
+                    self.arm_ack();
+                }
+            }
+            Done::Wrote { result, .. } => {
+                if let Err(e) = result {
+                    tracing::debug!(error = %e, "channel acknowledgement not sent");
+                }
+            }
+            Done::Payloads { .. } => {}
+        }
+        self.maybe_stop(ctx);
+    }
+
+    /// The side connection failed: everything waiting on it fails.
+    fn fail_held(&mut self, e: Error) {
+        let waiting: Vec<_> = self
+            .held
+            .iter()
+            .filter(|(_, h)| h.sending && !h.streaming && h.out == 1)
+            .map(|(k, _)| *k)
+            .collect();
+        for k in waiting {
+            if let Some(h) = self.held.get_mut(&k) {
+                h.out = 0;
+                h.error.get_or_insert(e.clone());
+            }
+            self.release(k);
+        }
+    }
 }
 
 impl Actor for Channel {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        if let Some(rx) = self.own_rx.take() {
+            ctx.add_stream(Queue(rx));
+        }
+    }
+
+    fn stopped(&mut self, _: &mut Self::Context) {
+        for l in &self.lanes {
+            l.conn.do_send(Shutdown::default());
+        }
+        // A channel torn down with buffers still out (the system shutting down) must not free
+        // memory the I/O loops may still touch.
+        for (_, h) in self.held.drain() {
+            std::mem::forget(h.buffer);
+        }
+    }
+}
+
+impl StreamHandler<Done> for Channel {
+    fn handle(&mut self, d: Done, ctx: &mut Self::Context) {
+        self.on_own(d, ctx);
+    }
+
+    fn finished(&mut self, _: &mut Self::Context) {}
 }
 
 impl Handler<SendTensor> for Channel {
@@ -92,12 +568,44 @@ impl Handler<SendTensor> for Channel {
                     ticket: m.ticket,
                     seq: m.seq,
                     index: m.index,
-                    buffer: m.buffer,
+                    memory: Memory::Owned(m.buffer),
+                    offset: 0,
                     chunk_size,
                     reply: self.reply.clone(),
                 },
                 self.gone(),
             ),
+            ChannelKind::Xth { pipe } => {
+                let key = xth::Key {
+                    sender: pipe,
+                    seq: m.seq,
+                    index: m.index,
+                };
+                self.xth_keys.push(key);
+                xth::send(key, m.buffer, self.own.clone());
+            }
+            ChannelKind::Cma { .. } => {
+                let key = (m.seq, m.index);
+                let empty = m.buffer.is_empty();
+                self.held.insert(
+                    key,
+                    Held {
+                        buffer: m.buffer,
+                        out: usize::from(!empty),
+                        error: None,
+                        sending: true,
+                        streaming: false,
+                    },
+                );
+                if empty {
+                    self.release(key);
+                } else {
+                    self.arm_ack();
+                }
+            }
+            ChannelKind::Mpt { chunk_size } => {
+                self.stripe(m.seq, m.index, m.buffer, true, chunk_size)
+            }
         }
     }
 }
@@ -105,19 +613,97 @@ impl Handler<SendTensor> for Channel {
 impl Handler<RecvTensor> for Channel {
     type Result = ();
 
-    fn handle(&mut self, m: RecvTensor, _: &mut Self::Context) {
+    fn handle(&mut self, m: RecvTensor, ctx: &mut Self::Context) {
         match self.kind {
             ChannelKind::Basic { .. } => self.link.read(
                 InOp::Tensor {
                     ticket: m.ticket,
                     seq: m.seq,
                     index: m.index,
-                    buffer: m.buffer,
+                    memory: Memory::Owned(m.buffer),
+                    offset: 0,
                     reply: self.reply.clone(),
                 },
                 self.gone(),
             ),
+            ChannelKind::Xth { .. } => {
+                let sender = match <[u8; 8]>::try_from(m.data.as_slice()) {
+                    Ok(b) => u64::from_le_bytes(b),
+                    Err(_) => {
+                        return self.to_pipe(Done::Tensor {
+                            seq: m.seq,
+                            index: m.index,
+                            memory: Memory::Owned(m.buffer),
+                            result: Err(Error::protocol(
+                                "xth channel data is not a pipe id",
+                                &self.origin,
+                            )),
+                        })
+                    }
+                };
+                let key = xth::Key {
+                    sender,
+                    seq: m.seq,
+                    index: m.index,
+                };
+                self.xth_keys.push(key);
+                xth::recv(key, m.buffer, self.own.clone(), &self.origin);
+            }
+            ChannelKind::Cma { threads, .. } => {
+                let remote = match RemoteBuffer::decode(&m.data) {
+                    Some(r) if r.len == m.buffer.len() as u64 => r,
+                    _ => {
+                        return self.to_pipe(Done::Tensor {
+                            seq: m.seq,
+                            index: m.index,
+                            memory: Memory::Owned(m.buffer),
+                            result: Err(Error::protocol(
+                                "cma channel data does not describe this tensor",
+                                &self.origin,
+                            )),
+                        })
+                    }
+                };
+                let (seq, index, mut dst) = (m.seq, m.index, m.buffer);
+                let me = ctx.address();
+                self.reading += 1;
+                actix::spawn(async move {
+                    let read = tokio::task::spawn_blocking(move || {
+                        let result = cma::read_remote(&remote, &mut dst, threads);
+                        (dst, result)
+                    })
+                    .await;
+                    // The blocking task cannot panic short of a bug in the read loop; if it
+                    // did, its buffer is lost and the pipe reports the tensor as failed.
+                    let (dst, result) = read.unwrap_or_else(|e| {
+                        (
+                            Vec::new(),
+                            Err(CmaError::Other {
+                                pid: remote.pid,
+                                source: std::io::Error::other(e.to_string()),
+                            }),
+                        )
+                    });
+                    me.do_send(CmaRead {
+                        seq,
+                        index,
+                        dst,
+                        result,
+                    });
+                });
+            }
+            ChannelKind::Mpt { chunk_size } => {
+                self.stripe(m.seq, m.index, m.buffer, false, chunk_size)
+            }
         }
+    }
+}
+
+impl Handler<CmaRead> for Channel {
+    type Result = ();
+
+    fn handle(&mut self, r: CmaRead, ctx: &mut Self::Context) {
+        self.on_cma_read(r, ctx);
     }
 }
 
@@ -125,6 +711,21 @@ impl Handler<StopChannel> for Channel {
     type Result = ();
 
     fn handle(&mut self, _: StopChannel, ctx: &mut Self::Context) {
-        ctx.stop();
+        self.stopping = true;
+        let e = Error::Closed {
+            reason: "channel stopping".into(),
+            origin: self.origin.clone(),
+        };
+        for k in &self.xth_keys {
+            // Every key gets exactly one completion through our queue: from the withdrawal,
+            // or from the other side if it got there first. Either way `on_own` removes the key.
+            xth::withdraw(*k, &e);
+        }
+        for l in &self.lanes {
+            l.conn.do_send(Shutdown::default());
+        }
+        // Sent cma tensors waiting for an ack: the ack will never come.
+        self.fail_held(e);
+        self.maybe_stop(ctx);
     }
 }

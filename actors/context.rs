@@ -7,14 +7,18 @@ use actix::prelude::*;
 
 use super::listener::Listener;
 use super::messages::{Connect, Listen, Listening};
-use super::pipe::{spawn_pipe, Pipe};
+use super::pipe::{spawn_pipe, Pipe, PipeParts};
 use crate::channel::basic::{Basic, DEFAULT_CHUNK_SIZE};
+use crate::channel::cma::Cma;
+use crate::channel::mpt::Mpt;
+use crate::channel::xth::Xth;
 use crate::channel::ChannelBackend;
 use crate::error::Error;
-use crate::handshake::{handshake, Role};
-use crate::negotiate::{Brochure, Offer};
+use crate::handshake::{self, Halves};
+use crate::negotiate::{Brochure, Offer, Purpose};
+use crate::transport::shm::Shm;
 use crate::transport::tcp::Tcp;
-use crate::transport::{Acceptor, Transport, Url};
+use crate::transport::{scheme, Acceptor, Transport};
 use crate::wire::Limits;
 
 /// Settings shared by every pipe of a context.
@@ -23,39 +27,50 @@ pub struct Config {
     pub(crate) chunk_size: usize,
     pub(crate) connect_timeout: Duration,
     pub(crate) handshake_timeout: Duration,
-    pub(crate) transports: Vec<Arc<dyn Transport>>,
-    pub(crate) channels: Vec<Arc<dyn ChannelBackend>>,
+    pub(crate) cma_threads: usize,
+    pub(crate) transports: Vec<(Arc<dyn Transport>, i32)>,
+    pub(crate) channels: Vec<(Arc<dyn ChannelBackend>, i32)>,
 }
 
 impl Config {
-    /// What this context offers in negotiation.
-    pub(crate) fn brochure(&self) -> Brochure {
+    /// What this context offers in negotiation; `addresses` lists, per transport name, where a
+    /// listener can be reached.
+    pub(crate) fn brochure(&self, addresses: &[(String, String)]) -> Brochure {
         Brochure {
             transports: self
                 .transports
                 .iter()
-                .map(|t| Offer {
+                .map(|(t, priority)| Offer {
                     name: t.name().into(),
-                    priority: t.priority(),
+                    priority: *priority,
                     domain: t.domain(),
-                    addresses: Vec::new(),
+                    addresses: addresses
+                        .iter()
+                        .filter(|(n, _)| n == t.name())
+                        .map(|(_, a)| a.clone())
+                        .collect(),
                 })
                 .collect(),
-            channels: self.channels.iter().map(|c| c.offer()).collect(),
+            channels: self
+                .channels
+                .iter()
+                .map(|(c, priority)| c.offer(*priority))
+                .collect(),
         }
     }
 
-    fn transport(&self, scheme: &str) -> Result<&Arc<dyn Transport>, Error> {
+    pub(crate) fn transport(&self, name: &str) -> Result<&Arc<dyn Transport>, Error> {
         self.transports
             .iter()
-            .find(|t| t.name() == scheme)
+            .map(|(t, _)| t)
+            .find(|t| t.name() == name)
             .ok_or_else(|| Error::Unavailable {
-                backend: scheme.into(),
+                backend: name.into(),
                 reason: format!(
-                    "no transport named {scheme:?} is enabled in this context (enabled: {})",
+                    "no transport named {name:?} is enabled in this context (enabled: {})",
                     self.transports
                         .iter()
-                        .map(|t| t.name())
+                        .map(|(t, _)| t.name())
                         .collect::<Vec<_>>()
                         .join(", ")
                 ),
@@ -72,17 +87,31 @@ impl std::fmt::Debug for Config {
             .field("handshake_timeout", &self.handshake_timeout)
             .field(
                 "transports",
-                &self.transports.iter().map(|t| t.name()).collect::<Vec<_>>(),
+                &self
+                    .transports
+                    .iter()
+                    .map(|(t, p)| (t.name(), *p))
+                    .collect::<Vec<_>>(),
             )
             .field(
                 "channels",
-                &self.channels.iter().map(|c| c.name()).collect::<Vec<_>>(),
+                &self
+                    .channels
+                    .iter()
+                    .map(|(c, p)| (c.name(), *p))
+                    .collect::<Vec<_>>(),
             )
             .finish()
     }
 }
 
-/// Builds a [`Context`]. With no settings it enables every backend that can run here.
+/// Builds a [`Context`].
+///
+/// With no settings it enables every backend that can run here: transports `tcp` and `shm`,
+/// channels `basic`, `xth`, `cma` (if a trial read of this process succeeds) and `mpt` (2 lanes).
+/// Every backend can be removed ([`without`](Self::without)), re-prioritised
+/// ([`priority`](Self::priority)) or replaced by one configured differently
+/// ([`transport`](Self::transport), [`channel`](Self::channel)).
 #[derive(Debug)]
 pub struct ContextBuilder {
     config: Config,
@@ -90,16 +119,26 @@ pub struct ContextBuilder {
 
 impl Default for ContextBuilder {
     fn default() -> Self {
-        ContextBuilder {
+        let mut b = ContextBuilder {
             config: Config {
                 limits: Limits::default(),
                 chunk_size: DEFAULT_CHUNK_SIZE,
                 connect_timeout: Duration::from_secs(10),
                 handshake_timeout: Duration::from_secs(10),
-                transports: vec![Arc::new(Tcp)],
-                channels: vec![Arc::new(Basic)],
+                cma_threads: 2,
+                transports: Vec::new(),
+                channels: Vec::new(),
             },
+        };
+        b = b.transport(Arc::new(Tcp)).transport(Arc::new(Shm::new()));
+        b = b
+            .channel(Arc::new(Basic))
+            .channel(Arc::new(Xth))
+            .channel(Arc::new(Mpt::default()));
+        if Cma.viable().is_ok() {
+            b = b.channel(Arc::new(Cma));
         }
+        b
     }
 }
 
@@ -110,7 +149,7 @@ impl ContextBuilder {
         self
     }
 
-    /// Bytes per chunk when a tensor goes over the control connection (at least 1).
+    /// Bytes per chunk when a tensor goes over a connection (basic, mpt, cma fallback).
     pub fn chunk_size(mut self, bytes: usize) -> Self {
         self.config.chunk_size = bytes.max(1);
         self
@@ -125,6 +164,63 @@ impl ContextBuilder {
     /// How long the handshake of a new pipe may take, on either side.
     pub fn handshake_timeout(mut self, t: Duration) -> Self {
         self.config.handshake_timeout = t;
+        self
+    }
+
+    /// Threads per cma read (large tensors are split across them).
+    pub fn cma_threads(mut self, n: usize) -> Self {
+        self.config.cma_threads = n.max(1);
+        self
+    }
+
+    /// Lanes of the mpt channel (replaces its current setting).
+    pub fn lanes(self, n: u32) -> Self {
+        self.channel(Arc::new(Mpt { lanes: n.max(1) }))
+    }
+
+    /// Adds a transport at its default priority, replacing one of the same name.
+    pub fn transport(mut self, t: Arc<dyn Transport>) -> Self {
+        let p = t.priority();
+        self.config.transports.retain(|(x, _)| x.name() != t.name());
+        self.config.transports.push((t, p));
+        self
+    }
+
+    /// Adds a channel at its default priority, replacing one of the same name.
+    pub fn channel(mut self, c: Arc<dyn ChannelBackend>) -> Self {
+        let p = c.priority();
+        self.config.channels.retain(|(x, _)| x.name() != c.name());
+        self.config.channels.push((c, p));
+        self
+    }
+
+    /// Removes the transport or channel called `name`.
+    pub fn without(mut self, name: &str) -> Self {
+        self.config.transports.retain(|(t, _)| t.name() != name);
+        self.config.channels.retain(|(c, _)| c.name() != name);
+        self
+    }
+
+    /// Keeps only the channels named (plus nothing else); handy to force one in tests.
+    pub fn only_channels(mut self, names: &[&str]) -> Self {
+        self.config
+            .channels
+            .retain(|(c, _)| names.contains(&c.name()));
+        self
+    }
+
+    /// Sets the priority of the transport or channel called `name` (higher wins).
+    pub fn priority(mut self, name: &str, priority: i32) -> Self {
+        for (t, p) in &mut self.config.transports {
+            if t.name() == name {
+                *p = priority;
+            }
+        }
+        for (c, p) in &mut self.config.channels {
+            if c.name() == name {
+                *p = priority;
+            }
+        }
         self
     }
 
@@ -158,26 +254,62 @@ impl Actor for Context {
     type Context = actix::Context<Self>;
 }
 
+/// Dials `url`, handshakes, opens every extra connection the choice needs.
+async fn dial(config: Arc<Config>, url: String) -> Result<PipeParts, Error> {
+    let bootstrap = scheme(&url)?.to_string();
+    let t = config.connect_timeout;
+    let stream = config.transport(&bootstrap)?.connect(&url, t).await?;
+    let hs = handshake::connect(
+        stream,
+        &config.brochure(&[]),
+        &config.limits,
+        config.handshake_timeout,
+    )
+    .await?;
+    let choice = hs.choice;
+    let mut control: Option<Halves> = None;
+    let mut lanes: Vec<Vec<Halves>> = choice.channels.iter().map(|_| Vec::new()).collect();
+    for purpose in choice.joins(&bootstrap) {
+        let stream = match purpose {
+            Purpose::Control => {
+                let addr = hs
+                    .theirs
+                    .transports
+                    .iter()
+                    .find(|o| o.name == choice.transport)
+                    .and_then(|o| o.addresses.first())
+                    .ok_or_else(|| Error::Unavailable {
+                        backend: choice.transport.clone(),
+                        reason: "the peer offers it but gives no address for it".into(),
+                    })?;
+                config
+                    .transport(&choice.transport)?
+                    .connect(addr, t)
+                    .await?
+            }
+            Purpose::Channel { .. } => config.transport(&bootstrap)?.connect(&url, t).await?,
+        };
+        let h = handshake::join(stream, choice.token, purpose, config.handshake_timeout).await?;
+        match purpose {
+            Purpose::Control => control = Some(h),
+            Purpose::Channel { channel, .. } => lanes[channel as usize].push(h),
+        }
+    }
+    Ok(PipeParts {
+        control: control.unwrap_or(hs.halves),
+        choice,
+        lanes,
+    })
+}
+
 impl Handler<Connect> for Context {
     type Result = ResponseFuture<Result<Addr<Pipe>, Error>>;
 
     fn handle(&mut self, msg: Connect, _: &mut Self::Context) -> Self::Result {
         let config = self.config.clone();
         Box::pin(async move {
-            let url = Url::parse(&msg.url)?;
-            let stream = config
-                .transport(&url.scheme)?
-                .connect(&url, config.connect_timeout)
-                .await?;
-            let hs = handshake(
-                stream,
-                Role::Connect,
-                &config.brochure(),
-                &config.limits,
-                config.handshake_timeout,
-            )
-            .await?;
-            Ok(spawn_pipe(hs, &config))
+            let parts = dial(config.clone(), msg.url).await?;
+            Ok(spawn_pipe(parts, &config))
         })
     }
 }
@@ -191,12 +323,29 @@ impl Handler<Listen> for Context {
             if msg.urls.is_empty() {
                 return Err(Error::invalid("Listen needs at least one URL"));
             }
-            let mut acceptors: Vec<Box<dyn Acceptor>> = Vec::new();
+            let mut acceptors: Vec<(String, Box<dyn Acceptor>)> = Vec::new();
             for u in &msg.urls {
-                let url = Url::parse(u)?;
-                acceptors.push(config.transport(&url.scheme)?.listen(&url).await?);
+                let name = scheme(u)?.to_string();
+                let a = config.transport(&name)?.listen(u).await?;
+                acceptors.push((name, a));
             }
-            let urls = acceptors.iter().flat_map(|a| a.urls()).collect();
+            // Transports a pipe may move to after bootstrapping need an endpoint too.
+            for (t, _) in &config.transports {
+                if acceptors.iter().any(|(n, _)| n == t.name()) {
+                    continue;
+                }
+                if let Some(u) = t.auto_listen_url() {
+                    match t.listen(&u).await {
+                        Ok(a) => acceptors.push((t.name().to_string(), a)),
+                        Err(e) => tracing::info!(transport = t.name(), error = %e, "not listening"),
+                    }
+                }
+            }
+            let urls = acceptors
+                .iter()
+                .filter(|(n, _)| msg.urls.iter().any(|u| scheme(u).ok() == Some(n.as_str())))
+                .flat_map(|(_, a)| a.urls())
+                .collect();
             let listener = Listener::new(acceptors, msg.subscriber, config).start();
             Ok(Listening { listener, urls })
         })

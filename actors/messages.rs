@@ -308,6 +308,9 @@ pub struct PipeInfo {
     pub channels: Vec<String>,
     /// Whether the pipe is closed.
     pub closed: bool,
+    /// Tensors that had to fall back from their channel's fast path (cma reads refused by the
+    /// kernel at run time, streamed over the channel's connection instead).
+    pub fallbacks: u64,
 }
 
 impl ActixMessage for GetInfo {

@@ -17,23 +17,22 @@
 
 use std::collections::VecDeque;
 use std::mem;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::Duration;
 
 use actix::prelude::*;
 use tokio::sync::{mpsc, oneshot};
 
-use super::channel::{Channel, ChannelKind, RecvTensor, SendTensor, StopChannel};
+use super::channel::{Channel, ChannelKind, Queue, RecvTensor, SendTensor, StopChannel};
 use super::connection::{Connection, Link, Shutdown};
 use super::context::Config;
 use super::messages::*;
+use crate::channel::cma::RemoteBuffer;
 use crate::error::{Error, Origin};
-use crate::handshake::Handshaken;
+use crate::handshake::Halves;
 use crate::message::{Allocation, Buffer, Descriptor, Message, Payload, Tensor};
-use crate::negotiate::{DeviceKind, DevicePair};
+use crate::negotiate::{Choice, DeviceKind, DevicePair};
 use crate::transport::stream::{unexpected, Done, InOp, OutOp, Reply};
 use crate::wire::{self, encode_frame, Frame, FrameKind, Limits, WireDescriptor};
 
@@ -56,16 +55,6 @@ impl<T: actix::Message<Result = ()> + Send + 'static> Completer<T> {
             }
             Completer::Notify(r) => r.do_send(v),
         }
-    }
-}
-
-/// The queue of completions from the connection loops, as a stream the actor polls.
-struct Completions(mpsc::UnboundedReceiver<Done>);
-
-impl futures_core::Stream for Completions {
-    type Item = Done;
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Option<Done>> {
-        self.0.poll_recv(cx)
     }
 }
 
@@ -142,10 +131,12 @@ pub struct Pipe {
     origin: Origin,
     info: PipeInfo,
     limits: Limits,
-    /// Index of the channel for CPU->CPU tensors.
+    /// Index of the channel for CPU->CPU tensors, and its kind.
     cpu_channel: usize,
+    cpu_kind: ChannelKind,
     conn: Option<(Addr<Connection>, Link)>,
     channels: Vec<Addr<Channel>>,
+    fallbacks: Arc<AtomicU64>,
     reply: Option<Reply>,
     completions: Option<mpsc::UnboundedReceiver<Done>>,
     error: Option<Error>,
@@ -168,58 +159,99 @@ pub struct Pipe {
     current: Option<WireDescriptor>,
 }
 
-/// Builds the actors of a pipe over a handshaken connection and starts them.
-pub(crate) fn spawn_pipe(hs: Handshaken, config: &Arc<Config>) -> Addr<Pipe> {
+/// Everything a pipe is built from: its control connection, what was negotiated, and each
+/// channel's own connections.
+pub(crate) struct PipeParts {
+    pub control: Halves,
+    pub choice: Choice,
+    pub lanes: Vec<Vec<Halves>>,
+}
+
+/// Builds the actors of a pipe and starts them.
+pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
+    let PipeParts {
+        control,
+        choice,
+        lanes,
+    } = parts;
     let id = NEXT_PIPE_ID.fetch_add(1, Ordering::Relaxed);
     let backend = format!(
         "{}/{}",
-        hs.choice.transport,
-        hs.choice
+        choice.transport,
+        choice
             .channels
             .iter()
             .map(|c| c.name.as_str())
             .collect::<Vec<_>>()
             .join("+")
     );
-    let origin = Origin::new(hs.peer.clone(), backend).with_pipe(id);
-    let (conn, link) = Connection::start(hs.read, hs.write, config.limits, origin.clone());
-    let (reply, completions) = mpsc::unbounded_channel();
-    let channels = hs
-        .choice
-        .channels
-        .iter()
-        .map(|c| {
-            // Negotiation only offers what this build has; `basic` is the one channel so far.
-            debug_assert_eq!(c.name, "basic");
-            let kind = ChannelKind::Basic {
-                chunk_size: config.chunk_size,
-            };
-            Channel::new(kind, link.clone(), reply.clone(), origin.clone()).start()
-        })
-        .collect();
+    let origin = Origin::new(control.peer.clone(), backend).with_pipe(id);
     let info = PipeInfo {
         id,
-        peer: hs.peer.clone(),
-        local: hs.local.clone(),
-        transport: hs.choice.transport.clone(),
-        channels: hs
-            .choice
+        peer: control.peer.clone(),
+        local: control.local.clone(),
+        transport: choice.transport.clone(),
+        channels: choice
             .channels
             .iter()
             .map(|c| format!("{} ({})", c.name, c.devices))
             .collect(),
         closed: false,
+        fallbacks: 0,
     };
-    let cpu_channel = hs.choice.channel_for(DevicePair::CPU).unwrap_or(0);
-    tracing::debug!(pipe = id, peer = %hs.peer, backend = %origin.backend, "pipe open");
+    let (conn, link) =
+        Connection::start(control.read, control.write, config.limits, origin.clone());
+    let (reply, completions) = mpsc::unbounded_channel();
+    let fallbacks = Arc::new(AtomicU64::new(0));
+    let chunk_size = config.chunk_size;
+    let mut kinds = Vec::new();
+    let channels = choice
+        .channels
+        .iter()
+        .zip(lanes)
+        .map(|(c, lanes)| {
+            let kind = match c.name.as_str() {
+                "xth" => ChannelKind::Xth { pipe: id },
+                "cma" => ChannelKind::Cma {
+                    threads: config.cma_threads,
+                    chunk_size,
+                },
+                "mpt" => ChannelKind::Mpt { chunk_size },
+                // Negotiation only offers what this build has; everything else is basic.
+                _ => ChannelKind::Basic { chunk_size },
+            };
+            kinds.push(kind);
+            let lanes = lanes
+                .into_iter()
+                .map(|h| Connection::start(h.read, h.write, config.limits, origin.clone()))
+                .collect();
+            Channel::new(
+                kind,
+                link.clone(),
+                lanes,
+                reply.clone(),
+                origin.clone(),
+                fallbacks.clone(),
+            )
+            .start()
+        })
+        .collect();
+    let cpu_channel = choice.channel_for(DevicePair::CPU).unwrap_or(0);
+    let cpu_kind = kinds
+        .get(cpu_channel)
+        .copied()
+        .unwrap_or(ChannelKind::Basic { chunk_size });
+    tracing::debug!(pipe = id, peer = %info.peer, backend = %origin.backend, "pipe open");
     Pipe {
         id,
         origin,
         info,
         limits: config.limits,
         cpu_channel,
+        cpu_kind,
         conn: Some((conn, link)),
         channels,
+        fallbacks,
         reply: Some(reply),
         completions: Some(completions),
         error: None,
@@ -247,7 +279,7 @@ impl Actor for Pipe {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         if let Some(rx) = self.completions.take() {
-            ctx.add_stream(Completions(rx));
+            ctx.add_stream(Queue(rx));
         }
         self.arm_prefetch();
         ctx.run_interval(ORPHAN_CHECK, |act, ctx| {
@@ -374,8 +406,20 @@ impl Pipe {
         let mut frame = self.frames.pop().unwrap_or_default();
         frame.clear();
         let cpu = self.cpu_channel as u8;
+        let (kind, id_bytes) = (self.cpu_kind, self.id.to_le_bytes());
         encode_frame(&mut frame, FrameKind::Descriptor, |b| {
-            wire::encode_descriptor(b, seq, &message, |_| (cpu, &[]))
+            wire::encode_descriptor(b, seq, &message, |i, data| {
+                match kind {
+                    ChannelKind::Xth { .. } => data.set(&id_bytes),
+                    ChannelKind::Cma { .. } => {
+                        if let Some(buf) = message.tensors[i].buffer.as_cpu() {
+                            data.set(&RemoteBuffer::local(buf).encode())
+                        }
+                    }
+                    _ => {}
+                }
+                cpu
+            })
         });
         let body = (frame.len() - wire::LEN_PREFIX) as u64;
         if body > self.limits.max_frame_size as u64 {
@@ -393,7 +437,12 @@ impl Pipe {
         }
         self.next_wire_seq += 1;
         let ticket = self.out_ticket;
-        self.out_ticket += 1 + message.tensors.len() as u64;
+        let on_control = self.cpu_kind.uses_control();
+        self.out_ticket += 1 + if on_control {
+            message.tensors.len() as u64
+        } else {
+            0
+        };
         let reply = self
             .reply
             .clone()
@@ -410,7 +459,7 @@ impl Pipe {
         for (i, t) in message.tensors.iter_mut().enumerate() {
             let Buffer::Cpu(buffer) = mem::take(&mut t.buffer);
             self.channels[self.cpu_channel].do_send(SendTensor {
-                ticket: ticket + 1 + i as u64,
+                ticket: if on_control { ticket + 1 + i as u64 } else { 0 },
                 seq,
                 index: i as u32,
                 buffer,
@@ -593,15 +642,19 @@ impl Pipe {
             ticket += 1;
         }
         let tensors_out = alloc.tensors.len();
-        for (i, (buffer, (ch, _))) in alloc.tensors.into_iter().zip(routes).enumerate() {
+        let on_control = self.cpu_kind.uses_control();
+        for (i, (buffer, (ch, data))) in alloc.tensors.into_iter().zip(routes).enumerate() {
             let Buffer::Cpu(buffer) = buffer;
             self.channels[ch as usize].do_send(RecvTensor {
-                ticket,
+                ticket: if on_control { ticket } else { 0 },
                 seq,
                 index: i as u32,
                 buffer,
+                data,
             });
-            ticket += 1;
+            if on_control {
+                ticket += 1;
+            }
         }
         self.in_ticket = ticket;
         self.arm_prefetch();
@@ -696,9 +749,10 @@ impl Pipe {
             Done::WroteTensor {
                 seq,
                 index,
-                buffer,
+                memory,
                 result,
             } => {
+                let buffer = memory.into_vec().unwrap_or_default();
                 let err = result.err().map(|e| self.op_failed(e));
                 if let Some(w) = self.writes.iter_mut().find(|w| w.seq == seq) {
                     if let Some(t) = w.message.tensors.get_mut(index as usize) {
@@ -762,9 +816,10 @@ impl Pipe {
             Done::Tensor {
                 seq,
                 index,
-                buffer,
+                memory,
                 result,
             } => {
+                let buffer = memory.into_vec().unwrap_or_default();
                 let err = result.err().map(|e| self.op_failed(e));
                 if let Some((
                     message,
@@ -985,6 +1040,8 @@ impl Handler<GetInfo> for Pipe {
     type Result = MessageResult<GetInfo>;
 
     fn handle(&mut self, _: GetInfo, _: &mut Self::Context) -> Self::Result {
-        MessageResult(self.info.clone())
+        let mut info = self.info.clone();
+        info.fallbacks = self.fallbacks.load(Ordering::Relaxed);
+        MessageResult(info)
     }
 }

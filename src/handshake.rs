@@ -1,75 +1,139 @@
-//! The handshake that turns a connected stream into a pipe's control connection.
+//! The handshake that turns connected streams into a pipe.
 //!
 //! ```text
-//! connector                              listener
-//!   preamble + Hello{brochure}  ───►
-//!                               ◄───  preamble + Hello{brochure}
-//!   Choice (or Reject{reason})  ───►     checks it computes the same choice
+//! connector                                   listener
+//!   preamble + Hello{brochure}        ───►       (greet: preamble, then the first frame)
+//!                                     ◄───     preamble + Hello{brochure}
+//!   Choice{transport, channels, token} ───►     checks it computes the same choice
+//!
+//! then, for each extra connection the choice needs (control stream on another transport,
+//! a channel's own connections):
+//!   preamble + Join{token, purpose}   ───►     attaches it to the pipe being set up
 //! ```
 //!
-//! Each side checks the other's preamble (magic and version) before decoding anything else, and
-//! the whole exchange runs under one deadline, so a silent or slow peer cannot hold a listener's
-//! resources.
+//! The listening side reads first, so one acceptor serves both new pipes (`Hello`) and
+//! connections joining one (`Join`). Each side checks the other's preamble (magic and version)
+//! before decoding anything else; a listener that sees another version answers with its own
+//! preamble so the peer can report both versions. Every step runs under a deadline, so a silent
+//! or slow peer cannot hold a listener's resources.
 
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 
 use crate::error::{Error, Origin};
-use crate::negotiate::{choose, Brochure, Choice, Hello};
+use crate::negotiate::{choose, Brochure, Choice, Hello, Join, Purpose};
 use crate::transport::stream::{io_error, read_frame, unexpected, READ_BUFFER};
 use crate::transport::{BoxRead, BoxWrite, Stream};
 use crate::wire::{encode_serde, Frame, FrameKind, Limits, Preamble, PREAMBLE_LEN};
 
-/// Which end of the connection this side is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    /// Dialed out; computes and sends the choice.
-    Connect,
-    /// Accepted; checks the choice.
-    Accept,
-}
-
-/// A stream after a successful handshake.
-pub struct Handshaken {
+/// A connection ready to carry frames: buffered read half, write half, addresses.
+pub struct Halves {
     /// The read half, with whatever the handshake left buffered.
     pub read: BufReader<BoxRead>,
     /// The write half.
     pub write: BoxWrite,
-    /// What both sides agreed on.
-    pub choice: Choice,
     /// The peer's address.
     pub peer: String,
     /// Our address.
     pub local: String,
 }
 
-impl std::fmt::Debug for Handshaken {
+impl std::fmt::Debug for Halves {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Handshaken")
-            .field("choice", &self.choice)
+        f.debug_struct("Halves")
             .field("peer", &self.peer)
+            .field("local", &self.local)
             .finish()
     }
 }
 
-/// Runs the handshake on `stream` within `deadline`.
-pub async fn handshake(
+impl From<Stream> for Halves {
+    fn from(s: Stream) -> Self {
+        Halves {
+            read: BufReader::with_capacity(READ_BUFFER, s.read),
+            write: s.write,
+            peer: s.peer,
+            local: s.local,
+        }
+    }
+}
+
+/// A bootstrap connection after a successful handshake.
+#[derive(Debug)]
+pub struct Handshaken {
+    /// The connection.
+    pub halves: Halves,
+    /// What both sides agreed on.
+    pub choice: Choice,
+    /// The peer's brochure (its addresses for other transports).
+    pub theirs: Brochure,
+}
+
+/// What the first frame on an accepted connection asked for.
+#[derive(Debug)]
+pub enum Greeting {
+    /// A new pipe: finish with [`accept`].
+    Hello(Halves, Brochure),
+    /// An extra connection for a pipe being set up.
+    Join(Halves, Join),
+}
+
+async fn deadline<T>(
+    d: Duration,
+    what: &'static str,
+    origin: &Origin,
+    f: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    match tokio::time::timeout(d, f).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::Timeout {
+            what,
+            after: d,
+            origin: origin.clone(),
+        }),
+    }
+}
+
+fn origin_of(h: &Halves) -> Origin {
+    Origin::new(h.peer.clone(), "")
+}
+
+async fn send(h: &mut Halves, bytes: &[u8], what: &'static str) -> Result<(), Error> {
+    let origin = origin_of(h);
+    h.write
+        .write_all(bytes)
+        .await
+        .map_err(|e| io_error(what, e, &origin))
+}
+
+async fn read_preamble(h: &mut Halves) -> Result<(), Error> {
+    let origin = origin_of(h);
+    let mut pre = [0u8; PREAMBLE_LEN];
+    h.read
+        .read_exact(&mut pre)
+        .await
+        .map_err(|e| io_error("reading the peer's preamble", e, &origin))?;
+    Preamble::check(&pre, &origin).map(drop)
+}
+
+fn rejected(reason: String) -> Error {
+    Error::Unavailable {
+        backend: "negotiation".into(),
+        reason: format!("the peer refused the pipe: {reason}"),
+    }
+}
+
+/// Connecting side: exchanges hellos over `stream` and sends the choice, with a fresh token.
+pub async fn connect(
     stream: Stream,
-    role: Role,
     ours: &Brochure,
     limits: &Limits,
-    deadline: Duration,
+    timeout: Duration,
 ) -> Result<Handshaken, Error> {
-    let origin = Origin::new(stream.peer.clone(), "tcp");
-    let Stream {
-        read,
-        mut write,
-        peer,
-        local,
-    } = stream;
-    let mut read = BufReader::with_capacity(READ_BUFFER, read);
-    let exchange = async {
+    let mut h = Halves::from(stream);
+    let origin = origin_of(&h);
+    deadline(timeout, "handshaking", &origin, async {
         let mut out = Vec::with_capacity(256);
         out.extend_from_slice(&Preamble::OURS.encode());
         encode_serde(
@@ -79,82 +143,147 @@ pub async fn handshake(
                 brochure: ours.clone(),
             },
         );
-        write
-            .write_all(&out)
-            .await
-            .map_err(|e| io_error("sending the hello", e, &origin))?;
-        let mut pre = [0u8; PREAMBLE_LEN];
-        read.read_exact(&mut pre)
-            .await
-            .map_err(|e| io_error("reading the peer's preamble", e, &origin))?;
-        Preamble::check(&pre, &origin)?;
+        send(&mut h, &out, "sending the hello").await?;
+        read_preamble(&mut h).await?;
         let mut buf = Vec::new();
-        let theirs = match read_frame(&mut read, &mut buf, limits, &origin).await? {
-            Frame::Hello(h) => h.brochure,
+        let theirs = match read_frame(&mut h.read, &mut buf, limits, &origin).await? {
+            Frame::Hello(hello) => hello.brochure,
             Frame::Reject(r) => return Err(rejected(r)),
             f => return Err(unexpected(f, "a hello", &origin)),
         };
-        match role {
-            Role::Connect => {
-                out.clear();
-                let choice = choose(ours, &theirs);
-                match &choice {
-                    Ok(c) => encode_serde(&mut out, FrameKind::Choice, c),
-                    Err(e) => encode_serde(&mut out, FrameKind::Reject, &e.0),
-                }
-                write
-                    .write_all(&out)
-                    .await
-                    .map_err(|e| io_error("sending the choice", e, &origin))?;
-                choice.map_err(|e| Error::Unavailable {
-                    backend: "negotiation".into(),
-                    reason: e.0,
-                })
-            }
-            Role::Accept => {
-                let got = match read_frame(&mut read, &mut buf, limits, &origin).await? {
-                    Frame::Choice(c) => c,
-                    Frame::Reject(r) => return Err(rejected(r)),
-                    f => return Err(unexpected(f, "a choice", &origin)),
-                };
-                let expected = choose(&theirs, ours).map_err(|e| {
-                    Error::protocol(
-                        format!("the peer chose {got:?} but nothing is in common: {e}"),
-                        &origin,
-                    )
-                })?;
-                if got != expected {
-                    return Err(Error::protocol(
-                        format!("the peer chose {got:?}, we compute {expected:?}"),
-                        &origin,
-                    ));
-                }
-                Ok(got)
-            }
+        out.clear();
+        let choice = choose(ours, &theirs).map(|mut c| {
+            c.token = fresh_token();
+            c
+        });
+        match &choice {
+            Ok(c) => encode_serde(&mut out, FrameKind::Choice, c),
+            Err(e) => encode_serde(&mut out, FrameKind::Reject, &e.0),
         }
-    };
-    let choice = match tokio::time::timeout(deadline, exchange).await {
-        Ok(r) => r?,
-        Err(_) => {
-            return Err(Error::Timeout {
-                what: "handshaking",
-                after: deadline,
-                origin,
-            })
-        }
-    };
-    Ok(Handshaken {
-        read,
-        write,
+        send(&mut h, &out, "sending the choice").await?;
+        let choice = choice.map_err(|e| Error::Unavailable {
+            backend: "negotiation".into(),
+            reason: e.0,
+        })?;
+        Ok((choice, theirs))
+    })
+    .await
+    .map(|(choice, theirs)| Handshaken {
+        halves: h,
         choice,
-        peer,
-        local,
+        theirs,
     })
 }
 
-fn rejected(reason: String) -> Error {
-    Error::Unavailable {
-        backend: "negotiation".into(),
-        reason: format!("the peer refused the pipe: {reason}"),
+/// Listening side: reads the preamble and the first frame of an accepted connection.
+pub async fn greet(stream: Stream, limits: &Limits, timeout: Duration) -> Result<Greeting, Error> {
+    let mut h = Halves::from(stream);
+    let origin = origin_of(&h);
+    enum First {
+        Hello(Brochure),
+        Join(Join),
     }
+    let first = deadline(timeout, "waiting for a hello", &origin, async {
+        if let Err(e) = read_preamble(&mut h).await {
+            if let Error::Version { .. } = e {
+                // Say which version we speak before hanging up.
+                let _ = h.write.write_all(&Preamble::OURS.encode()).await;
+            }
+            return Err(e);
+        }
+        let mut buf = Vec::new();
+        match read_frame(&mut h.read, &mut buf, limits, &origin).await? {
+            Frame::Hello(hello) => Ok(First::Hello(hello.brochure)),
+            Frame::Join(j) => Ok(First::Join(j)),
+            f => Err(unexpected(f, "a hello or a join", &origin)),
+        }
+    })
+    .await?;
+    Ok(match first {
+        First::Hello(theirs) => Greeting::Hello(h, theirs),
+        First::Join(j) => Greeting::Join(h, j),
+    })
+}
+
+/// Listening side, after a `Hello`: answers with our brochure and checks the peer's choice.
+pub async fn accept(
+    mut h: Halves,
+    theirs: Brochure,
+    ours: &Brochure,
+    limits: &Limits,
+    timeout: Duration,
+) -> Result<Handshaken, Error> {
+    let origin = origin_of(&h);
+    let choice = deadline(timeout, "handshaking", &origin, async {
+        let mut out = Vec::with_capacity(256);
+        out.extend_from_slice(&Preamble::OURS.encode());
+        encode_serde(
+            &mut out,
+            FrameKind::Hello,
+            &Hello {
+                brochure: ours.clone(),
+            },
+        );
+        send(&mut h, &out, "sending the hello").await?;
+        let mut buf = Vec::new();
+        let got = match read_frame(&mut h.read, &mut buf, limits, &origin).await? {
+            Frame::Choice(c) => c,
+            Frame::Reject(r) => return Err(rejected(r)),
+            f => return Err(unexpected(f, "a choice", &origin)),
+        };
+        let mut expected = choose(&theirs, ours).map_err(|e| {
+            Error::protocol(
+                format!("the peer chose {got:?} but nothing is in common: {e}"),
+                &origin,
+            )
+        })?;
+        expected.token = got.token;
+        if got != expected {
+            return Err(Error::protocol(
+                format!("the peer chose {got:?}, we compute {expected:?}"),
+                &origin,
+            ));
+        }
+        Ok(got)
+    })
+    .await?;
+    Ok(Handshaken {
+        halves: h,
+        choice,
+        theirs,
+    })
+}
+
+/// Connecting side: opens an extra connection's conversation with `Join`.
+pub async fn join(
+    stream: Stream,
+    token: u64,
+    purpose: Purpose,
+    timeout: Duration,
+) -> Result<Halves, Error> {
+    let mut h = Halves::from(stream);
+    let origin = origin_of(&h);
+    let mut out = Vec::with_capacity(64);
+    out.extend_from_slice(&Preamble::OURS.encode());
+    encode_serde(&mut out, FrameKind::Join, &Join { token, purpose });
+    deadline(
+        timeout,
+        "joining",
+        &origin,
+        send(&mut h, &out, "sending a join"),
+    )
+    .await?;
+    Ok(h)
+}
+
+/// A token naming a pipe during set-up: unpredictable enough that a stray connection cannot
+/// guess a pending pipe's (authentication proper comes with the shared secret).
+fn fresh_token() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.write_u32(std::process::id());
+    h.finish()
 }

@@ -70,6 +70,8 @@ pub struct ChannelOffer {
     pub domain: String,
     /// What it moves between.
     pub devices: DevicePair,
+    /// Connections of its own it needs per pipe (lanes for mpt, a side connection for cma).
+    pub connections: u32,
 }
 
 /// Everything one side can run.
@@ -95,6 +97,8 @@ pub struct ChannelChoice {
     pub name: String,
     /// The device pair it serves.
     pub devices: DevicePair,
+    /// Connections of its own that join the pipe at set-up.
+    pub connections: u32,
 }
 
 /// The outcome of negotiation; a tensor's descriptor names its channel by index in `channels`.
@@ -104,6 +108,51 @@ pub struct Choice {
     pub transport: String,
     /// One channel per device pair both sides serve, sorted by device pair.
     pub channels: Vec<ChannelChoice>,
+    /// Names the pipe when extra connections join it (set by the connecting side, random).
+    pub token: u64,
+}
+
+/// Why an extra connection joins a pipe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Purpose {
+    /// It carries the control stream (the chosen transport differs from the bootstrap one).
+    Control,
+    /// It is connection `lane` of channel `channel` (index in [`Choice::channels`]).
+    Channel {
+        /// Channel index.
+        channel: u32,
+        /// Connection index within the channel.
+        lane: u32,
+    },
+}
+
+/// First frame on a connection that joins a pipe being set up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Join {
+    /// The pipe's token from its [`Choice`].
+    pub token: u64,
+    /// What this connection is for.
+    pub purpose: Purpose,
+}
+
+impl Choice {
+    /// Every extra connection this choice needs, besides the bootstrap one, in the order the
+    /// connecting side opens them.
+    pub fn joins(&self, bootstrap: &str) -> Vec<Purpose> {
+        let mut v = Vec::new();
+        if self.transport != bootstrap {
+            v.push(Purpose::Control);
+        }
+        for (i, c) in self.channels.iter().enumerate() {
+            for lane in 0..c.connections {
+                v.push(Purpose::Channel {
+                    channel: i as u32,
+                    lane,
+                });
+            }
+        }
+        v
+    }
 }
 
 impl Choice {
@@ -166,6 +215,7 @@ pub fn choose(connector: &Brochure, listener: &Brochure) -> Result<Choice, NoCom
             channels.push(ChannelChoice {
                 name: c.name.clone(),
                 devices: pair,
+                connections: c.connections,
             });
         }
     }
@@ -177,6 +227,7 @@ pub fn choose(connector: &Brochure, listener: &Brochure) -> Result<Choice, NoCom
     Ok(Choice {
         transport: transport.name.clone(),
         channels,
+        token: 0,
     })
 }
 
@@ -208,6 +259,7 @@ mod tests {
             priority,
             domain: domain.into(),
             devices,
+            connections: 0,
         }
     }
 
@@ -257,6 +309,31 @@ mod tests {
         b.transports.reverse();
         assert_eq!(choose(&a, &b).unwrap(), choose(&a, &a).unwrap());
         assert_eq!(choose(&a, &b).unwrap().transport, "tcp");
+    }
+
+    #[test]
+    fn joins_list_every_extra_connection() {
+        let mut a = Brochure {
+            transports: vec![t("tcp", 0, ""), t("shm", 10, "h")],
+            channels: vec![c("mpt", 5, "", DevicePair::CPU)],
+        };
+        a.channels[0].connections = 2;
+        let choice = choose(&a, &a).unwrap();
+        assert_eq!(
+            choice.joins("tcp"),
+            vec![
+                Purpose::Control,
+                Purpose::Channel {
+                    channel: 0,
+                    lane: 0
+                },
+                Purpose::Channel {
+                    channel: 0,
+                    lane: 1
+                }
+            ]
+        );
+        assert_eq!(choice.joins("shm").len(), 2);
     }
 
     #[test]

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use actorpipe::handshake::{handshake, Role};
+use actorpipe::handshake;
 use actorpipe::negotiate::{Brochure, ChannelOffer, DevicePair, Offer};
 use actorpipe::transport::tcp::into_stream;
 use actorpipe::wire::{encode_frame, FrameKind, Preamble, MAGIC};
@@ -28,6 +28,7 @@ fn brochure() -> Brochure {
             priority: 0,
             domain: String::new(),
             devices: DevicePair::CPU,
+            connections: 0,
         }],
     }
 }
@@ -248,18 +249,12 @@ async fn garbage_after_the_handshake_closes_only_that_pipe() {
         let mut hs = within(
             5,
             "raw handshake",
-            handshake(
-                s,
-                Role::Connect,
-                &brochure(),
-                &Limits::default(),
-                Duration::from_secs(5),
-            ),
+            handshake::connect(s, &brochure(), &Limits::default(), Duration::from_secs(5)),
         )
         .await
         .expect("handshake");
         let pipe = server.next().await;
-        hs.write.write_all(&frame).await.unwrap();
+        hs.halves.write.write_all(&frame).await.unwrap();
         let d = within(5, "pending read fails", pipe.send(ReadDescriptor))
             .await
             .unwrap();
@@ -267,7 +262,7 @@ async fn garbage_after_the_handshake_closes_only_that_pipe() {
         assert_eq!(e.class(), class, "{e}");
         // The bad peer is told why before the connection goes.
         let mut back = Vec::new();
-        let _ = within(5, "hang up", hs.read.read_to_end(&mut back)).await;
+        let _ = within(5, "hang up", hs.halves.read.read_to_end(&mut back)).await;
         assert!(
             back.len() > 5 && back[4] == FrameKind::Close as u8,
             "close frame sent"

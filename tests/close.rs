@@ -24,7 +24,7 @@ async fn subscribe(pipe: &Addr<Pipe>) -> tokio::sync::mpsc::UnboundedReceiver<Cl
 /// order, with their buffers; the receiver's pending read fails with PeerClosed.
 #[actix::test]
 async fn local_close_fails_pending_writes_in_order_with_their_buffers() {
-    let (tx, rx, _s) = pair(Context::builder(), Context::builder()).await;
+    let (tx, rx, _s) = pair(tcp_basic(), tcp_basic()).await;
     let mut tx_closed = subscribe(&tx).await;
     let mut rx_closed = subscribe(&rx).await;
     let (done_to, mut done) = inbox::<WriteDone>();
@@ -101,7 +101,7 @@ async fn local_close_fails_pending_writes_in_order_with_their_buffers() {
 /// buffer back, and the writer's pending writes complete, in order, failing from some point on.
 #[actix::test]
 async fn receiver_closes_mid_transfer() {
-    let (tx, rx, _s) = pair(Context::builder().chunk_size(64 << 10), Context::builder()).await;
+    let (tx, rx, _s) = pair(tcp_basic().chunk_size(64 << 10), tcp_basic()).await;
     let (done_to, mut done) = inbox::<WriteDone>();
     for i in 0..4 {
         tx.do_send(Write::new(big_message(i, 64 << 20)).notify(done_to.clone()));
@@ -140,7 +140,7 @@ async fn receiver_closes_mid_transfer() {
 /// A peer that closes while nothing is pending is noticed; its reason is reported.
 #[actix::test]
 async fn idle_peer_close_is_noticed_with_its_reason() {
-    let (tx, rx, _s) = pair(Context::builder(), Context::builder()).await;
+    let (tx, rx, _s) = pair(tcp_basic(), tcp_basic()).await;
     let mut rx_closed = subscribe(&rx).await;
     tx.send(Close::because("maintenance")).await.unwrap();
     let c = within(10, "Closed", rx_closed.recv()).await.unwrap();
@@ -163,7 +163,7 @@ async fn idle_peer_close_is_noticed_with_its_reason() {
 /// Dropping every address of a pipe closes it; the peer notices.
 #[actix::test]
 async fn dropping_a_pipe_closes_it() {
-    let (tx, rx, _s) = pair(Context::builder(), Context::builder()).await;
+    let (tx, rx, _s) = pair(tcp_basic(), tcp_basic()).await;
     let mut rx_closed = subscribe(&rx).await;
     drop(tx);
     let c = within(10, "Closed after drop", rx_closed.recv())

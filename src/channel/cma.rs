@@ -54,7 +54,7 @@ impl ChannelBackend for Cma {
     }
 
     fn priority(&self) -> i32 {
-        50
+        200
     }
 
     fn domain(&self) -> String {
@@ -63,6 +63,19 @@ impl ChannelBackend for Cma {
 
     fn devices(&self) -> DevicePair {
         DevicePair::CPU
+    }
+
+    /// A side connection carries acknowledgements (and the bytes themselves when a read is
+    /// refused at run time).
+    fn connections(&self) -> u32 {
+        1
+    }
+
+    fn viable(&self) -> Result<(), String> {
+        static PROBE: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+        PROBE
+            .get_or_init(|| probe().map_err(|e| e.to_string()))
+            .clone()
     }
 }
 

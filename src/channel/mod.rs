@@ -11,6 +11,8 @@
 
 pub mod basic;
 pub mod cma;
+pub mod mpt;
+pub mod xth;
 
 use crate::negotiate::{ChannelOffer, DevicePair};
 
@@ -24,14 +26,23 @@ pub trait ChannelBackend: Send + Sync + 'static {
     fn domain(&self) -> String;
     /// What it moves between.
     fn devices(&self) -> DevicePair;
+    /// Connections of its own it needs per pipe.
+    fn connections(&self) -> u32 {
+        0
+    }
+    /// Whether it can run here; `Err` says why not.
+    fn viable(&self) -> Result<(), String> {
+        Ok(())
+    }
 
-    /// This backend's entry in a brochure.
-    fn offer(&self) -> ChannelOffer {
+    /// This backend's entry in a brochure, at `priority`.
+    fn offer(&self, priority: i32) -> ChannelOffer {
         ChannelOffer {
             name: self.name().into(),
-            priority: self.priority(),
+            priority,
             domain: self.domain(),
             devices: self.devices(),
+            connections: self.connections(),
         }
     }
 }

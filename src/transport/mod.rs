@@ -21,6 +21,16 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::error::Error;
 
+/// The scheme of a URL (`tcp` in `tcp://127.0.0.1:5`).
+pub fn scheme(url: &str) -> Result<&str, Error> {
+    match url.split_once("://") {
+        Some((s, _)) if !s.is_empty() => Ok(s),
+        _ => Err(Error::invalid(format!(
+            "bad URL {url:?}: expected scheme://address"
+        ))),
+    }
+}
+
 /// The read half of a connection.
 pub type BoxRead = Box<dyn AsyncRead + Send + Unpin>;
 /// The write half of a connection.
@@ -65,12 +75,18 @@ pub trait Transport: Send + Sync + 'static {
     fn priority(&self) -> i32;
     /// The domain descriptor: both peers must advertise the same string to use it.
     fn domain(&self) -> String;
-    /// Connects to `url` (the scheme is this transport's).
+    /// Connects to `url` (the scheme is this transport's; each transport parses its own URLs).
     fn connect<'a>(
         &'a self,
-        url: &'a Url,
+        url: &'a str,
         timeout: std::time::Duration,
     ) -> BoxFuture<'a, Result<Stream, Error>>;
     /// Binds a listening endpoint at `url`.
-    fn listen<'a>(&'a self, url: &'a Url) -> BoxFuture<'a, Result<Box<dyn Acceptor>, Error>>;
+    fn listen<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<Box<dyn Acceptor>, Error>>;
+
+    /// The URL to listen on when a listener enables this transport by itself (a pipe whose
+    /// control stream moves here after a TCP bootstrap); `None` if it cannot be auto-enabled.
+    fn auto_listen_url(&self) -> Option<String> {
+        None
+    }
 }

@@ -32,6 +32,63 @@ pub type Reply = mpsc::UnboundedSender<Done>;
 /// Capacity of the buffered reader in front of each connection.
 pub const READ_BUFFER: usize = 64 << 10;
 
+/// Memory a tensor operation reads from or writes into.
+#[derive(Debug)]
+pub enum Memory {
+    /// A buffer the operation owns and hands back.
+    Owned(Vec<u8>),
+    /// Part of a buffer owned elsewhere (a stripe of a tensor split across lanes).
+    Region(Region),
+}
+
+/// A raw, exclusively borrowed piece of memory; see [`Region::new`].
+#[derive(Debug)]
+pub struct Region {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a Region is an exclusive borrow of its bytes (the creator promised so in
+// `Region::new`); moving it to another thread moves that borrow, as `&mut [u8]` may be moved.
+unsafe impl Send for Region {}
+
+impl Region {
+    /// A region over `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    /// The bytes must stay allocated, and must not be accessed by anyone else, until the
+    /// operation holding the region has completed (its `Done` has been received).
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> Region {
+        Region { ptr, len }
+    }
+}
+
+impl Memory {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Memory::Owned(v) => v,
+            // SAFETY: `Region::new`'s contract: the bytes are alive and ours alone.
+            Memory::Region(r) => unsafe { std::slice::from_raw_parts(r.ptr, r.len) },
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            Memory::Owned(v) => v,
+            // SAFETY: `Region::new`'s contract: the bytes are alive and ours alone.
+            Memory::Region(r) => unsafe { std::slice::from_raw_parts_mut(r.ptr, r.len) },
+        }
+    }
+
+    /// The owned buffer, if this is one.
+    pub fn into_vec(self) -> Option<Vec<u8>> {
+        match self {
+            Memory::Owned(v) => Some(v),
+            Memory::Region(_) => None,
+        }
+    }
+}
+
 /// A write, in ticket order.
 #[derive(Debug)]
 pub enum OutOp {
@@ -46,7 +103,7 @@ pub enum OutOp {
         /// Where the completion goes.
         reply: Reply,
     },
-    /// A tensor, as chunk frames each followed by a piece of the buffer.
+    /// A tensor (or a stripe of one), as chunk frames each followed by a piece of the memory.
     Tensor {
         /// Position in the write order.
         ticket: u64,
@@ -55,7 +112,9 @@ pub enum OutOp {
         /// Tensor index in the message.
         index: u32,
         /// The bytes, handed back.
-        buffer: Vec<u8>,
+        memory: Memory,
+        /// Where `memory` starts within the tensor.
+        offset: u64,
         /// Largest piece per chunk frame.
         chunk_size: usize,
         /// Where the completion goes.
@@ -82,7 +141,7 @@ pub enum InOp {
         /// Where the completion goes.
         reply: Reply,
     },
-    /// A tensor sent as chunk frames by [`OutOp::Tensor`].
+    /// A tensor (or a stripe of one) sent as chunk frames by [`OutOp::Tensor`].
     Tensor {
         /// Position in the read order.
         ticket: u64,
@@ -90,8 +149,10 @@ pub enum InOp {
         seq: u64,
         /// Expected tensor index.
         index: u32,
-        /// The receiver's buffer, handed back filled.
-        buffer: Vec<u8>,
+        /// The receiver's memory, handed back filled.
+        memory: Memory,
+        /// Where `memory` starts within the tensor.
+        offset: u64,
         /// Where the completion goes.
         reply: Reply,
     },
@@ -117,8 +178,8 @@ pub enum Done {
         seq: u64,
         /// Tensor index.
         index: u32,
-        /// The buffer.
-        buffer: Vec<u8>,
+        /// The memory.
+        memory: Memory,
         /// Outcome.
         result: Result<(), Error>,
     },
@@ -144,8 +205,8 @@ pub enum Done {
         seq: u64,
         /// Tensor index.
         index: u32,
-        /// The buffer.
-        buffer: Vec<u8>,
+        /// The memory.
+        memory: Memory,
         /// Outcome.
         result: Result<(), Error>,
     },
@@ -187,7 +248,7 @@ impl Ticketed for OutOp {
             OutOp::Tensor {
                 seq,
                 index,
-                buffer,
+                memory,
                 reply,
                 ..
             } => send(
@@ -195,7 +256,7 @@ impl Ticketed for OutOp {
                 Done::WroteTensor {
                     seq,
                     index,
-                    buffer,
+                    memory,
                     result,
                 },
             ),
@@ -261,7 +322,7 @@ impl Ticketed for InOp {
             InOp::Tensor {
                 seq,
                 index,
-                buffer,
+                memory,
                 reply,
                 ..
             } => send(
@@ -269,7 +330,7 @@ impl Ticketed for InOp {
                 Done::Tensor {
                     seq,
                     index,
-                    buffer,
+                    memory,
                     result,
                 },
             ),
@@ -433,10 +494,12 @@ async fn write_op(w: &mut BoxWrite, op: &OutOp, scratch: &mut Vec<u8>) -> std::i
         OutOp::Tensor {
             seq,
             index,
-            buffer,
+            memory,
+            offset: base,
             chunk_size,
             ..
         } => {
+            let buffer = memory.as_slice();
             for (offset, len) in
                 crate::channel::basic::chunks(buffer.len() as u64, *chunk_size as u64)
             {
@@ -444,7 +507,7 @@ async fn write_op(w: &mut BoxWrite, op: &OutOp, scratch: &mut Vec<u8>) -> std::i
                 let h = ChunkHeader {
                     seq: *seq,
                     tensor: *index,
-                    offset,
+                    offset: base + offset,
                     length: len,
                 };
                 wire::encode_frame(scratch, FrameKind::Chunk, |b| wire::encode_chunk(b, &h));
@@ -586,11 +649,13 @@ pub fn unexpected(frame: Frame, wanted: &str, origin: &Origin) -> Error {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn read_tensor(
     r: &mut BufReader<BoxRead>,
     seq: u64,
     index: u32,
     buffer: &mut [u8],
+    base: u64,
     buf: &mut Vec<u8>,
     limits: &Limits,
     origin: &Origin,
@@ -604,14 +669,14 @@ async fn read_tensor(
         };
         if h.seq != seq
             || h.tensor != index
-            || h.offset != done
+            || h.offset != base + done
             || h.length == 0
             || h.length > total - done
         {
             return Err(Error::protocol(
                 format!(
-                    "chunk for message {} tensor {} at offset {} of {} bytes does not fit: expected message {seq} tensor {index} at offset {done}, {} bytes left",
-                    h.seq, h.tensor, h.offset, h.length, total - done
+                    "chunk for message {} tensor {} at offset {} of {} bytes does not fit: expected message {seq} tensor {index} at offset {}, {} bytes left",
+                    h.seq, h.tensor, h.offset, h.length, base + done, total - done
                 ),
                 origin,
             ));
@@ -643,9 +708,14 @@ async fn read_op(
             Ok(None)
         }
         InOp::Tensor {
-            seq, index, buffer, ..
+            seq,
+            index,
+            memory,
+            offset,
+            ..
         } => {
-            read_tensor(r, *seq, *index, buffer, buf, limits, origin).await?;
+            let buffer = memory.as_mut_slice();
+            read_tensor(r, *seq, *index, buffer, *offset, buf, limits, origin).await?;
             Ok(None)
         }
     }

@@ -121,13 +121,15 @@ impl Transport for Tcp {
 
     fn connect<'a>(
         &'a self,
-        url: &'a Url,
+        url: &'a str,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<Stream, Error>> {
-        Box::pin(connect(url, timeout))
+        Box::pin(async move { connect(&Url::parse(url)?, timeout).await })
     }
 
-    fn listen<'a>(&'a self, url: &'a Url) -> BoxFuture<'a, Result<Box<dyn Acceptor>, Error>> {
-        Box::pin(async move { Ok(Box::new(TcpAcceptor::bind(url).await?) as Box<dyn Acceptor>) })
+    fn listen<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<Box<dyn Acceptor>, Error>> {
+        Box::pin(async move {
+            Ok(Box::new(TcpAcceptor::bind(&Url::parse(url)?).await?) as Box<dyn Acceptor>)
+        })
     }
 }

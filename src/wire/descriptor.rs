@@ -39,6 +39,27 @@ pub struct ChunkHeader {
     pub length: u64,
 }
 
+/// A channel's per-tensor bytes in a descriptor, kept inline so encoding allocates nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChannelData {
+    len: u8,
+    bytes: [u8; 32],
+}
+
+impl ChannelData {
+    /// Sets the bytes (at most 32).
+    pub fn set(&mut self, b: &[u8]) {
+        let n = b.len().min(self.bytes.len());
+        self.bytes[..n].copy_from_slice(&b[..n]);
+        self.len = n as u8;
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+}
+
 fn device_code(d: Device) -> u64 {
     match d {
         Device::Cpu => 0,
@@ -70,12 +91,12 @@ fn put_array(b: &mut Vec<u8>, n: usize) {
 }
 
 /// Appends a descriptor body for `msg` to `buf`. `route(i)` names tensor `i`'s channel index and
-/// channel-specific bytes.
-pub fn encode_descriptor<'a>(
+/// writes its channel-specific bytes (none for most channels) into the scratch it is given.
+pub fn encode_descriptor(
     buf: &mut Vec<u8>,
     seq: u64,
-    msg: &'a Message,
-    mut route: impl FnMut(usize) -> (u8, &'a [u8]),
+    msg: &Message,
+    mut route: impl FnMut(usize, &mut ChannelData) -> u8,
 ) {
     put_array(buf, 4);
     put_uint(buf, seq);
@@ -88,7 +109,8 @@ pub fn encode_descriptor<'a>(
     }
     put_array(buf, msg.tensors.len());
     for (i, t) in msg.tensors.iter().enumerate() {
-        let (channel, data) = route(i);
+        let mut data = ChannelData::default();
+        let channel = route(i, &mut data);
         put_array(buf, 6);
         put_uint(buf, t.buffer.len());
         put_uint(buf, device_code(t.device()));
@@ -99,7 +121,7 @@ pub fn encode_descriptor<'a>(
             }
         }
         put_uint(buf, channel as u64);
-        put_bin(buf, data);
+        put_bin(buf, data.as_slice());
         put_bin(buf, &t.metadata);
     }
 }
@@ -258,6 +280,38 @@ pub fn decode_descriptor(body: &[u8], limits: &Limits) -> Result<WireDescriptor,
     })
 }
 
+/// A channel's acknowledgement of one tensor, sent by the receiver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ack {
+    /// Message sequence number.
+    pub seq: u64,
+    /// Tensor index within the message.
+    pub tensor: u32,
+    /// `true`: the receiver has the bytes; `false`: it could not take them this way and asks the
+    /// sender to send them over the channel's connection instead.
+    pub ok: bool,
+}
+
+/// Appends an ack body (`[seq, tensor, ok]`) to `buf`.
+pub fn encode_ack(buf: &mut Vec<u8>, a: &Ack) {
+    put_array(buf, 3);
+    put_uint(buf, a.seq);
+    put_uint(buf, a.tensor as u64);
+    let _ = rmp::encode::write_bool(buf, a.ok);
+}
+
+/// Decodes an ack body.
+pub fn decode_ack(body: &[u8]) -> Result<Ack, WireError> {
+    let mut c = Cursor { rest: body };
+    c.fixed_array(3, "ack")?;
+    let seq = c.uint("ack sequence number")?;
+    let tensor = u32::try_from(c.uint("ack tensor index")?)
+        .map_err(|_| WireError::Malformed("malformed frame: tensor index over u32".into()))?;
+    let ok = rmp::decode::read_bool(&mut c.rest).map_err(|_| malformed("ack flag"))?;
+    c.done()?;
+    Ok(Ack { seq, tensor, ok })
+}
+
 /// Decodes a chunk header body.
 pub fn decode_chunk(body: &[u8]) -> Result<ChunkHeader, WireError> {
     let mut c = Cursor { rest: body };
@@ -300,7 +354,10 @@ mod tests {
     fn descriptor_round_trip() {
         let m = sample();
         let mut buf = Vec::new();
-        encode_descriptor(&mut buf, 42, &m, |i| (i as u8, b"cd"));
+        encode_descriptor(&mut buf, 42, &m, |i, d| {
+            d.set(b"cd");
+            i as u8
+        });
         let d = decode_descriptor(&buf, &Limits::default()).unwrap();
         assert_eq!(d.seq, 42);
         assert_eq!(d.descriptor, m.descriptor());
@@ -311,7 +368,7 @@ mod tests {
     fn limits_refuse_before_allocation() {
         let m = sample();
         let mut buf = Vec::new();
-        encode_descriptor(&mut buf, 1, &m, |_| (0, &[]));
+        encode_descriptor(&mut buf, 1, &m, |_, _| 0);
         let tight = Limits {
             max_tensors: 1,
             ..Limits::default()
@@ -352,7 +409,7 @@ mod tests {
     #[test]
     fn truncation_and_trailing_bytes_are_malformed() {
         let mut buf = Vec::new();
-        encode_descriptor(&mut buf, 1, &sample(), |_| (0, &[]));
+        encode_descriptor(&mut buf, 1, &sample(), |_, _| 0);
         for cut in 0..buf.len() {
             assert!(decode_descriptor(&buf[..cut], &Limits::default()).is_err());
         }
@@ -367,7 +424,7 @@ mod tests {
     fn huge_sizes_are_legal_below_the_limit() {
         let m = Message::new();
         let mut buf = Vec::new();
-        encode_descriptor(&mut buf, 0, &m, |_| (0, &[]));
+        encode_descriptor(&mut buf, 0, &m, |_, _| 0);
         // Hand-build a tensor entry of 5 GiB: sizes are u64.
         let mut buf = Vec::new();
         put_array(&mut buf, 4);
@@ -384,6 +441,19 @@ mod tests {
         put_bin(&mut buf, b"");
         let d = decode_descriptor(&buf, &Limits::default()).unwrap();
         assert_eq!(d.descriptor.tensors[0].length, 5 << 30);
+    }
+
+    #[test]
+    fn ack_round_trip() {
+        let a = Ack {
+            seq: 3,
+            tensor: 1,
+            ok: false,
+        };
+        let mut buf = Vec::new();
+        encode_ack(&mut buf, &a);
+        assert_eq!(decode_ack(&buf).unwrap(), a);
+        assert!(decode_ack(&buf[..buf.len() - 1]).is_err());
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! Frame kinds, encoding into a reusable buffer, and decoding with limits.
 
-use super::descriptor::{decode_chunk, decode_descriptor, ChunkHeader, WireDescriptor};
+use super::descriptor::{
+    decode_ack, decode_chunk, decode_descriptor, Ack, ChunkHeader, WireDescriptor,
+};
 use super::{Limits, WireError, LEN_PREFIX};
-use crate::negotiate::{Choice, Hello};
+use crate::negotiate::{Choice, Hello, Join};
 
 /// The byte after a frame's length prefix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,6 +22,11 @@ pub enum FrameKind {
     Chunk = 5,
     /// The sender closes the pipe, with a reason.
     Close = 6,
+    /// An extra connection joins a pipe being set up (control stream on another transport, or a
+    /// channel's own connection).
+    Join = 7,
+    /// A channel's receiver tells the sender a tensor is done (or must be resent another way).
+    Ack = 8,
 }
 
 impl FrameKind {
@@ -31,6 +38,8 @@ impl FrameKind {
             4 => FrameKind::Descriptor,
             5 => FrameKind::Chunk,
             6 => FrameKind::Close,
+            7 => FrameKind::Join,
+            8 => FrameKind::Ack,
             _ => return None,
         })
     }
@@ -51,6 +60,10 @@ pub enum Frame {
     Chunk(ChunkHeader),
     /// The peer closes the pipe.
     Close(String),
+    /// A connection joins a pipe.
+    Join(Join),
+    /// A channel acknowledgement.
+    Ack(Ack),
 }
 
 impl Frame {
@@ -63,6 +76,8 @@ impl Frame {
             Frame::Descriptor(_) => FrameKind::Descriptor,
             Frame::Chunk(_) => FrameKind::Chunk,
             Frame::Close(_) => FrameKind::Close,
+            Frame::Join(_) => FrameKind::Join,
+            Frame::Ack(_) => FrameKind::Ack,
         }
     }
 }
@@ -115,6 +130,8 @@ pub fn decode_frame(bytes: &[u8], limits: &Limits) -> Result<Frame, WireError> {
         FrameKind::Descriptor => Frame::Descriptor(decode_descriptor(body, limits)?),
         FrameKind::Chunk => Frame::Chunk(decode_chunk(body)?),
         FrameKind::Close => Frame::Close(serde_body(body, "close")?),
+        FrameKind::Join => Frame::Join(serde_body(body, "join")?),
+        FrameKind::Ack => Frame::Ack(decode_ack(body)?),
     })
 }
 

@@ -20,7 +20,8 @@ mod descriptor;
 mod frame;
 
 pub use descriptor::{
-    decode_chunk, decode_descriptor, encode_chunk, encode_descriptor, ChunkHeader, WireDescriptor,
+    decode_ack, decode_chunk, decode_descriptor, encode_ack, encode_chunk, encode_descriptor, Ack,
+    ChannelData, ChunkHeader, WireDescriptor,
 };
 pub use frame::{decode_frame, encode_frame, encode_serde, Frame, FrameKind};
 

@@ -49,6 +49,12 @@ pub async fn within<T>(secs: u64, what: &str, f: impl std::future::Future<Output
     }
 }
 
+/// A context restricted to TCP and the basic channel: for tests of the pipe's own logic that
+/// assert what happens on a byte stream (other backends have their conformance suites).
+pub fn tcp_basic() -> ContextBuilder {
+    Context::builder().without("shm").only_channels(&["basic"])
+}
+
 /// A listening context: its address, its URL, and the queue of accepted pipes.
 pub struct Server {
     pub ctx: Addr<Context>,

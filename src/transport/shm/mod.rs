@@ -53,7 +53,7 @@ use std::time::Duration;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::task::JoinSet;
 
-use super::{Acceptor, BoxFuture, Host, Stream, Transport, Url};
+use super::{Acceptor, BoxFuture, Stream, Transport};
 use crate::error::{Error, Origin};
 
 /// How long an accepted connection may take to finish the bootstrap before it is dropped.
@@ -369,19 +369,6 @@ impl Acceptor for ShmAcceptor {
     }
 }
 
-/// The name a trait-level [`Url`] stands for: a host name with port 0.
-fn name_of(url: &Url) -> Result<Option<&str>, Error> {
-    match &url.host {
-        Host::Name(n) if url.port == 0 && url.scheme == "shm" => {
-            Ok(if n == AUTO { None } else { Some(n.as_str()) })
-        }
-        _ => Err(Error::invalid(format!(
-            "{url} is not a shm address: pass shm://<name> as a string to \
-             transport::shm::Shm::connect_url / listen_url, or shm://<name>:0 as a Url"
-        ))),
-    }
-}
-
 impl Transport for Shm {
     fn name(&self) -> &'static str {
         "shm"
@@ -395,25 +382,19 @@ impl Transport for Shm {
         domain()
     }
 
-    fn connect<'a>(
-        &'a self,
-        url: &'a Url,
-        timeout: Duration,
-    ) -> BoxFuture<'a, Result<Stream, Error>> {
-        Box::pin(async move {
-            match name_of(url)? {
-                Some(name) => self.connect_name(name, timeout).await,
-                None => Err(Error::invalid(format!(
-                    "cannot connect to {url}: name the listener"
-                ))),
-            }
-        })
+    fn auto_listen_url(&self) -> Option<String> {
+        Some(format!("shm://{AUTO}"))
     }
 
-    fn listen<'a>(&'a self, url: &'a Url) -> BoxFuture<'a, Result<Box<dyn Acceptor>, Error>> {
-        Box::pin(async move {
-            let name = name_of(url)?;
-            Ok(Box::new(self.listen_name(name).await?) as Box<dyn Acceptor>)
-        })
+    fn connect<'a>(
+        &'a self,
+        url: &'a str,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Stream, Error>> {
+        Box::pin(self.connect_url(url, timeout))
+    }
+
+    fn listen<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<Box<dyn Acceptor>, Error>> {
+        Box::pin(async move { Ok(Box::new(self.listen_url(url).await?) as Box<dyn Acceptor>) })
     }
 }

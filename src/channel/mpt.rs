@@ -1,0 +1,79 @@
+//! The multiplexed-transport channel: N lanes (separate TCP connections, each of which may leave
+//! from a different local address, i.e. a different NIC), each tensor striped across the lanes
+//! and reassembled in place.
+//!
+//! Each lane carries its stripe as chunk frames on its own connection, so lanes proceed in
+//! parallel and a slow lane does not stall the others' kernel buffers. Both sides compute the
+//! same stripes from the tensor's length, so no extra metadata travels.
+
+use super::ChannelBackend;
+use crate::negotiate::DevicePair;
+
+/// The multi-lane TCP channel.
+#[derive(Debug, Clone, Copy)]
+pub struct Mpt {
+    /// Connections per pipe.
+    pub lanes: u32,
+}
+
+impl Default for Mpt {
+    fn default() -> Self {
+        Mpt { lanes: 2 }
+    }
+}
+
+impl ChannelBackend for Mpt {
+    fn name(&self) -> &'static str {
+        "mpt"
+    }
+
+    fn priority(&self) -> i32 {
+        10
+    }
+
+    fn domain(&self) -> String {
+        String::new()
+    }
+
+    fn devices(&self) -> DevicePair {
+        DevicePair::CPU
+    }
+
+    fn connections(&self) -> u32 {
+        self.lanes.max(1)
+    }
+}
+
+/// Stripes below this size are not split further: one lane moves small tensors whole.
+pub const MIN_STRIPE: u64 = 64 << 10;
+
+/// Splits `len` bytes into at most `lanes` contiguous `(lane, offset, length)` stripes, none
+/// empty and none (but a whole small tensor) below [`MIN_STRIPE`]. Zero bytes give no stripe.
+pub fn stripes(len: u64, lanes: u32) -> impl Iterator<Item = (u32, u64, u64)> {
+    let lanes = (lanes.max(1) as u64).min(len.div_ceil(MIN_STRIPE)).max(1);
+    let per = len.div_ceil(lanes).max(1);
+    (0..lanes).filter_map(move |i| {
+        let offset = i * per;
+        (offset < len).then(|| (i as u32, offset, per.min(len - offset)))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stripes_cover_exactly() {
+        assert_eq!(stripes(0, 4).count(), 0);
+        assert_eq!(stripes(10, 4).collect::<Vec<_>>(), vec![(0, 0, 10)]);
+        let v: Vec<_> = stripes(1 << 20, 4).collect();
+        assert_eq!(v.len(), 4);
+        assert_eq!(v.iter().map(|s| s.2).sum::<u64>(), 1 << 20);
+        for w in v.windows(2) {
+            assert_eq!(w[0].1 + w[0].2, w[1].1);
+        }
+        let v: Vec<_> = stripes(3 * MIN_STRIPE + 1, 8).collect();
+        assert_eq!(v.len(), 4);
+        assert_eq!(v.iter().map(|s| s.2).sum::<u64>(), 3 * MIN_STRIPE + 1);
+    }
+}
