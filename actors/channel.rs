@@ -217,6 +217,15 @@ impl Channel {
     fn maybe_stop(&mut self, ctx: &mut Context<Self>) {
         if self.stopping && self.held.is_empty() && self.xth_keys.is_empty() && self.reading == 0 {
             ctx.stop();
+        } else if self.stopping && self.reading == 0 && !self.held.values().any(|h| h.sending) {
+            // A cma receiver whose reads are over: hanging up tells the sender it may let go.
+            self.shutdown_lanes();
+        }
+    }
+
+    fn shutdown_lanes(&mut self) {
+        for l in &self.lanes {
+            l.conn.do_send(Shutdown::default());
         }
     }
 
@@ -539,9 +548,7 @@ impl Actor for Channel {
     }
 
     fn stopped(&mut self, _: &mut Self::Context) {
-        for l in &self.lanes {
-            l.conn.do_send(Shutdown::default());
-        }
+        self.shutdown_lanes();
         // A channel torn down with buffers still out (the system shutting down) must not free
         // memory the I/O loops may still touch.
         for (_, h) in self.held.drain() {
@@ -721,11 +728,18 @@ impl Handler<StopChannel> for Channel {
             // or from the other side if it got there first. Either way `on_own` removes the key.
             xth::withdraw(*k, &e);
         }
-        for l in &self.lanes {
-            l.conn.do_send(Shutdown::default());
+        if let ChannelKind::Cma { .. } = self.kind {
+            // A peer may be reading our buffers right now: they go back to the user only once
+            // it acknowledges or hangs up its side connection (it does when its reads are
+            // over), or after a grace period if it is frozen.
+            ctx.run_later(CMA_GRACE, |act, _| act.shutdown_lanes());
+        } else {
+            self.shutdown_lanes();
+            self.fail_held(e);
         }
-        // Sent cma tensors waiting for an ack: the ack will never come.
-        self.fail_held(e);
         self.maybe_stop(ctx);
     }
 }
+
+/// How long a stopping cma sender waits for its peer to finish reading its buffers.
+const CMA_GRACE: std::time::Duration = std::time::Duration::from_secs(5);

@@ -180,6 +180,12 @@ impl Actor for Listener {
             };
             ctx.spawn(accept_loop.into_actor(self));
         }
+        // Like a pipe, a listener nobody holds an address of any more stops (and frees its ports).
+        ctx.run_interval(Duration::from_secs(2), |_, ctx| {
+            if !ctx.connected() {
+                ctx.stop();
+            }
+        });
     }
 }
 

@@ -75,6 +75,10 @@ impl ActixMessage for Listen {
 }
 
 /// A running listener and the URLs it is reachable at (ports resolved).
+///
+/// The listener runs while someone holds its address: keep `listener` (or this value) for as
+/// long as you want to accept pipes. Once every address is dropped it stops within about two
+/// seconds and frees its ports; pipes it accepted keep running.
 #[derive(Debug, Clone)]
 pub struct Listening {
     /// The listener actor; send it [`StopListening`] to stop accepting.

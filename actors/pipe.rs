@@ -5,10 +5,12 @@
 //! for all of them at once, so the bytes of message n always precede those of message n + 1
 //! whichever mailbox each part went through.
 //!
-//! Reads: the pipe keeps one descriptor read armed ahead of the user (the *prefetch*), so a
-//! `ReadDescriptor` is answered as soon as the frame is in, and a peer that goes away is noticed
-//! even when nothing is pending. A `Read` hands the user's buffers to the connection and the
-//! channels, then arms the next prefetch.
+//! Reads: the pipe keeps reading descriptors ahead of the user (the *prefetch*), so a
+//! `ReadDescriptor` is answered as soon as the frame is in, and a peer that closes or goes away
+//! is noticed even when nothing is pending. Prefetching goes on while the control stream holds
+//! only frames (messages whose payloads and tensors travel elsewhere), up to
+//! [`MAX_PREFETCH`] descriptors; it pauses at a descriptor whose bytes follow in-band, until the
+//! user's `Read` for it has handed its buffers to the connection.
 //!
 //! Completions are delivered strictly in issue order per kind (writes; descriptor reads and
 //! reads). On any failure the pipe records the first error, stops its connection (which hands
@@ -119,10 +121,16 @@ impl PendingRead {
     }
 }
 
-enum Prefetch {
-    Idle,
-    InFlight,
-    Ready(WireDescriptor),
+/// Most descriptors read ahead of the user.
+pub const MAX_PREFETCH: usize = 16;
+
+/// Descriptors read ahead of the user.
+#[derive(Default)]
+struct Prefetch {
+    ready: VecDeque<WireDescriptor>,
+    in_flight: bool,
+    /// The last ready descriptor has bytes in-band: nothing more can be read before its `Read`.
+    blocked: bool,
 }
 
 /// One pipe: ordered messages to and from one peer.
@@ -268,7 +276,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         next_read_id: 0,
         in_ticket: 0,
         expect_seq: 0,
-        prefetch: Prefetch::Idle,
+        prefetch: Prefetch::default(),
         current: None,
     }
     .start()
@@ -356,6 +364,14 @@ impl Pipe {
             m.tensors
                 .iter()
                 .find_map(|t| over("tensor size", t.buffer.len(), l.max_tensor_size)),
+            over(
+                "metadata size",
+                (m.metadata.len()
+                    + m.payloads.iter().map(|p| p.metadata.len()).sum::<usize>()
+                    + m.tensors.iter().map(|t| t.metadata.len()).sum::<usize>())
+                    as u64,
+                l.max_metadata_size,
+            ),
         ];
         match checks.into_iter().flatten().next() {
             Some(e) => Err(e),
@@ -491,8 +507,15 @@ impl Pipe {
 
     // ----- reads --------------------------------------------------------------------------
 
+    /// Whether reading message `d` takes reads on the control connection (payload bytes, or
+    /// tensors of a channel that travels there).
+    fn in_band(&self, payloads: usize, tensors: usize) -> bool {
+        payloads > 0 || (self.cpu_kind.uses_control() && tensors > 0)
+    }
+
     fn arm_prefetch(&mut self) {
-        if self.error.is_some() || !matches!(self.prefetch, Prefetch::Idle) {
+        let p = &self.prefetch;
+        if self.error.is_some() || p.in_flight || p.blocked || p.ready.len() >= MAX_PREFETCH {
             return;
         }
         let (Some((_, link)), Some(reply)) = (&self.conn, &self.reply) else {
@@ -500,7 +523,7 @@ impl Pipe {
         };
         let ticket = self.in_ticket;
         self.in_ticket += 1;
-        self.prefetch = Prefetch::InFlight;
+        self.prefetch.in_flight = true;
         link.read(
             InOp::Frame {
                 ticket,
@@ -562,16 +585,14 @@ impl Pipe {
                     // The previous message has not been read yet.
                     return false;
                 }
-                match mem::replace(&mut self.prefetch, Prefetch::Idle) {
-                    Prefetch::Ready(wd) => {
+                match self.prefetch.ready.pop_front() {
+                    Some(wd) => {
                         *result = Some(Ok(wd.descriptor.clone()));
                         self.current = Some(wd);
+                        self.arm_prefetch();
                         true
                     }
-                    other => {
-                        self.prefetch = other;
-                        false
-                    }
+                    None => false,
                 }
             }
             PendingRead::Read { message, state, .. } => {
@@ -628,6 +649,7 @@ impl Pipe {
         let (Some((_, link)), Some(reply)) = (&self.conn, &self.reply) else {
             unreachable!("reads start only while the pipe is open");
         };
+        let in_band = self.in_band(alloc.payloads.len(), alloc.tensors.len());
         let mut ticket = self.in_ticket;
         let payload_ticket = (!alloc.payloads.is_empty()).then_some(ticket);
         if payload_ticket.is_some() {
@@ -657,6 +679,10 @@ impl Pipe {
             }
         }
         self.in_ticket = ticket;
+        if in_band {
+            // This was the descriptor holding the prefetch back.
+            self.prefetch.blocked = false;
+        }
         self.arm_prefetch();
         (
             message,
@@ -773,11 +799,15 @@ impl Pipe {
                 match outcome {
                     Ok(wd) => {
                         self.expect_seq += 1;
-                        self.prefetch = Prefetch::Ready(wd);
+                        self.prefetch.in_flight = false;
+                        let d = &wd.descriptor;
+                        self.prefetch.blocked = self.in_band(d.payloads.len(), d.tensors.len());
+                        self.prefetch.ready.push_back(wd);
                         self.advance_reads();
+                        self.arm_prefetch();
                     }
                     Err(e) => {
-                        self.prefetch = Prefetch::Idle;
+                        self.prefetch.in_flight = false;
                         self.fail(e);
                     }
                 }
@@ -869,9 +899,7 @@ impl Pipe {
         }
         // Our own sender goes; the completion stream ends once every buffer is back.
         self.reply = None;
-        if let Prefetch::Ready(_) = self.prefetch {
-            self.prefetch = Prefetch::Idle;
-        }
+        self.prefetch.ready.clear();
         self.advance_reads();
         self.pump_writes();
     }

@@ -96,7 +96,8 @@ fn main() -> std::io::Result<()> {
         .nth(1)
         .unwrap_or_else(|| "tcp://127.0.0.1:0".into());
     let system = System::new();
-    system.block_on(async move {
+    // The listener runs while its address is held: keep it until the system stops.
+    let _listening = system.block_on(async move {
         let ctx = actorpipe::Context::builder().start();
         let server = Server.start();
         match ctx.send(Listen::new([url], server.recipient())).await {
@@ -105,6 +106,7 @@ fn main() -> std::io::Result<()> {
                 println!("listening on {}", l.urls[0]);
                 use std::io::Write as _;
                 std::io::stdout().flush().ok();
+                l
             }
             Ok(Err(e)) => {
                 eprintln!("cannot listen: {e}");

@@ -150,6 +150,14 @@ pub enum Error {
         /// The operating system's answer.
         source: Arc<std::io::Error>,
     },
+    /// Binding a listening endpoint failed (address in use, not local, no permission).
+    #[error("cannot listen on {url}: {source}")]
+    Listen {
+        /// The URL to listen on.
+        url: String,
+        /// The operating system's answer.
+        source: Arc<std::io::Error>,
+    },
     /// An I/O error on an established connection.
     #[error("I/O error while {op}: {source} {origin}")]
     Io {
@@ -206,6 +214,7 @@ impl Error {
             Error::Unavailable { .. } => "unavailable",
             Error::Timeout { .. } => "timeout",
             Error::Connect { .. } => "connect",
+            Error::Listen { .. } => "listen",
             Error::Io { .. } => "io",
             Error::InvalidArgument { .. } => "invalid_argument",
         }

@@ -239,10 +239,14 @@ pub async fn accept(
         })?;
         expected.token = got.token;
         if got != expected {
-            return Err(Error::protocol(
+            let e = Error::protocol(
                 format!("the peer chose {got:?}, we compute {expected:?}"),
                 &origin,
-            ));
+            );
+            out.clear();
+            encode_serde(&mut out, FrameKind::Reject, &e.to_string());
+            let _ = send(&mut h, &out, "sending a refusal").await;
+            return Err(e);
         }
         Ok(got)
     })

@@ -317,7 +317,24 @@ pub fn plan(len: u64, max_per_call: u64, threads: usize) -> impl Iterator<Item =
 /// a failure `dst` holds an unspecified mix of old and new bytes. Blocks: an actor runs it off its
 /// event loop.
 pub fn read_remote(src: &RemoteBuffer, dst: &mut [u8], threads: usize) -> Result<(), CmaError> {
+    if REFUSE.load(std::sync::atomic::Ordering::Relaxed) && !dst.is_empty() {
+        return Err(CmaError::NotPermitted {
+            pid: src.pid,
+            source: io::Error::from_raw_os_error(libc::EPERM),
+        });
+    }
     read_remote_with(src, dst, threads, max_per_call())
+}
+
+static REFUSE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Fault injection: while on, every non-empty [`read_remote`] in this process fails with
+/// [`CmaError::NotPermitted`] (EPERM), as it would under ptrace restrictions or seccomp.
+///
+/// This is how the fallback path (the bytes streamed over the channel's side connection
+/// instead) is exercised on machines where cma is allowed; it has no other use.
+pub fn simulate_refusal(on: bool) {
+    REFUSE.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 fn read_remote_with(

@@ -639,7 +639,7 @@ pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(
 pub fn unexpected(frame: Frame, wanted: &str, origin: &Origin) -> Error {
     match frame {
         Frame::Close(reason) => Error::PeerClosed {
-            reason: format!("the peer closed the pipe: {reason}"),
+            reason: format!("it said {reason:?}"),
             origin: origin.clone(),
         },
         f => Error::protocol(

@@ -84,7 +84,7 @@ impl TcpAcceptor {
                 Err(e) => last = Some(e),
             }
         }
-        Err(Error::Connect {
+        Err(Error::Listen {
             url: url.to_string(),
             source: Arc::new(last.unwrap_or_else(|| {
                 std::io::Error::new(std::io::ErrorKind::NotFound, "no address")

@@ -40,7 +40,7 @@
 pub(crate) mod bootstrap;
 pub(crate) mod fd;
 pub(crate) mod halves;
-pub(crate) mod ring;
+pub mod ring;
 #[cfg(test)]
 mod tests;
 
@@ -293,7 +293,7 @@ fn listen_error(name: &str, e: io::Error) -> Error {
     } else {
         e
     };
-    Error::Connect {
+    Error::Listen {
         url: url_of(name),
         source: Arc::new(e),
     }

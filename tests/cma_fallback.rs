@@ -1,0 +1,45 @@
+//! The cma channel when the kernel refuses the read at run time (EPERM, as under ptrace rules or
+//! seccomp): the pipe does not die, the bytes come over the channel's side connection instead,
+//! and the fallback is reported. The refusal is injected (`cma::simulate_refusal`), because this
+//! machine allows the read; everything after the refused system call is the real path.
+//!
+//! This file is its own test binary: the switch is process-wide.
+
+mod common;
+
+use actorpipe::channel::cma;
+use actorpipe::*;
+use common::*;
+
+#[actix::test]
+async fn refused_reads_fall_back_and_are_reported() {
+    let b = || {
+        Context::builder()
+            .without("shm")
+            .only_channels(&["cma", "basic"])
+            .chunk_size(64 << 10)
+    };
+    let (tx, rx, _s) = pair(b(), b()).await;
+    assert_eq!(
+        rx.send(GetInfo).await.unwrap().channels,
+        vec!["cma (cpu->cpu)"]
+    );
+    cma::simulate_refusal(true);
+    for i in 0..10 {
+        let w = tx.send(Write::new(checked_message(i, &[5], &[0, 1, (1 << 20) + 7])));
+        assert_eq!(verify(&within(20, "read", read_one(&rx)).await.unwrap()), i);
+        within(20, "write", w).await.unwrap().result.unwrap();
+    }
+    let info = rx.send(GetInfo).await.unwrap();
+    assert!(!info.closed, "the pipe survives");
+    assert_eq!(
+        info.fallbacks, 20,
+        "two non-empty tensors per message fell back"
+    );
+    // The refusal lifts: the fast path is back, no more fallbacks.
+    cma::simulate_refusal(false);
+    let w = tx.send(Write::new(checked_message(99, &[], &[4096])));
+    assert_eq!(verify(&read_one(&rx).await.unwrap()), 99);
+    w.await.unwrap().result.unwrap();
+    assert_eq!(rx.send(GetInfo).await.unwrap().fallbacks, 20);
+}

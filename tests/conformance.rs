@@ -1,0 +1,324 @@
+//! Conformance suites: the same cases run over every transport and every channel.
+//!
+//! `transport_suite!` instantiates the transport cases for one transport (with the basic
+//! channel), `channel_suite!` the channel cases for one channel (over TCP, so the channel alone
+//! is under test). Each instance first checks that negotiation picked the backend it names, so a
+//! suite cannot silently run over another backend. A new backend is done when it passes.
+//!
+//! Everything here runs in one process: cross-process runs of the same backends are in
+//! `tests/processes.rs` (shm + cma are what two processes of one user negotiate).
+
+mod common;
+
+use std::sync::Arc;
+
+use actix::Addr;
+use actorpipe::transport::shm::Shm;
+use actorpipe::*;
+use common::*;
+
+/// A small chunk and ring so that "larger than any internal ring or chunk" is cheap to reach.
+const CHUNK: usize = 64 << 10;
+const RING: usize = 64 << 10;
+
+/// Sizes that are unaligned, tiny, empty, and larger than the chunk and the ring.
+const SIZES: [usize; 9] = [0, 1, 7, 31, 4097, 65_537, 200_003, 1 << 20, (3 << 20) + 5];
+
+async fn connected(
+    builder: fn() -> ContextBuilder,
+    transport: &str,
+    channel: &str,
+) -> (Addr<Pipe>, Addr<Pipe>, Server) {
+    let (tx, rx, s) = pair(builder(), builder()).await;
+    for p in [&tx, &rx] {
+        let info = p.send(GetInfo).await.unwrap();
+        assert_eq!(info.transport, transport, "negotiated transport");
+        assert!(
+            info.channels
+                .iter()
+                .any(|c| c.starts_with(&format!("{channel} "))),
+            "negotiated channels {:?}, expected {channel}",
+            info.channels
+        );
+    }
+    (tx, rx, s)
+}
+
+/// Many messages, up to 16 writes in flight, every size: order and content preserved.
+async fn order_of_many_ops(b: fn() -> ContextBuilder, t: &str, c: &str) {
+    let (tx, rx, _s) = connected(b, t, c).await;
+    let (done_to, mut done) = inbox::<WriteDone>();
+    const N: u64 = 150;
+    let writer = async {
+        let mut rng = Rng(11);
+        let mut next = 0;
+        for i in 0..N {
+            let pick = |rng: &mut Rng| SIZES[rng.below(SIZES.len() as u64) as usize];
+            let payloads: Vec<usize> = (0..rng.below(3)).map(|_| pick(&mut rng) % 70_000).collect();
+            let tensors: Vec<usize> = (0..rng.below(4)).map(|_| pick(&mut rng)).collect();
+            tx.do_send(Write::new(checked_message(i, &payloads, &tensors)).notify(done_to.clone()));
+            while i + 1 - next >= 16 || (i == N - 1 && next < N) {
+                let d = done.recv().await.unwrap();
+                assert_eq!(d.id, next, "write completions in order");
+                d.result.expect("write");
+                assert_eq!(verify(&d.message), next, "buffers handed back whole");
+                next += 1;
+            }
+        }
+    };
+    let reader = async {
+        for i in 0..N {
+            assert_eq!(verify(&read_one(&rx).await.expect("read")), i);
+        }
+    };
+    within(120, "many ops", async { tokio::join!(writer, reader) }).await;
+}
+
+/// Empty messages, empty and one-byte payloads and tensors.
+async fn empty_and_one_byte(b: fn() -> ContextBuilder, t: &str, c: &str) {
+    let (tx, rx, _s) = connected(b, t, c).await;
+    for (i, (p, ts)) in [
+        (vec![], vec![]),
+        (vec![0], vec![0]),
+        (vec![1], vec![1]),
+        (vec![0, 1, 0], vec![1, 0, 1]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let w = tx.send(Write::new(checked_message(i as u64, &p, &ts)));
+        assert_eq!(verify(&read_one(&rx).await.unwrap()), i as u64);
+        within(10, "write", w).await.unwrap().result.unwrap();
+    }
+}
+
+/// A tensor and a payload each larger than every ring and chunk, with unaligned sizes.
+async fn larger_than_rings_and_chunks(b: fn() -> ContextBuilder, t: &str, c: &str) {
+    let (tx, rx, _s) = connected(b, t, c).await;
+    let m = checked_message(5, &[(1 << 20) + 3], &[(9 << 20) + 1, RING * 3 + 1]);
+    let w = tx.send(Write::new(m));
+    assert_eq!(verify(&within(60, "read", read_one(&rx)).await.unwrap()), 5);
+    within(60, "write", w).await.unwrap().result.unwrap();
+}
+
+/// Both directions of one pipe at once.
+async fn both_directions(b: fn() -> ContextBuilder, t: &str, c: &str) {
+    let (x, y, _s) = connected(b, t, c).await;
+    let one_way = |from: Addr<Pipe>, to: Addr<Pipe>, base: u64| async move {
+        for i in 0..20 {
+            let w = from.send(Write::new(checked_message(base + i, &[33], &[70_001, 5])));
+            assert_eq!(verify(&read_one(&to).await.unwrap()), base + i);
+            w.await.unwrap().result.unwrap();
+        }
+    };
+    within(60, "both directions", async {
+        tokio::join!(one_way(x.clone(), y.clone(), 0), one_way(y, x, 1000))
+    })
+    .await;
+}
+
+/// Sixteen pipes of one context pair, all busy at once.
+async fn concurrent_pipes(b: fn() -> ContextBuilder, t: &str, c: &str) {
+    let mut server = Server::start(b(), "tcp://127.0.0.1:0").await;
+    let client = b().start();
+    let mut tasks = Vec::new();
+    for p in 0..16u64 {
+        let tx = client
+            .send(Connect::new(&server.url))
+            .await
+            .unwrap()
+            .expect("connect");
+        let rx = server.next().await;
+        let info = tx.send(GetInfo).await.unwrap();
+        assert_eq!(info.transport, t);
+        assert!(info.channels.iter().any(|x| x.starts_with(c)));
+        tasks.push(actix::spawn(async move {
+            for i in 0..6 {
+                let id = p * 100 + i;
+                let w = tx.send(Write::new(checked_message(
+                    id,
+                    &[10],
+                    &[100_000 + p as usize],
+                )));
+                assert_eq!(verify(&read_one(&rx).await.unwrap()), id);
+                w.await.unwrap().result.unwrap();
+            }
+        }));
+    }
+    within(120, "concurrent pipes", async {
+        for t in tasks {
+            t.await.expect("pipe task");
+        }
+    })
+    .await;
+}
+
+/// Checks a run of write completions: in order, buffers back, no success after a failure.
+async fn writes_complete_in_order(
+    done: &mut tokio::sync::mpsc::UnboundedReceiver<WriteDone>,
+    n: u64,
+    size: usize,
+) -> bool {
+    let mut failed = false;
+    for i in 0..n {
+        let d = within(20, "write completion", done.recv()).await.unwrap();
+        assert_eq!(d.id, i, "in order");
+        assert_eq!(
+            d.message.tensors[0].buffer.len(),
+            size as u64,
+            "buffer back"
+        );
+        match d.result {
+            Ok(()) => assert!(!failed, "no success after a failure"),
+            Err(e) => {
+                failed = true;
+                assert!(
+                    matches!(e.class(), "closed" | "peer_closed"),
+                    "a close error, got {e}"
+                );
+            }
+        }
+    }
+    failed
+}
+
+/// The writer closes while its writes are in flight and the reader reads one message.
+async fn close_mid_operation_by_writer(b: fn() -> ContextBuilder, t: &str, c: &str) {
+    let (tx, rx, _s) = connected(b, t, c).await;
+    let (rx_closed_to, mut rx_closed) = inbox::<Closed>();
+    rx.send(Subscribe(rx_closed_to)).await.unwrap();
+    let (done_to, mut done) = inbox::<WriteDone>();
+    const SIZE: usize = 16 << 20;
+    for i in 0..4 {
+        let m = Message::new().with_tensor(Tensor::cpu(vec![i as u8; SIZE]));
+        tx.do_send(Write::new(m).notify(done_to.clone()));
+    }
+    let d = within(10, "descriptor", rx.send(ReadDescriptor))
+        .await
+        .unwrap();
+    let read = rx.send(Read::new(
+        Allocation::for_descriptor(&d.descriptor.unwrap()).unwrap(),
+    ));
+    let closed = within(10, "close", tx.send(Close::because("writer done")))
+        .await
+        .unwrap();
+    assert_eq!(closed.error.class(), "closed");
+    writes_complete_in_order(&mut done, 4, SIZE).await;
+    let r = within(20, "read", read).await.unwrap();
+    assert_eq!(
+        r.message.tensors[0].buffer.len(),
+        SIZE as u64,
+        "buffer back"
+    );
+    if r.result.is_ok() {
+        assert!(r.message.tensors[0]
+            .buffer
+            .as_cpu()
+            .unwrap()
+            .iter()
+            .all(|&b| b == 0));
+    }
+    let c = within(20, "Closed", rx_closed.recv()).await.unwrap();
+    assert_eq!(c.error.class(), "peer_closed");
+}
+
+/// The reader closes while a large tensor is landing and more writes are queued.
+async fn close_mid_operation_by_reader(b: fn() -> ContextBuilder, t: &str, c: &str) {
+    let (tx, rx, _s) = connected(b, t, c).await;
+    let (done_to, mut done) = inbox::<WriteDone>();
+    const SIZE: usize = 16 << 20;
+    for i in 0..4 {
+        let m = Message::new().with_tensor(Tensor::cpu(vec![i as u8; SIZE]));
+        tx.do_send(Write::new(m).notify(done_to.clone()));
+    }
+    let d = within(10, "descriptor", rx.send(ReadDescriptor))
+        .await
+        .unwrap();
+    let read = rx.send(Read::new(
+        Allocation::for_descriptor(&d.descriptor.unwrap()).unwrap(),
+    ));
+    rx.do_send(Close::because("reader gives up"));
+    let r = within(20, "read", read).await.unwrap();
+    assert_eq!(r.message.tensors[0].buffer.len(), SIZE as u64);
+    assert!(
+        writes_complete_in_order(&mut done, 4, SIZE).await,
+        "4 x 16 MiB cannot all be delivered to a reader that closed after one"
+    );
+}
+
+/// Pending reads all fail, in order, when the peer goes away before sending anything.
+async fn error_reaches_every_pending_op(b: fn() -> ContextBuilder, t: &str, c: &str) {
+    let (tx, rx, _s) = connected(b, t, c).await;
+    let (to, mut descs) = inbox::<DescriptorReady>();
+    for _ in 0..5 {
+        rx.do_send(ReadDescriptor.notify(to.clone()));
+    }
+    tx.send(Close::because("nothing to say")).await.unwrap();
+    for i in 0..5 {
+        let d = within(10, "descriptor", descs.recv()).await.unwrap();
+        assert_eq!(d.id, i);
+        assert_eq!(d.descriptor.unwrap_err().class(), "peer_closed");
+    }
+}
+
+macro_rules! cases {
+    ($builder:expr, $transport:expr, $channel:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[actix::test]
+            async fn $case() {
+                super::$case($builder, $transport, $channel).await
+            }
+        )*
+    };
+}
+
+/// The transport suite for one transport, with the basic channel.
+macro_rules! transport_suite {
+    ($name:ident, $transport:expr, $builder:expr) => {
+        mod $name {
+            use super::*;
+            cases!($builder, $transport, "basic";
+                order_of_many_ops, empty_and_one_byte, larger_than_rings_and_chunks,
+                both_directions, concurrent_pipes, close_mid_operation_by_writer,
+                close_mid_operation_by_reader, error_reaches_every_pending_op);
+        }
+    };
+}
+
+/// The channel suite for one channel, over TCP.
+macro_rules! channel_suite {
+    ($name:ident, $builder:expr) => {
+        mod $name {
+            use super::*;
+            cases!($builder, "tcp", stringify!($name);
+                order_of_many_ops, empty_and_one_byte, larger_than_rings_and_chunks,
+                both_directions, concurrent_pipes, close_mid_operation_by_writer,
+                close_mid_operation_by_reader, error_reaches_every_pending_op);
+        }
+    };
+}
+
+fn base() -> ContextBuilder {
+    Context::builder().chunk_size(CHUNK)
+}
+
+transport_suite!(tcp, "tcp", || base()
+    .without("shm")
+    .only_channels(&["basic"]));
+transport_suite!(shm, "shm", || {
+    base()
+        .transport(Arc::new(Shm::new().with_capacity(RING)))
+        .only_channels(&["basic"])
+});
+
+channel_suite!(basic, || base().without("shm").only_channels(&["basic"]));
+channel_suite!(xth, || base()
+    .without("shm")
+    .only_channels(&["xth", "basic"]));
+channel_suite!(cma, || base()
+    .without("shm")
+    .only_channels(&["cma", "basic"]));
+channel_suite!(mpt, || base()
+    .without("shm")
+    .only_channels(&["mpt", "basic"])
+    .lanes(3));
