@@ -75,9 +75,13 @@ struct Held {
     out: usize,
     error: Option<Error>,
     sending: bool,
-    /// A cma tensor whose bytes are streaming over the side connection (fallback).
-    streaming: bool,
+    /// A sent cma tensor waiting for the receiver's acknowledgement.
+    awaiting_ack: bool,
 }
+
+/// A held tensor: direction (`true` when sending), message, tensor. Both directions of a pipe
+/// number their messages from 0, so the direction is part of the key.
+type HeldKey = (bool, u64, u32);
 
 /// The outcome of a cma read on a blocking thread.
 struct CmaRead {
@@ -100,8 +104,9 @@ pub struct Channel {
     own: Reply,
     own_rx: Option<mpsc::UnboundedReceiver<Done>>,
     origin: Origin,
-    held: HashMap<(u64, u32), Held>,
-    xth_keys: Vec<xth::Key>,
+    held: HashMap<HeldKey, Held>,
+    /// Parked xth tensors, with their direction (`true` when sending).
+    xth_keys: Vec<(bool, xth::Key)>,
     ack_armed: bool,
     /// cma reads running on blocking threads.
     reading: usize,
@@ -191,22 +196,22 @@ impl Channel {
     }
 
     /// Hands a held tensor back to the pipe once nothing of it is out any more.
-    fn release(&mut self, key: (u64, u32)) {
+    fn release(&mut self, key: HeldKey) {
         if self.held.get(&key).is_some_and(|h| h.out == 0) {
             let h = self.held.remove(&key).expect("present");
             let result = h.error.map_or(Ok(()), Err);
             let memory = Memory::Owned(h.buffer);
             self.to_pipe(if h.sending {
                 Done::WroteTensor {
-                    seq: key.0,
-                    index: key.1,
+                    seq: key.1,
+                    index: key.2,
                     memory,
                     result,
                 }
             } else {
                 Done::Tensor {
-                    seq: key.0,
-                    index: key.1,
+                    seq: key.1,
+                    index: key.2,
                     memory,
                     result,
                 }
@@ -215,11 +220,28 @@ impl Channel {
     }
 
     fn maybe_stop(&mut self, ctx: &mut Context<Self>) {
-        if self.stopping && self.held.is_empty() && self.xth_keys.is_empty() && self.reading == 0 {
+        if !self.stopping {
+            return;
+        }
+        if self.reading == 0 {
+            self.close_acks();
+        }
+        if self.held.is_empty() && self.xth_keys.is_empty() && self.reading == 0 {
             ctx.stop();
-        } else if self.stopping && self.reading == 0 && !self.held.values().any(|h| h.sending) {
-            // A cma receiver whose reads are over: hanging up tells the sender it may let go.
-            self.shutdown_lanes();
+        }
+    }
+
+    /// A stopping cma channel whose reads are over half-closes its acknowledgement connection:
+    /// the acks already queued still go out, then the peer reads end-of-stream and knows it may
+    /// hand back the buffers it was keeping for us. Our read side stays open for its acks.
+    fn close_acks(&mut self) {
+        if !matches!(self.kind, ChannelKind::Cma { .. }) {
+            return;
+        }
+        if let Some(l) = self.lanes.get_mut(CMA_ACKS) {
+            // Dropping the only sender ends the write loop, which then shuts the stream down.
+            let (closed, _) = mpsc::unbounded_channel();
+            l.link.out = closed;
         }
     }
 
@@ -279,17 +301,18 @@ impl Channel {
             }
             out += 1;
         }
+        let key = (sending, seq, index);
         self.held.insert(
-            (seq, index),
+            key,
             Held {
                 buffer,
                 out,
                 error: None,
                 sending,
-                streaming: false,
+                awaiting_ack: false,
             },
         );
-        self.release((seq, index));
+        self.release(key);
     }
 
     // ----- cma ----------------------------------------------------------------------------
@@ -299,7 +322,7 @@ impl Channel {
             return;
         }
         self.ack_armed = true;
-        let l = &mut self.lanes[0];
+        let l = &mut self.lanes[CMA_ACKS];
         let ticket = l.in_ticket;
         l.in_ticket += 1;
         l.link.read(
@@ -315,7 +338,7 @@ impl Channel {
     }
 
     fn send_ack(&mut self, ack: Ack) {
-        let Some(l) = self.lanes.first_mut() else {
+        let Some(l) = self.lanes.get_mut(CMA_ACKS) else {
             return;
         };
         let mut frame = Vec::with_capacity(24);
@@ -337,25 +360,29 @@ impl Channel {
     }
 
     fn on_ack(&mut self, ack: Ack, chunk_size: usize) {
-        let key = (ack.seq, ack.tensor);
+        let key = (true, ack.seq, ack.tensor);
+        let Some(h) = self.held.get_mut(&key).filter(|h| h.awaiting_ack) else {
+            return self.fail_held(Error::protocol(
+                format!(
+                    "cma acknowledgement for message {} tensor {}, which is not waiting for one",
+                    ack.seq, ack.tensor
+                ),
+                &self.origin,
+            ));
+        };
+        h.awaiting_ack = false;
         if ack.ok {
-            if let Some(h) = self.held.get_mut(&key) {
-                h.out -= 1;
-            }
+            h.out -= 1;
             self.release(key);
             return;
         }
-        // The receiver cannot read our memory: stream the bytes over the side connection.
-        let Some(h) = self.held.get_mut(&key) else {
-            return;
-        };
-        h.streaming = true;
+        // The receiver cannot read our memory: stream the bytes over the data connection.
         let n = h.buffer.len();
         let ptr = h.buffer.as_mut_ptr();
         // SAFETY: the buffer stays in `self.held`, untouched, until this operation completes
         // (its `Done` decrements `out`, which is still 1 for the ack we were waiting for).
         let region = unsafe { Region::new(ptr, n) };
-        let l = &mut self.lanes[0];
+        let l = &mut self.lanes[CMA_DATA];
         let ticket = l.out_ticket;
         l.out_ticket += 1;
         l.link.write(
@@ -377,7 +404,7 @@ impl Channel {
 
     fn on_cma_read(&mut self, r: CmaRead, ctx: &mut Context<Self>) {
         self.reading -= 1;
-        let key = (r.seq, r.index);
+        let key = (false, r.seq, r.index);
         match r.result {
             Ok(()) => {
                 self.send_ack(Ack {
@@ -392,7 +419,8 @@ impl Channel {
                     result: Ok(()),
                 });
             }
-            Err(CmaError::NotPermitted { .. }) if !self.lanes.is_empty() => {
+            Err(CmaError::NotPermitted { .. }) if self.lanes.len() > CMA_DATA => {
+                crate::metrics::fallback("cma");
                 let n = self.fallbacks.fetch_add(1, Ordering::Relaxed);
                 if n == 0 {
                     tracing::warn!(pipe = ?self.origin.pipe, "cma read refused by the kernel; falling back to the side connection");
@@ -412,12 +440,12 @@ impl Channel {
                         out: 1,
                         error: None,
                         sending: false,
-                        streaming: true,
+                        awaiting_ack: false,
                     },
                 );
                 // SAFETY: as in `stripe`: `dst` stays in `self.held` until this read completes.
                 let region = unsafe { Region::new(ptr, n) };
-                let l = &mut self.lanes[0];
+                let l = &mut self.lanes[CMA_DATA];
                 let ticket = l.in_ticket;
                 l.in_ticket += 1;
                 l.link.read(
@@ -454,7 +482,8 @@ impl Channel {
                 memory: Memory::Owned(b),
                 result,
             } => {
-                self.xth_keys.retain(|k| (k.seq, k.index) != (seq, index));
+                self.xth_keys
+                    .retain(|(out, k)| !(*out && (k.seq, k.index) == (seq, index)));
                 self.to_pipe(Done::WroteTensor {
                     seq,
                     index,
@@ -468,7 +497,8 @@ impl Channel {
                 memory: Memory::Owned(b),
                 result,
             } => {
-                self.xth_keys.retain(|k| (k.seq, k.index) != (seq, index));
+                self.xth_keys
+                    .retain(|(out, k)| *out || (k.seq, k.index) != (seq, index));
                 self.to_pipe(Done::Tensor {
                     seq,
                     index,
@@ -479,18 +509,10 @@ impl Channel {
             // Stripes and fallback transfers of held buffers.
             Done::WroteTensor {
                 seq, index, result, ..
-            }
-            | Done::Tensor {
+            } => self.piece_done((true, seq, index), result),
+            Done::Tensor {
                 seq, index, result, ..
-            } => {
-                if let Some(h) = self.held.get_mut(&(seq, index)) {
-                    h.out -= 1;
-                    if let Err(e) = result {
-                        h.error.get_or_insert(e);
-                    }
-                }
-                self.release((seq, index));
-            }
+            } => self.piece_done((false, seq, index), result),
             Done::Frame { result, .. } => {
                 self.ack_armed = false;
                 let chunk_size = match self.kind {
@@ -506,7 +528,7 @@ impl Channel {
                     )),
                     Err(e) => self.fail_held(e),
                 }
-                if self.held.values().any(|h| h.sending) {
+                if self.held.values().any(|h| h.awaiting_ack) {
                     self.arm_ack();
                 }
             }
@@ -520,17 +542,29 @@ impl Channel {
         self.maybe_stop(ctx);
     }
 
-    /// The side connection failed: everything waiting on it fails.
+    fn piece_done(&mut self, key: HeldKey, result: Result<(), Error>) {
+        if let Some(h) = self.held.get_mut(&key) {
+            h.out -= 1;
+            if let Err(e) = result {
+                h.error.get_or_insert(e);
+            }
+        }
+        self.release(key);
+    }
+
+    /// The acknowledgement connection failed: sent cma tensors waiting for an ack fail (nothing
+    /// else is touched: stripes and fallback transfers complete through their own operations).
     fn fail_held(&mut self, e: Error) {
         let waiting: Vec<_> = self
             .held
             .iter()
-            .filter(|(_, h)| h.sending && !h.streaming && h.out == 1)
+            .filter(|(_, h)| h.awaiting_ack)
             .map(|(k, _)| *k)
             .collect();
         for k in waiting {
             if let Some(h) = self.held.get_mut(&k) {
-                h.out = 0;
+                h.awaiting_ack = false;
+                h.out -= 1;
                 h.error.get_or_insert(e.clone());
             }
             self.release(k);
@@ -588,11 +622,11 @@ impl Handler<SendTensor> for Channel {
                     seq: m.seq,
                     index: m.index,
                 };
-                self.xth_keys.push(key);
+                self.xth_keys.push((true, key));
                 xth::send(key, m.buffer, self.own.clone());
             }
             ChannelKind::Cma { .. } => {
-                let key = (m.seq, m.index);
+                let key = (true, m.seq, m.index);
                 let empty = m.buffer.is_empty();
                 self.held.insert(
                     key,
@@ -601,7 +635,7 @@ impl Handler<SendTensor> for Channel {
                         out: usize::from(!empty),
                         error: None,
                         sending: true,
-                        streaming: false,
+                        awaiting_ack: !empty,
                     },
                 );
                 if empty {
@@ -653,7 +687,7 @@ impl Handler<RecvTensor> for Channel {
                     seq: m.seq,
                     index: m.index,
                 };
-                self.xth_keys.push(key);
+                self.xth_keys.push((false, key));
                 xth::recv(key, m.buffer, self.own.clone(), &self.origin);
             }
             ChannelKind::Cma { threads, .. } => {
@@ -672,6 +706,15 @@ impl Handler<RecvTensor> for Channel {
                     }
                 };
                 let (seq, index, mut dst) = (m.seq, m.index, m.buffer);
+                if dst.is_empty() {
+                    // Nothing to read, and the sender expects no acknowledgement for it.
+                    return self.to_pipe(Done::Tensor {
+                        seq,
+                        index,
+                        memory: Memory::Owned(dst),
+                        result: Ok(()),
+                    });
+                }
                 let me = ctx.address();
                 self.reading += 1;
                 actix::spawn(async move {
@@ -723,7 +766,7 @@ impl Handler<StopChannel> for Channel {
             reason: "channel stopping".into(),
             origin: self.origin.clone(),
         };
-        for k in &self.xth_keys {
+        for (_, k) in &self.xth_keys {
             // Every key gets exactly one completion through our queue: from the withdrawal,
             // or from the other side if it got there first. Either way `on_own` removes the key.
             xth::withdraw(*k, &e);
@@ -740,6 +783,11 @@ impl Handler<StopChannel> for Channel {
         self.maybe_stop(ctx);
     }
 }
+
+/// The cma lane carrying acknowledgements (each side's, for the other's sends).
+const CMA_ACKS: usize = 0;
+/// The cma lane carrying fallback bytes (each side's, for the other's refused reads).
+const CMA_DATA: usize = 1;
 
 /// How long a stopping cma sender waits for its peer to finish reading its buffers.
 const CMA_GRACE: std::time::Duration = std::time::Duration::from_secs(5);

@@ -28,6 +28,7 @@ pub struct Config {
     pub(crate) connect_timeout: Duration,
     pub(crate) handshake_timeout: Duration,
     pub(crate) cma_threads: usize,
+    pub(crate) metrics_addr: Option<std::net::SocketAddr>,
     pub(crate) transports: Vec<(Arc<dyn Transport>, i32)>,
     pub(crate) channels: Vec<(Arc<dyn ChannelBackend>, i32)>,
 }
@@ -85,6 +86,8 @@ impl std::fmt::Debug for Config {
             .field("chunk_size", &self.chunk_size)
             .field("connect_timeout", &self.connect_timeout)
             .field("handshake_timeout", &self.handshake_timeout)
+            .field("cma_threads", &self.cma_threads)
+            .field("metrics_addr", &self.metrics_addr)
             .field(
                 "transports",
                 &self
@@ -126,6 +129,7 @@ impl Default for ContextBuilder {
                 connect_timeout: Duration::from_secs(10),
                 handshake_timeout: Duration::from_secs(10),
                 cma_threads: 2,
+                metrics_addr: None,
                 transports: Vec::new(),
                 channels: Vec::new(),
             },
@@ -135,10 +139,7 @@ impl Default for ContextBuilder {
             .channel(Arc::new(Basic))
             .channel(Arc::new(Xth))
             .channel(Arc::new(Mpt::default()));
-        if Cma.viable().is_ok() {
-            b = b.channel(Arc::new(Cma));
-        }
-        b
+        b.channel(Arc::new(Cma))
     }
 }
 
@@ -173,9 +174,14 @@ impl ContextBuilder {
         self
     }
 
-    /// Lanes of the mpt channel (replaces its current setting).
-    pub fn lanes(self, n: u32) -> Self {
-        self.channel(Arc::new(Mpt { lanes: n.max(1) }))
+    /// Lanes of the mpt channel, keeping its priority; nothing happens if mpt was removed.
+    pub fn lanes(mut self, n: u32) -> Self {
+        for (c, _) in &mut self.config.channels {
+            if c.name() == "mpt" {
+                *c = Arc::new(Mpt { lanes: n.max(1) });
+            }
+        }
+        self
     }
 
     /// Adds a transport at its default priority, replacing one of the same name.
@@ -224,8 +230,42 @@ impl ContextBuilder {
         self
     }
 
+    /// Serves this process's metrics (Prometheus text) at `addr` when the context is built.
+    /// Without it, `ACTORPIPE_METRICS_ADDR` (an address, or a port on 127.0.0.1) is used if set.
+    /// One exporter serves the whole process; see [`crate::metrics::serve`].
+    pub fn metrics(mut self, addr: std::net::SocketAddr) -> Self {
+        self.config.metrics_addr = Some(addr);
+        self
+    }
+
     /// Builds the context actor (start it with [`Actor::start`]).
-    pub fn build(self) -> Context {
+    ///
+    /// If metrics were asked for and cannot be served, the context still works and the failure
+    /// is logged at error level; call [`crate::metrics::serve`] yourself to handle it.
+    pub fn build(mut self) -> Context {
+        // A backend that cannot run here is not offered (`actorpipe info` says why).
+        self.config.transports.retain(|(t, _)| match t.viable() {
+            Ok(()) => true,
+            Err(why) => {
+                tracing::info!(transport = t.name(), %why, "transport not offered");
+                false
+            }
+        });
+        self.config.channels.retain(|(c, _)| match c.viable() {
+            Ok(()) => true,
+            Err(why) => {
+                tracing::info!(channel = c.name(), %why, "channel not offered");
+                false
+            }
+        });
+        let addr = match self.config.metrics_addr {
+            Some(a) => Ok(Some(a)),
+            None => crate::metrics::addr_from_env(),
+        };
+        match addr.and_then(|a| a.map(crate::metrics::serve).transpose()) {
+            Ok(_) => {}
+            Err(e) => tracing::error!(error = %e, "metrics not served"),
+        }
         Context {
             config: Arc::new(self.config),
         }
@@ -296,6 +336,7 @@ async fn dial(config: Arc<Config>, url: String) -> Result<PipeParts, Error> {
         }
     }
     Ok(PipeParts {
+        peer: hs.halves.peer.clone(),
         control: control.unwrap_or(hs.halves),
         choice,
         lanes,
@@ -308,8 +349,13 @@ impl Handler<Connect> for Context {
     fn handle(&mut self, msg: Connect, _: &mut Self::Context) -> Self::Result {
         let config = self.config.clone();
         Box::pin(async move {
-            let parts = dial(config.clone(), msg.url).await?;
-            Ok(spawn_pipe(parts, &config))
+            match dial(config.clone(), msg.url).await {
+                Ok(parts) => Ok(spawn_pipe(parts, &config)),
+                Err(e) => {
+                    crate::metrics::negotiation_failed(&e);
+                    Err(e)
+                }
+            }
         })
     }
 }

@@ -73,7 +73,7 @@ impl Listener {
     }
 
     fn hand_out(&mut self, parts: PipeParts) {
-        let peer = parts.control.peer.clone();
+        let peer = parts.peer.clone();
         let pipe = spawn_pipe(parts, &self.config);
         self.subscriber.do_send(Accepted { pipe, peer });
     }
@@ -84,6 +84,7 @@ impl Listener {
             let choice = hs.choice;
             let lanes = choice.channels.iter().map(|_| Vec::new()).collect();
             self.hand_out(PipeParts {
+                peer: hs.halves.peer.clone(),
                 control: hs.halves,
                 choice,
                 lanes,
@@ -146,6 +147,7 @@ impl Listener {
         let p = self.pending.remove(&join.token).expect("present");
         let choice = p.hs.choice;
         self.hand_out(PipeParts {
+            peer: p.hs.halves.peer.clone(),
             control: p.control.unwrap_or(p.hs.halves),
             choice,
             lanes: p
@@ -211,6 +213,7 @@ impl Handler<Incoming> for Listener {
             Ok(Ok(hs)) => act.on_hello(&bootstrap, hs, ctx),
             Ok(Err((h, j))) => act.on_join(h, j),
             Err::<_, crate::Error>(e) => {
+                crate::metrics::negotiation_failed(&e);
                 tracing::info!(peer = %peer, error = %e, "refused an incoming connection")
             }
         }));

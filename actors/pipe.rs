@@ -21,7 +21,7 @@ use std::collections::VecDeque;
 use std::mem;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use tokio::sync::{mpsc, oneshot};
@@ -34,6 +34,7 @@ use crate::channel::cma::RemoteBuffer;
 use crate::error::{Error, Origin};
 use crate::handshake::Halves;
 use crate::message::{Allocation, Buffer, Descriptor, Message, Payload, Tensor};
+use crate::metrics::{OpKind, PipeMetrics};
 use crate::negotiate::{Choice, DeviceKind, DevicePair};
 use crate::transport::stream::{unexpected, Done, InOp, OutOp, Reply};
 use crate::wire::{self, encode_frame, Frame, FrameKind, Limits, WireDescriptor};
@@ -65,6 +66,7 @@ struct PendingWrite {
     /// Sequence number on the wire; only writes that reach the wire get one.
     seq: u64,
     ticket: u64,
+    since: Instant,
     message: Message,
     payloads_out: bool,
     tensors_out: usize,
@@ -90,11 +92,13 @@ enum ReadState {
 enum PendingRead {
     Descriptor {
         id: u64,
+        since: Instant,
         completer: Completer<DescriptorReady>,
         result: Option<Result<Descriptor, Error>>,
     },
     Read {
         id: u64,
+        since: Instant,
         completer: Completer<ReadDone>,
         message: Message,
         state: ReadState,
@@ -145,6 +149,8 @@ pub struct Pipe {
     conn: Option<(Addr<Connection>, Link)>,
     channels: Vec<Addr<Channel>>,
     fallbacks: Arc<AtomicU64>,
+    metrics: PipeMetrics,
+    span: tracing::Span,
     reply: Option<Reply>,
     completions: Option<mpsc::UnboundedReceiver<Done>>,
     error: Option<Error>,
@@ -170,6 +176,8 @@ pub struct Pipe {
 /// Everything a pipe is built from: its control connection, what was negotiated, and each
 /// channel's own connections.
 pub(crate) struct PipeParts {
+    /// The peer's address on the bootstrap connection (the one users know it by).
+    pub peer: String,
     pub control: Halves,
     pub choice: Choice,
     pub lanes: Vec<Vec<Halves>>,
@@ -178,6 +186,7 @@ pub(crate) struct PipeParts {
 /// Builds the actors of a pipe and starts them.
 pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
     let PipeParts {
+        peer,
         control,
         choice,
         lanes,
@@ -193,10 +202,10 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
             .collect::<Vec<_>>()
             .join("+")
     );
-    let origin = Origin::new(control.peer.clone(), backend).with_pipe(id);
+    let origin = Origin::new(peer.clone(), backend).with_pipe(id);
     let info = PipeInfo {
         id,
-        peer: control.peer.clone(),
+        peer,
         local: control.local.clone(),
         transport: choice.transport.clone(),
         channels: choice
@@ -249,8 +258,16 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         .get(cpu_channel)
         .copied()
         .unwrap_or(ChannelKind::Basic { chunk_size });
-    tracing::debug!(pipe = id, peer = %info.peer, backend = %origin.backend, "pipe open");
+    let span = tracing::info_span!("pipe", id, peer = %info.peer, backend = %origin.backend);
+    span.in_scope(|| tracing::debug!("pipe open"));
+    let cpu_name = choice
+        .channels
+        .get(cpu_channel)
+        .map_or("none", |c| c.name.as_str());
+    let metrics = PipeMetrics::open(&choice.transport, cpu_name);
     Pipe {
+        metrics,
+        span,
         id,
         origin,
         info,
@@ -305,12 +322,21 @@ impl Actor for Pipe {
     }
 
     fn stopped(&mut self, _: &mut Self::Context) {
-        tracing::debug!(pipe = self.id, "pipe actor stopped");
+        if !self.closed_sent {
+            // Torn down without closing (its system stopped): it is not open any more either.
+            self.metrics.closed(&Error::Closed {
+                reason: "the actor system stopped".into(),
+                origin: self.origin.clone(),
+            });
+        }
+        tracing::debug!(parent: &self.span, "pipe actor stopped");
     }
 }
 
 impl StreamHandler<Done> for Pipe {
     fn handle(&mut self, done: Done, _: &mut Self::Context) {
+        let span = self.span.clone();
+        let _entered = span.enter();
         self.on_done(done);
     }
 
@@ -341,6 +367,15 @@ impl Pipe {
         })
     }
 
+    /// Bytes of channel data per tensor in a descriptor (the receiver counts them as metadata).
+    fn channel_data_len(&self) -> usize {
+        match self.cpu_kind {
+            ChannelKind::Xth { .. } => 8,
+            ChannelKind::Cma { .. } => crate::channel::cma::REMOTE_BUFFER_LEN,
+            _ => 0,
+        }
+    }
+
     fn check_limits(&self, m: &Message) -> Result<(), Error> {
         let over = |limit, value: u64, max: u64| {
             (value > max).then(|| Error::LimitExceeded {
@@ -368,8 +403,8 @@ impl Pipe {
                 "metadata size",
                 (m.metadata.len()
                     + m.payloads.iter().map(|p| p.metadata.len()).sum::<usize>()
-                    + m.tensors.iter().map(|t| t.metadata.len()).sum::<usize>())
-                    as u64,
+                    + m.tensors.iter().map(|t| t.metadata.len()).sum::<usize>()
+                    + m.tensors.len() * self.channel_data_len()) as u64,
                 l.max_metadata_size,
             ),
         ];
@@ -388,6 +423,7 @@ impl Pipe {
             id,
             seq: u64::MAX,
             ticket: u64::MAX,
+            since: Instant::now(),
             message: Message::default(),
             payloads_out: false,
             tensors_out: 0,
@@ -496,9 +532,13 @@ impl Pipe {
             .is_some_and(|w| !w.payloads_out && w.tensors_out == 0)
         {
             let w = self.writes.pop_front().expect("front exists");
+            let result = w.error.map_or(Ok(()), Err);
+            let bytes = result.as_ref().map(|_| w.message.total_bytes());
+            self.metrics.completed(OpKind::Write, w.since, bytes);
+            tracing::trace!(parent: &self.span, id = w.id, ok = result.is_ok(), "write done");
             w.completer.complete(WriteDone {
                 id: w.id,
-                result: w.error.map_or(Ok(()), Err),
+                result,
                 message: w.message,
             });
         }
@@ -703,14 +743,18 @@ impl Pipe {
             match op {
                 PendingRead::Descriptor {
                     id,
+                    since,
                     completer,
                     result,
-                } => completer.complete(DescriptorReady {
-                    id,
-                    descriptor: result.expect("finished"),
-                }),
+                } => {
+                    let descriptor = result.expect("finished");
+                    let m = descriptor.as_ref().map(|_| 0);
+                    self.metrics.completed(OpKind::ReadDescriptor, since, m);
+                    completer.complete(DescriptorReady { id, descriptor })
+                }
                 PendingRead::Read {
                     id,
+                    since,
                     completer,
                     message,
                     state,
@@ -720,6 +764,9 @@ impl Pipe {
                         ReadState::Running { error, .. } => error.map_or(Ok(()), Err),
                         ReadState::Waiting(_) => unreachable!("not finished"),
                     };
+                    let bytes = result.as_ref().map(|_| message.total_bytes());
+                    self.metrics.completed(OpKind::Read, since, bytes);
+                    tracing::trace!(parent: &self.span, id, ok = result.is_ok(), "read done");
                     completer.complete(ReadDone {
                         id,
                         result,
@@ -879,10 +926,11 @@ impl Pipe {
         }
         let e = e.at_pipe(self.id);
         match &e {
+            // A peer that closes, or our own Close, is not an error worth a warning.
             Error::PeerClosed { .. } | Error::Closed { .. } => {
-                tracing::debug!(pipe = self.id, error = %e, "pipe closing")
+                tracing::debug!(parent: &self.span, error = %e, "pipe closing")
             }
-            _ => tracing::warn!(pipe = self.id, error = %e, "pipe failed"),
+            _ => tracing::warn!(parent: &self.span, error = %e, "pipe failed"),
         }
         let farewell = match &e {
             Error::PeerClosed { .. } => Vec::new(),
@@ -914,6 +962,7 @@ impl Pipe {
         }
         self.closed_sent = true;
         let error = self.error.clone().expect("checked");
+        self.metrics.closed(&error);
         for s in self.subscribers.drain(..) {
             s.do_send(Closed {
                 error: error.clone(),
@@ -927,13 +976,20 @@ impl Pipe {
     }
 
     fn submit(&mut self, op: PendingOp) {
+        let span = self.span.clone();
+        let _entered = span.enter();
         match op {
-            PendingOp::Write(m, c) => self.submit_write(m, c),
+            PendingOp::Write(m, c) => {
+                self.metrics.issued(OpKind::Write);
+                self.submit_write(m, c)
+            }
             PendingOp::ReadDescriptor(completer) => {
                 let id = self.next_read_id;
                 self.next_read_id += 1;
+                self.metrics.issued(OpKind::ReadDescriptor);
                 self.reads.push_back(PendingRead::Descriptor {
                     id,
+                    since: Instant::now(),
                     completer,
                     result: None,
                 });
@@ -942,8 +998,10 @@ impl Pipe {
             PendingOp::Read(alloc, completer) => {
                 let id = self.next_read_id;
                 self.next_read_id += 1;
+                self.metrics.issued(OpKind::Read);
                 self.reads.push_back(PendingRead::Read {
                     id,
+                    since: Instant::now(),
                     completer,
                     message: Message::default(),
                     state: ReadState::Waiting(alloc),

@@ -25,10 +25,12 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod backends;
 pub mod channel;
 pub mod error;
 pub mod handshake;
 pub mod message;
+pub mod metrics;
 pub mod negotiate;
 pub mod transport;
 pub mod wire;

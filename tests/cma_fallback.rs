@@ -32,14 +32,33 @@ async fn refused_reads_fall_back_and_are_reported() {
     }
     let info = rx.send(GetInfo).await.unwrap();
     assert!(!info.closed, "the pipe survives");
-    assert_eq!(
-        info.fallbacks, 20,
-        "two non-empty tensors per message fell back"
-    );
+    assert_eq!(info.fallbacks, 20, "two non-empty tensors per message");
+    // Both directions at once: acknowledgements and fallback bytes of the two directions
+    // travel on separate side connections and must not mix.
+    let one_way = |from: actix::Addr<Pipe>, to: actix::Addr<Pipe>, base: u64| async move {
+        let writes: Vec<_> = (0..4)
+            .map(|i| from.send(Write::new(checked_message(base + i, &[], &[(4 << 20) + 1]))))
+            .collect();
+        for i in 0..4 {
+            assert_eq!(verify(&read_one(&to).await.unwrap()), base + i);
+        }
+        for w in writes {
+            w.await.unwrap().result.unwrap();
+        }
+    };
+    within(60, "both directions", async {
+        tokio::join!(
+            one_way(tx.clone(), rx.clone(), 100),
+            one_way(rx.clone(), tx.clone(), 200)
+        )
+    })
+    .await;
+    assert_eq!(rx.send(GetInfo).await.unwrap().fallbacks, 24);
+    assert_eq!(tx.send(GetInfo).await.unwrap().fallbacks, 4);
     // The refusal lifts: the fast path is back, no more fallbacks.
     cma::simulate_refusal(false);
     let w = tx.send(Write::new(checked_message(99, &[], &[4096])));
     assert_eq!(verify(&read_one(&rx).await.unwrap()), 99);
     w.await.unwrap().result.unwrap();
-    assert_eq!(rx.send(GetInfo).await.unwrap().fallbacks, 20);
+    assert_eq!(rx.send(GetInfo).await.unwrap().fallbacks, 24);
 }

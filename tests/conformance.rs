@@ -117,6 +117,27 @@ async fn both_directions(b: fn() -> ContextBuilder, t: &str, c: &str) {
     .await;
 }
 
+/// Large tensors both ways at once, several in flight each way (stripes, acks and fallback
+/// streams of the two directions must not mix).
+async fn both_directions_large(b: fn() -> ContextBuilder, t: &str, c: &str) {
+    let (x, y, _s) = connected(b, t, c).await;
+    let one_way = |from: Addr<Pipe>, to: Addr<Pipe>, base: u64| async move {
+        let writes: Vec<_> = (0..4)
+            .map(|i| from.send(Write::new(checked_message(base + i, &[], &[(8 << 20) + 3]))))
+            .collect();
+        for i in 0..4 {
+            assert_eq!(verify(&read_one(&to).await.unwrap()), base + i);
+        }
+        for w in writes {
+            w.await.unwrap().result.unwrap();
+        }
+    };
+    within(120, "large both directions", async {
+        tokio::join!(one_way(x.clone(), y.clone(), 0), one_way(y, x, 1000))
+    })
+    .await;
+}
+
 /// Sixteen pipes of one context pair, all busy at once.
 async fn concurrent_pipes(b: fn() -> ContextBuilder, t: &str, c: &str) {
     let mut server = Server::start(b(), "tcp://127.0.0.1:0").await;
@@ -246,6 +267,25 @@ async fn close_mid_operation_by_reader(b: fn() -> ContextBuilder, t: &str, c: &s
     );
 }
 
+/// Both sides have writes in flight and nobody reads; one side closes: every write on both
+/// sides completes, in order, with its buffer, and the close resolves.
+async fn close_with_both_directions_in_flight(b: fn() -> ContextBuilder, t: &str, c: &str) {
+    let (x, y, _s) = connected(b, t, c).await;
+    const SIZE: usize = 8 << 20;
+    let (x_to, mut x_done) = inbox::<WriteDone>();
+    let (y_to, mut y_done) = inbox::<WriteDone>();
+    for i in 0..3 {
+        let m = || Message::new().with_tensor(Tensor::cpu(vec![i as u8; SIZE]));
+        x.do_send(Write::new(m()).notify(x_to.clone()));
+        y.do_send(Write::new(m()).notify(y_to.clone()));
+    }
+    within(20, "close", x.send(Close::because("both busy")))
+        .await
+        .unwrap();
+    writes_complete_in_order(&mut x_done, 3, SIZE).await;
+    writes_complete_in_order(&mut y_done, 3, SIZE).await;
+}
+
 /// Pending reads all fail, in order, when the peer goes away before sending anything.
 async fn error_reaches_every_pending_op(b: fn() -> ContextBuilder, t: &str, c: &str) {
     let (tx, rx, _s) = connected(b, t, c).await;
@@ -279,8 +319,9 @@ macro_rules! transport_suite {
             use super::*;
             cases!($builder, $transport, "basic";
                 order_of_many_ops, empty_and_one_byte, larger_than_rings_and_chunks,
-                both_directions, concurrent_pipes, close_mid_operation_by_writer,
-                close_mid_operation_by_reader, error_reaches_every_pending_op);
+                both_directions, both_directions_large, concurrent_pipes, close_mid_operation_by_writer,
+                close_mid_operation_by_reader, close_with_both_directions_in_flight,
+                error_reaches_every_pending_op);
         }
     };
 }
@@ -292,8 +333,9 @@ macro_rules! channel_suite {
             use super::*;
             cases!($builder, "tcp", stringify!($name);
                 order_of_many_ops, empty_and_one_byte, larger_than_rings_and_chunks,
-                both_directions, concurrent_pipes, close_mid_operation_by_writer,
-                close_mid_operation_by_reader, error_reaches_every_pending_op);
+                both_directions, both_directions_large, concurrent_pipes, close_mid_operation_by_writer,
+                close_mid_operation_by_reader, close_with_both_directions_in_flight,
+                error_reaches_every_pending_op);
         }
     };
 }

@@ -65,10 +65,11 @@ impl ChannelBackend for Cma {
         DevicePair::CPU
     }
 
-    /// A side connection carries acknowledgements (and the bytes themselves when a read is
-    /// refused at run time).
+    /// Two side connections: one carries acknowledgements, the other the bytes themselves
+    /// when a read is refused at run time (apart, so neither can get in the other's way when
+    /// both directions of a pipe move tensors).
     fn connections(&self) -> u32 {
-        1
+        2
     }
 
     fn viable(&self) -> Result<(), String> {

@@ -75,6 +75,10 @@ pub trait Transport: Send + Sync + 'static {
     fn priority(&self) -> i32;
     /// The domain descriptor: both peers must advertise the same string to use it.
     fn domain(&self) -> String;
+    /// Whether it can run here; `Err` says why not.
+    fn viable(&self) -> Result<(), String> {
+        Ok(())
+    }
     /// Connects to `url` (the scheme is this transport's; each transport parses its own URLs).
     fn connect<'a>(
         &'a self,

@@ -642,6 +642,10 @@ pub fn unexpected(frame: Frame, wanted: &str, origin: &Origin) -> Error {
             reason: format!("it said {reason:?}"),
             origin: origin.clone(),
         },
+        Frame::Reject(reason) => Error::Unavailable {
+            backend: origin.backend.clone(),
+            reason: format!("the peer refused the pipe: {reason}"),
+        },
         f => Error::protocol(
             format!("expected {wanted}, got a {:?} frame", f.kind()),
             origin,

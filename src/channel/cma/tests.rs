@@ -37,7 +37,7 @@ fn offer_says_cma_cpu_and_a_full_domain() {
     let offer = Cma.offer(Cma.priority());
     assert_eq!(offer.name, "cma");
     assert_eq!(offer.priority, 200);
-    assert_eq!(offer.connections, 1);
+    assert_eq!(offer.connections, 2);
     assert_eq!(offer.devices, DevicePair::CPU);
     let domain = Cma.domain();
     assert_eq!(domain, Cma.domain(), "stable within a process");

@@ -28,12 +28,10 @@
 //! any local user can connect to (or squat) an abstract name, so both sides check the other's uid
 //! with `SO_PEERCRED` and refuse a different user with a clear error before any memory or
 //! descriptor changes hands. Abstract names are scoped by network namespace, so two processes
-//! must share one to meet (the domain string does not say so; see [`domain`]).
+//! must share one to meet; the domain string includes it (see [`domain`]).
 //!
-//! The shared [`Url`] type wants `host:port`, which `shm://<name>` is not: [`parse_url`],
-//! [`Shm::connect_url`] and [`Shm::listen_url`] take the `shm://` form as a string. Through the
-//! [`Transport`] trait, a [`Url`] with a host name and port 0 (`shm://<name>:0`) is taken as
-//! that name; any other form is refused as an invalid argument.
+//! URLs are `shm://<name>` (and `shm://` or `shm://auto` to let a listener pick a name), parsed
+//! by [`parse_url`]; any other form is refused as an invalid argument.
 
 #![cfg(target_os = "linux")]
 
@@ -116,8 +114,10 @@ fn socket_name(name: &str) -> Vec<u8> {
     format!("actorpipe-{name}").into_bytes()
 }
 
-/// The domain descriptor: `<boot id>:<IPC namespace inode>:<uid>`. Two processes with equal
-/// strings run on the same boot of the same host, in the same IPC namespace, as the same user.
+/// The domain descriptor: `<boot id>:<IPC namespace inode>:<network namespace inode>:<uid>`.
+/// Two processes with equal strings run on the same boot of the same host, in the same IPC
+/// namespace (the memory) and network namespace (the abstract Unix socket that bootstraps a
+/// connection), as the same user.
 ///
 /// If any part cannot be read (no `/proc`), the string is unique to this process instead, so that
 /// shm is never chosen on a guess.
@@ -143,7 +143,8 @@ fn read_domain() -> Option<String> {
         return None;
     }
     let ipc = std::fs::metadata("/proc/self/ns/ipc").ok()?.ino();
-    Some(format!("{boot}:{ipc}:{}", fd::uid()))
+    let net = std::fs::metadata("/proc/self/ns/net").ok()?.ino();
+    Some(format!("{boot}:{ipc}:{net}:{}", fd::uid()))
 }
 
 impl Shm {
@@ -380,6 +381,29 @@ impl Transport for Shm {
 
     fn domain(&self) -> String {
         domain()
+    }
+
+    fn viable(&self) -> Result<(), String> {
+        static PROBE: OnceLock<Result<(), String>> = OnceLock::new();
+        PROBE
+            .get_or_init(|| {
+                if domain().starts_with("unknown") {
+                    return Err("cannot read the boot id or IPC namespace from /proc".into());
+                }
+                let name = c"actorpipe-probe";
+                // SAFETY: memfd_create with a NUL-terminated name; the fd is closed right away.
+                let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+                if fd < 0 {
+                    return Err(format!(
+                        "memfd_create failed: {}",
+                        io::Error::last_os_error()
+                    ));
+                }
+                // SAFETY: `fd` is ours and open.
+                unsafe { libc::close(fd) };
+                Ok(())
+            })
+            .clone()
     }
 
     fn auto_listen_url(&self) -> Option<String> {

@@ -16,7 +16,12 @@
 //! eventfd write, done by the caller). Both sides put a `SeqCst` fence between their store and
 //! their load, so at least one of them sees the other: no lost wake-ups, no signal per message in
 //! steady state.
+//!
+//! Public for benchmarks and experiments: [`in_memory`] builds a ring in this process's heap and
+//! hands back both ends, so the copy and bookkeeping costs can be measured without a peer,
+//! sockets or a runtime. The transport itself only uses rings in shared mappings.
 
+use std::alloc::{alloc_zeroed, dealloc, handle_alloc_error, Layout};
 use std::io;
 use std::mem::MaybeUninit;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
@@ -25,11 +30,11 @@ use std::sync::Arc;
 /// Bytes reserved for the header in front of the data; one page keeps the data page-aligned.
 pub(crate) const HEADER: usize = 4096;
 /// Smallest ring accepted (one page).
-pub(crate) const MIN_CAPACITY: usize = 4096;
+pub const MIN_CAPACITY: usize = 4096;
 /// Largest ring accepted (1 GiB).
-pub(crate) const MAX_CAPACITY: usize = 1 << 30;
-/// The default ring size.
-pub(crate) const DEFAULT_CAPACITY: usize = 2 << 20;
+pub const MAX_CAPACITY: usize = 1 << 30;
+/// The default ring size, in data bytes (the shm transport's default per direction).
+pub const DEFAULT_CAPACITY: usize = 2 << 20;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"APSHMRG1");
 
@@ -165,8 +170,74 @@ pub(crate) fn attach(region: Arc<dyn Region>) -> io::Result<(Producer, Consumer)
     Ok((Producer::new(s.clone()), Consumer::new(s)))
 }
 
-/// The writing end of a ring.
-pub(crate) struct Producer {
+/// A fresh ring of `capacity` data bytes in this process's heap, with both of its ends.
+///
+/// Nothing is shared with another process: this is the ring's copy and bookkeeping cost alone,
+/// for benchmarks and experiments. `capacity` must be a power of two between [`MIN_CAPACITY`]
+/// and [`MAX_CAPACITY`]; anything else is an `InvalidInput` error.
+pub fn in_memory(capacity: usize) -> io::Result<(Producer, Consumer)> {
+    if !valid_capacity(capacity) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "shm ring of {capacity} bytes: want a power of two between {MIN_CAPACITY} and \
+                 {MAX_CAPACITY}"
+            ),
+        ));
+    }
+    create(Heap::new(capacity))
+}
+
+/// Ordinary heap memory standing in for a mapping (see [`in_memory`]).
+struct Heap {
+    ptr: *mut u8,
+    layout: Layout,
+}
+
+// SAFETY: the allocation is owned by the value and only accessed through raw pointers.
+unsafe impl Send for Heap {}
+// SAFETY: as above.
+unsafe impl Sync for Heap {}
+
+impl Heap {
+    /// `capacity` must be valid (a power of two, at most [`MAX_CAPACITY`]).
+    fn new(capacity: usize) -> Arc<Heap> {
+        let layout = Layout::from_size_align(HEADER + capacity, HEADER)
+            .expect("a valid ring capacity makes a valid layout");
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        if ptr.is_null() {
+            handle_alloc_error(layout);
+        }
+        Arc::new(Heap { ptr, layout })
+    }
+
+    #[cfg(test)]
+    fn header(&self) -> &Header {
+        // SAFETY: the allocation is HEADER-aligned and larger than a Header of atomics.
+        unsafe { &*(self.ptr as *const Header) }
+    }
+}
+
+impl Drop for Heap {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { dealloc(self.ptr, self.layout) }
+    }
+}
+
+// SAFETY: `ptr` is valid for `layout.size()` bytes, HEADER-aligned, for the value's life.
+unsafe impl Region for Heap {
+    fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.layout.size()
+    }
+}
+
+/// The writing end of a ring: copies bytes in and publishes them to the [`Consumer`].
+pub struct Producer {
     s: Arc<Shared>,
     /// Our own position; the copy in the header is only ever written.
     head: u64,
@@ -201,15 +272,16 @@ impl Producer {
         self.s.capacity - self.head.wrapping_sub(self.tail)
     }
 
-    /// Free space now (re-reads the consumer's position).
-    pub(crate) fn space(&mut self) -> io::Result<usize> {
+    /// Free space now (re-reads the consumer's position). An error means the consumer's
+    /// position in the header is impossible (a corrupt or hostile peer).
+    pub fn space(&mut self) -> io::Result<usize> {
         self.reload_tail()?;
         Ok(self.free() as usize)
     }
 
     /// Copies as much of `bufs` as fits, in order, and publishes it. Returns the bytes taken;
-    /// 0 means full (or nothing to write).
-    pub(crate) fn write(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+    /// 0 means full (or nothing to write). Errors as [`Producer::space`].
+    pub fn write(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
         let want: u64 = bufs.iter().map(|b| b.len() as u64).sum();
         if self.free() < want {
             self.reload_tail()?;
@@ -271,8 +343,8 @@ impl Producer {
     }
 }
 
-/// The reading end of a ring.
-pub(crate) struct Consumer {
+/// The reading end of a ring: copies published bytes out and frees their space.
+pub struct Consumer {
     s: Arc<Shared>,
     /// Our own position; the copy in the header is only ever written.
     tail: u64,
@@ -302,8 +374,9 @@ impl Consumer {
         Ok(())
     }
 
-    /// Bytes ready to read now (re-reads the producer's position).
-    pub(crate) fn available(&mut self) -> io::Result<usize> {
+    /// Bytes ready to read now (re-reads the producer's position). An error means the
+    /// producer's position in the header is impossible (a corrupt or hostile peer).
+    pub fn available(&mut self) -> io::Result<usize> {
         self.reload_head()?;
         Ok(self.head.wrapping_sub(self.tail) as usize)
     }
@@ -333,9 +406,9 @@ impl Consumer {
         Ok(n)
     }
 
-    /// [`Consumer::read_uninit`] into initialized memory.
-    #[cfg(test)]
-    pub(crate) fn read(&mut self, dst: &mut [u8]) -> io::Result<usize> {
+    /// Copies up to `dst.len()` bytes out and frees their space. Returns 0 when empty. Errors as
+    /// [`Consumer::available`].
+    pub fn read(&mut self, dst: &mut [u8]) -> io::Result<usize> {
         // SAFETY: `read_uninit` only writes initialized bytes, so `dst` stays initialized.
         let dst = unsafe { &mut *(dst as *mut [u8] as *mut [MaybeUninit<u8>]) };
         self.read_uninit(dst)
@@ -373,51 +446,7 @@ impl Consumer {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use std::alloc::{alloc_zeroed, dealloc, Layout};
     use std::io::IoSlice;
-
-    /// Ordinary heap memory standing in for a mapping.
-    pub(crate) struct Heap {
-        ptr: *mut u8,
-        layout: Layout,
-    }
-
-    // SAFETY: the allocation is owned by the value and only accessed through raw pointers.
-    unsafe impl Send for Heap {}
-    // SAFETY: as above.
-    unsafe impl Sync for Heap {}
-
-    impl Heap {
-        pub(crate) fn new(capacity: usize) -> Arc<Heap> {
-            let layout = Layout::from_size_align(HEADER + capacity, HEADER).unwrap();
-            // SAFETY: the layout has a non-zero size.
-            let ptr = unsafe { alloc_zeroed(layout) };
-            assert!(!ptr.is_null());
-            Arc::new(Heap { ptr, layout })
-        }
-
-        fn header(&self) -> &Header {
-            // SAFETY: the allocation is HEADER-aligned and larger than a Header of atomics.
-            unsafe { &*(self.ptr as *const Header) }
-        }
-    }
-
-    impl Drop for Heap {
-        fn drop(&mut self) {
-            // SAFETY: allocated in `new` with this layout.
-            unsafe { dealloc(self.ptr, self.layout) }
-        }
-    }
-
-    // SAFETY: `ptr` is valid for `layout.size()` bytes, HEADER-aligned, for the value's life.
-    unsafe impl Region for Heap {
-        fn as_ptr(&self) -> *mut u8 {
-            self.ptr
-        }
-        fn len(&self) -> usize {
-            self.layout.size()
-        }
-    }
 
     fn pattern(len: usize, seed: u8) -> Vec<u8> {
         (0..len)
@@ -455,6 +484,21 @@ pub(crate) mod tests {
         assert_eq!(&out[..3000], &a[..]);
         assert_eq!(&out[3000..4096], &b[..1096]);
         assert_eq!(p.space().unwrap(), 4096);
+    }
+
+    #[test]
+    fn in_memory_checks_the_capacity_and_works() {
+        for bad in [0, 3000, MIN_CAPACITY / 2, MAX_CAPACITY * 2] {
+            let e = in_memory(bad).err().expect("bad capacity accepted");
+            assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+        }
+        let (mut p, mut c) = in_memory(DEFAULT_CAPACITY).unwrap();
+        assert_eq!(p.space().unwrap(), DEFAULT_CAPACITY);
+        assert_eq!(p.write(&[IoSlice::new(b"abc")]).unwrap(), 3);
+        assert_eq!(c.available().unwrap(), 3);
+        let mut b = [0u8; 8];
+        assert_eq!(c.read(&mut b).unwrap(), 3);
+        assert_eq!(&b[..3], b"abc");
     }
 
     #[test]

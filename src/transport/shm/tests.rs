@@ -338,13 +338,14 @@ fn measure() {
 }
 
 #[test]
-fn the_domain_is_boot_id_ipc_namespace_and_uid() {
+fn the_domain_is_boot_id_namespaces_and_uid() {
     let d = domain();
     let parts: Vec<&str> = d.split(':').collect();
-    assert_eq!(parts.len(), 3, "{d}");
+    assert_eq!(parts.len(), 4, "{d}");
     assert_eq!(parts[0].len(), 36, "boot id in {d}");
-    assert!(parts[1].parse::<u64>().unwrap() > 0, "{d}");
-    assert_eq!(parts[2].parse::<u32>().unwrap(), fd::uid(), "{d}");
+    assert!(parts[1].parse::<u64>().unwrap() > 0, "ipc namespace in {d}");
+    assert!(parts[2].parse::<u64>().unwrap() > 0, "net namespace in {d}");
+    assert_eq!(parts[3].parse::<u32>().unwrap(), fd::uid(), "{d}");
     assert_eq!(Shm::new().domain(), d);
     assert_eq!(Shm::new().name(), "shm");
     assert_eq!(Shm::new().priority(), 100);

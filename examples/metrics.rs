@@ -1,0 +1,56 @@
+//! Serve Prometheus metrics, move some traffic, and print what a scrape returns.
+//!
+//! Run: `cargo run --example metrics` (or set `ACTORPIPE_METRICS_ADDR=127.0.0.1:9100` and
+//! scrape `http://127.0.0.1:9100/metrics` while your own program runs).
+
+use std::io::{Read as _, Write as _};
+
+use actorpipe::*;
+
+#[actix::main]
+async fn main() -> Result<()> {
+    // Loopback only; port 0 picks a free port.
+    let addr = actorpipe::metrics::serve("127.0.0.1:0".parse().expect("address"))?;
+    let server = actorpipe::Context::builder().start();
+    let (accepted, mut incoming) = inbox::<Accepted>();
+    let l = server
+        .send(Listen::new(["tcp://127.0.0.1:0"], accepted))
+        .await
+        .expect("context alive")?;
+    let client = actorpipe::Context::builder().start();
+    let tx = client
+        .send(Connect::new(&l.urls[0]))
+        .await
+        .expect("context alive")?;
+    let rx = incoming.recv().await.expect("a pipe").pipe;
+    for i in 0..5u8 {
+        let w = tx.send(Write::new(
+            Message::new().with_tensor(Tensor::cpu(vec![i; 256 << 10])),
+        ));
+        let d = rx
+            .send(ReadDescriptor)
+            .await
+            .expect("pipe alive")
+            .descriptor?;
+        rx.send(Read::new(Allocation::for_descriptor(&d)?))
+            .await
+            .expect("pipe alive")
+            .result?;
+        w.await.expect("pipe alive").result?;
+    }
+
+    // A real HTTP scrape of the endpoint.
+    let mut s = std::net::TcpStream::connect(addr).expect("metrics endpoint");
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .expect("request");
+    let mut body = String::new();
+    s.read_to_string(&mut body).expect("response");
+    println!("scrape of http://{addr}/metrics:");
+    for line in body
+        .lines()
+        .filter(|l| l.starts_with("actorpipe_") && !l.contains("_bucket"))
+    {
+        println!("  {line}");
+    }
+    Ok(())
+}

@@ -1,0 +1,108 @@
+//! What this build knows: every backend, whether it can run on this host, and why not.
+//!
+//! `actorpipe info` prints this; a pipe that picked TCP where shared memory was hoped for is
+//! usually explained here (different IPC namespace, ptrace restrictions, …).
+
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::channel::basic::Basic;
+use crate::channel::cma::Cma;
+use crate::channel::mpt::Mpt;
+use crate::channel::xth::Xth;
+use crate::channel::ChannelBackend;
+use crate::transport::shm::Shm;
+use crate::transport::tcp::Tcp;
+use crate::transport::Transport;
+
+/// One backend's standing on this host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BackendReport {
+    /// `transport` or `channel`.
+    pub kind: &'static str,
+    /// The backend's name.
+    pub name: String,
+    /// Its default priority (higher wins).
+    pub priority: i32,
+    /// Whether it can run here.
+    pub available: bool,
+    /// Why not, when it cannot.
+    pub reason: Option<String>,
+    /// The domain descriptor it advertises: peers must show the same string to use it.
+    pub domain: String,
+    /// For channels: the device pair it moves between.
+    pub devices: Option<String>,
+    /// For channels: connections of its own per pipe.
+    pub connections: Option<u32>,
+}
+
+/// Every transport this build knows.
+pub fn transports() -> Vec<Arc<dyn Transport>> {
+    vec![Arc::new(Tcp), Arc::new(Shm::new())]
+}
+
+/// Every channel this build knows.
+pub fn channels() -> Vec<Arc<dyn ChannelBackend>> {
+    vec![
+        Arc::new(Basic),
+        Arc::new(Xth),
+        Arc::new(Cma),
+        Arc::new(Mpt::default()),
+    ]
+}
+
+/// Reports on every backend this build knows.
+pub fn report() -> Vec<BackendReport> {
+    let mut v: Vec<BackendReport> = transports()
+        .iter()
+        .map(|t| {
+            let viable = t.viable();
+            BackendReport {
+                kind: "transport",
+                name: t.name().into(),
+                priority: t.priority(),
+                available: viable.is_ok(),
+                reason: viable.err(),
+                domain: t.domain(),
+                devices: None,
+                connections: None,
+            }
+        })
+        .collect();
+    v.extend(channels().iter().map(|c| {
+        let viable = c.viable();
+        BackendReport {
+            kind: "channel",
+            name: c.name().into(),
+            priority: c.priority(),
+            available: viable.is_ok(),
+            reason: viable.err(),
+            domain: c.domain(),
+            devices: Some(c.devices().to_string()),
+            connections: Some(c.connections()),
+        }
+    }));
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_backend_reports_here() {
+        let r = report();
+        let names: Vec<&str> = r.iter().map(|b| b.name.as_str()).collect();
+        assert_eq!(names, ["tcp", "shm", "basic", "xth", "cma", "mpt"]);
+        for b in &r {
+            // Everything can run on the development and CI machines (root, /proc, memfd).
+            assert!(b.available, "{b:?}");
+            assert_eq!(b.reason, None);
+        }
+        assert!(
+            r[1].domain.contains(':'),
+            "shm domain names boot, namespace and user"
+        );
+    }
+}

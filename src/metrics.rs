@@ -1,0 +1,333 @@
+//! Metric names, the per-pipe handles, and the Prometheus exporter.
+//!
+//! Metrics go through the `metrics` facade. [`serve`] installs a Prometheus recorder for the
+//! process and serves it over HTTP from a thread of its own (with its own single-threaded
+//! runtime), so a busy pipe cannot stall a scrape. Without a recorder every metric is a no-op.
+//!
+//! Labels stay bounded: backend names (a handful), error classes (a dozen), operation kinds. No
+//! label ever carries a peer address, a pipe id or a message number. docs/operations.md lists
+//! every metric.
+
+use std::net::SocketAddr;
+use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
+
+use metrics::{
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Counter,
+    Gauge, Histogram, Unit,
+};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::error::Error;
+
+/// Pipes currently open in this process (gauge).
+pub const PIPES_OPEN: &str = "actorpipe_pipes_open";
+/// Pipes opened, by negotiated transport and channel (counter).
+pub const PIPES_OPENED: &str = "actorpipe_pipes_opened_total";
+/// Pipes closed, by reason (the error class that closed them) (counter).
+pub const PIPES_CLOSED: &str = "actorpipe_pipes_closed_total";
+/// Messages written successfully, by transport and channel (counter).
+pub const MESSAGES_WRITTEN: &str = "actorpipe_messages_written_total";
+/// Payload and tensor bytes of those messages (counter).
+pub const BYTES_WRITTEN: &str = "actorpipe_bytes_written_total";
+/// Messages read successfully, by transport and channel (counter).
+pub const MESSAGES_READ: &str = "actorpipe_messages_read_total";
+/// Payload and tensor bytes of those messages (counter).
+pub const BYTES_READ: &str = "actorpipe_bytes_read_total";
+/// Time from issuing an operation to its completion, by operation, transport and channel
+/// (histogram, seconds).
+pub const OPERATION_SECONDS: &str = "actorpipe_operation_seconds";
+/// Operations that completed with an error, by operation and error class (counter).
+pub const OPERATION_ERRORS: &str = "actorpipe_operation_errors_total";
+/// Handshakes, by outcome: the chosen transport and channel, or the error class (counter).
+pub const NEGOTIATIONS: &str = "actorpipe_negotiations_total";
+/// Operations issued and not yet completed, by operation (gauge).
+pub const BACKLOG: &str = "actorpipe_backlog_operations";
+/// Tensors that fell back from their channel's fast path, by channel (counter).
+pub const FALLBACKS: &str = "actorpipe_fallbacks_total";
+
+/// Histogram buckets for operation latencies: 1 µs to 10 s.
+pub const LATENCY_BUCKETS: [f64; 22] = [
+    1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+    5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+fn describe() {
+    describe_gauge!(PIPES_OPEN, "Pipes currently open in this process.");
+    describe_counter!(
+        PIPES_OPENED,
+        "Pipes opened, by negotiated transport and channel."
+    );
+    describe_counter!(PIPES_CLOSED, "Pipes closed, by reason (error class).");
+    describe_counter!(MESSAGES_WRITTEN, "Messages written successfully.");
+    describe_counter!(
+        BYTES_WRITTEN,
+        Unit::Bytes,
+        "Payload and tensor bytes written."
+    );
+    describe_counter!(MESSAGES_READ, "Messages read successfully.");
+    describe_counter!(BYTES_READ, Unit::Bytes, "Payload and tensor bytes read.");
+    describe_histogram!(
+        OPERATION_SECONDS,
+        Unit::Seconds,
+        "Time from issuing an operation to its completion."
+    );
+    describe_counter!(
+        OPERATION_ERRORS,
+        "Operations completed with an error, by class."
+    );
+    describe_counter!(NEGOTIATIONS, "Handshakes, by outcome.");
+    describe_gauge!(BACKLOG, "Operations issued and not yet completed.");
+    describe_counter!(
+        FALLBACKS,
+        "Tensors that fell back from their channel's fast path."
+    );
+}
+
+struct Exporter {
+    addr: SocketAddr,
+    handle: PrometheusHandle,
+}
+
+static EXPORTER: OnceLock<Mutex<Option<Exporter>>> = OnceLock::new();
+
+/// The address metrics are served at when `ACTORPIPE_METRICS_ADDR` is set: a socket address,
+/// or a bare port (bound on 127.0.0.1).
+pub fn addr_from_env() -> Result<Option<SocketAddr>, Error> {
+    match std::env::var("ACTORPIPE_METRICS_ADDR") {
+        Ok(v) if !v.trim().is_empty() => parse_addr(v.trim()).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// Parses `host:port` or a bare port (loopback).
+pub fn parse_addr(v: &str) -> Result<SocketAddr, Error> {
+    if let Ok(port) = v.parse::<u16>() {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    v.parse().map_err(|_| {
+        Error::invalid(format!(
+            "bad metrics address {v:?}: expected host:port or a port"
+        ))
+    })
+}
+
+/// Serves this process's metrics at `http://addr/metrics` (any path answers), from a thread of
+/// its own. Port 0 picks a free port. Returns the address served.
+///
+/// One exporter per process: asking again for the same address (or port 0) returns the
+/// running one; asking for another address is an error.
+pub fn serve(addr: SocketAddr) -> Result<SocketAddr, Error> {
+    let mut slot = EXPORTER
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(e) = slot.as_ref() {
+        if addr.port() == 0 || addr == e.addr {
+            return Ok(e.addr);
+        }
+        return Err(Error::invalid(format!(
+            "metrics are already served at {}; one exporter per process",
+            e.addr
+        )));
+    }
+    let addr = if addr.port() == 0 {
+        // The exporter does not report the port it bound; pick a free one first.
+        let l = std::net::TcpListener::bind(addr).map_err(|e| listen_error(addr, e))?;
+        l.local_addr().map_err(|e| listen_error(addr, e))?
+    } else {
+        addr
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("actorpipe-metrics".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = tx.send(Err(listen_error(addr, e)));
+                    return;
+                }
+            };
+            rt.block_on(async move {
+                let built = PrometheusBuilder::new()
+                    .with_http_listener(addr)
+                    .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &LATENCY_BUCKETS)
+                    .and_then(|b| b.build());
+                let (recorder, exporter) = match built {
+                    Ok(x) => x,
+                    Err(e) => {
+                        let _ = tx.send(Err(listen_error(addr, std::io::Error::other(e))));
+                        return;
+                    }
+                };
+                let handle = recorder.handle();
+                if metrics::set_global_recorder(recorder).is_err() {
+                    let _ = tx.send(Err(Error::invalid(
+                        "another metrics recorder is already installed in this process",
+                    )));
+                    return;
+                }
+                describe();
+                let _ = tx.send(Ok(handle));
+                if let Err(e) = exporter.await {
+                    tracing::warn!(error = ?e, "metrics exporter stopped");
+                }
+            });
+        })
+        .map_err(|e| listen_error(addr, e))?;
+    let handle = rx
+        .recv()
+        .map_err(|_| Error::invalid("the metrics thread died while starting"))??;
+    *slot = Some(Exporter { addr, handle });
+    tracing::info!(%addr, "serving metrics");
+    Ok(addr)
+}
+
+fn listen_error(addr: SocketAddr, e: std::io::Error) -> Error {
+    Error::Listen {
+        url: format!("http://{addr}/metrics"),
+        source: std::sync::Arc::new(e),
+    }
+}
+
+/// The current scrape text, if [`serve`] is running (what an HTTP scrape would return).
+pub fn render() -> Option<String> {
+    let slot = EXPORTER.get()?.lock().unwrap_or_else(|p| p.into_inner());
+    slot.as_ref().map(|e| e.handle.render())
+}
+
+/// Which operation a measurement belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpKind {
+    /// `Write`.
+    Write,
+    /// `ReadDescriptor`.
+    ReadDescriptor,
+    /// `Read`.
+    Read,
+}
+
+impl OpKind {
+    fn label(self) -> &'static str {
+        match self {
+            OpKind::Write => "write",
+            OpKind::ReadDescriptor => "read_descriptor",
+            OpKind::Read => "read",
+        }
+    }
+}
+
+/// One pipe's metric handles, resolved once so that recording costs atomic adds.
+pub struct PipeMetrics {
+    messages_written: Counter,
+    bytes_written: Counter,
+    messages_read: Counter,
+    bytes_read: Counter,
+    latency: [Histogram; 3],
+    backlog: [Gauge; 3],
+    open: Gauge,
+}
+
+impl std::fmt::Debug for PipeMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PipeMetrics").finish_non_exhaustive()
+    }
+}
+
+const KINDS: [OpKind; 3] = [OpKind::Write, OpKind::ReadDescriptor, OpKind::Read];
+
+impl PipeMetrics {
+    /// Handles for a pipe on `transport` with `channel`; counts the pipe as opened.
+    pub fn open(transport: &str, channel: &str) -> Self {
+        let (t, c) = (transport.to_string(), channel.to_string());
+        counter!(NEGOTIATIONS, "outcome" => "ok", "transport" => t.clone(), "channel" => c.clone())
+            .increment(1);
+        counter!(PIPES_OPENED, "transport" => t.clone(), "channel" => c.clone()).increment(1);
+        let open = gauge!(PIPES_OPEN);
+        open.increment(1.0);
+        let labels = [("transport", t.clone()), ("channel", c.clone())];
+        PipeMetrics {
+            messages_written: counter!(MESSAGES_WRITTEN, &labels),
+            bytes_written: counter!(BYTES_WRITTEN, &labels),
+            messages_read: counter!(MESSAGES_READ, &labels),
+            bytes_read: counter!(BYTES_READ, &labels),
+            latency: KINDS.map(|k| {
+                histogram!(OPERATION_SECONDS, "op" => k.label(), "transport" => t.clone(), "channel" => c.clone())
+            }),
+            backlog: KINDS.map(|k| gauge!(BACKLOG, "op" => k.label())),
+            open,
+        }
+    }
+
+    /// An operation was issued.
+    pub fn issued(&self, k: OpKind) {
+        self.backlog[k as usize].increment(1.0);
+    }
+
+    /// An operation completed; `bytes` counts for successful writes and reads.
+    pub fn completed(&self, k: OpKind, since: Instant, result: Result<u64, &Error>) {
+        self.backlog[k as usize].decrement(1.0);
+        self.latency[k as usize].record(since.elapsed().as_secs_f64());
+        match (k, result) {
+            (OpKind::Write, Ok(b)) => {
+                self.messages_written.increment(1);
+                self.bytes_written.increment(b);
+            }
+            (OpKind::Read, Ok(b)) => {
+                self.messages_read.increment(1);
+                self.bytes_read.increment(b);
+            }
+            (_, Ok(_)) => {}
+            (k, Err(e)) => {
+                counter!(OPERATION_ERRORS, "op" => k.label(), "class" => e.class()).increment(1)
+            }
+        }
+    }
+
+    /// The pipe closed because of `e`.
+    pub fn closed(&self, e: &Error) {
+        self.open.decrement(1.0);
+        counter!(PIPES_CLOSED, "reason" => e.class()).increment(1);
+    }
+}
+
+/// A handshake failed (either side), with this error.
+pub fn negotiation_failed(e: &Error) {
+    counter!(NEGOTIATIONS, "outcome" => e.class()).increment(1);
+}
+
+/// A tensor fell back from `channel`'s fast path.
+pub fn fallback(channel: &'static str) {
+    counter!(FALLBACKS, "channel" => channel).increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_default_to_loopback() {
+        assert_eq!(
+            parse_addr("9100").unwrap(),
+            "127.0.0.1:9100".parse().unwrap()
+        );
+        assert_eq!(
+            parse_addr("0.0.0.0:1").unwrap(),
+            "0.0.0.0:1".parse().unwrap()
+        );
+        assert!(parse_addr("nope").is_err());
+    }
+
+    #[test]
+    fn recording_without_a_recorder_is_harmless() {
+        let m = PipeMetrics::open("tcp", "basic");
+        m.issued(OpKind::Write);
+        m.completed(OpKind::Write, Instant::now(), Ok(10));
+        m.completed(OpKind::Read, Instant::now(), Err(&Error::invalid("x")));
+        m.closed(&Error::invalid("x"));
+    }
+}

@@ -1,0 +1,79 @@
+//! Every example runs, so none can rot. (The echo_peer example is run by tests/processes.rs.)
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+    let path = dir.join("examples").join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run the tests with `cargo test`, which builds the examples",
+        path.display()
+    );
+    path
+}
+
+/// Runs an example to completion (bounded) and returns its standard output.
+fn run(name: &str) -> String {
+    let mut child = Command::new(example(name))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start example");
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let out = child.wait_with_output().unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+            assert!(
+                status.success(),
+                "{name} failed: {status}\n{stdout}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            return stdout;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{name} did not finish within 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn quickstart_moves_tensors_and_reports() {
+    let out = run("quickstart");
+    assert!(out.contains("listening on tcp://127.0.0.1:"), "{out}");
+    for size in ["4 KiB", "1 MiB", "16 MiB", "64 MiB"] {
+        assert!(out.contains(size), "{out}");
+    }
+    assert!(out.contains("GB/s"), "{out}");
+    assert!(
+        out.contains("closed: pipe closed locally: quickstart done"),
+        "{out}"
+    );
+}
+
+#[test]
+fn app_actor_gets_every_completion() {
+    let out = run("app_actor");
+    for i in 0..3 {
+        assert!(out.contains(&format!("write {i} done: Ok(())")), "{out}");
+        assert!(
+            out.contains(&format!(
+                "echo {i} back: metadata [{i}], tensor of 1048576 bytes, Ok(())"
+            )),
+            "{out}"
+        );
+    }
+}
+
+#[test]
+fn metrics_example_prints_a_scrape() {
+    let out = run("metrics");
+    assert!(out.contains("actorpipe_messages_written_total{"), "{out}");
+    assert!(out.contains("actorpipe_pipes_open 2"), "{out}");
+}

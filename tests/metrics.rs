@@ -1,0 +1,157 @@
+//! Known traffic, then a real HTTP scrape of the Prometheus endpoint: the counters equal the
+//! traffic. Its own test binary, because the exporter and its counters are process-wide.
+
+mod common;
+
+use std::io::{Read as _, Write as _};
+use std::net::{SocketAddr, TcpStream};
+
+use actorpipe::*;
+use common::*;
+
+fn scrape(addr: SocketAddr) -> String {
+    let mut s = TcpStream::connect(addr).expect("connect to the metrics endpoint");
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    out
+}
+
+/// The value of the sample `name{labels}` whose labels include every pair given.
+fn value(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .find(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[actix::test]
+async fn counters_equal_the_traffic() {
+    let addr = actorpipe::metrics::serve("127.0.0.1:0".parse().unwrap()).unwrap();
+    assert!(addr.ip().is_loopback());
+    let b = || tcp_basic();
+    let (tx, rx, _s) = pair(b(), b()).await;
+    const N: u64 = 10;
+    for i in 0..N {
+        let m = Message::new()
+            .with_payload(Payload::new(vec![1; 100]))
+            .with_tensor(Tensor::cpu(vec![i as u8; 1000]));
+        let w = tx.send(Write::new(m));
+        read_one(&rx).await.unwrap();
+        w.await.unwrap().result.unwrap();
+    }
+    // One refused operation.
+    let r = rx.send(Read::new(Allocation::default())).await.unwrap();
+    assert!(r.result.is_err());
+
+    let text = scrape(addr);
+    let tb = [("transport", "tcp"), ("channel", "basic")];
+    assert_eq!(
+        value(&text, "actorpipe_messages_written_total", &tb),
+        Some(N as f64)
+    );
+    assert_eq!(
+        value(&text, "actorpipe_bytes_written_total", &tb),
+        Some((N * 1100) as f64)
+    );
+    assert_eq!(
+        value(&text, "actorpipe_messages_read_total", &tb),
+        Some(N as f64)
+    );
+    assert_eq!(
+        value(&text, "actorpipe_bytes_read_total", &tb),
+        Some((N * 1100) as f64)
+    );
+    assert_eq!(value(&text, "actorpipe_pipes_opened_total", &tb), Some(2.0));
+    assert_eq!(value(&text, "actorpipe_pipes_open", &[]), Some(2.0));
+    assert_eq!(
+        value(
+            &text,
+            "actorpipe_negotiations_total",
+            &[("outcome", "ok"), ("channel", "basic")]
+        ),
+        Some(2.0)
+    );
+    assert_eq!(
+        value(
+            &text,
+            "actorpipe_operation_errors_total",
+            &[("op", "read"), ("class", "invalid_argument")]
+        ),
+        Some(1.0)
+    );
+    // Real histogram buckets, not a summary: every write landed in some bucket.
+    let writes = [("op", "write"), ("transport", "tcp"), ("le", "+Inf")];
+    assert_eq!(
+        value(&text, "actorpipe_operation_seconds_bucket", &writes),
+        Some(N as f64)
+    );
+    let buckets = text
+        .lines()
+        .filter(|l| {
+            l.starts_with("actorpipe_operation_seconds_bucket") && l.contains("op=\"write\"")
+        })
+        .count();
+    assert_eq!(
+        buckets,
+        actorpipe::metrics::LATENCY_BUCKETS.len() + 1,
+        "{text}"
+    );
+    assert_eq!(
+        value(&text, "actorpipe_backlog_operations", &[("op", "write")]),
+        Some(0.0)
+    );
+    // Labels stay bounded: no addresses or ids anywhere in the labels.
+    assert!(!text.contains("127.0.0.1"), "no peer address in labels");
+
+    tx.send(Close::because("done")).await.unwrap();
+    let (to, mut closed) = inbox::<Closed>();
+    rx.send(Subscribe(to)).await.unwrap();
+    within(10, "Closed", closed.recv()).await.unwrap();
+    let text = scrape(addr);
+    assert_eq!(value(&text, "actorpipe_pipes_open", &[]), Some(0.0));
+    assert_eq!(
+        value(
+            &text,
+            "actorpipe_pipes_closed_total",
+            &[("reason", "closed")]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(
+            &text,
+            "actorpipe_pipes_closed_total",
+            &[("reason", "peer_closed")]
+        ),
+        Some(1.0)
+    );
+    // A refused handshake is counted by class.
+    let c = Context::builder().start();
+    let bad = c.send(Connect::new("tcp://127.0.0.1:1")).await.unwrap();
+    assert!(bad.is_err());
+    let text = scrape(addr);
+    assert_eq!(
+        value(
+            &text,
+            "actorpipe_negotiations_total",
+            &[("outcome", "connect")]
+        ),
+        Some(1.0)
+    );
+    // Serving again at port 0 returns the running exporter; another address is refused.
+    assert_eq!(
+        actorpipe::metrics::serve("127.0.0.1:0".parse().unwrap()).unwrap(),
+        addr
+    );
+    let other = SocketAddr::from(([127, 0, 0, 1], addr.port().wrapping_add(1)));
+    assert!(actorpipe::metrics::serve(other).is_err());
+}
