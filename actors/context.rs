@@ -29,6 +29,7 @@ pub struct Config {
     pub(crate) handshake_timeout: Duration,
     pub(crate) cma_threads: usize,
     pub(crate) metrics_addr: Option<std::net::SocketAddr>,
+    pub(crate) secret: Option<Arc<[u8]>>,
     pub(crate) transports: Vec<(Arc<dyn Transport>, i32)>,
     pub(crate) channels: Vec<(Arc<dyn ChannelBackend>, i32)>,
 }
@@ -88,6 +89,7 @@ impl std::fmt::Debug for Config {
             .field("handshake_timeout", &self.handshake_timeout)
             .field("cma_threads", &self.cma_threads)
             .field("metrics_addr", &self.metrics_addr)
+            .field("secret", &self.secret.as_ref().map(|_| "<set>"))
             .field(
                 "transports",
                 &self
@@ -130,11 +132,14 @@ impl Default for ContextBuilder {
                 handshake_timeout: Duration::from_secs(10),
                 cma_threads: 2,
                 metrics_addr: None,
+                secret: None,
                 transports: Vec::new(),
                 channels: Vec::new(),
             },
         };
-        b = b.transport(Arc::new(Tcp)).transport(Arc::new(Shm::new()));
+        b = b
+            .transport(Arc::new(Tcp::default()))
+            .transport(Arc::new(Shm::new()));
         b = b
             .channel(Arc::new(Basic))
             .channel(Arc::new(Xth))
@@ -171,6 +176,34 @@ impl ContextBuilder {
     /// Threads per cma read (large tensors are split across them).
     pub fn cma_threads(mut self, n: usize) -> Self {
         self.config.cma_threads = n.max(1);
+        self
+    }
+
+    /// Requires peers to prove they know `secret` (a challenge–response over HMAC-SHA256 in the
+    /// handshake; the secret never crosses the wire). Both sides must have the same secret; a
+    /// side without one cannot open a pipe to a side with one, or the reverse.
+    pub fn secret(mut self, secret: impl AsRef<[u8]>) -> Self {
+        self.config.secret = Some(Arc::from(secret.as_ref()));
+        self
+    }
+
+    /// How silent peers are found out on TCP connections (control and lanes): probes every
+    /// `interval` while idle, dead after `timeout` without an answer. Defaults: 2 s and 10 s.
+    pub fn keepalive(self, interval: Duration, timeout: Duration) -> Self {
+        self.tcp(Some(crate::transport::tcp::Keepalive { interval, timeout }))
+    }
+
+    /// Turns TCP keepalive off (the kernel's defaults apply: hours).
+    pub fn no_keepalive(self) -> Self {
+        self.tcp(None)
+    }
+
+    fn tcp(mut self, k: Option<crate::transport::tcp::Keepalive>) -> Self {
+        for (t, _) in &mut self.config.transports {
+            if t.name() == "tcp" {
+                *t = Arc::new(Tcp::with_keepalive(k));
+            }
+        }
         self
     }
 
@@ -299,9 +332,11 @@ async fn dial(config: Arc<Config>, url: String) -> Result<PipeParts, Error> {
     let bootstrap = scheme(&url)?.to_string();
     let t = config.connect_timeout;
     let stream = config.transport(&bootstrap)?.connect(&url, t).await?;
+    let secret = config.secret.as_deref();
     let hs = handshake::connect(
         stream,
         &config.brochure(&[]),
+        secret,
         &config.limits,
         config.handshake_timeout,
     )
@@ -329,7 +364,14 @@ async fn dial(config: Arc<Config>, url: String) -> Result<PipeParts, Error> {
             }
             Purpose::Channel { .. } => config.transport(&bootstrap)?.connect(&url, t).await?,
         };
-        let h = handshake::join(stream, choice.token, purpose, config.handshake_timeout).await?;
+        let h = handshake::join(
+            stream,
+            (&hs.listener_nonce, choice.token),
+            purpose,
+            secret,
+            config.handshake_timeout,
+        )
+        .await?;
         match purpose {
             Purpose::Control => control = Some(h),
             Purpose::Channel { channel, .. } => lanes[channel as usize].push(h),

@@ -119,6 +119,17 @@ impl Listener {
             tracing::info!(peer = %h.peer, "refused a join for no pending pipe");
             return;
         };
+        if let Some(k) = self.config.secret.as_deref() {
+            let (nonce, token) = (&p.hs.listener_nonce, join.token);
+            let ok = join
+                .proof
+                .as_ref()
+                .is_some_and(|proof| crate::auth::check_join(k, nonce, token, join.purpose, proof));
+            if !ok {
+                tracing::info!(peer = %h.peer, "refused a join without proof of the secret");
+                return;
+            }
+        }
         let slot = match join.purpose {
             Purpose::Control => &mut p.control,
             Purpose::Channel { channel, lane } => {
@@ -202,8 +213,9 @@ impl Handler<Incoming> for Listener {
             let limits = config.limits;
             let t = config.handshake_timeout;
             match handshake::greet(stream, &limits, t).await? {
-                Greeting::Hello(h, theirs) => {
-                    let hs = handshake::accept(h, theirs, &ours, &limits, t).await?;
+                Greeting::Hello(h, hello) => {
+                    let secret = config.secret.as_deref();
+                    let hs = handshake::accept(h, hello, &ours, secret, &limits, t).await?;
                     Ok(Ok(hs))
                 }
                 Greeting::Join(h, j) => Ok(Err((h, j))),

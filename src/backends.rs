@@ -39,7 +39,7 @@ pub struct BackendReport {
 
 /// Every transport this build knows.
 pub fn transports() -> Vec<Arc<dyn Transport>> {
-    vec![Arc::new(Tcp), Arc::new(Shm::new())]
+    vec![Arc::new(Tcp::default()), Arc::new(Shm::new())]
 }
 
 /// Every channel this build knows.

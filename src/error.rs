@@ -110,6 +110,15 @@ pub enum Error {
         /// Where.
         origin: Origin,
     },
+    /// The peer could not prove it knows the shared secret (or we could not: one side has a
+    /// secret and the other none). Configure the same secret on both contexts.
+    #[error("authentication failed: {reason} {origin}")]
+    Unauthenticated {
+        /// What went wrong.
+        reason: String,
+        /// Where.
+        origin: Origin,
+    },
     /// A size or count went over a configured limit; nothing was allocated for it. Raise the
     /// limit in the context builder if the peer is legitimate.
     #[error("limit exceeded: {limit} is {value}, the maximum is {max} {origin}")]
@@ -210,6 +219,7 @@ impl Error {
             Error::Closed { .. } => "closed",
             Error::Protocol { .. } => "protocol",
             Error::Version { .. } => "version",
+            Error::Unauthenticated { .. } => "auth",
             Error::LimitExceeded { .. } => "limit",
             Error::Unavailable { .. } => "unavailable",
             Error::Timeout { .. } => "timeout",
@@ -227,6 +237,7 @@ impl Error {
             | Error::Closed { origin, .. }
             | Error::Protocol { origin, .. }
             | Error::Version { origin, .. }
+            | Error::Unauthenticated { origin, .. }
             | Error::LimitExceeded { origin, .. }
             | Error::Timeout { origin, .. }
             | Error::Io { origin, .. } => origin.pipe = Some(pipe),

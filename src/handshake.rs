@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 
+use crate::auth;
 use crate::error::{Error, Origin};
 use crate::negotiate::{choose, Brochure, Choice, Hello, Join, Purpose};
 use crate::transport::stream::{io_error, read_frame, unexpected, READ_BUFFER};
@@ -68,13 +69,15 @@ pub struct Handshaken {
     pub choice: Choice,
     /// The peer's brochure (its addresses for other transports).
     pub theirs: Brochure,
+    /// The listener's nonce (joining connections prove the secret over it).
+    pub listener_nonce: Vec<u8>,
 }
 
 /// What the first frame on an accepted connection asked for.
 #[derive(Debug)]
 pub enum Greeting {
     /// A new pipe: finish with [`accept`].
-    Hello(Halves, Brochure),
+    Hello(Halves, Hello),
     /// An extra connection for a pipe being set up.
     Join(Halves, Join),
 }
@@ -117,6 +120,25 @@ async fn read_preamble(h: &mut Halves) -> Result<(), Error> {
     Preamble::check(&pre, &origin).map(drop)
 }
 
+/// Frame limits before the peer has authenticated: nothing larger than a handshake needs.
+fn handshake_limits(limits: &Limits) -> Limits {
+    Limits {
+        max_frame_size: limits.max_frame_size.min(auth::HANDSHAKE_FRAME_LIMIT),
+        ..*limits
+    }
+}
+
+fn unauthenticated(reason: &str, origin: &Origin) -> Error {
+    Error::Unauthenticated {
+        reason: reason.into(),
+        origin: origin.clone(),
+    }
+}
+
+fn proof_bytes(p: Vec<u8>) -> Option<serde_bytes::ByteBuf> {
+    Some(serde_bytes::ByteBuf::from(p))
+}
+
 fn rejected(reason: String) -> Error {
     Error::Unavailable {
         backend: "negotiation".into(),
@@ -125,14 +147,18 @@ fn rejected(reason: String) -> Error {
 }
 
 /// Connecting side: exchanges hellos over `stream` and sends the choice, with a fresh token.
+/// With a `secret`, the listener must prove it knows it, and we prove it in the choice.
 pub async fn connect(
     stream: Stream,
     ours: &Brochure,
+    secret: Option<&[u8]>,
     limits: &Limits,
     timeout: Duration,
 ) -> Result<Handshaken, Error> {
     let mut h = Halves::from(stream);
     let origin = origin_of(&h);
+    let limits = &handshake_limits(limits);
+    let nonce = auth::nonce();
     deadline(timeout, "handshaking", &origin, async {
         let mut out = Vec::with_capacity(256);
         out.extend_from_slice(&Preamble::OURS.encode());
@@ -141,19 +167,47 @@ pub async fn connect(
             FrameKind::Hello,
             &Hello {
                 brochure: ours.clone(),
+                nonce: nonce.clone(),
+                proof: None,
             },
         );
         send(&mut h, &out, "sending the hello").await?;
         read_preamble(&mut h).await?;
         let mut buf = Vec::new();
-        let theirs = match read_frame(&mut h.read, &mut buf, limits, &origin).await? {
-            Frame::Hello(hello) => hello.brochure,
+        let hello = match read_frame(&mut h.read, &mut buf, limits, &origin).await? {
+            Frame::Hello(hello) => hello,
             Frame::Reject(r) => return Err(rejected(r)),
             f => return Err(unexpected(f, "a hello", &origin)),
         };
+        match (secret, &hello.proof) {
+            (Some(k), Some(p)) if auth::check_listener(k, &nonce, &hello.nonce, p) => {}
+            (Some(_), Some(_)) => {
+                return Err(unauthenticated(
+                    "the listener's proof does not match our shared secret",
+                    &origin,
+                ))
+            }
+            (Some(_), None) => {
+                return Err(unauthenticated(
+                    "the listener has no shared secret and ours requires one",
+                    &origin,
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(unauthenticated(
+                    "the listener requires a shared secret and none is configured here",
+                    &origin,
+                ))
+            }
+            (None, None) => {}
+        }
+        let theirs = hello.brochure;
         out.clear();
         let choice = choose(ours, &theirs).map(|mut c| {
             c.token = fresh_token();
+            c.proof = secret
+                .map(|k| auth::connector_proof(k, &hello.nonce, &nonce, c.token))
+                .and_then(proof_bytes);
             c
         });
         match &choice {
@@ -165,13 +219,14 @@ pub async fn connect(
             backend: "negotiation".into(),
             reason: e.0,
         })?;
-        Ok((choice, theirs))
+        Ok((choice, theirs, hello.nonce))
     })
     .await
-    .map(|(choice, theirs)| Handshaken {
+    .map(|(choice, theirs, listener_nonce)| Handshaken {
         halves: h,
         choice,
         theirs,
+        listener_nonce,
     })
 }
 
@@ -179,8 +234,9 @@ pub async fn connect(
 pub async fn greet(stream: Stream, limits: &Limits, timeout: Duration) -> Result<Greeting, Error> {
     let mut h = Halves::from(stream);
     let origin = origin_of(&h);
+    let limits = &handshake_limits(limits);
     enum First {
-        Hello(Brochure),
+        Hello(Hello),
         Join(Join),
     }
     let first = deadline(timeout, "waiting for a hello", &origin, async {
@@ -193,7 +249,7 @@ pub async fn greet(stream: Stream, limits: &Limits, timeout: Duration) -> Result
         }
         let mut buf = Vec::new();
         match read_frame(&mut h.read, &mut buf, limits, &origin).await? {
-            Frame::Hello(hello) => Ok(First::Hello(hello.brochure)),
+            Frame::Hello(hello) => Ok(First::Hello(hello)),
             Frame::Join(j) => Ok(First::Join(j)),
             f => Err(unexpected(f, "a hello or a join", &origin)),
         }
@@ -205,15 +261,20 @@ pub async fn greet(stream: Stream, limits: &Limits, timeout: Duration) -> Result
     })
 }
 
-/// Listening side, after a `Hello`: answers with our brochure and checks the peer's choice.
+/// Listening side, after a `Hello`: answers with our brochure (and, with a `secret`, our proof)
+/// and checks the peer's choice (and its proof).
 pub async fn accept(
     mut h: Halves,
-    theirs: Brochure,
+    hello: Hello,
     ours: &Brochure,
+    secret: Option<&[u8]>,
     limits: &Limits,
     timeout: Duration,
 ) -> Result<Handshaken, Error> {
     let origin = origin_of(&h);
+    let limits = &handshake_limits(limits);
+    let theirs = hello.brochure;
+    let nonce = auth::nonce();
     let choice = deadline(timeout, "handshaking", &origin, async {
         let mut out = Vec::with_capacity(256);
         out.extend_from_slice(&Preamble::OURS.encode());
@@ -222,6 +283,10 @@ pub async fn accept(
             FrameKind::Hello,
             &Hello {
                 brochure: ours.clone(),
+                nonce: nonce.clone(),
+                proof: secret
+                    .map(|k| auth::listener_proof(k, &hello.nonce, &nonce))
+                    .and_then(proof_bytes),
             },
         );
         send(&mut h, &out, "sending the hello").await?;
@@ -237,7 +302,21 @@ pub async fn accept(
                 &origin,
             )
         })?;
+        if let Some(k) = secret {
+            let ok = got
+                .proof
+                .as_ref()
+                .is_some_and(|p| auth::check_connector(k, &nonce, &hello.nonce, got.token, p));
+            if !ok {
+                let e = unauthenticated("the connector did not prove the shared secret", &origin);
+                out.clear();
+                encode_serde(&mut out, FrameKind::Reject, &"authentication failed");
+                let _ = send(&mut h, &out, "sending a refusal").await;
+                return Err(e);
+            }
+        }
         expected.token = got.token;
+        expected.proof = got.proof.clone();
         if got != expected {
             let e = Error::protocol(
                 format!("the peer chose {got:?}, we compute {expected:?}"),
@@ -255,21 +334,36 @@ pub async fn accept(
         halves: h,
         choice,
         theirs,
+        listener_nonce: nonce,
     })
 }
 
-/// Connecting side: opens an extra connection's conversation with `Join`.
+/// Connecting side: opens an extra connection's conversation with `Join` (with a proof of the
+/// secret over the listener's nonce, when there is a secret).
 pub async fn join(
     stream: Stream,
-    token: u64,
+    hs: (&[u8], u64),
     purpose: Purpose,
+    secret: Option<&[u8]>,
     timeout: Duration,
 ) -> Result<Halves, Error> {
+    let (listener_nonce, token) = hs;
     let mut h = Halves::from(stream);
     let origin = origin_of(&h);
-    let mut out = Vec::with_capacity(64);
+    let mut out = Vec::with_capacity(96);
     out.extend_from_slice(&Preamble::OURS.encode());
-    encode_serde(&mut out, FrameKind::Join, &Join { token, purpose });
+    let proof = secret
+        .map(|k| auth::join_proof(k, listener_nonce, token, purpose))
+        .and_then(proof_bytes);
+    encode_serde(
+        &mut out,
+        FrameKind::Join,
+        &Join {
+            token,
+            purpose,
+            proof,
+        },
+    );
     deadline(
         timeout,
         "joining",

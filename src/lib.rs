@@ -25,6 +25,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod auth;
 pub mod backends;
 pub mod channel;
 pub mod error;

@@ -88,6 +88,11 @@ pub struct Brochure {
 pub struct Hello {
     /// What the sender can run.
     pub brochure: Brochure,
+    /// A fresh random challenge (see [`crate::auth`]).
+    #[serde(with = "serde_bytes")]
+    pub nonce: Vec<u8>,
+    /// The listener's answer to the connector's challenge, when it has a secret.
+    pub proof: Option<serde_bytes::ByteBuf>,
 }
 
 /// The channel chosen for one device pair.
@@ -110,6 +115,8 @@ pub struct Choice {
     pub channels: Vec<ChannelChoice>,
     /// Names the pipe when extra connections join it (set by the connecting side, random).
     pub token: u64,
+    /// The connector's answer to the listener's challenge, when it has a secret.
+    pub proof: Option<serde_bytes::ByteBuf>,
 }
 
 /// Why an extra connection joins a pipe.
@@ -127,12 +134,14 @@ pub enum Purpose {
 }
 
 /// First frame on a connection that joins a pipe being set up.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Join {
     /// The pipe's token from its [`Choice`].
     pub token: u64,
     /// What this connection is for.
     pub purpose: Purpose,
+    /// Proof of the shared secret, when there is one.
+    pub proof: Option<serde_bytes::ByteBuf>,
 }
 
 impl Choice {
@@ -228,6 +237,7 @@ pub fn choose(connector: &Brochure, listener: &Brochure) -> Result<Choice, NoCom
         transport: transport.name.clone(),
         channels,
         token: 0,
+        proof: None,
     })
 }
 

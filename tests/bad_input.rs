@@ -249,7 +249,13 @@ async fn garbage_after_the_handshake_closes_only_that_pipe() {
         let mut hs = within(
             5,
             "raw handshake",
-            handshake::connect(s, &brochure(), &Limits::default(), Duration::from_secs(5)),
+            handshake::connect(
+                s,
+                &brochure(),
+                None,
+                &Limits::default(),
+                Duration::from_secs(5),
+            ),
         )
         .await
         .expect("handshake");

@@ -11,12 +11,98 @@ use crate::error::Error;
 
 /// The TCP transport. Works between any two hosts that can reach each other, so its domain is
 /// empty and its priority the lowest.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Tcp;
+#[derive(Debug, Clone, Copy)]
+pub struct Tcp {
+    /// Liveness checking of every connection; `None` turns it off.
+    pub keepalive: Option<Keepalive>,
+}
 
-/// Turns a connected socket into a [`Stream`].
+impl Default for Tcp {
+    fn default() -> Self {
+        Tcp {
+            keepalive: Some(Keepalive::default()),
+        }
+    }
+}
+
+/// How a silent peer is found out: the kernel probes an idle connection every `interval`, and a
+/// connection whose probes, or whose sent data, go unacknowledged for `timeout` fails with a
+/// timeout. A peer that dies without closing (killed, cable pulled, host frozen) is detected
+/// within about `timeout` (whole seconds; at least 1 s each).
+///
+/// A peer that is alive but slow (its application not reading) still acknowledges at the TCP
+/// level, so it is never taken for dead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Keepalive {
+    /// Idle time before the first probe, and time between probes.
+    pub interval: Duration,
+    /// Silence after which the connection is declared dead.
+    pub timeout: Duration,
+}
+
+impl Default for Keepalive {
+    fn default() -> Self {
+        Keepalive {
+            interval: Duration::from_secs(2),
+            timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+fn setsockopt(fd: std::os::fd::RawFd, level: i32, name: i32, v: i32) -> std::io::Result<()> {
+    // SAFETY: `fd` is an open socket owned by the caller; the option value is a valid c_int that
+    // lives for the duration of the call.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            name,
+            (&v as *const i32).cast(),
+            std::mem::size_of::<i32>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+impl Keepalive {
+    /// Applies this policy to a connected socket.
+    pub fn apply(&self, s: &TcpStream) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let fd = s.as_raw_fd();
+        let interval = self.interval.as_secs().clamp(1, i32::MAX as u64) as i32;
+        let timeout = self.timeout.as_secs().max(interval as u64) as i32;
+        let probes = ((timeout - interval) / interval).max(1);
+        setsockopt(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
+        setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, interval)?;
+        setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, interval)?;
+        setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT, probes)?;
+        let ms = self.timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+        setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, ms)
+    }
+}
+
+impl Tcp {
+    /// TCP with the given liveness policy (`None`: the kernel's defaults, which take hours).
+    pub fn with_keepalive(keepalive: Option<Keepalive>) -> Self {
+        Tcp { keepalive }
+    }
+}
+
+/// Turns a connected socket into a [`Stream`] with the default keepalive.
 pub fn into_stream(s: TcpStream) -> std::io::Result<Stream> {
+    into_stream_with(s, Some(Keepalive::default()))
+}
+
+/// Turns a connected socket into a [`Stream`], applying `keepalive`.
+pub fn into_stream_with(s: TcpStream, keepalive: Option<Keepalive>) -> std::io::Result<Stream> {
     s.set_nodelay(true)?;
+    if let Some(k) = keepalive {
+        k.apply(&s)?;
+    }
     let peer = Url::from_socket("tcp", s.peer_addr()?).to_string();
     let local = Url::from_socket("tcp", s.local_addr()?).to_string();
     let (r, w) = s.into_split();
@@ -29,7 +115,11 @@ pub fn into_stream(s: TcpStream) -> std::io::Result<Stream> {
 }
 
 /// Connects to every resolved address in turn until one answers.
-pub async fn connect(url: &Url, timeout: Duration) -> Result<Stream, Error> {
+pub async fn connect(
+    url: &Url,
+    timeout: Duration,
+    keepalive: Option<Keepalive>,
+) -> Result<Stream, Error> {
     let text = url.to_string();
     let connect_err = |e: std::io::Error| Error::Connect {
         url: text.clone(),
@@ -40,7 +130,7 @@ pub async fn connect(url: &Url, timeout: Duration) -> Result<Stream, Error> {
         let mut last = None;
         for a in addrs {
             match TcpStream::connect(a).await {
-                Ok(s) => return into_stream(s).map_err(connect_err),
+                Ok(s) => return into_stream_with(s, keepalive).map_err(connect_err),
                 Err(e) => last = Some(e),
             }
         }
@@ -62,11 +152,12 @@ pub async fn connect(url: &Url, timeout: Duration) -> Result<Stream, Error> {
 pub struct TcpAcceptor {
     listener: TcpListener,
     url: String,
+    keepalive: Option<Keepalive>,
 }
 
 impl TcpAcceptor {
     /// Binds `url` (port 0 picks a free port).
-    pub async fn bind(url: &Url) -> Result<TcpAcceptor, Error> {
+    pub async fn bind(url: &Url, keepalive: Option<Keepalive>) -> Result<TcpAcceptor, Error> {
         let addrs = url.socket_addrs().await?;
         let mut last = None;
         for a in addrs {
@@ -79,7 +170,11 @@ impl TcpAcceptor {
                         })?,
                     )
                     .to_string();
-                    return Ok(TcpAcceptor { listener, url });
+                    return Ok(TcpAcceptor {
+                        listener,
+                        url,
+                        keepalive,
+                    });
                 }
                 Err(e) => last = Some(e),
             }
@@ -101,7 +196,7 @@ impl Acceptor for TcpAcceptor {
     fn accept(&mut self) -> BoxFuture<'_, std::io::Result<Stream>> {
         Box::pin(async move {
             let (s, _) = self.listener.accept().await?;
-            into_stream(s)
+            into_stream_with(s, self.keepalive)
         })
     }
 }
@@ -124,12 +219,13 @@ impl Transport for Tcp {
         url: &'a str,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<Stream, Error>> {
-        Box::pin(async move { connect(&Url::parse(url)?, timeout).await })
+        Box::pin(async move { connect(&Url::parse(url)?, timeout, self.keepalive).await })
     }
 
     fn listen<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<Box<dyn Acceptor>, Error>> {
         Box::pin(async move {
-            Ok(Box::new(TcpAcceptor::bind(&Url::parse(url)?).await?) as Box<dyn Acceptor>)
+            let a = TcpAcceptor::bind(&Url::parse(url)?, self.keepalive).await?;
+            Ok(Box::new(a) as Box<dyn Acceptor>)
         })
     }
 }

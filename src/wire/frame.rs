@@ -150,6 +150,8 @@ mod tests {
     fn serde_frames_round_trip() {
         let hello = Hello {
             brochure: Brochure::default(),
+            nonce: vec![7; 32],
+            proof: Some(serde_bytes::ByteBuf::from(vec![1, 2, 3])),
         };
         let mut buf = Vec::new();
         encode_serde(&mut buf, FrameKind::Hello, &hello);
