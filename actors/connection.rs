@@ -12,7 +12,7 @@ use tokio::io::BufReader;
 use tokio::sync::{mpsc, watch};
 
 use crate::error::{Error, Origin};
-use crate::transport::stream::{read_loop, write_loop, InOp, OutOp};
+use crate::transport::stream::{read_loop, write_loop, Farewell, InOp, OutOp};
 use crate::transport::{BoxRead, BoxWrite};
 use crate::wire::Limits;
 
@@ -41,14 +41,14 @@ impl Link {
 
 /// Owns one transport connection and its I/O loops.
 pub struct Connection {
-    stop: watch::Sender<Option<Vec<u8>>>,
+    stop: watch::Sender<Option<Farewell>>,
 }
 
 /// Stops the connection: the operation in progress is interrupted and every queued one fails;
 /// `farewell`, if not empty, is written first when the stream is at a frame boundary.
 #[derive(Debug, Default)]
 pub(crate) struct Shutdown {
-    pub farewell: Vec<u8>,
+    pub farewell: Farewell,
 }
 
 impl Message for Shutdown {
@@ -87,7 +87,7 @@ impl Actor for Connection {
         self.stop.send_if_modified(|s| {
             let was_running = s.is_none();
             if was_running {
-                *s = Some(Vec::new());
+                *s = Some(Farewell::default());
             }
             was_running
         });

@@ -190,7 +190,17 @@ impl ContextBuilder {
     /// How silent peers are found out on TCP connections (control and lanes): probes every
     /// `interval` while idle, dead after `timeout` without an answer. Defaults: 2 s and 10 s.
     pub fn keepalive(self, interval: Duration, timeout: Duration) -> Self {
-        self.tcp(Some(crate::transport::tcp::Keepalive { interval, timeout }))
+        self.tcp(Some(crate::transport::tcp::Keepalive {
+            interval,
+            timeout,
+            unacked_timeout: None,
+        }))
+    }
+
+    /// The whole TCP liveness policy, including the abort of connections whose data stays
+    /// unacknowledged (see [`Keepalive`](crate::transport::tcp::Keepalive) for the catch).
+    pub fn tcp_keepalive(self, k: crate::transport::tcp::Keepalive) -> Self {
+        self.tcp(Some(k))
     }
 
     /// Turns TCP keepalive off (the kernel's defaults apply: hours).

@@ -131,12 +131,25 @@ impl ActixMessage for Connect {
 pub struct Write {
     /// What to send.
     pub message: Message,
+    /// If set, the operation must complete within this time of being issued, or the pipe
+    /// closes with [`Error::Timeout`] (a stream cannot drop one operation and go on, so a
+    /// missed deadline ends the pipe; every pending operation completes with that error).
+    pub deadline: Option<std::time::Duration>,
 }
 
 impl Write {
     /// Send `message`.
     pub fn new(message: Message) -> Self {
-        Write { message }
+        Write {
+            message,
+            deadline: None,
+        }
+    }
+
+    /// Sets a deadline (see [`Write::deadline`]).
+    pub fn within(mut self, d: std::time::Duration) -> Self {
+        self.deadline = Some(d);
+        self
     }
 }
 
@@ -206,12 +219,25 @@ impl Op for ReadDescriptor {
 pub struct Read {
     /// One buffer per payload and per tensor, each exactly the announced size.
     pub allocation: Allocation,
+    /// If set, the operation must complete within this time of being issued, or the pipe
+    /// closes with [`Error::Timeout`] (a stream cannot drop one operation and go on, so a
+    /// missed deadline ends the pipe; every pending operation completes with that error).
+    pub deadline: Option<std::time::Duration>,
 }
 
 impl Read {
     /// Read into `allocation`.
     pub fn new(allocation: Allocation) -> Self {
-        Read { allocation }
+        Read {
+            allocation,
+            deadline: None,
+        }
+    }
+
+    /// Sets a deadline (see [`Read::deadline`]).
+    pub fn within(mut self, d: std::time::Duration) -> Self {
+        self.deadline = Some(d);
+        self
     }
 }
 
@@ -251,13 +277,28 @@ impl Op for Read {
 pub struct Close {
     /// Told to the peer and put in the error.
     pub reason: String,
+    /// Drain first: see [`Close::graceful`].
+    pub graceful: bool,
 }
 
 impl Close {
-    /// Close with a reason.
+    /// Abort: close now. Pending operations complete with [`Error::Closed`]; the peer sees
+    /// [`Error::PeerClosed`] with `graceful: false`.
     pub fn because(reason: impl Into<String>) -> Self {
         Close {
             reason: reason.into(),
+            graceful: false,
+        }
+    }
+
+    /// Drain, then close: writes issued before the close complete normally (writes issued after
+    /// it are refused), then the pipe closes, pending reads complete with [`Error::Closed`],
+    /// and the peer sees [`Error::PeerClosed`] with `graceful: true` once it has read
+    /// everything. Resolves when the pipe is closed.
+    pub fn graceful(reason: impl Into<String>) -> Self {
+        Close {
+            reason: reason.into(),
+            graceful: true,
         }
     }
 }

@@ -36,7 +36,7 @@ use crate::handshake::Halves;
 use crate::message::{Allocation, Buffer, Descriptor, Message, Payload, Tensor};
 use crate::metrics::{OpKind, PipeMetrics};
 use crate::negotiate::{Choice, DeviceKind, DevicePair};
-use crate::transport::stream::{unexpected, Done, InOp, OutOp, Reply};
+use crate::transport::stream::{unexpected, Done, Farewell, InOp, OutOp, Reply};
 use crate::wire::{self, encode_frame, Frame, FrameKind, Limits, WireDescriptor};
 
 static NEXT_PIPE_ID: AtomicU64 = AtomicU64::new(1);
@@ -157,6 +157,8 @@ pub struct Pipe {
     closed_sent: bool,
     subscribers: Vec<Recipient<Closed>>,
     closers: Vec<Completer<Closed>>,
+    /// A graceful close is under way, with this reason.
+    draining: Option<String>,
 
     writes: VecDeque<PendingWrite>,
     next_write_id: u64,
@@ -283,6 +285,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         closed_sent: false,
         subscribers: Vec::new(),
         closers: Vec::new(),
+        draining: None,
         writes: VecDeque::new(),
         next_write_id: 0,
         next_wire_seq: 0,
@@ -430,9 +433,13 @@ impl Pipe {
             error: None,
             completer,
         };
-        let refusal = match &self.error {
-            Some(e) => Some(e.clone()),
-            None => self
+        let refusal = match (&self.error, &self.draining) {
+            (Some(e), _) => Some(e.clone()),
+            (None, Some(reason)) => Some(Error::Closed {
+                reason: format!("closing gracefully ({reason}): no new writes"),
+                origin: self.origin.clone(),
+            }),
+            (None, None) => self
                 .check_limits(&message)
                 .and_then(|_| {
                     message
@@ -541,6 +548,14 @@ impl Pipe {
                 result,
                 message: w.message,
             });
+        }
+        if self.writes.is_empty() && self.error.is_none() {
+            if let Some(reason) = self.draining.clone() {
+                self.fail(Error::Closed {
+                    reason,
+                    origin: self.origin.clone(),
+                });
+            }
         }
         self.maybe_closed();
     }
@@ -934,13 +949,24 @@ impl Pipe {
         }
         let farewell = match &e {
             Error::PeerClosed { .. } => Vec::new(),
-            Error::Closed { reason, .. } => close_frame(reason),
-            other => close_frame(&other.to_string()),
+            Error::Closed { reason, .. } => close_frame(reason, self.draining.is_some()),
+            other => close_frame(&other.to_string(), false),
         };
         self.error = Some(e);
         self.info.closed = true;
         if let Some((conn, _link)) = self.conn.take() {
-            conn.do_send(Shutdown { farewell });
+            // A graceful close waits for the peer to take what was written before it.
+            let patience = if self.draining.is_some() {
+                Duration::from_secs(30)
+            } else {
+                Duration::from_millis(200)
+            };
+            conn.do_send(Shutdown {
+                farewell: Farewell {
+                    frame: farewell,
+                    patience,
+                },
+            });
         }
         for ch in self.channels.drain(..) {
             ch.do_send(StopChannel);
@@ -975,11 +1001,38 @@ impl Pipe {
         }
     }
 
-    fn submit(&mut self, op: PendingOp) {
+    /// Closes the pipe with a timeout if operation `id` is still pending after `d`.
+    fn watch_deadline(&self, write: bool, id: u64, d: Duration, ctx: &mut actix::Context<Self>) {
+        ctx.run_later(d, move |act, _| {
+            let pending = if write {
+                act.writes.iter().any(|w| w.id == id)
+            } else {
+                act.reads
+                    .iter()
+                    .any(|r| matches!(r, PendingRead::Read { id: i, .. } if *i == id))
+            };
+            if pending {
+                act.fail(Error::Timeout {
+                    what: if write {
+                        "waiting for a write to complete"
+                    } else {
+                        "waiting for a read to complete"
+                    },
+                    after: d,
+                    origin: act.origin.clone(),
+                });
+            }
+        });
+    }
+
+    fn submit(&mut self, op: PendingOp, ctx: &mut actix::Context<Self>) {
         let span = self.span.clone();
         let _entered = span.enter();
         match op {
-            PendingOp::Write(m, c) => {
+            PendingOp::Write(m, deadline, c) => {
+                if let Some(d) = deadline {
+                    self.watch_deadline(true, self.next_write_id, d, ctx);
+                }
                 self.metrics.issued(OpKind::Write);
                 self.submit_write(m, c)
             }
@@ -995,8 +1048,11 @@ impl Pipe {
                 });
                 self.advance_reads();
             }
-            PendingOp::Read(alloc, completer) => {
+            PendingOp::Read(alloc, deadline, completer) => {
                 let id = self.next_read_id;
+                if let Some(d) = deadline {
+                    self.watch_deadline(false, id, d, ctx);
+                }
                 self.next_read_id += 1;
                 self.metrics.issued(OpKind::Read);
                 self.reads.push_back(PendingRead::Read {
@@ -1008,7 +1064,13 @@ impl Pipe {
                 });
                 self.advance_reads();
             }
-            PendingOp::Close(reason, completer) => {
+            PendingOp::Close(reason, true, completer) if self.error.is_none() => {
+                // Drain: refuse new writes, close once the ones already issued are done.
+                self.closers.push(completer);
+                self.draining.get_or_insert(reason);
+                self.pump_writes();
+            }
+            PendingOp::Close(reason, _, completer) => {
                 if let (true, Some(e)) = (self.closed_sent, &self.error) {
                     completer.complete(Closed { error: e.clone() });
                     return;
@@ -1024,9 +1086,13 @@ impl Pipe {
     }
 }
 
-fn close_frame(reason: &str) -> Vec<u8> {
+fn close_frame(reason: &str, graceful: bool) -> Vec<u8> {
     let mut b = Vec::new();
-    wire::encode_serde(&mut b, FrameKind::Close, &reason);
+    let bye = wire::Farewell {
+        reason: reason.into(),
+        graceful,
+    };
+    wire::encode_serde(&mut b, FrameKind::Close, &bye);
     b
 }
 
@@ -1048,10 +1114,10 @@ fn hand_back(alloc: Allocation) -> Message {
 
 /// An operation with its completer, whichever way it arrived.
 enum PendingOp {
-    Write(Message, Completer<WriteDone>),
+    Write(Message, Option<Duration>, Completer<WriteDone>),
     ReadDescriptor(Completer<DescriptorReady>),
-    Read(Allocation, Completer<ReadDone>),
-    Close(String, Completer<Closed>),
+    Read(Allocation, Option<Duration>, Completer<ReadDone>),
+    Close(String, bool, Completer<Closed>),
 }
 
 trait IntoPending: Op {
@@ -1060,7 +1126,7 @@ trait IntoPending: Op {
 
 impl IntoPending for Write {
     fn into_pending(self, c: Completer<WriteDone>) -> PendingOp {
-        PendingOp::Write(self.message, c)
+        PendingOp::Write(self.message, self.deadline, c)
     }
 }
 
@@ -1072,13 +1138,13 @@ impl IntoPending for ReadDescriptor {
 
 impl IntoPending for Read {
     fn into_pending(self, c: Completer<ReadDone>) -> PendingOp {
-        PendingOp::Read(self.allocation, c)
+        PendingOp::Read(self.allocation, self.deadline, c)
     }
 }
 
 impl IntoPending for Close {
     fn into_pending(self, c: Completer<Closed>) -> PendingOp {
-        PendingOp::Close(self.reason, c)
+        PendingOp::Close(self.reason, self.graceful, c)
     }
 }
 
@@ -1088,10 +1154,10 @@ macro_rules! pipe_op {
         impl Handler<$op> for Pipe {
             type Result = ResponseFuture<<$op as Op>::Done>;
 
-            fn handle(&mut self, op: $op, _: &mut Self::Context) -> Self::Result {
+            fn handle(&mut self, op: $op, ctx: &mut Self::Context) -> Self::Result {
                 let id = self.$counter;
                 let (tx, rx) = oneshot::channel();
-                self.submit(op.into_pending(Completer::Reply(tx)));
+                self.submit(op.into_pending(Completer::Reply(tx)), ctx);
                 Box::pin(async move { rx.await.unwrap_or_else(|_| <$op as Op>::lost(id)) })
             }
         }
@@ -1099,8 +1165,8 @@ macro_rules! pipe_op {
         impl Handler<Notify<$op>> for Pipe {
             type Result = ();
 
-            fn handle(&mut self, n: Notify<$op>, _: &mut Self::Context) {
-                self.submit(n.op.into_pending(Completer::Notify(n.to)));
+            fn handle(&mut self, n: Notify<$op>, ctx: &mut Self::Context) {
+                self.submit(n.op.into_pending(Completer::Notify(n.to)), ctx);
             }
         }
     };

@@ -74,10 +74,13 @@ impl fmt::Display for Origin {
 pub enum Error {
     /// The peer closed the pipe or the connection went away. Pending operations cannot finish;
     /// open a new pipe to continue.
-    #[error("peer closed the pipe: {reason} {origin}")]
+    #[error("peer closed the pipe{}: {reason} {origin}", if *graceful { " gracefully" } else { "" })]
     PeerClosed {
         /// What was observed (a close frame and its reason, end of stream, reset).
         reason: String,
+        /// The peer closed gracefully: every write it issued before closing was delivered.
+        /// `false` for an abort, a crash or a lost connection.
+        graceful: bool,
         /// Where.
         origin: Origin,
     },

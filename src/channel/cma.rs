@@ -240,6 +240,7 @@ impl CmaError {
             },
             CmaError::Gone { .. } => Error::PeerClosed {
                 reason,
+                graceful: false,
                 origin: origin.clone(),
             },
             CmaError::Fault { .. } | CmaError::LengthMismatch { .. } => {

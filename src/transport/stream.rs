@@ -394,9 +394,18 @@ impl<T> Sequencer<T> {
     }
 }
 
-/// The stop signal both loops watch: `None` while running, `Some(farewell)` once stopped, where
-/// `farewell` is a frame the writer sends if it can (empty for none).
-pub type Stop = watch::Receiver<Option<Vec<u8>>>;
+/// The stop signal both loops watch: `None` while running, `Some(farewell)` once stopped.
+pub type Stop = watch::Receiver<Option<Farewell>>;
+
+/// What the writer says when stopped at a frame boundary.
+#[derive(Debug, Clone, Default)]
+pub struct Farewell {
+    /// An encoded frame to send (empty for none).
+    pub frame: Vec<u8>,
+    /// How long to wait for it to go out (a graceful close waits for the peer to drain what
+    /// was written before it; an abort barely waits).
+    pub patience: std::time::Duration,
+}
 
 async fn stopped(stop: &mut Stop) {
     // An error means the sender is gone, which also means stop.
@@ -538,12 +547,12 @@ pub async fn write_loop(
             }
             // Stopped at a frame boundary: say goodbye if there is something to say.
             let farewell = stop.borrow().clone().unwrap_or_default();
-            if !farewell.is_empty() {
+            if !farewell.frame.is_empty() {
                 let bye = async {
-                    w.write_all(&farewell).await?;
+                    w.write_all(&farewell.frame).await?;
                     w.shutdown().await
                 };
-                let _ = tokio::time::timeout(std::time::Duration::from_millis(200), bye).await;
+                let _ = tokio::time::timeout(farewell.patience, bye).await;
             }
             break cancelled(&origin);
         };
@@ -574,6 +583,7 @@ pub fn io_error(op: &'static str, e: std::io::Error, origin: &Origin) -> Error {
     match e.kind() {
         UnexpectedEof | ConnectionReset | BrokenPipe | ConnectionAborted => Error::PeerClosed {
             reason: format!("connection lost while {op} ({e})"),
+            graceful: false,
             origin: origin.clone(),
         },
         _ => Error::io(op, e, origin),
@@ -603,6 +613,7 @@ pub async fn read_frame_bytes<R: AsyncRead + Unpin + ?Sized>(
             };
             return Err(Error::PeerClosed {
                 reason,
+                graceful: false,
                 origin: origin.clone(),
             });
         }
@@ -638,8 +649,9 @@ pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(
 /// A close frame in place of data ends the pipe as a peer close; anything else is a violation.
 pub fn unexpected(frame: Frame, wanted: &str, origin: &Origin) -> Error {
     match frame {
-        Frame::Close(reason) => Error::PeerClosed {
-            reason: format!("it said {reason:?}"),
+        Frame::Close(f) => Error::PeerClosed {
+            reason: format!("it said {:?}", f.reason),
+            graceful: f.graceful,
             origin: origin.clone(),
         },
         Frame::Reject(reason) => Error::Unavailable {

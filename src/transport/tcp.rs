@@ -25,19 +25,25 @@ impl Default for Tcp {
     }
 }
 
-/// How a silent peer is found out: the kernel probes an idle connection every `interval`, and a
-/// connection whose probes, or whose sent data, go unacknowledged for `timeout` fails with a
-/// timeout. A peer that dies without closing (killed, cable pulled, host frozen) is detected
-/// within about `timeout` (whole seconds; at least 1 s each).
+/// How a silent peer is found out. The kernel probes an idle connection every `interval`; one
+/// whose probes go unanswered for `timeout` fails with a timeout, so a peer that dies without
+/// closing (host frozen, cable pulled) while the connection is idle is detected within about
+/// `timeout` (whole seconds, at least 1 s each). A killed process is detected at once: its
+/// kernel closes the connection.
 ///
-/// A peer that is alive but slow (its application not reading) still acknowledges at the TCP
-/// level, so it is never taken for dead.
+/// While data of ours is unacknowledged the kernel retransmits instead of probing, and gives up
+/// only after its retransmission limit (minutes). `unacked_timeout` shortens that
+/// (`TCP_USER_TIMEOUT`), with a catch measured here: the kernel then also aborts a connection
+/// whose receiver advertises a zero window for that long, i.e. a live peer whose application
+/// does not read. It is off by default for that reason.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Keepalive {
     /// Idle time before the first probe, and time between probes.
     pub interval: Duration,
-    /// Silence after which the connection is declared dead.
+    /// Silence after which an idle connection is declared dead.
     pub timeout: Duration,
+    /// If set, data unacknowledged (or a zero window) for this long aborts the connection.
+    pub unacked_timeout: Option<Duration>,
 }
 
 impl Default for Keepalive {
@@ -45,6 +51,7 @@ impl Default for Keepalive {
         Keepalive {
             interval: Duration::from_secs(2),
             timeout: Duration::from_secs(10),
+            unacked_timeout: None,
         }
     }
 }
@@ -80,7 +87,9 @@ impl Keepalive {
         setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, interval)?;
         setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, interval)?;
         setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT, probes)?;
-        let ms = self.timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+        let ms = self
+            .unacked_timeout
+            .map_or(0, |t| t.as_millis().clamp(1, i32::MAX as u128) as i32);
         setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, ms)
     }
 }

@@ -59,7 +59,7 @@ pub enum Frame {
     /// A tensor piece header.
     Chunk(ChunkHeader),
     /// The peer closes the pipe.
-    Close(String),
+    Close(Farewell),
     /// A connection joins a pipe.
     Join(Join),
     /// A channel acknowledgement.
@@ -80,6 +80,16 @@ impl Frame {
             Frame::Ack(_) => FrameKind::Ack,
         }
     }
+}
+
+/// The body of a `Close` frame.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Farewell {
+    /// Why the sender closes.
+    pub reason: String,
+    /// `true` after a graceful close (every write of the sender completed first); `false` for
+    /// an abort, or a close forced by an error.
+    pub graceful: bool,
 }
 
 /// Appends one whole frame (length prefix, kind, body) to `buf`; `body` writes the body.
@@ -157,8 +167,12 @@ mod tests {
         encode_serde(&mut buf, FrameKind::Hello, &hello);
         assert_eq!(round_trip(&buf), Frame::Hello(hello));
         buf.clear();
-        encode_serde(&mut buf, FrameKind::Close, &"bye");
-        assert_eq!(round_trip(&buf), Frame::Close("bye".into()));
+        let bye = Farewell {
+            reason: "bye".into(),
+            graceful: true,
+        };
+        encode_serde(&mut buf, FrameKind::Close, &bye);
+        assert_eq!(round_trip(&buf), Frame::Close(bye));
         assert_eq!(round_trip(&buf).kind(), FrameKind::Close);
     }
 

@@ -187,7 +187,11 @@ async fn the_shared_frame_reader_sees_peer_closed() {
     bounded(async {
         let (mut c, mut s) = pair(&Shm::new().with_capacity(4096)).await;
         let mut frame = Vec::new();
-        encode_serde(&mut frame, FrameKind::Close, &"x".repeat(10_000));
+        let bye = crate::wire::Farewell {
+            reason: "x".repeat(10_000),
+            graceful: false,
+        };
+        encode_serde(&mut frame, FrameKind::Close, &bye);
         let origin = Origin::new("shm://test", "shm");
         let (mut r, limits, mut buf) = (&mut s.read, Limits::default(), Vec::new());
         let (w, f) = tokio::join!(
@@ -195,7 +199,7 @@ async fn the_shared_frame_reader_sees_peer_closed() {
             read_frame(&mut r, &mut buf, &limits, &origin)
         );
         w.unwrap();
-        assert_eq!(f.unwrap(), Frame::Close("x".repeat(10_000)));
+        assert_eq!(f.unwrap(), Frame::Close(bye));
         drop(c);
         let e = read_frame(&mut s.read, &mut buf, &limits, &origin)
             .await
