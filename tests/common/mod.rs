@@ -193,3 +193,265 @@ pub fn draw_size(rng: &mut Rng) -> usize {
         SIZES[rng.below(SIZES.len() as u64) as usize]
     }
 }
+
+// ----- child processes (peer_death.rs, netns.rs) ---------------------------------------------
+
+/// A command that re-runs this test binary as a child, running only the ignored test `name`
+/// (a child mode selected by the environment the caller adds).
+pub fn reexec(name: &str) -> std::process::Command {
+    let mut c = std::process::Command::new(std::env::current_exe().expect("test binary path"));
+    c.args(reexec_args(name));
+    c
+}
+
+/// The arguments that make this test binary run only the ignored test `name`.
+pub fn reexec_args(name: &str) -> [&str; 6] {
+    [
+        "--exact",
+        name,
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+        "--quiet",
+    ]
+}
+
+/// In a child started by [`reexec`]: die with the test thread that started us, so a parent that
+/// is killed (or times out) leaves no orphan behind.
+pub fn die_with_parent() {
+    // SAFETY: prctl(PR_SET_PDEATHSIG) takes a signal number and touches no memory of ours.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+    }
+}
+
+/// Prints one line for the parent on stdout, flushed at once.
+pub fn tell_parent(line: &str) {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// Writes straight to stderr, past the test harness's capture, so that CI logs show it even for
+/// a passing test (`eprintln!` output of passing tests is swallowed).
+pub fn tell_ci(line: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// A child process whose stdout lines are collected (each stamped when it arrived), and which is
+/// killed and reaped however the test ends.
+pub struct ChildProcess {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<(std::time::Instant, String)>,
+    reader: Option<std::thread::JoinHandle<()>>,
+    /// Every line read so far, for failure messages.
+    pub log: Vec<String>,
+}
+
+impl ChildProcess {
+    /// Spawns `cmd` with stdout piped (stdin closed, stderr inherited).
+    pub fn spawn(mut cmd: std::process::Command) -> ChildProcess {
+        use std::io::BufRead as _;
+        let mut child = cmd
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+        let out = std::io::BufReader::new(child.stdout.take().expect("piped stdout"));
+        let (tx, lines) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            for line in out.lines().map_while(Result::ok) {
+                if tx.send((std::time::Instant::now(), line)).is_err() {
+                    break;
+                }
+            }
+        });
+        ChildProcess {
+            child,
+            lines,
+            reader: Some(reader),
+            log: Vec::new(),
+        }
+    }
+
+    /// The process id.
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The next line and when it arrived; `None` if the child closed its stdout or `timeout`
+    /// passed first.
+    pub fn next_line(&mut self, timeout: Duration) -> Option<(std::time::Instant, String)> {
+        let (at, line) = self.lines.recv_timeout(timeout).ok()?;
+        self.log.push(line.clone());
+        Some((at, line))
+    }
+
+    /// The next line containing `tag`, with what follows the tag and when it arrived; `None` if
+    /// the child closed its stdout or `timeout` passed first.
+    pub fn line(&mut self, tag: &str, timeout: Duration) -> Option<(std::time::Instant, String)> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let left = deadline.checked_duration_since(std::time::Instant::now())?;
+            let (at, line) = self.next_line(left)?;
+            if let Some((_, rest)) = line.split_once(tag) {
+                return Some((at, rest.trim().to_string()));
+            }
+        }
+    }
+
+    /// Every line that has arrived and not been taken yet, with when it arrived.
+    pub fn drain(&mut self) -> Vec<(std::time::Instant, String)> {
+        let mut v = Vec::new();
+        while let Ok((at, l)) = self.lines.try_recv() {
+            self.log.push(l.clone());
+            v.push((at, l));
+        }
+        v
+    }
+
+    /// The last lines the child printed, for failure messages.
+    pub fn tail(&mut self) -> String {
+        self.drain();
+        let from = self.log.len().saturating_sub(40);
+        self.log[from..].join("\n")
+    }
+
+    /// Sends SIGKILL.
+    pub fn kill(&mut self) {
+        self.child.kill().expect("kill -9 the child");
+    }
+
+    /// Waits for the child to exit, up to `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.child.try_wait().expect("wait for the child") {
+                return Some(s);
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for ChildProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // Its stdout is closed now, so the reader ends and our end of the pipe is closed.
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+    }
+}
+
+// ----- file descriptors and shared memory (peer_death.rs) -------------------------------------
+
+/// This process's open file descriptors and shared-memory mappings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FdCount {
+    /// Entries of `/proc/self/fd`.
+    pub all: usize,
+    /// Of which memfds (`/memfd:...`): shm rings.
+    pub memfd: usize,
+    /// Of which eventfds (`anon_inode:[eventfd]`): shm doorbells (and each runtime's waker).
+    pub eventfd: usize,
+    /// Mappings of memfds in `/proc/self/maps`: shm rings still mapped.
+    pub memfd_maps: usize,
+}
+
+impl FdCount {
+    /// Whether nothing here exceeds `baseline`.
+    pub fn within(&self, baseline: &FdCount) -> bool {
+        self.all <= baseline.all
+            && self.memfd <= baseline.memfd
+            && self.eventfd <= baseline.eventfd
+            && self.memfd_maps <= baseline.memfd_maps
+    }
+}
+
+/// The link targets of this process's open file descriptors.
+pub fn fd_targets() -> Vec<String> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir("/proc/self/fd")
+        .expect("/proc/self/fd")
+        .flatten()
+    {
+        // The directory handle itself shows up and vanishes: an unreadable link is skipped.
+        if let Ok(t) = std::fs::read_link(e.path()) {
+            v.push(t.to_string_lossy().into_owned());
+        }
+    }
+    v
+}
+
+/// Counts this process's descriptors and memfd mappings.
+pub fn fd_count() -> FdCount {
+    let t = fd_targets();
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    FdCount {
+        all: t.len(),
+        memfd: t.iter().filter(|t| t.starts_with("/memfd:")).count(),
+        eventfd: t.iter().filter(|t| *t == "anon_inode:[eventfd]").count(),
+        memfd_maps: maps.lines().filter(|l| l.contains("/memfd:")).count(),
+    }
+}
+
+/// Polls until the counts are back to `baseline` (pipes, connections and listeners wind down
+/// asynchronously); returns how long it took, or the counts still open after `limit`.
+pub async fn fds_back_to(baseline: &FdCount, limit: Duration) -> Result<Duration, FdCount> {
+    let start = std::time::Instant::now();
+    loop {
+        let now = fd_count();
+        if now.within(baseline) {
+            return Ok(start.elapsed());
+        }
+        if start.elapsed() >= limit {
+            return Err(now);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// This process's resident set size, in bytes (`VmRSS` in /proc/self/status).
+pub fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("a VmRSS line");
+    kib << 10
+}
+
+/// How many file descriptors this process has open (entries of /proc/self/fd, less the one
+/// used to list them).
+pub fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .expect("/proc/self/fd")
+        .count()
+        .saturating_sub(1)
+}
+
+/// Waits, up to `max`, until the open fd count has not changed for `quiet`; returns it.
+pub async fn settled_fds(quiet: Duration, max: Duration) -> usize {
+    let start = tokio::time::Instant::now();
+    let mut last = open_fds();
+    let mut since = tokio::time::Instant::now();
+    while start.elapsed() < max {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = open_fds();
+        if now != last {
+            last = now;
+            since = tokio::time::Instant::now();
+        } else if since.elapsed() >= quiet {
+            break;
+        }
+    }
+    last
+}
