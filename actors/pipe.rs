@@ -159,6 +159,9 @@ pub struct Pipe {
     closers: Vec<Completer<Closed>>,
     /// A graceful close is under way, with this reason.
     draining: Option<String>,
+    /// A read (or write) completed with the pipe's error: later ones complete with it too.
+    reads_failed: bool,
+    writes_failed: bool,
 
     writes: VecDeque<PendingWrite>,
     next_write_id: u64,
@@ -286,6 +289,8 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         subscribers: Vec::new(),
         closers: Vec::new(),
         draining: None,
+        reads_failed: false,
+        writes_failed: false,
         writes: VecDeque::new(),
         next_write_id: 0,
         next_wire_seq: 0,
@@ -532,6 +537,25 @@ impl Pipe {
         self.writes.push_back(w);
     }
 
+    /// Once an operation of a kind has completed with the pipe's error, every later one of that
+    /// kind does too, even if its bytes happened to get through on another path (a channel of
+    /// its own): the application sees one clean cut, never a success after a failure.
+    fn after_failure<T>(&mut self, r: Result<T, Error>, read: bool) -> Result<T, Error> {
+        let failed = if read {
+            &mut self.reads_failed
+        } else {
+            &mut self.writes_failed
+        };
+        match (&r, &self.error) {
+            (Ok(_), Some(e)) if *failed => Err(e.clone()),
+            (Err(_), Some(_)) => {
+                *failed = true;
+                r
+            }
+            _ => r,
+        }
+    }
+
     fn pump_writes(&mut self) {
         while self
             .writes
@@ -539,7 +563,7 @@ impl Pipe {
             .is_some_and(|w| !w.payloads_out && w.tensors_out == 0)
         {
             let w = self.writes.pop_front().expect("front exists");
-            let result = w.error.map_or(Ok(()), Err);
+            let result = self.after_failure(w.error.map_or(Ok(()), Err), false);
             let bytes = result.as_ref().map(|_| w.message.total_bytes());
             self.metrics.completed(OpKind::Write, w.since, bytes);
             tracing::trace!(parent: &self.span, id = w.id, ok = result.is_ok(), "write done");
@@ -762,7 +786,7 @@ impl Pipe {
                     completer,
                     result,
                 } => {
-                    let descriptor = result.expect("finished");
+                    let descriptor = self.after_failure(result.expect("finished"), true);
                     let m = descriptor.as_ref().map(|_| 0);
                     self.metrics.completed(OpKind::ReadDescriptor, since, m);
                     completer.complete(DescriptorReady { id, descriptor })
@@ -779,6 +803,7 @@ impl Pipe {
                         ReadState::Running { error, .. } => error.map_or(Ok(()), Err),
                         ReadState::Waiting(_) => unreachable!("not finished"),
                     };
+                    let result = self.after_failure(result, true);
                     let bytes = result.as_ref().map(|_| message.total_bytes());
                     self.metrics.completed(OpKind::Read, since, bytes);
                     tracing::trace!(parent: &self.span, id, ok = result.is_ok(), "read done");
