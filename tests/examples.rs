@@ -77,3 +77,24 @@ fn metrics_example_prints_a_scrape() {
     assert!(out.contains("actorpipe_messages_written_total{"), "{out}");
     assert!(out.contains("actorpipe_pipes_open 2"), "{out}");
 }
+
+#[test]
+fn info_lists_every_backend_and_why() {
+    let out = Command::new(env!("CARGO_BIN_EXE_actorpipe"))
+        .arg("info")
+        .output()
+        .expect("run actorpipe info");
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for name in ["tcp", "shm", "basic", "xth", "cma", "mpt"] {
+        assert!(text.contains(&format!(" {name} ")), "{text}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_actorpipe"))
+        .args(["info", "--json"])
+        .output()
+        .expect("run actorpipe info --json");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v.as_array().map(|a| a.len()), Some(6));
+    assert_eq!(v[1]["name"], "shm");
+    assert!(v[1]["domain"].as_str().unwrap().contains(':'));
+}

@@ -1,0 +1,158 @@
+//! The command line, as clap parses it.
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::bench::Api;
+use crate::units::{parse_sizes, Sizes};
+
+/// actorpipe: a tensor-aware communication runtime where every connection is an actor.
+#[derive(Debug, Parser)]
+#[command(name = "actorpipe", version, propagate_version = true)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The top-level commands.
+#[derive(Debug, Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once; boxing would only obscure clap's derive
+pub enum Command {
+    /// List every backend this build knows, whether it can run here (and why not), and the
+    /// domain descriptor it advertises.
+    Info {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Measure round trips through actorpipe next to raw baselines from the same run.
+    Bench {
+        /// What to measure.
+        #[command(subcommand)]
+        what: BenchCommand,
+    },
+}
+
+/// The benchmarks.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// A message with 1 payload of each size, echoed back: the transport alone.
+    ///
+    /// --backend tcp|shm (default tcp).
+    Transport(RunArgs),
+    /// A message with 1 tensor of each size (no payloads), echoed back: one channel.
+    ///
+    /// --backend basic|xth|cma|mpt (default basic). xth works only inside one process, so its
+    /// run has both sides in this process (two contexts on two threads).
+    Channel(RunArgs),
+    /// A message with 1 payload of 64 B and 1 tensor of each size, echoed back, through what the
+    /// two contexts negotiate.
+    ///
+    /// --backend default (every backend enabled, as `Context::builder()` does) or
+    /// TRANSPORT+CHANNEL, like tcp+basic, tcp+mpt, shm+cma or shm+basic.
+    Pipe(RunArgs),
+    /// Open many pipes on one context and report the memory each costs while idle.
+    Idle(IdleArgs),
+}
+
+/// Options of `bench transport|channel|pipe`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// The backend to measure (see the subcommand's help for the names).
+    #[arg(long, value_name = "NAME")]
+    pub backend: Option<String>,
+
+    /// channel only: the pipe's transport, tcp, shm or auto (both enabled; shm wins on one host).
+    /// [default: tcp for basic and mpt, auto for cma and xth]
+    #[arg(long, value_name = "NAME")]
+    pub transport: Option<String>,
+
+    /// Message sizes: K, M and G are binary (KiB, MiB, GiB).
+    #[arg(long, value_name = "LIST", default_value = "64,4K,1M,64M", value_parser = parse_sizes)]
+    pub sizes: Sizes,
+
+    /// Timed round trips per size. [default: 256 MiB / size, between 20 and 10000]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    pub iters: Option<u32>,
+
+    /// Untimed round trips per size before the timed ones. [default: iters / 10, at least 2]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(0..=10_000_000))]
+    pub warmup: Option<u32>,
+
+    /// Rounds per size, alternating actorpipe and the baseline (so a slow spell of the machine
+    /// weighs on both alike).
+    #[arg(long, value_name = "N", default_value_t = 10,
+          value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub rounds: u32,
+
+    /// Lanes (TCP connections) of the mpt channel, and sockets of its baseline. [default: 2]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub lanes: Option<u32>,
+
+    /// Spin mode: poll the shm rings for this many microseconds before sleeping on a doorbell
+    /// (the shm transport and its baseline alike).
+    #[arg(long, value_name = "MICROS", value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    pub spin: Option<u64>,
+
+    /// How the benchmark drives pipes: fired (actors that send operations with `notify` and
+    /// handle the completions) or awaited (async code that awaits `pipe.send(op)`).
+    #[arg(long, value_enum, default_value = "fired")]
+    pub api: Api,
+
+    /// Measure actorpipe only (for profiling: `perf record` then sees no baseline code).
+    #[arg(long)]
+    pub no_baseline: bool,
+
+    /// Pin the client to CPU 0 and the server to CPU 1 (every thread of each side), so that
+    /// the scheduler cannot queue a woken side behind the other on one core.
+    #[arg(long)]
+    pub pin: bool,
+
+    /// Print the results as JSON on stdout (no progress bar).
+    #[arg(long)]
+    pub json: bool,
+
+    /// Run only the server side, listening at URL (two hosts: start this one first). It prints
+    /// its URLs, and serves until interrupted. The raw TCP baseline listens on port + 1.
+    #[arg(long, value_name = "URL", conflicts_with = "connect")]
+    pub listen: Option<String>,
+
+    /// Run only the client side, against a server started with --listen.
+    #[arg(long, value_name = "URL")]
+    pub connect: Option<String>,
+
+    /// With --connect: where the server's raw TCP baseline listens. [default: the --connect
+    /// host, port + 1]
+    #[arg(long, value_name = "HOST:PORT", requires = "connect")]
+    pub baseline: Option<String>,
+
+    /// Internal: this process is the server that a client spawned (watch stdin, answer on
+    /// stdout).
+    #[arg(long, hide = true, requires = "listen")]
+    pub serve: bool,
+
+    /// Internal: the shm baseline's descriptors, inherited from the client.
+    #[arg(long, hide = true, value_name = "FDS")]
+    pub shm_fds: Option<String>,
+}
+
+/// Options of `bench idle`.
+#[derive(Debug, Clone, Args)]
+pub struct IdleArgs {
+    /// Pipes to open on one context.
+    #[arg(long, value_name = "N", default_value_t = 1000,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub pipes: u32,
+
+    /// Which configurations to measure: tcp+basic, default, or both. [default: both]
+    #[arg(long, value_name = "NAME")]
+    pub backend: Option<String>,
+
+    /// Print the results as JSON on stdout (no progress bar).
+    #[arg(long)]
+    pub json: bool,
+
+    /// Internal: run as the server of an idle measurement, listening at URL.
+    #[arg(long, hide = true, value_name = "URL")]
+    pub serve: Option<String>,
+}

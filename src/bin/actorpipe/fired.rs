@@ -1,0 +1,296 @@
+//! The same echo and round trip as [`crate::bench`], written as actors that fire operations
+//! with `notify` and handle the completion messages (`--api fired`), as an application actor
+//! does. Comparing the two shows what awaiting costs (a oneshot, a boxed future and a spawned
+//! task per operation).
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use actorpipe::{
+    Allocation, Close, Closed, DescriptorReady, Op, Pipe, Read, ReadDescriptor, ReadDone,
+    Subscribe, Write, WriteDone,
+};
+use tokio::sync::oneshot;
+
+use crate::bench::{recycle, same_bytes, Buffers};
+use crate::failure::Failure;
+use crate::measure::{Counts, Samples};
+use crate::report::Progress;
+
+/// How long one round trip may take before the run gives up.
+const ROUND_TRIP_LIMIT: Duration = Duration::from_secs(60);
+
+/// Echoes one pipe: read a descriptor, read the message, write it back, repeat.
+pub struct Echo {
+    pipe: Addr<Pipe>,
+    spare: Option<Allocation>,
+}
+
+impl Echo {
+    /// An echo of `pipe`, not started.
+    pub fn new(pipe: Addr<Pipe>) -> Echo {
+        Echo { pipe, spare: None }
+    }
+}
+
+impl Actor for Echo {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        let me = ctx.address();
+        self.pipe.do_send(Subscribe(me.clone().recipient()));
+        self.pipe.do_send(ReadDescriptor.notify(me.recipient()));
+    }
+}
+
+impl Handler<DescriptorReady> for Echo {
+    type Result = ();
+
+    fn handle(&mut self, d: DescriptorReady, ctx: &mut Self::Context) {
+        // An error means the pipe closed; `Closed` follows.
+        let Ok(descriptor) = d.descriptor else { return };
+        let allocation = match self.spare.take() {
+            Some(a) if a.check(&descriptor).is_ok() => a,
+            _ => match Allocation::for_descriptor(&descriptor) {
+                Ok(a) => a,
+                Err(e) => {
+                    eprintln!("echo server: cannot allocate: {e}");
+                    self.pipe
+                        .do_send(Close::because("echo server cannot allocate"));
+                    return;
+                }
+            },
+        };
+        self.pipe
+            .do_send(Read::new(allocation).notify(ctx.address().recipient()));
+    }
+}
+
+impl Handler<ReadDone> for Echo {
+    type Result = ();
+
+    fn handle(&mut self, r: ReadDone, ctx: &mut Self::Context) {
+        if r.result.is_err() {
+            return;
+        }
+        let me = ctx.address();
+        self.pipe
+            .do_send(Write::new(r.message).notify(me.clone().recipient()));
+        self.pipe.do_send(ReadDescriptor.notify(me.recipient()));
+    }
+}
+
+impl Handler<WriteDone> for Echo {
+    type Result = ();
+
+    fn handle(&mut self, w: WriteDone, _: &mut Self::Context) {
+        if w.result.is_ok() {
+            self.spare = Some(recycle(w.message));
+        }
+    }
+}
+
+impl Handler<Closed> for Echo {
+    type Result = ();
+
+    fn handle(&mut self, _: Closed, ctx: &mut Self::Context) {
+        ctx.stop();
+    }
+}
+
+/// Measures round trips of one size, then stops and hands the samples over.
+pub struct Pinger {
+    pipe: Addr<Pipe>,
+    size: u64,
+    counts: Counts,
+    progress: Progress,
+    /// The message to send next (back from the last `WriteDone`).
+    message: Option<actorpipe::Message>,
+    spare: Option<Allocation>,
+    sent: Option<actorpipe::Message>,
+    back: Option<actorpipe::Message>,
+    start: Instant,
+    trips: u32,
+    /// `trips`, for the watchdog in [`Pinger::measure`].
+    shared_trips: Arc<AtomicU32>,
+    samples: Samples,
+    finish: Option<oneshot::Sender<Result<(Samples, Buffers), Failure>>>,
+}
+
+impl Pinger {
+    /// Starts a pinger on the current arbiter and waits for its samples.
+    pub async fn measure(
+        pipe: Addr<Pipe>,
+        buffers: Buffers,
+        counts: Counts,
+        progress: &Progress,
+    ) -> Result<(Samples, Buffers), Failure> {
+        let size = buffers.size;
+        let (tx, mut rx) = oneshot::channel();
+        let trips = Arc::new(AtomicU32::new(0));
+        Pinger {
+            pipe,
+            size,
+            counts,
+            progress: progress.clone(),
+            message: Some(buffers.message),
+            spare: buffers.spare,
+            sent: None,
+            back: None,
+            start: Instant::now(),
+            trips: 0,
+            shared_trips: trips.clone(),
+            samples: Samples::with_capacity(counts.iters as usize),
+            finish: Some(tx),
+        }
+        .start();
+        // A round trip that never ends must end the run, not hang it. The watchdog is a task of
+        // its own: an interval on the actor would be polled at every completion it handles.
+        let mut seen = 0;
+        loop {
+            match tokio::time::timeout(ROUND_TRIP_LIMIT, &mut rx).await {
+                Ok(done) => {
+                    return done.unwrap_or_else(|_| {
+                        Err(Failure::Failed("the pinger actor stopped".into()))
+                    })
+                }
+                Err(_) => {
+                    let now = trips.load(Ordering::Relaxed);
+                    if now == seen {
+                        return Err(Failure::Failed(format!(
+                            "no echo of {size} bytes within {ROUND_TRIP_LIMIT:?}"
+                        )));
+                    }
+                    seen = now;
+                }
+            }
+        }
+    }
+
+    fn fire(&mut self, ctx: &mut Context<Self>) {
+        let me = ctx.address();
+        let message = self.message.take().expect("a message to send");
+        self.start = Instant::now();
+        self.pipe
+            .do_send(Write::new(message).notify(me.clone().recipient()));
+        self.pipe.do_send(ReadDescriptor.notify(me.recipient()));
+    }
+
+    fn fail(&mut self, e: Failure, ctx: &mut Context<Self>) {
+        if let Some(f) = self.finish.take() {
+            let _ = f.send(Err(e));
+        }
+        ctx.stop();
+    }
+
+    /// Once both the write and the read of a round trip are back: record, go on or finish.
+    fn maybe_next(&mut self, ctx: &mut Context<Self>) {
+        if self.sent.is_none() || self.back.is_none() {
+            return;
+        }
+        let took = self.start.elapsed();
+        if self.trips >= self.counts.warmup {
+            self.samples.push(took);
+        }
+        self.trips += 1;
+        self.shared_trips.store(self.trips, Ordering::Relaxed);
+        self.progress.inc();
+        let (sent, back) = (
+            self.sent.take().expect("sent"),
+            self.back.take().expect("back"),
+        );
+        if self.trips == self.counts.total() {
+            let result = if same_bytes(&sent, &back) {
+                let buffers = Buffers {
+                    size: self.size,
+                    message: sent,
+                    spare: Some(recycle(back)),
+                };
+                Ok((std::mem::take(&mut self.samples), buffers))
+            } else {
+                Err(Failure::Failed(format!(
+                    "the echo of {} bytes differs from what was sent",
+                    self.size
+                )))
+            };
+            if let Some(f) = self.finish.take() {
+                let _ = f.send(result);
+            }
+            ctx.stop();
+            return;
+        }
+        self.message = Some(sent);
+        self.spare = Some(recycle(back));
+        self.fire(ctx);
+    }
+}
+
+impl Actor for Pinger {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        if self.counts.total() == 0 {
+            if let Some(f) = self.finish.take() {
+                let buffers = Buffers {
+                    size: self.size,
+                    message: self.message.take().unwrap_or_default(),
+                    spare: self.spare.take(),
+                };
+                let _ = f.send(Ok((Samples::new(), buffers)));
+            }
+            ctx.stop();
+            return;
+        }
+        self.fire(ctx);
+    }
+}
+
+impl Handler<WriteDone> for Pinger {
+    type Result = ();
+
+    fn handle(&mut self, w: WriteDone, ctx: &mut Self::Context) {
+        match w.result {
+            Ok(()) => {
+                self.sent = Some(w.message);
+                self.maybe_next(ctx);
+            }
+            Err(e) => self.fail(e.into(), ctx),
+        }
+    }
+}
+
+impl Handler<DescriptorReady> for Pinger {
+    type Result = ();
+
+    fn handle(&mut self, d: DescriptorReady, ctx: &mut Self::Context) {
+        let descriptor = match d.descriptor {
+            Ok(d) => d,
+            Err(e) => return self.fail(e.into(), ctx),
+        };
+        let allocation = match self.spare.take() {
+            Some(a) if a.check(&descriptor).is_ok() => a,
+            _ => match Allocation::for_descriptor(&descriptor) {
+                Ok(a) => a,
+                Err(e) => return self.fail(e.into(), ctx),
+            },
+        };
+        self.pipe
+            .do_send(Read::new(allocation).notify(ctx.address().recipient()));
+    }
+}
+
+impl Handler<ReadDone> for Pinger {
+    type Result = ();
+
+    fn handle(&mut self, r: ReadDone, ctx: &mut Self::Context) {
+        match r.result {
+            Ok(()) => {
+                self.back = Some(r.message);
+                self.maybe_next(ctx);
+            }
+            Err(e) => self.fail(e.into(), ctx),
+        }
+    }
+}

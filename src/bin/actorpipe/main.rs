@@ -1,0 +1,55 @@
+//! `actorpipe`: the command-line tool of the actorpipe runtime.
+//!
+//! `actorpipe info` lists every backend and whether it can run here.
+//! `actorpipe bench transport|channel|pipe` measures echo round trips through the runtime and,
+//! in the same run, through a raw baseline with no actorpipe code on its path; `actorpipe bench
+//! idle` measures what idle pipes cost. `docs/performance.md` shows results and explains them.
+//!
+//! Exit codes: 0 on success, 2 on bad input (arguments, URLs, backend names), 1 when something
+//! fails while running.
+
+mod baseline;
+mod bench;
+mod cli;
+mod failure;
+mod fired;
+mod idle;
+mod info;
+mod measure;
+mod plan;
+mod report;
+mod run;
+mod server;
+mod units;
+
+use clap::Parser;
+
+use cli::{BenchCommand, Cli, Command};
+use failure::Failure;
+use plan::Kind;
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Info { json } => {
+            info::run(json);
+            Ok(())
+        }
+        Command::Bench { what } => bench_command(what),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(e.exit_code());
+    }
+}
+
+fn bench_command(what: BenchCommand) -> Result<(), Failure> {
+    let (kind, args) = match what {
+        BenchCommand::Transport(a) => (Kind::Transport, a),
+        BenchCommand::Channel(a) => (Kind::Channel, a),
+        BenchCommand::Pipe(a) => (Kind::Pipe, a),
+        BenchCommand::Idle(a) => return idle::run(&a),
+    };
+    let plan = plan::plan(kind, &args)?;
+    run::run(&plan, &args)
+}

@@ -1,0 +1,432 @@
+//! Peer death: the peer process is killed with SIGKILL in the middle of large transfers both
+//! ways, on every transport and channel two processes can negotiate. The surviving side's
+//! pending operations must all complete, with an error, in order, with their buffers, within a
+//! bound; nothing may hang or panic, and no descriptor, memfd or mapping may be left behind.
+//!
+//! The peer is this test binary run again in a child mode (`child_process`, selected by
+//! `ACTORPIPE_PEER_DEATH_CHILD`), so that it can build the same restricted context as the
+//! survivor and negotiation has only the backend under test to pick. Each backend runs
+//! [`TRIALS`] trials; in every other one the child dials the survivor's listener instead of
+//! listening itself, so both an accepted and a dialed pipe survive a death.
+//!
+//! The tests of this file hold one lock each: descriptor counts are per process, so they must not
+//! overlap.
+
+mod common;
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use actix::Addr;
+use actorpipe::*;
+use common::*;
+
+/// Selects the child mode: `<backend> listen` or `<backend> dial <url>`.
+const CHILD_ENV: &str = "ACTORPIPE_PEER_DEATH_CHILD";
+/// Starts the child's lines on stdout (the harness prints its own lines around them).
+const CHILD_TAG: &str = "peer-death-child:";
+/// Trials per backend (`ACTORPIPE_PEER_DEATH_TRIALS` overrides it, for a longer run by hand).
+const TRIALS: u32 = 4;
+/// Tensor bytes per message: large enough that a kill lands inside a transfer.
+const SIZE: usize = 16 << 20;
+/// Writes (and echoed reads) in flight when the kill comes.
+const IN_FLIGHT: u64 = 6;
+/// Every pending operation must complete within this long after the kill.
+const BOUND: Duration = Duration::from_secs(5);
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// A transport and channel pair, forced on both sides.
+struct Backend {
+    name: &'static str,
+    transport: &'static str,
+    channel: &'static str,
+    builder: fn() -> ContextBuilder,
+}
+
+const BACKENDS: [Backend; 5] = [
+    Backend {
+        name: "tcp_basic",
+        transport: "tcp",
+        channel: "basic",
+        builder: || Context::builder().without("shm").only_channels(&["basic"]),
+    },
+    Backend {
+        name: "shm_basic",
+        transport: "shm",
+        channel: "basic",
+        builder: || Context::builder().only_channels(&["basic"]),
+    },
+    Backend {
+        name: "tcp_cma",
+        transport: "tcp",
+        channel: "cma",
+        builder: || {
+            Context::builder()
+                .without("shm")
+                .only_channels(&["cma", "basic"])
+        },
+    },
+    Backend {
+        name: "tcp_mpt",
+        transport: "tcp",
+        channel: "mpt",
+        builder: || {
+            Context::builder()
+                .without("shm")
+                .only_channels(&["mpt", "basic"])
+                .lanes(3)
+        },
+    },
+    // What two processes of one user negotiate when nobody restricts anything.
+    Backend {
+        name: "default",
+        transport: "shm",
+        channel: "cma",
+        builder: Context::builder,
+    },
+];
+
+fn backend(name: &str) -> &'static Backend {
+    BACKENDS
+        .iter()
+        .find(|b| b.name == name)
+        .unwrap_or_else(|| panic!("no backend {name:?}"))
+}
+
+// ----- the child -------------------------------------------------------------------------------
+
+/// The peer process: opens one pipe (listening or dialing, as `CHILD_ENV` says) and echoes every
+/// message until it is killed. Run alone, it does nothing.
+#[test]
+#[ignore = "helper: the peer process that the peer-death tests start and kill"]
+fn child_process() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    die_with_parent();
+    let words: Vec<String> = spec.split_whitespace().map(String::from).collect();
+    let b = backend(&words[0]);
+    actix::System::new().block_on(async move {
+        let (pipe, _server) = match words[1].as_str() {
+            "listen" => {
+                let mut server = Server::start((b.builder)(), "tcp://127.0.0.1:0").await;
+                tell_parent(&format!("{CHILD_TAG} url {}", server.url));
+                (server.next().await, Some(server))
+            }
+            "dial" => {
+                let ctx = (b.builder)().start();
+                let pipe = ctx
+                    .send(Connect::new(&words[2]))
+                    .await
+                    .unwrap()
+                    .expect("the child dials the survivor");
+                (pipe, None)
+            }
+            other => panic!("unknown child mode {other:?}"),
+        };
+        // Echo until killed; a read failing means the survivor went away first.
+        while let Ok(m) = read_one(&pipe).await {
+            pipe.do_send(Write::new(m));
+        }
+    });
+}
+
+struct Peer {
+    process: ChildProcess,
+}
+
+impl Peer {
+    fn start(b: &Backend, mode: &str) -> Peer {
+        let mut cmd = reexec("child_process");
+        cmd.env(CHILD_ENV, format!("{} {mode}", b.name));
+        Peer {
+            process: ChildProcess::spawn(cmd),
+        }
+    }
+
+    fn url(&mut self) -> String {
+        match self.process.line(CHILD_TAG, Duration::from_secs(10)) {
+            Some((_, l)) => l.strip_prefix("url ").expect("url line").to_string(),
+            None => panic!(
+                "the child printed no URL; its output:\n{}",
+                self.process.tail()
+            ),
+        }
+    }
+}
+
+// ----- the survivor ----------------------------------------------------------------------------
+
+/// What a trial observed, for the report.
+#[derive(Debug, Default)]
+struct Trial {
+    writes_failed: u64,
+    reads_failed: u64,
+    /// Kill to the last pending operation's completion.
+    last_completion: Duration,
+    /// Kill to `Closed`.
+    closed_after: Duration,
+    classes: Vec<&'static str>,
+    /// Descriptors open just before the kill.
+    peak: Option<FdCount>,
+}
+
+fn allowed(e: &Error) -> bool {
+    matches!(e.class(), "peer_closed" | "timeout")
+}
+
+/// An allocation for an echoed `checked_message(i, &[], &[SIZE])`.
+fn allocation() -> Allocation {
+    Allocation {
+        payloads: Vec::new(),
+        tensors: vec![Buffer::Cpu(vec![0; SIZE])],
+    }
+}
+
+/// Opens a pipe to a fresh child (the child listens, or dials us when `dial` is set).
+async fn open(b: &Backend, dial: bool) -> (Peer, Addr<Pipe>, Option<Server>) {
+    if dial {
+        let mut server = Server::start((b.builder)(), "tcp://127.0.0.1:0").await;
+        let peer = Peer::start(b, &format!("dial {}", server.url));
+        let pipe = server.next().await;
+        (peer, pipe, Some(server))
+    } else {
+        let mut peer = Peer::start(b, "listen");
+        let url = peer.url();
+        let ctx = (b.builder)().start();
+        let pipe = within(10, "connect", ctx.send(Connect::new(&url)))
+            .await
+            .unwrap()
+            .expect("connect to the child");
+        (peer, pipe, None)
+    }
+}
+
+async fn trial(b: &Backend, t: u32) -> Trial {
+    let (mut peer, pipe, server) = open(b, t % 2 == 1).await;
+    let info = pipe.send(GetInfo).await.unwrap();
+    assert_eq!(
+        info.transport, b.transport,
+        "negotiated transport: {info:?}"
+    );
+    assert!(
+        info.channels
+            .iter()
+            .any(|c| c.starts_with(&format!("{} ", b.channel))),
+        "negotiated channels {:?}, expected {}",
+        info.channels,
+        b.channel
+    );
+    let (closed_to, mut closed) = inbox::<Closed>();
+    pipe.send(Subscribe(closed_to)).await.unwrap();
+
+    // One echo first: the path works and is warm.
+    let w = pipe.send(Write::new(checked_message(0, &[], &[SIZE])));
+    let back = within(20, "first echo", read_one(&pipe)).await.unwrap();
+    assert_eq!(verify(&back), 0);
+    w.await.unwrap().result.unwrap();
+
+    // Writes 1..=N and, pipelined behind them, a descriptor read and a read per echo. Read ids
+    // go on from the warm-up's 0 (descriptor) and 1 (read): 2, 3 for message 1, and so on.
+    let (w_to, mut writes) = inbox::<WriteDone>();
+    let (d_to, mut descs) = inbox::<DescriptorReady>();
+    let (r_to, mut reads) = inbox::<ReadDone>();
+    for i in 1..=IN_FLIGHT {
+        pipe.do_send(Write::new(checked_message(i, &[], &[SIZE])).notify(w_to.clone()));
+    }
+    for _ in 1..=IN_FLIGHT {
+        pipe.do_send(ReadDescriptor.notify(d_to.clone()));
+        pipe.do_send(Read::new(allocation()).notify(r_to.clone()));
+    }
+    // Kill once the first echo of the batch is back: the others are on their way both ways.
+    let mut report = Trial::default();
+    let first = within(20, "first echo of the batch", reads.recv())
+        .await
+        .unwrap();
+    let d = descs.recv().await.unwrap();
+    assert_eq!((d.id, first.id), (2, 3));
+    first.result.expect("the first echo, before the kill");
+    assert_eq!(verify(&first.message), 1);
+    tokio::time::sleep(Duration::from_millis(t as u64 % 4 * 4)).await;
+    report.peak = Some(fd_count());
+    peer.process.kill();
+    let killed = Instant::now();
+
+    within(
+        BOUND.as_secs() + 10,
+        "pending operations after the kill",
+        async {
+            let mut history = Vec::new();
+            let mut failed = false;
+            for i in 1..=IN_FLIGHT {
+                let d = writes.recv().await.unwrap();
+                assert_eq!(d.id, i, "write completions in order");
+                assert_eq!(
+                    d.message.tensors[0].buffer.len(),
+                    SIZE as u64,
+                    "buffer back"
+                );
+                history.push(format!(
+                    "write {i}: {:?}",
+                    d.result.as_ref().map_err(|e| e.to_string())
+                ));
+                match d.result {
+                    Ok(()) => assert!(
+                        !failed,
+                        "write {i} succeeded after an earlier one failed: {history:#?}"
+                    ),
+                    Err(e) => {
+                        assert!(allowed(&e), "write {i}: {e}");
+                        failed = true;
+                        report.writes_failed += 1;
+                        report.classes.push(e.class());
+                    }
+                }
+            }
+            report.last_completion = killed.elapsed();
+            let mut failed = false;
+            for i in 2..=IN_FLIGHT {
+                let d = descs.recv().await.unwrap();
+                assert_eq!(d.id, 2 * i, "descriptor completions in order");
+                let r = reads.recv().await.unwrap();
+                assert_eq!(r.id, 2 * i + 1, "read completions in order");
+                assert_eq!(r.message.tensors.len(), 1, "read {i}: buffer back");
+                assert_eq!(r.message.tensors[0].buffer.len(), SIZE as u64, "read {i}");
+                history.push(format!(
+                    "read {i}: descriptor {:?}, read {:?}",
+                    d.descriptor.as_ref().map(|_| ()).map_err(|e| e.to_string()),
+                    r.result.as_ref().map_err(|e| e.to_string())
+                ));
+                match (d.descriptor, r.result) {
+                    (Ok(_), Ok(())) => {
+                        assert_eq!(verify(&r.message), i);
+                        // Even a message whose bytes had landed before the death (cma reads
+                        // of consecutive messages run concurrently) must not succeed after an
+                        // earlier failure: the reader would see a gap.
+                        assert!(
+                            !failed,
+                            "{}: read {i} succeeded (intact) after an earlier one failed: \
+                             {history:#?}",
+                            b.name
+                        );
+                    }
+                    (Ok(_), Err(e)) | (Err(e), Err(_)) => {
+                        assert!(allowed(&e), "read {i}: {e}");
+                        failed = true;
+                        report.reads_failed += 1;
+                        report.classes.push(e.class());
+                    }
+                    (Err(e), Ok(())) => panic!("read {i} succeeded without its descriptor: {e}"),
+                }
+            }
+            report.last_completion = report.last_completion.max(killed.elapsed());
+            let c = closed.recv().await.unwrap();
+            assert!(allowed(&c.error), "Closed: {}", c.error);
+            report.closed_after = killed.elapsed();
+        },
+    )
+    .await;
+    assert!(
+        report.last_completion <= BOUND,
+        "{}: the last pending operation completed {:?} after the kill (bound {BOUND:?})",
+        b.name,
+        report.last_completion
+    );
+    assert!(
+        report.reads_failed > 0,
+        "{}: the child died before echoing everything, yet every read succeeded",
+        b.name
+    );
+
+    // The pipe stays failed: later operations fail at once, and Close resolves.
+    let w = within(
+        5,
+        "write after death",
+        pipe.send(Write::new(checked_message(99, &[], &[1]))),
+    )
+    .await
+    .unwrap();
+    assert!(allowed(&w.result.unwrap_err()));
+    within(5, "close after death", pipe.send(Close::because("done")))
+        .await
+        .unwrap();
+    if let Some(s) = server {
+        s.listener.send(StopListening).await.unwrap();
+    }
+    report
+}
+
+/// Every trial of one backend, then the descriptor check, on a system of its own that exists
+/// only while this test holds the lock (a runtime has descriptors too).
+fn survive(name: &str) {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    actix::System::new().block_on(trials(name));
+}
+
+async fn trials(name: &str) {
+    let b = backend(name);
+    let started = Instant::now();
+    let baseline = fd_count();
+    let n = std::env::var("ACTORPIPE_PEER_DEATH_TRIALS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(TRIALS);
+    let mut trials = Vec::new();
+    for t in 0..n {
+        trials.push(trial(b, t).await);
+    }
+    let wind_down = match fds_back_to(&baseline, Duration::from_secs(6)).await {
+        Ok(d) => d,
+        Err(now) => {
+            let mut open = fd_targets();
+            open.sort();
+            panic!(
+                "{name}: descriptors leaked: before {baseline:?}, after {now:?}; open now: {open:?}"
+            )
+        }
+    };
+    let worst = trials.iter().map(|t| t.last_completion).max().unwrap();
+    let mut classes: Vec<_> = trials.iter().flat_map(|t| t.classes.clone()).collect();
+    classes.sort();
+    classes.dedup();
+    let peak = trials
+        .iter()
+        .filter_map(|t| t.peak)
+        .max_by_key(|p| p.all)
+        .unwrap();
+    eprintln!(
+        "{name}: {n} kills, writes failed {:?}, reads failed {:?}, last completion <= \
+         {worst:?} after the kill, Closed after {:?}, classes {classes:?}, fds {peak:?} before \
+         a kill, back to {baseline:?} in {wind_down:?}, {:?} in all",
+        trials.iter().map(|t| t.writes_failed).collect::<Vec<_>>(),
+        trials.iter().map(|t| t.reads_failed).collect::<Vec<_>>(),
+        trials.iter().map(|t| t.closed_after).collect::<Vec<_>>(),
+        started.elapsed()
+    );
+}
+
+#[test]
+fn peer_killed_mid_transfer_tcp_basic() {
+    survive("tcp_basic")
+}
+
+#[test]
+fn peer_killed_mid_transfer_shm_basic() {
+    survive("shm_basic")
+}
+
+#[test]
+fn peer_killed_mid_transfer_tcp_cma() {
+    survive("tcp_cma")
+}
+
+#[test]
+fn peer_killed_mid_transfer_tcp_mpt() {
+    survive("tcp_mpt")
+}
+
+#[test]
+fn peer_killed_mid_transfer_default_shm_cma() {
+    survive("default")
+}
