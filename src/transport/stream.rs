@@ -581,7 +581,9 @@ pub async fn write_loop(
 pub fn io_error(op: &'static str, e: std::io::Error, origin: &Origin) -> Error {
     use std::io::ErrorKind::*;
     match e.kind() {
-        UnexpectedEof | ConnectionReset | BrokenPipe | ConnectionAborted => Error::PeerClosed {
+        // A dead link (keepalive or retransmission limits) is the peer lost, too.
+        UnexpectedEof | ConnectionReset | BrokenPipe | ConnectionAborted | TimedOut
+        | HostUnreachable | NetworkUnreachable => Error::PeerClosed {
             reason: format!("connection lost while {op} ({e})"),
             graceful: false,
             origin: origin.clone(),

@@ -1,0 +1,761 @@
+//! Two hosts made of network namespaces: `A` (the server) and `B` (the client), joined by a veth
+//! pair with addresses in 10.199.0.0/24 that exist only inside those namespaces. Each side is
+//! this test binary run again in a child mode under `ip netns exec` (`netns_child`, selected by
+//! `ACTORPIPE_NETNS_CHILD`), over TCP only with the basic and mpt channels. The link is impaired
+//! with `tc netem` (delay, loss, reordering) where the kernel has it; where it does not, with a
+//! `tbf` rate limit whose short queue drops packets, and the test says so.
+//!
+//! - `netns_random_sizes_arrive_intact_and_in_order_or_skip`: messages of random sizes, echoed
+//!   over a basic pipe and an mpt pipe at once, come back intact (checksums) and in order.
+//! - `netns_link_cut_is_detected_by_keepalive_or_skip`: the link is cut (`ip link set down` in
+//!   A) while the client has reads pending and writes in flight. Two busy pipes (basic, mpt)
+//!   use the keepalive with an unacknowledged-data timeout, an idle pipe the plain
+//!   `keepalive(1 s, 3 s)`; every pending operation of the three must fail, in order, with a
+//!   timeout or peer-lost error, within the 3 s timeout plus [`DETECTION_SLACK`]. A fourth busy
+//!   pipe with the plain keepalive shows what that setting alone does with data in flight (the
+//!   kernel retransmits for minutes): the test reports it, then aborts it with `Close`, which
+//!   must complete its pending operations at once. Detection times are printed.
+//!
+//! Namespaces need root (CAP_SYS_ADMIN) and iproute2. Where they cannot be made, each test
+//! prints `skipped: <test>: <reason>` straight to stderr (past the harness's capture, so CI logs
+//! show it) and passes; hence the `_or_skip` in the names. Namespaces are named after this
+//! process and deleted by a guard however the test ends. Nothing outside the two namespaces is
+//! ever contacted.
+
+mod common;
+
+use std::cell::Cell;
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use actix::Addr;
+use actorpipe::transport::tcp::Keepalive;
+use actorpipe::*;
+use common::*;
+
+/// Selects the child mode: `server`, `deliver <url>` or `cut <url>`.
+const CHILD_ENV: &str = "ACTORPIPE_NETNS_CHILD";
+/// Starts the children's lines on stdout.
+const CHILD_TAG: &str = "netns-child:";
+const SERVER_IP: &str = "10.199.0.1";
+const CLIENT_IP: &str = "10.199.0.2";
+/// The impairment asked for, on both ends of the link.
+const NETEM: &str = "netem delay 5ms 2ms loss 1% reorder 5%";
+/// Where the kernel has no netem: a rate limit whose short queue drops packets.
+const TBF: &str = "tbf rate 200mbit burst 32kb limit 64kb";
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long after the keepalive timeout every pending operation must have failed.
+const DETECTION_SLACK: Duration = Duration::from_secs(2);
+
+/// The two tests don't overlap, so the timings of one are not skewed by the other's load.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// Both sides: TCP only, channels basic and mpt, the plain keepalive.
+fn builder() -> ContextBuilder {
+    Context::builder()
+        .without("shm")
+        .only_channels(&["basic", "mpt"])
+        .lanes(2)
+        .keepalive(KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT)
+}
+
+/// The keepalive plus a timeout on unacknowledged data: what catches a pulled cable while data
+/// is in flight (the plain keepalive only probes idle connections).
+fn unacked_builder() -> ContextBuilder {
+    builder().tcp_keepalive(Keepalive {
+        interval: KEEPALIVE_INTERVAL,
+        timeout: KEEPALIVE_TIMEOUT,
+        unacked_timeout: Some(KEEPALIVE_TIMEOUT),
+    })
+}
+
+// ----- the hosts -------------------------------------------------------------------------------
+
+/// Runs `ip` (or `ip netns exec <ns> <args>` through it); `Err` holds what it printed.
+fn ip(args: &[&str]) -> Result<String, String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run `ip`: {e}"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(format!(
+            "`ip {}` failed ({}): {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Two namespaces joined by a veth pair; deleted on drop.
+struct Hosts {
+    a: String,
+    b: String,
+    veth_a: String,
+    /// What impairs the link, in words.
+    impairment: String,
+}
+
+impl Hosts {
+    /// Sets the hosts up, or says why it cannot (the test then skips).
+    fn create() -> Result<Hosts, String> {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        match Command::new("ip").arg("-V").output() {
+            Ok(o) if o.status.success() => {}
+            Ok(o) => return Err(format!("`ip -V` failed: {}", o.status)),
+            Err(e) => {
+                return Err(format!(
+                    "iproute2's `ip` cannot be run ({e}); install it: apt-get install -y iproute2"
+                ))
+            }
+        }
+        let k = NEXT.fetch_add(1, Ordering::Relaxed);
+        // Interface names have at most 15 characters: "ap" + pid (7) + "-" + k + "a" fits.
+        let base = format!("ap{}-{k}", std::process::id());
+        let mut hosts = Hosts {
+            a: format!("{base}a"),
+            b: format!("{base}b"),
+            veth_a: format!("{base}a"),
+            impairment: String::new(),
+        };
+        let veth_b = format!("{base}b");
+        // Names carry our pid, so any namespace by these names was left by a dead process
+        // (killed before its guard ran) whose pid we now have.
+        drop(Hosts {
+            a: hosts.a.clone(),
+            b: hosts.b.clone(),
+            veth_a: hosts.veth_a.clone(),
+            impairment: String::new(),
+        });
+        ip(&["netns", "add", &hosts.a]).map_err(|e| {
+            format!("cannot create network namespaces (needs root, CAP_SYS_ADMIN): {e}")
+        })?;
+        ip(&["netns", "add", &hosts.b])?;
+        ip(&[
+            "link",
+            "add",
+            &hosts.veth_a,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &veth_b,
+        ])
+        .map_err(|e| format!("cannot create a veth pair: {e}"))?;
+        ip(&["link", "set", &hosts.veth_a, "netns", &hosts.a])?;
+        ip(&["link", "set", &veth_b, "netns", &hosts.b])?;
+        let mut impairments = Vec::new();
+        for (ns, dev, addr) in [
+            (hosts.a.clone(), hosts.veth_a.clone(), SERVER_IP),
+            (hosts.b.clone(), veth_b.clone(), CLIENT_IP),
+        ] {
+            ip(&["-n", &ns, "addr", "add", &format!("{addr}/24"), "dev", &dev])?;
+            ip(&["-n", &ns, "link", "set", &dev, "up"])?;
+            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+            impairments.push(impair(&ns, &dev));
+        }
+        impairments.dedup();
+        hosts.impairment = impairments.join("; ");
+        Ok(hosts)
+    }
+
+    /// `ip netns exec <ns>` this test binary as the child `netns_child`, in mode `mode`.
+    fn child(&self, ns: &str, mode: &str) -> ChildProcess {
+        let exe = std::env::current_exe().expect("test binary path");
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", ns])
+            .arg(exe)
+            .args(reexec_args("netns_child"))
+            .env(CHILD_ENV, mode);
+        ChildProcess::spawn(cmd)
+    }
+
+    /// The TCP sockets in `ns`, with their timers and queues (`ss -tnoi`), for failure messages.
+    fn sockets(&self, ns: &str) -> String {
+        ip(&["netns", "exec", ns, "ss", "-tnoi"]).unwrap_or_else(|e| e)
+    }
+
+    /// Packets dropped so far by the qdisc on `A`'s end.
+    fn drops(&self) -> String {
+        ip(&[
+            "netns",
+            "exec",
+            &self.a,
+            "tc",
+            "-s",
+            "qdisc",
+            "show",
+            "dev",
+            &self.veth_a,
+        ])
+        .ok()
+        .and_then(|s| {
+            s.split_once("dropped ")
+                .map(|(_, r)| r.split([',', ' ']).next().unwrap_or("").to_string())
+        })
+        .unwrap_or_else(|| "?".into())
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        // Deleting a namespace destroys the veth end inside it, and with it the pair; a pair
+        // that never made it into its namespace is deleted where it is.
+        for ns in [&self.a, &self.b] {
+            let _ = ip(&["netns", "del", ns]);
+        }
+        let _ = ip(&["link", "del", &self.veth_a]);
+    }
+}
+
+/// Impairs `dev` in `ns` with netem, or with tbf where netem is missing; says which.
+fn impair(ns: &str, dev: &str) -> String {
+    let tc = |spec: &str| {
+        let mut args = vec![
+            "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
+        ];
+        args.extend(spec.split(' '));
+        // Keep what tc said, not the command line (which names this run's namespaces).
+        ip(&args).map_err(|e| {
+            e.split_once("): ")
+                .map_or(e.clone(), |(_, why)| why.to_string())
+        })
+    };
+    match tc(NETEM) {
+        Ok(_) => NETEM.to_string(),
+        Err(netem) => match tc(TBF) {
+            Ok(_) => format!("{TBF} (netem unavailable here, so no delay or reordering: {netem})"),
+            Err(tbf) => format!("no impairment (netem: {netem}; tbf: {tbf})"),
+        },
+    }
+}
+
+/// The hosts, or `None` after printing why the test skips.
+fn hosts_or_skip(test: &str) -> Option<Hosts> {
+    match Hosts::create() {
+        Ok(h) => Some(h),
+        Err(why) => {
+            tell_ci(&format!("skipped: {test}: {why}"));
+            None
+        }
+    }
+}
+
+/// Starts the server in `A` and returns it with its URL.
+fn server(hosts: &Hosts) -> (ChildProcess, String) {
+    let mut s = hosts.child(&hosts.a, "server");
+    match s.line(CHILD_TAG, Duration::from_secs(20)) {
+        Some((_, l)) if l.starts_with("url ") => {
+            let url = l["url ".len()..].to_string();
+            (s, url)
+        }
+        other => panic!(
+            "the server printed no URL ({other:?}); its output:\n{}",
+            s.tail()
+        ),
+    }
+}
+
+// ----- the children ----------------------------------------------------------------------------
+
+/// The processes inside the namespaces. Run alone, it does nothing.
+#[test]
+#[ignore = "helper: the server and client processes of the netns tests"]
+fn netns_child() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    die_with_parent();
+    let words: Vec<String> = spec.split_whitespace().map(String::from).collect();
+    actix::System::new().block_on(async move {
+        match words[0].as_str() {
+            "server" => serve().await,
+            "deliver" => deliver(&words[1]).await,
+            "cut" => cut(&words[1]).await,
+            other => panic!("unknown child mode {other:?}"),
+        }
+    });
+}
+
+fn say(line: String) {
+    tell_parent(&format!("{CHILD_TAG} {line}"));
+}
+
+/// Echoes every pipe until the process is killed; says when a pipe closes and why.
+async fn serve() {
+    let ctx = builder().start();
+    let (to, mut accepted) = inbox::<Accepted>();
+    let l = ctx
+        .send(Listen::new([format!("tcp://{SERVER_IP}:0")], to))
+        .await
+        .unwrap()
+        .expect("listen in namespace A");
+    say(format!("url {}", l.urls[0]));
+    while let Some(a) = accepted.recv().await {
+        let pipe = a.pipe;
+        let (closed_to, mut closed) = inbox::<Closed>();
+        pipe.do_send(Subscribe(closed_to));
+        actix::spawn(async move {
+            let c = closed.recv().await.expect("Closed");
+            say(format!("closed {} {}", c.error.class(), c.error));
+        });
+        actix::spawn(async move {
+            while let Ok(m) = read_one(&pipe).await {
+                pipe.do_send(Write::new(m));
+            }
+        });
+    }
+}
+
+/// A pipe to `url` from a context made by `b`, whose tensors go over `channel`.
+async fn connect(url: &str, b: ContextBuilder, channel: &str) -> Addr<Pipe> {
+    let b = match channel {
+        "basic" => b.only_channels(&["basic"]),
+        _ => b,
+    };
+    let pipe = within(20, "connect", b.start().send(Connect::new(url)))
+        .await
+        .unwrap()
+        .expect("connect from namespace B");
+    let info = pipe.send(GetInfo).await.unwrap();
+    assert_eq!(info.transport, "tcp");
+    assert!(
+        info.channels
+            .iter()
+            .any(|c| c.starts_with(&format!("{channel} "))),
+        "negotiated {:?}, wanted {channel}",
+        info.channels
+    );
+    pipe
+}
+
+/// Random messages echoed back intact and in order; up to 4 writes in flight.
+async fn echo_random(pipe: &Addr<Pipe>, seed: u64, n: u64) -> u64 {
+    const SIZES: [usize; 7] = [0, 1, 31, 4097, 65_537, 1 << 20, (2 << 20) + 5];
+    let mut rng = Rng(seed);
+    let (done_to, mut done) = inbox::<WriteDone>();
+    let mut bytes = 0u64;
+    let writer = async {
+        let mut next = 0;
+        for i in 0..n {
+            let mut pick = |k: u64| {
+                (0..rng.below(k))
+                    .map(|_| SIZES[rng.below(SIZES.len() as u64) as usize])
+                    .collect::<Vec<_>>()
+            };
+            let payloads: Vec<usize> = pick(3).into_iter().map(|s| s % 70_000).collect();
+            let tensors = pick(4);
+            bytes += payloads.iter().chain(&tensors).sum::<usize>() as u64;
+            pipe.do_send(
+                Write::new(checked_message(i, &payloads, &tensors)).notify(done_to.clone()),
+            );
+            while i + 1 - next >= 4 || (i == n - 1 && next < n) {
+                let d = done.recv().await.unwrap();
+                assert_eq!(d.id, next, "write completions in order");
+                d.result.expect("write");
+                next += 1;
+            }
+        }
+    };
+    let reader = async {
+        for i in 0..n {
+            let m = read_one(pipe).await.expect("echo");
+            assert_eq!(verify(&m), i, "echoes in order");
+        }
+    };
+    tokio::join!(writer, reader);
+    bytes
+}
+
+async fn deliver(url: &str) {
+    let start = Instant::now();
+    let basic = connect(url, builder(), "basic").await;
+    let mpt = connect(url, builder(), "mpt").await;
+    let (b, m) = within(90, "echoes", async {
+        tokio::join!(echo_random(&basic, 5, 24), echo_random(&mpt, 6, 24))
+    })
+    .await;
+    say(format!(
+        "delivered 48 messages, {} MiB each way, in {:?}",
+        (b + m) >> 20,
+        start.elapsed()
+    ));
+    for p in [basic, mpt] {
+        p.send(Close::because("done")).await.unwrap();
+    }
+}
+
+/// Tensor bytes per message of a busy pipe during the cut test.
+const BUSY_SIZE: usize = 2 << 20;
+
+/// Checks one kind of completion of one pipe: ids in order, no success after a failure.
+struct Order {
+    pipe: &'static str,
+    kind: &'static str,
+    next: u64,
+    failed: bool,
+    ok: u64,
+}
+
+impl Order {
+    fn new(pipe: &'static str, kind: &'static str, first: u64) -> Order {
+        Order {
+            pipe,
+            kind,
+            next: first,
+            failed: false,
+            ok: 0,
+        }
+    }
+
+    fn step(&mut self, id: u64, result: Result<(), &Error>) {
+        assert_eq!(
+            id, self.next,
+            "{} {}: completions in order",
+            self.pipe, self.kind
+        );
+        self.next += 1;
+        match result {
+            Ok(()) => {
+                assert!(
+                    !self.failed,
+                    "{} {} {id} succeeded after an earlier one failed",
+                    self.pipe, self.kind
+                );
+                self.ok += 1;
+            }
+            Err(e) => {
+                self.failed = true;
+                say(format!(
+                    "fail {} {} {id} {} {e}",
+                    self.pipe,
+                    self.kind,
+                    e.class()
+                ));
+            }
+        }
+    }
+}
+
+/// Keeps a pipe busy both ways until it fails: up to 2 writes and 8 unread echoes in flight.
+/// Says `busy <pipe>` once 3 echoes came back, and drains every operation after the failure.
+async fn keep_busy(pipe: Addr<Pipe>, name: &'static str, failed: &Cell<bool>) {
+    let (w_to, mut writes) = inbox::<WriteDone>();
+    let (d_to, mut descs) = inbox::<DescriptorReady>();
+    let (r_to, mut reads) = inbox::<ReadDone>();
+    let mut w = Order::new(name, "write", 0);
+    let mut d = Order::new(name, "descriptor", 0);
+    let mut r = Order::new(name, "read", 0);
+    let (mut issued, mut read) = (0u64, 0u64);
+    let mut said = false;
+    loop {
+        while !w.failed && !r.failed && issued - w.ok < 2 && issued - read < 8 {
+            let m = checked_message(issued, &[], &[BUSY_SIZE]);
+            pipe.do_send(Write::new(m).notify(w_to.clone()));
+            pipe.do_send(ReadDescriptor.notify(d_to.clone()));
+            let alloc = Allocation {
+                payloads: Vec::new(),
+                tensors: vec![Buffer::Cpu(vec![0; BUSY_SIZE])],
+            };
+            pipe.do_send(Read::new(alloc).notify(r_to.clone()));
+            issued += 1;
+        }
+        failed.set(w.failed || d.failed || r.failed);
+        let pending_writes = issued - w.next;
+        let pending_reads = issued - read;
+        if (w.failed || r.failed) && pending_writes == 0 && pending_reads == 0 {
+            break;
+        }
+        tokio::select! {
+            Some(x) = writes.recv() => {
+                assert_eq!(x.message.tensors[0].buffer.len(), BUSY_SIZE as u64, "buffer back");
+                w.step(x.id, x.result.as_ref().map(|_| ()));
+            }
+            Some(x) = descs.recv() => {
+                // Descriptor and read ids are shared: 2k and 2k + 1 for message k.
+                d.step(x.id / 2, x.descriptor.as_ref().map(|_| ()));
+            }
+            Some(x) = reads.recv() => {
+                assert_eq!(x.message.tensors.len(), 1, "buffer back");
+                assert_eq!(x.message.tensors[0].buffer.len(), BUSY_SIZE as u64);
+                r.step(x.id / 2, x.result.as_ref().map(|_| ()));
+                if x.result.is_ok() {
+                    assert_eq!(verify(&x.message), read, "echoes in order");
+                }
+                read += 1;
+                if read == 3 && !said {
+                    said = true;
+                    say(format!("busy {name}"));
+                }
+            }
+        }
+    }
+    say(format!(
+        "drained {name}: {} writes, {} reads ok before the failure",
+        w.ok, r.ok
+    ));
+}
+
+async fn cut(url: &str) {
+    let basic = connect(url, unacked_builder(), "basic").await;
+    let mpt = connect(url, unacked_builder(), "mpt").await;
+    let idle = connect(url, builder(), "basic").await;
+    let stuck = connect(url, builder(), "basic").await;
+    for (p, name) in [
+        (&basic, "basic"),
+        (&mpt, "mpt"),
+        (&idle, "idle"),
+        (&stuck, "stuck"),
+    ] {
+        let (to, mut closed) = inbox::<Closed>();
+        p.send(Subscribe(to)).await.unwrap();
+        actix::spawn(async move {
+            let c = closed.recv().await.expect("Closed");
+            say(format!("closed {name} {} {}", c.error.class(), c.error));
+        });
+    }
+    let idle_reads = async {
+        let (to, mut descs) = inbox::<DescriptorReady>();
+        for _ in 0..3 {
+            idle.do_send(ReadDescriptor.notify(to.clone()));
+        }
+        let mut d = Order::new("idle", "descriptor", 0);
+        for _ in 0..3 {
+            let x = descs.recv().await.unwrap();
+            d.step(x.id, x.descriptor.as_ref().map(|_| ()));
+        }
+        assert!(d.failed, "nothing was sent on the idle pipe");
+        say("drained idle".into());
+    };
+    let (basic_failed, mpt_failed, stuck_failed) =
+        (Cell::new(false), Cell::new(false), Cell::new(false));
+    let detected = async {
+        tokio::join!(
+            keep_busy(basic.clone(), "basic", &basic_failed),
+            keep_busy(mpt.clone(), "mpt", &mpt_failed),
+            idle_reads
+        );
+        say("all drained".into());
+        // Give the plain keepalive as long as the others had, then give up on it.
+        tokio::time::sleep(DETECTION_SLACK).await;
+        if !stuck_failed.get() {
+            say("closing stuck".into());
+        }
+        within(
+            10,
+            "Close of the stuck pipe",
+            stuck.send(Close::because("given up")),
+        )
+        .await
+        .unwrap();
+    };
+    tokio::join!(keep_busy(stuck.clone(), "stuck", &stuck_failed), detected);
+    say("finished".into());
+}
+
+// ----- the tests -------------------------------------------------------------------------------
+
+#[test]
+fn netns_random_sizes_arrive_intact_and_in_order_or_skip() {
+    const NAME: &str = "netns_random_sizes_arrive_intact_and_in_order_or_skip";
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(hosts) = hosts_or_skip(NAME) else {
+        return;
+    };
+    let (mut server, url) = server(&hosts);
+    let mut client = hosts.child(&hosts.b, &format!("deliver {url}"));
+    let Some((_, summary)) = client.line(CHILD_TAG, Duration::from_secs(100)) else {
+        panic!(
+            "the client did not finish; its output:\n{}\nthe server's:\n{}",
+            client.tail(),
+            server.tail()
+        )
+    };
+    let status = client.wait_exit(Duration::from_secs(10));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the client failed ({status:?}); its output:\n{}",
+        client.tail()
+    );
+    tell_ci(&format!(
+        "{NAME}: {summary} over a veth pair with {}; packets dropped by the qdisc in A: {}",
+        hosts.impairment,
+        hosts.drops()
+    ));
+}
+
+#[test]
+fn netns_link_cut_is_detected_by_keepalive_or_skip() {
+    const NAME: &str = "netns_link_cut_is_detected_by_keepalive_or_skip";
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(hosts) = hosts_or_skip(NAME) else {
+        return;
+    };
+    let (mut server, url) = server(&hosts);
+    let mut client = hosts.child(&hosts.b, &format!("cut {url}"));
+    let mut busy = Vec::new();
+    while busy.len() < 3 {
+        match client.line(&format!("{CHILD_TAG} busy"), Duration::from_secs(60)) {
+            Some((_, pipe)) => busy.push(pipe),
+            None => panic!(
+                "the pipes never all got busy ({busy:?}); the client's output:\n{}",
+                client.tail()
+            ),
+        }
+    }
+    // Let the traffic run a little, then pull the cable on A's side.
+    std::thread::sleep(Duration::from_millis(300));
+    let before = client.drain();
+    let cut_start = Instant::now();
+    ip(&["-n", &hosts.a, "link", "set", &hosts.veth_a, "down"]).expect("cut the link");
+    let cut = Instant::now();
+
+    let deadline = cut + KEEPALIVE_TIMEOUT + 2 * DETECTION_SLACK + Duration::from_secs(10);
+    let mut events: Vec<(Duration, String)> = Vec::new();
+    let mut done = false;
+    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+        let Some((at, line)) = client.next_line(left) else {
+            break;
+        };
+        if let Some((_, rest)) = line.split_once(CHILD_TAG) {
+            let rest = rest.trim().to_string();
+            done = rest == "finished";
+            events.push((at.saturating_duration_since(cut), rest));
+            if done {
+                break;
+            }
+        }
+    }
+    let log = |events: &[(Duration, String)]| {
+        events
+            .iter()
+            .map(|(t, l)| format!("{:>8.3} s  {l}", t.as_secs_f64()))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert!(
+        done,
+        "pending operations still pending {:?} after the cut (a hang); events since the cut:\n{}\n\
+         sockets in B (client):\n{}\nsockets in A (server):\n{}",
+        deadline - cut,
+        log(&events),
+        hosts.sockets(&hosts.b),
+        hosts.sockets(&hosts.a)
+    );
+    let status = client.wait_exit(Duration::from_secs(10));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the client failed ({status:?}); its output:\n{}",
+        client.tail()
+    );
+    let early: Vec<_> = before
+        .iter()
+        .filter(|(_, l)| l.contains(" fail "))
+        .collect();
+    assert!(
+        early.is_empty(),
+        "operations failed before the cut: {early:?}"
+    );
+
+    // Every pipe failed, only with a timeout or peer-lost error, within the bound; the busy
+    // pipes had writes in flight.
+    let bound = KEEPALIVE_TIMEOUT + DETECTION_SLACK;
+    let mut summary = Vec::new();
+    for pipe in ["basic", "mpt", "idle"] {
+        let fails: Vec<_> = events
+            .iter()
+            .filter(|(_, l)| l.starts_with(&format!("fail {pipe} ")))
+            .collect();
+        assert!(
+            !fails.is_empty(),
+            "the {pipe} pipe saw no failure:\n{}",
+            log(&events)
+        );
+        for (t, l) in &fails {
+            let class = l.split_whitespace().nth(4).unwrap_or("");
+            assert!(
+                matches!(class, "timeout" | "peer_closed"),
+                "{pipe}: a link cut must fail with a timeout or peer-lost error, got {l:?}\n{}",
+                log(&events)
+            );
+            assert!(
+                *t <= bound,
+                "{pipe}: {l:?} came {t:?} after the cut, over the bound of {bound:?}\n{}",
+                log(&events)
+            );
+        }
+        if pipe != "idle" {
+            assert!(
+                fails.iter().any(|(_, l)| l.contains(" write ")),
+                "{pipe}: no write was in flight at the cut:\n{}",
+                log(&events)
+            );
+        }
+        summary.push(format!(
+            "{pipe} {:.2}..{:.2} s ({} ops, {})",
+            fails.first().unwrap().0.as_secs_f64(),
+            fails.last().unwrap().0.as_secs_f64(),
+            fails.len(),
+            fails[0].1.split_whitespace().nth(4).unwrap_or("")
+        ));
+    }
+    // The busy pipe with the plain keepalive: detected, or aborted by the Close, which must
+    // complete its pending operations at once.
+    let at = |what: &str| events.iter().find(|(_, l)| l == what).map(|(t, _)| *t);
+    let stuck: Vec<_> = events
+        .iter()
+        .filter(|(_, l)| l.starts_with("fail stuck "))
+        .collect();
+    assert!(
+        !stuck.is_empty(),
+        "the stuck pipe saw no failure:\n{}",
+        log(&events)
+    );
+    let stuck_report = match at("closing stuck") {
+        None => format!("detected after {:.2} s", stuck[0].0.as_secs_f64()),
+        Some(closing) => {
+            let last = stuck.last().unwrap().0;
+            assert!(
+                last.saturating_sub(closing) <= Duration::from_secs(2),
+                "aborting the stuck pipe took {:?}:\n{}",
+                last.saturating_sub(closing),
+                log(&events)
+            );
+            format!(
+                "not detected within {:.1} s (no unacked timeout), its Close completed {} \
+                 pending ops in {:?}",
+                closing.as_secs_f64(),
+                stuck.len(),
+                last.saturating_sub(closing)
+            )
+        }
+    };
+    // The server's side, for the report: its link is down, so it finds out by itself too.
+    std::thread::sleep(Duration::from_millis(200));
+    let server_closed: Vec<String> = server
+        .drain()
+        .into_iter()
+        .filter(|(_, l)| l.contains(" closed "))
+        .map(|(at, l)| {
+            let class = l.split_whitespace().nth(2).unwrap_or("").to_string();
+            format!(
+                "{:.2} s {class}",
+                at.saturating_duration_since(cut).as_secs_f64()
+            )
+        })
+        .collect();
+    tell_ci(&format!(
+        "{NAME}: keepalive {KEEPALIVE_INTERVAL:?}/{KEEPALIVE_TIMEOUT:?}, link cut in {:?} with \
+         {}; client pipes failed after: {}; busy pipe with the plain keepalive: {stuck_report}; \
+         server pipes closed after: {server_closed:?} (of 4; the others have unacknowledged \
+         data and the plain keepalive)",
+        cut - cut_start,
+        hosts.impairment,
+        summary.join(", ")
+    ));
+}
