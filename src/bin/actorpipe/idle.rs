@@ -4,6 +4,7 @@
 //! reading, so that one-time costs (runtime buffers, allocator arenas, thread pools) are not
 //! charged to the pipes.
 
+use std::io::Write as _;
 use std::time::Duration;
 
 use actix::{Addr, System};
@@ -127,15 +128,17 @@ pub fn run(args: &IdleArgs) -> Result<(), Failure> {
         results.push(measure(name, setup, args.pipes, &progress)?);
     }
     progress.finish();
-    report(&results, args.json);
-    Ok(())
+    crate::report::emit(&report(&results, args.json))
 }
 
 fn serve(setup: &Setup, url: &str) -> Result<(), Failure> {
     let system = System::new();
     let listening = system.block_on(bench::listen(setup.builder(), url, bench::Api::Fired))?;
-    println!("actorpipe {}", listening.urls[0]);
-    println!("ready");
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "actorpipe {}", listening.urls[0])?;
+    writeln!(out, "ready")?;
+    out.flush()?;
+    drop(out);
     server::watch_stdin();
     let _listening = listening;
     system.run()?;
@@ -203,7 +206,8 @@ fn measure(
     })
 }
 
-fn report(results: &[Measured], as_json: bool) {
+/// The results as a table, or as JSON.
+fn report(results: &[Measured], as_json: bool) -> String {
     let p = Provenance::here();
     if as_json {
         let rows: Vec<_> = results
@@ -233,19 +237,16 @@ fn report(results: &[Measured], as_json: bool) {
             "command": p.command,
             "rows": rows,
         });
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&doc).expect("plain JSON")
-        );
-        return;
+        return serde_json::to_string_pretty(&doc).expect("plain JSON") + "\n";
     }
-    println!("actorpipe bench idle: pipes opened on one client context to a spawned server, then left idle");
-    println!("  RSS is VmRSS of /proc/self/status, after minus before, over the pipes opened");
-    println!("  machine:     {}", p.machine);
-    println!("  date:        {}", p.date);
-    println!("  command:     {}\n", p.command);
-    println!("| configuration | negotiated | pipes | client KiB/pipe | of which anon / shmem | server KiB/pipe | client fds/pipe | goal < 64 KiB |");
-    println!("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |");
+    let mut out = String::new();
+    out += "actorpipe bench idle: pipes opened on one client context to a spawned server, then left idle\n";
+    out += "  RSS is VmRSS of /proc/self/status, after minus before, over the pipes opened\n";
+    out += &format!("  machine:     {}\n", p.machine);
+    out += &format!("  date:        {}\n", p.date);
+    out += &format!("  command:     {}\n\n", p.command);
+    out += "| configuration | negotiated | pipes | client KiB/pipe | of which anon / shmem | server KiB/pipe | client fds/pipe | goal < 64 KiB |\n";
+    out += "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |\n";
     for m in results {
         let client = m.client_kib();
         let server = m.server_kib();
@@ -254,8 +255,8 @@ fn report(results: &[Measured], as_json: bool) {
         } else {
             "missed"
         };
-        println!(
-            "| {} | {} | {} | {:.1} | {:.1} / {:.1} | {:.1} | {:.1} | {} |",
+        out += &format!(
+            "| {} | {} | {} | {:.1} | {:.1} / {:.1} | {:.1} | {:.1} | {} |\n",
             m.name,
             m.negotiated,
             m.pipes,
@@ -267,4 +268,5 @@ fn report(results: &[Measured], as_json: bool) {
             met
         );
     }
+    out
 }

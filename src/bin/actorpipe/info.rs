@@ -4,24 +4,30 @@
 
 use actorpipe::backends::{report, BackendReport};
 
-/// Prints the report as a table, or as JSON with `json`.
+/// Prints the report as a table, or as JSON with `json`. A closed stdout (`| head`) ends the
+/// output quietly.
 pub fn run(json: bool) {
+    use std::io::Write;
     let r = report();
+    let mut out = String::new();
     if json {
         // Serialising plain strings and numbers cannot fail.
-        println!("{}", serde_json::to_string_pretty(&r).unwrap_or_default());
-        return;
-    }
-    println!(
-        "{:<10} {:<6} {:>8}  {:<10} {:<12} domain",
-        "kind", "name", "priority", "available", "devices"
-    );
-    for b in &r {
-        println!("{}", line(b));
-        if let Some(why) = &b.reason {
-            println!("{:>19}why not: {why}", "");
+        out = serde_json::to_string_pretty(&r).unwrap_or_default();
+        out.push('\n');
+    } else {
+        out.push_str(&format!(
+            "{:<10} {:<6} {:>8}  {:<10} {:<12} domain\n",
+            "kind", "name", "priority", "available", "devices"
+        ));
+        for b in &r {
+            out.push_str(&line(b));
+            out.push('\n');
+            if let Some(why) = &b.reason {
+                out.push_str(&format!("{:>19}why not: {why}\n", ""));
+            }
         }
     }
+    let _ = std::io::stdout().lock().write_all(out.as_bytes());
 }
 
 fn line(b: &BackendReport) -> String {

@@ -9,6 +9,19 @@ use serde_json::{json, Value};
 use crate::measure::Summary;
 use crate::units::{gb_per_s, human_duration, human_size};
 
+/// Writes `text` to stdout. A reader that went away (`| head`) is not an error: the output
+/// simply stops, as with any command-line tool.
+pub fn emit(text: &str) -> Result<(), crate::failure::Failure> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(
+            crate::failure::Failure::Failed(format!("cannot write the results: {e}")),
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// A progress bar on stderr, or nothing.
 #[derive(Debug, Clone)]
 pub struct Progress(ProgressBar);

@@ -203,14 +203,12 @@ pub fn run(plan: &Plan, args: &RunArgs) -> Result<(), Failure> {
         provenance: Provenance::here(),
     };
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&report.json()).expect("plain JSON")
-        );
+        let mut text = serde_json::to_string_pretty(&report.json()).expect("plain JSON");
+        text.push('\n');
+        crate::report::emit(&text)
     } else {
-        print!("{}", report.table());
+        crate::report::emit(&report.table())
     }
-    Ok(())
 }
 
 fn arrangement_text(plan: &Plan) -> String {

@@ -153,8 +153,9 @@ pub fn watch_stdin() {
             let Ok(line) = line else { break };
             if line.trim() == "rss" {
                 let kib = crate::idle::rss().map_or(0, |r| r.total_kib);
-                println!("rss {kib}");
-                let _ = std::io::stdout().flush();
+                // The client reads this; if it is gone, stdin closes next and we exit.
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(out, "rss {kib}").and_then(|_| out.flush());
             }
         }
         std::process::exit(0);
