@@ -330,10 +330,7 @@ impl Channel {
                 ticket,
                 reply: self.own.clone(),
             },
-            || Error::Closed {
-                reason: "side connection already stopped".into(),
-                origin: Origin::default(),
-            },
+            lane_gone,
         );
     }
 
@@ -352,10 +349,7 @@ impl Channel {
                 payloads: Vec::new(),
                 reply: self.own.clone(),
             },
-            || Error::Closed {
-                reason: "side connection already stopped".into(),
-                origin: Origin::default(),
-            },
+            lane_gone,
         );
     }
 
@@ -395,10 +389,7 @@ impl Channel {
                 chunk_size,
                 reply: self.own.clone(),
             },
-            || Error::Closed {
-                reason: "side connection already stopped".into(),
-                origin: Origin::default(),
-            },
+            lane_gone,
         );
     }
 
@@ -457,10 +448,7 @@ impl Channel {
                         offset: 0,
                         reply: self.own.clone(),
                     },
-                    || Error::Closed {
-                        reason: "side connection already stopped".into(),
-                        origin: Origin::default(),
-                    },
+                    lane_gone,
                 );
             }
             Err(e) => self.to_pipe(Done::Tensor {
@@ -781,6 +769,14 @@ impl Handler<StopChannel> for Channel {
             self.fail_held(e);
         }
         self.maybe_stop(ctx);
+    }
+}
+
+/// The error for an operation submitted to a lane whose loops are gone.
+fn lane_gone() -> Error {
+    Error::Closed {
+        reason: "the channel's connection already stopped".into(),
+        origin: Origin::default(),
     }
 }
 

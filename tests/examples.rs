@@ -1,20 +1,10 @@
 //! Every example runs, so none can rot. (The echo_peer example is run by tests/processes.rs.)
 
-use std::path::PathBuf;
+mod common;
+
+use common::example;
 use std::process::Command;
 use std::time::Duration;
-
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
-    let path = dir.join("examples").join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: run the tests with `cargo test`, which builds the examples",
-        path.display()
-    );
-    path
-}
 
 /// Runs an example to completion (bounded) and returns its standard output.
 fn run(name: &str) -> String {

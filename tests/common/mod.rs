@@ -455,3 +455,17 @@ pub async fn settled_fds(quiet: Duration, max: Duration) -> usize {
     }
     last
 }
+
+/// The path of an example binary: next to the test binary's folder (`cargo test` builds the
+/// examples).
+pub fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+    let path = dir.join("examples").join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run the tests with `cargo test`, which builds the examples",
+        path.display()
+    );
+    path
+}
