@@ -12,6 +12,7 @@ use tokio::io::BufReader;
 use tokio::sync::{mpsc, watch};
 
 use crate::error::{Error, Origin};
+use crate::transport::liveness::Heartbeat;
 use crate::transport::stream::{read_loop, write_loop, Farewell, InOp, OutOp};
 use crate::transport::{BoxRead, BoxWrite};
 use crate::wire::Limits;
@@ -62,12 +63,19 @@ impl Connection {
         write: BoxWrite,
         limits: Limits,
         origin: Origin,
+        heartbeat: Option<Heartbeat>,
     ) -> (actix::Addr<Connection>, Link) {
         let (out_tx, out_rx) = mpsc::unbounded_channel();
         let (in_tx, in_rx) = mpsc::unbounded_channel();
         let (stop_tx, stop_rx) = watch::channel(None);
-        actix::spawn(write_loop(write, out_rx, stop_rx.clone(), origin.clone()));
-        actix::spawn(read_loop(read, in_rx, stop_rx, limits, origin));
+        actix::spawn(write_loop(
+            write,
+            out_rx,
+            stop_rx.clone(),
+            origin.clone(),
+            heartbeat,
+        ));
+        actix::spawn(read_loop(read, in_rx, stop_rx, limits, origin, heartbeat));
         let addr = Connection { stop: stop_tx }.start();
         (
             addr,

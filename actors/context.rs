@@ -16,6 +16,7 @@ use crate::channel::ChannelBackend;
 use crate::error::Error;
 use crate::handshake::{self, Halves};
 use crate::negotiate::{Brochure, Offer, Purpose};
+use crate::transport::liveness::Heartbeat;
 use crate::transport::shm::Shm;
 use crate::transport::tcp::Tcp;
 use crate::transport::{scheme, Acceptor, Transport};
@@ -30,6 +31,7 @@ pub struct Config {
     pub(crate) cma_threads: usize,
     pub(crate) metrics_addr: Option<std::net::SocketAddr>,
     pub(crate) secret: Option<Arc<[u8]>>,
+    pub(crate) heartbeat: Option<Heartbeat>,
     pub(crate) transports: Vec<(Arc<dyn Transport>, i32)>,
     pub(crate) channels: Vec<(Arc<dyn ChannelBackend>, i32)>,
 }
@@ -133,6 +135,7 @@ impl Default for ContextBuilder {
                 cma_threads: 2,
                 metrics_addr: None,
                 secret: None,
+                heartbeat: Some(Heartbeat::default()),
                 transports: Vec::new(),
                 channels: Vec::new(),
             },
@@ -187,9 +190,20 @@ impl ContextBuilder {
         self
     }
 
-    /// How silent peers are found out on TCP connections (control and lanes): probes every
-    /// `interval` while idle, dead after `timeout` without an answer. Defaults: 2 s and 10 s.
-    pub fn keepalive(self, interval: Duration, timeout: Duration) -> Self {
+    /// How a peer that stops without closing (killed, cable pulled, host frozen) is found out,
+    /// on every connection of every pipe (control and lanes, any transport):
+    ///
+    /// - **heartbeats**: a writer with nothing to send sends a 5-byte ping after `interval`
+    ///   (capped at `timeout` / 3); a read that waits `timeout` without receiving a byte fails
+    ///   with [`Error::Timeout`], and with it every pending operation of the pipe, in order.
+    ///   This works with data in flight, and never kills a live peer whose application merely
+    ///   stops reading (see [`liveness`](crate::transport::liveness));
+    /// - **TCP keepalive** with the same figures (whole seconds, at least 1 s), which also
+    ///   cleans up connections whose pipe is not reading.
+    ///
+    /// Defaults: 2 s and 10 s.
+    pub fn keepalive(mut self, interval: Duration, timeout: Duration) -> Self {
+        self.config.heartbeat = Some(Heartbeat::new(interval, timeout));
         self.tcp(Some(crate::transport::tcp::Keepalive {
             interval,
             timeout,
@@ -197,14 +211,17 @@ impl ContextBuilder {
         }))
     }
 
-    /// The whole TCP liveness policy, including the abort of connections whose data stays
-    /// unacknowledged (see [`Keepalive`](crate::transport::tcp::Keepalive) for the catch).
+    /// The kernel's side of TCP liveness alone, including the abort of connections whose data
+    /// stays unacknowledged (see [`Keepalive`](crate::transport::tcp::Keepalive) for the catch).
+    /// Heartbeats are left as they are.
     pub fn tcp_keepalive(self, k: crate::transport::tcp::Keepalive) -> Self {
         self.tcp(Some(k))
     }
 
-    /// Turns TCP keepalive off (the kernel's defaults apply: hours).
-    pub fn no_keepalive(self) -> Self {
+    /// Turns heartbeats and TCP keepalive off: a peer that vanishes without closing is then
+    /// found out only by the kernel (hours), or by per-operation deadlines.
+    pub fn no_keepalive(mut self) -> Self {
+        self.config.heartbeat = None;
         self.tcp(None)
     }
 

@@ -221,8 +221,13 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         closed: false,
         fallbacks: 0,
     };
-    let (conn, link) =
-        Connection::start(control.read, control.write, config.limits, origin.clone());
+    let (conn, link) = Connection::start(
+        control.read,
+        control.write,
+        config.limits,
+        origin.clone(),
+        config.heartbeat,
+    );
     let (reply, completions) = mpsc::unbounded_channel();
     let fallbacks = Arc::new(AtomicU64::new(0));
     let chunk_size = config.chunk_size;
@@ -245,7 +250,15 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
             kinds.push(kind);
             let lanes = lanes
                 .into_iter()
-                .map(|h| Connection::start(h.read, h.write, config.limits, origin.clone()))
+                .map(|h| {
+                    Connection::start(
+                        h.read,
+                        h.write,
+                        config.limits,
+                        origin.clone(),
+                        config.heartbeat,
+                    )
+                })
                 .collect();
             Channel::new(
                 kind,

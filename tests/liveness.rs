@@ -108,3 +108,60 @@ async fn a_met_deadline_is_harmless() {
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(!tx.send(GetInfo).await.unwrap().closed);
 }
+
+/// Short heartbeats, so that the tests below run many timeouts' worth of silence.
+fn beating(b: ContextBuilder) -> ContextBuilder {
+    b.keepalive(Duration::from_millis(100), Duration::from_millis(400))
+}
+
+/// Every transport and channel two contexts of one process can pick.
+fn heartbeat_backends() -> [(&'static str, fn() -> ContextBuilder); 5] {
+    [
+        ("tcp+basic", tcp_basic),
+        ("shm+basic", || Context::builder().only_channels(&["basic"])),
+        ("tcp+mpt", || {
+            Context::builder()
+                .without("shm")
+                .only_channels(&["mpt", "basic"])
+                .lanes(2)
+        }),
+        ("shm+cma", || {
+            Context::builder().only_channels(&["cma", "basic"])
+        }),
+        ("default (xth)", Context::builder),
+    ]
+}
+
+/// An idle pipe stays open through many heartbeat timeouts (the pings keep it alive), and a
+/// receiver whose application stops reading, with megabytes stuck in flight, is not declared
+/// dead either: only a wait for bytes counts as silence.
+#[actix::test]
+async fn heartbeats_keep_idle_and_stalled_pipes_alive() {
+    const SIZE: usize = 16 << 20;
+    for (name, b) in heartbeat_backends() {
+        let (tx, rx, _s) = pair(beating(b()), beating(b())).await;
+        // Idle: 3 timeouts without a message either way.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        assert!(!tx.send(GetInfo).await.unwrap().closed, "{name}: idle pipe");
+        assert!(!rx.send(GetInfo).await.unwrap().closed, "{name}: idle pipe");
+        // Stalled: more than the socket buffers can hold, and nobody reads for 3 timeouts.
+        let (done_to, mut done) = inbox::<WriteDone>();
+        for i in 0..4 {
+            tx.do_send(Write::new(checked_message(i, &[16], &[SIZE])).notify(done_to.clone()));
+        }
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        for i in 0..4 {
+            let m = within(20, "read after the stall", read_one(&rx))
+                .await
+                .unwrap_or_else(|e| panic!("{name}: read {i} after the stall: {e}"));
+            assert_eq!(verify(&m), i, "{name}");
+        }
+        for i in 0..4 {
+            let d = within(20, "write", done.recv()).await.unwrap();
+            assert_eq!(d.id, i);
+            d.result
+                .unwrap_or_else(|e| panic!("{name}: write {i} after the stall: {e}"));
+        }
+        assert!(!tx.send(GetInfo).await.unwrap().closed, "{name}");
+    }
+}

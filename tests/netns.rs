@@ -9,12 +9,11 @@
 //!   over a basic pipe and an mpt pipe at once, come back intact (checksums) and in order.
 //! - `netns_link_cut_is_detected_by_keepalive_or_skip`: the link is cut (`ip link set down` in
 //!   A) while the client has reads pending and writes in flight. Two busy pipes (basic, mpt)
-//!   use the keepalive with an unacknowledged-data timeout, an idle pipe the plain
-//!   `keepalive(1 s, 3 s)`; every pending operation of the three must fail, in order, with a
-//!   timeout or peer-lost error, within the 3 s timeout plus [`DETECTION_SLACK`]. A fourth busy
-//!   pipe with the plain keepalive shows what that setting alone does with data in flight (the
-//!   kernel retransmits for minutes): the test reports it, then aborts it with `Close`, which
-//!   must complete its pending operations at once. Detection times are printed.
+//!   use the keepalive plus an unacknowledged-data timeout (`TCP_USER_TIMEOUT`), a third busy
+//!   one and an idle one the plain `keepalive(1 s, 3 s)`, whose heartbeats must find the cut
+//!   with data in flight too; every pending operation of the four must fail, in order, with a
+//!   timeout or peer-lost error, within the 3 s timeout plus [`DETECTION_SLACK`]. Detection
+//!   times are printed.
 //!
 //! Namespaces need root (CAP_SYS_ADMIN) and iproute2. Where they cannot be made, each test
 //! prints `skipped: <test>: <reason>` straight to stderr (past the harness's capture, so CI logs
@@ -666,7 +665,7 @@ fn netns_link_cut_is_detected_by_keepalive_or_skip() {
     // pipes had writes in flight.
     let bound = KEEPALIVE_TIMEOUT + DETECTION_SLACK;
     let mut summary = Vec::new();
-    for pipe in ["basic", "mpt", "idle"] {
+    for pipe in ["basic", "mpt", "idle", "stuck"] {
         let fails: Vec<_> = events
             .iter()
             .filter(|(_, l)| l.starts_with(&format!("fail {pipe} ")))
@@ -704,37 +703,13 @@ fn netns_link_cut_is_detected_by_keepalive_or_skip() {
             fails[0].1.split_whitespace().nth(4).unwrap_or("")
         ));
     }
-    // The busy pipe with the plain keepalive: detected, or aborted by the Close, which must
-    // complete its pending operations at once.
-    let at = |what: &str| events.iter().find(|(_, l)| l == what).map(|(t, _)| *t);
-    let stuck: Vec<_> = events
-        .iter()
-        .filter(|(_, l)| l.starts_with("fail stuck "))
-        .collect();
+    // The busy pipe with the plain keepalive was found out by its heartbeats, before the test
+    // would have given up on it.
     assert!(
-        !stuck.is_empty(),
-        "the stuck pipe saw no failure:\n{}",
+        !events.iter().any(|(_, l)| l == "closing stuck"),
+        "the busy pipe with the plain keepalive was not detected:\n{}",
         log(&events)
     );
-    let stuck_report = match at("closing stuck") {
-        None => format!("detected after {:.2} s", stuck[0].0.as_secs_f64()),
-        Some(closing) => {
-            let last = stuck.last().unwrap().0;
-            assert!(
-                last.saturating_sub(closing) <= Duration::from_secs(2),
-                "aborting the stuck pipe took {:?}:\n{}",
-                last.saturating_sub(closing),
-                log(&events)
-            );
-            format!(
-                "not detected within {:.1} s (no unacked timeout), its Close completed {} \
-                 pending ops in {:?}",
-                closing.as_secs_f64(),
-                stuck.len(),
-                last.saturating_sub(closing)
-            )
-        }
-    };
     // The server's side, for the report: its link is down, so it finds out by itself too.
     std::thread::sleep(Duration::from_millis(200));
     let server_closed: Vec<String> = server
@@ -751,9 +726,8 @@ fn netns_link_cut_is_detected_by_keepalive_or_skip() {
         .collect();
     tell_ci(&format!(
         "{NAME}: keepalive {KEEPALIVE_INTERVAL:?}/{KEEPALIVE_TIMEOUT:?}, link cut in {:?} with \
-         {}; client pipes failed after: {}; busy pipe with the plain keepalive: {stuck_report}; \
-         server pipes closed after: {server_closed:?} (of 4; the others have unacknowledged \
-         data and the plain keepalive)",
+         {}; client pipes failed after: {} (stuck: the plain keepalive with data in flight); \
+         server pipes closed after: {server_closed:?} (of 4)",
         cut - cut_start,
         hosts.impairment,
         summary.join(", ")

@@ -1,5 +1,6 @@
 //! Peer death: the peer process is killed with SIGKILL in the middle of large transfers both
-//! ways, on every transport and channel two processes can negotiate. The surviving side's
+//! ways, on every transport and channel two processes can negotiate, or frozen with SIGSTOP (a
+//! hung host: nothing is closed, only heartbeats can tell). The surviving side's
 //! pending operations must all complete, with an error, in order, with their buffers, within a
 //! bound; nothing may hang or panic, and no descriptor, memfd or mapping may be left behind.
 //!
@@ -21,7 +22,8 @@ use actix::Addr;
 use actorpipe::*;
 use common::*;
 
-/// Selects the child mode: `<backend> listen` or `<backend> dial <url>`.
+/// Selects the child mode: `<backend> <kill|freeze> listen` or `<backend> <kill|freeze> dial
+/// <url>`.
 const CHILD_ENV: &str = "ACTORPIPE_PEER_DEATH_CHILD";
 /// Starts the child's lines on stdout (the harness prints its own lines around them).
 const CHILD_TAG: &str = "peer-death-child:";
@@ -33,6 +35,39 @@ const SIZE: usize = 16 << 20;
 const IN_FLIGHT: u64 = 6;
 /// Every pending operation must complete within this long after the kill.
 const BOUND: Duration = Duration::from_secs(5);
+/// The keepalive of both sides when the peer is frozen (SIGSTOP) instead: nothing closes, only
+/// the silence gives it away.
+const FROZEN_INTERVAL: Duration = Duration::from_millis(250);
+const FROZEN_TIMEOUT: Duration = Duration::from_secs(2);
+/// The issue's bound: every pending operation fails within 1 s after the keepalive timeout.
+const FROZEN_BOUND: Duration = Duration::from_secs(3);
+/// Trials per backend with a frozen peer: each waits out the timeout.
+const FROZEN_TRIALS: u32 = 2;
+
+/// How the peer dies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Death {
+    /// SIGKILL: its kernel closes everything.
+    Kill,
+    /// SIGSTOP: a frozen host, as far as the survivor can tell (it is killed afterwards).
+    Freeze,
+}
+
+impl Death {
+    fn builder(self, b: &Backend) -> ContextBuilder {
+        match self {
+            Death::Kill => (b.builder)(),
+            Death::Freeze => (b.builder)().keepalive(FROZEN_INTERVAL, FROZEN_TIMEOUT),
+        }
+    }
+
+    fn bound(self) -> Duration {
+        match self {
+            Death::Kill => BOUND,
+            Death::Freeze => FROZEN_BOUND,
+        }
+    }
+}
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -107,17 +142,22 @@ fn child_process() {
     die_with_parent();
     let words: Vec<String> = spec.split_whitespace().map(String::from).collect();
     let b = backend(&words[0]);
+    let death = if words[1] == "freeze" {
+        Death::Freeze
+    } else {
+        Death::Kill
+    };
     actix::System::new().block_on(async move {
-        let (pipe, _server) = match words[1].as_str() {
+        let (pipe, _server) = match words[2].as_str() {
             "listen" => {
-                let mut server = Server::start((b.builder)(), "tcp://127.0.0.1:0").await;
+                let mut server = Server::start(death.builder(b), "tcp://127.0.0.1:0").await;
                 tell_parent(&format!("{CHILD_TAG} url {}", server.url));
                 (server.next().await, Some(server))
             }
             "dial" => {
-                let ctx = (b.builder)().start();
+                let ctx = death.builder(b).start();
                 let pipe = ctx
-                    .send(Connect::new(&words[2]))
+                    .send(Connect::new(&words[3]))
                     .await
                     .unwrap()
                     .expect("the child dials the survivor");
@@ -137,9 +177,13 @@ struct Peer {
 }
 
 impl Peer {
-    fn start(b: &Backend, mode: &str) -> Peer {
+    fn start(b: &Backend, death: Death, mode: &str) -> Peer {
         let mut cmd = reexec("child_process");
-        cmd.env(CHILD_ENV, format!("{} {mode}", b.name));
+        let how = match death {
+            Death::Kill => "kill",
+            Death::Freeze => "freeze",
+        };
+        cmd.env(CHILD_ENV, format!("{} {how} {mode}", b.name));
         Peer {
             process: ChildProcess::spawn(cmd),
         }
@@ -185,16 +229,16 @@ fn allocation() -> Allocation {
 }
 
 /// Opens a pipe to a fresh child (the child listens, or dials us when `dial` is set).
-async fn open(b: &Backend, dial: bool) -> (Peer, Addr<Pipe>, Option<Server>) {
+async fn open(b: &Backend, death: Death, dial: bool) -> (Peer, Addr<Pipe>, Option<Server>) {
     if dial {
-        let mut server = Server::start((b.builder)(), "tcp://127.0.0.1:0").await;
-        let peer = Peer::start(b, &format!("dial {}", server.url));
+        let mut server = Server::start(death.builder(b), "tcp://127.0.0.1:0").await;
+        let peer = Peer::start(b, death, &format!("dial {}", server.url));
         let pipe = server.next().await;
         (peer, pipe, Some(server))
     } else {
-        let mut peer = Peer::start(b, "listen");
+        let mut peer = Peer::start(b, death, "listen");
         let url = peer.url();
-        let ctx = (b.builder)().start();
+        let ctx = death.builder(b).start();
         let pipe = within(10, "connect", ctx.send(Connect::new(&url)))
             .await
             .unwrap()
@@ -203,8 +247,8 @@ async fn open(b: &Backend, dial: bool) -> (Peer, Addr<Pipe>, Option<Server>) {
     }
 }
 
-async fn trial(b: &Backend, t: u32) -> Trial {
-    let (mut peer, pipe, server) = open(b, t % 2 == 1).await;
+async fn trial(b: &Backend, death: Death, t: u32) -> Trial {
+    let (mut peer, pipe, server) = open(b, death, t % 2 == 1).await;
     let info = pipe.send(GetInfo).await.unwrap();
     assert_eq!(
         info.transport, b.transport,
@@ -250,11 +294,19 @@ async fn trial(b: &Backend, t: u32) -> Trial {
     assert_eq!(verify(&first.message), 1);
     tokio::time::sleep(Duration::from_millis(t as u64 % 4 * 4)).await;
     report.peak = Some(fd_count());
-    peer.process.kill();
+    match death {
+        Death::Kill => peer.process.kill(),
+        Death::Freeze => {
+            // SAFETY: kill(2) with a pid of our own child process, which has not been reaped.
+            let r = unsafe { libc::kill(peer.process.id() as libc::pid_t, libc::SIGSTOP) };
+            assert_eq!(r, 0, "SIGSTOP: {}", std::io::Error::last_os_error());
+        }
+    }
     let killed = Instant::now();
+    let bound = death.bound();
 
     within(
-        BOUND.as_secs() + 10,
+        bound.as_secs() + 10,
         "pending operations after the kill",
         async {
             let mut history = Vec::new();
@@ -328,8 +380,8 @@ async fn trial(b: &Backend, t: u32) -> Trial {
     )
     .await;
     assert!(
-        report.last_completion <= BOUND,
-        "{}: the last pending operation completed {:?} after the kill (bound {BOUND:?})",
+        report.last_completion <= bound,
+        "{}: the last pending operation completed {:?} after the {death:?} (bound {bound:?})",
         b.name,
         report.last_completion
     );
@@ -354,27 +406,34 @@ async fn trial(b: &Backend, t: u32) -> Trial {
     if let Some(s) = server {
         s.listener.send(StopListening).await.unwrap();
     }
+    if death == Death::Freeze {
+        // Only now that the survivor gave up: a stopped process dies of SIGKILL too.
+        peer.process.kill();
+    }
     report
 }
 
 /// Every trial of one backend, then the descriptor check, on a system of its own that exists
 /// only while this test holds the lock (a runtime has descriptors too).
-fn survive(name: &str) {
+fn survive(name: &str, death: Death) {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    actix::System::new().block_on(trials(name));
+    actix::System::new().block_on(trials(name, death));
 }
 
-async fn trials(name: &str) {
+async fn trials(name: &str, death: Death) {
     let b = backend(name);
     let started = Instant::now();
     let baseline = fd_count();
     let n = std::env::var("ACTORPIPE_PEER_DEATH_TRIALS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(TRIALS);
+        .unwrap_or(match death {
+            Death::Kill => TRIALS,
+            Death::Freeze => FROZEN_TRIALS,
+        });
     let mut trials = Vec::new();
     for t in 0..n {
-        trials.push(trial(b, t).await);
+        trials.push(trial(b, death, t).await);
     }
     let wind_down = match fds_back_to(&baseline, Duration::from_secs(6)).await {
         Ok(d) => d,
@@ -396,7 +455,7 @@ async fn trials(name: &str) {
         .max_by_key(|p| p.all)
         .unwrap();
     eprintln!(
-        "{name}: {n} kills, writes failed {:?}, reads failed {:?}, last completion <= \
+        "{name}: {n} {death:?} trials, writes failed {:?}, reads failed {:?}, last completion <= \
          {worst:?} after the kill, Closed after {:?}, classes {classes:?}, fds {peak:?} before \
          a kill, back to {baseline:?} in {wind_down:?}, {:?} in all",
         trials.iter().map(|t| t.writes_failed).collect::<Vec<_>>(),
@@ -408,25 +467,42 @@ async fn trials(name: &str) {
 
 #[test]
 fn peer_killed_mid_transfer_tcp_basic() {
-    survive("tcp_basic")
+    survive("tcp_basic", Death::Kill)
 }
 
 #[test]
 fn peer_killed_mid_transfer_shm_basic() {
-    survive("shm_basic")
+    survive("shm_basic", Death::Kill)
 }
 
 #[test]
 fn peer_killed_mid_transfer_tcp_cma() {
-    survive("tcp_cma")
+    survive("tcp_cma", Death::Kill)
 }
 
 #[test]
 fn peer_killed_mid_transfer_tcp_mpt() {
-    survive("tcp_mpt")
+    survive("tcp_mpt", Death::Kill)
 }
 
 #[test]
 fn peer_killed_mid_transfer_default_shm_cma() {
-    survive("default")
+    survive("default", Death::Kill)
+}
+
+// A frozen peer (SIGSTOP: a hung host, as seen from here) closes nothing; the heartbeats find it.
+
+#[test]
+fn peer_frozen_mid_transfer_tcp_basic() {
+    survive("tcp_basic", Death::Freeze)
+}
+
+#[test]
+fn peer_frozen_mid_transfer_tcp_mpt() {
+    survive("tcp_mpt", Death::Freeze)
+}
+
+#[test]
+fn peer_frozen_mid_transfer_default_shm_cma() {
+    survive("default", Death::Freeze)
 }

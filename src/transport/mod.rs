@@ -7,6 +7,7 @@
 //! (epoll on sockets, eventfd through `AsyncFd` for shared memory); no transport runs a busy
 //! thread unless asked to.
 
+pub mod liveness;
 pub mod shm;
 pub mod stream;
 pub mod tcp;

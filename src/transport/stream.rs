@@ -17,10 +17,14 @@
 
 use std::collections::VecDeque;
 use std::io::IoSlice;
+use std::pin::Pin;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::sync::{mpsc, watch};
+use tokio::time::Sleep;
 
+use super::liveness::{silence, Heartbeat, Pulse, Stamped};
 use super::{BoxRead, BoxWrite};
 use crate::error::{Error, Origin};
 use crate::message::Payload;
@@ -528,18 +532,82 @@ async fn write_op(w: &mut BoxWrite, op: &OutOp, scratch: &mut Vec<u8>) -> std::i
     }
 }
 
-/// Runs a connection's write side until every sender is gone.
+/// What an idle writer does: nothing, or a ping after each `interval` of silence.
+enum Idle {
+    /// The write loop waits for the next operation.
+    Op(Option<OutOp>),
+    /// The heartbeat is due; the failure if it could not be sent.
+    Ping(Result<(), Error>),
+}
+
+/// Waits for the next operation in ticket order, sending pings while none comes.
+async fn next_write(
+    seq: &mut Sequencer<OutOp>,
+    rx: &mut mpsc::UnboundedReceiver<OutOp>,
+    stop: &mut Stop,
+    halted: &mut bool,
+    beat: Option<(&Heartbeat, Pin<&mut Sleep>, &mut Instant)>,
+    w: &mut BoxWrite,
+    origin: &Origin,
+) -> Idle {
+    let Some((hb, mut alarm, last_write)) = beat else {
+        return Idle::Op(next_op(seq, rx, stop, halted).await);
+    };
+    loop {
+        tokio::select! {
+            biased;
+            op = next_op(seq, rx, stop, halted) => return Idle::Op(op),
+            () = alarm.as_mut() => {}
+        }
+        if Instant::now() >= *last_write + hb.interval {
+            let sent = tokio::select! {
+                biased;
+                _ = stopped(stop) => Err(cancelled(origin)),
+                r = w.write_all(&wire::PING_FRAME) => r.map_err(|e| io_error("writing", e, origin)),
+            };
+            if sent.is_err() {
+                return Idle::Ping(sent);
+            }
+            *last_write = Instant::now();
+        }
+        alarm.as_mut().reset((*last_write + hb.interval).into());
+    }
+}
+
+/// Runs a connection's write side until every sender is gone. With a `heartbeat`, an idle
+/// writer sends a ping after each `interval` without writing.
 pub async fn write_loop(
     mut w: BoxWrite,
     mut rx: mpsc::UnboundedReceiver<OutOp>,
     mut stop: Stop,
     origin: Origin,
+    heartbeat: Option<Heartbeat>,
 ) {
     let mut seq = Sequencer::default();
     let mut scratch = Vec::with_capacity(64);
     let mut halted = false;
+    let mut alarm = std::pin::pin!(tokio::time::sleep(
+        heartbeat.map_or(Duration::ZERO, |h| h.interval)
+    ));
+    let mut last_write = Instant::now();
     let failure = loop {
-        let Some(op) = next_op(&mut seq, &mut rx, &mut stop, &mut halted).await else {
+        let beat = heartbeat
+            .as_ref()
+            .map(|h| (h, alarm.as_mut(), &mut last_write));
+        let next = next_write(
+            &mut seq,
+            &mut rx,
+            &mut stop,
+            &mut halted,
+            beat,
+            &mut w,
+            &origin,
+        );
+        let op = match next.await {
+            Idle::Op(op) => op,
+            Idle::Ping(r) => break r.err().unwrap_or_else(|| cancelled(&origin)),
+        };
+        let Some(op) = op else {
             if !halted {
                 // Every sender is gone: nothing more to write.
                 let _ = w.shutdown().await;
@@ -564,6 +632,7 @@ pub async fn write_loop(
             }
             r = write_op(&mut w, &op, &mut scratch) => r,
         };
+        last_write = Instant::now();
         match result {
             Ok(()) => op.complete(Ok(())),
             Err(e) => {
@@ -631,15 +700,20 @@ pub async fn read_frame_bytes<R: AsyncRead + Unpin + ?Sized>(
     Ok(())
 }
 
-/// Reads and decodes one frame.
+/// Reads and decodes one frame, skipping heartbeats.
 pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(
     r: &mut R,
     buf: &mut Vec<u8>,
     limits: &Limits,
     origin: &Origin,
 ) -> Result<Frame, Error> {
-    read_frame_bytes(r, buf, limits, origin).await?;
-    let frame = wire::decode_frame(buf, limits).map_err(|e| e.at(origin));
+    let frame = loop {
+        read_frame_bytes(r, buf, limits, origin).await?;
+        match wire::decode_frame(buf, limits) {
+            Ok(Frame::Ping) => continue,
+            f => break f.map_err(|e| e.at(origin)),
+        }
+    };
     if buf.capacity() > 4 * READ_BUFFER {
         // One large frame should not pin its buffer for the life of the pipe.
         buf.clear();
@@ -739,17 +813,30 @@ async fn read_op(
     }
 }
 
-/// Runs a connection's read side until every sender is gone.
+/// Runs a connection's read side until every sender is gone. With a `heartbeat`, a read that
+/// waits `timeout` without receiving a byte fails with [`Error::Timeout`].
 pub async fn read_loop(
     mut r: BufReader<BoxRead>,
     mut rx: mpsc::UnboundedReceiver<InOp>,
     mut stop: Stop,
     limits: Limits,
     origin: Origin,
+    heartbeat: Option<Heartbeat>,
 ) {
     let mut seq = Sequencer::default();
     let mut buf = Vec::with_capacity(256);
     let mut halted = false;
+    let pulse = Pulse::new();
+    if heartbeat.is_some() {
+        // Count every byte the stream delivers from now on as a sign of life (bytes already
+        // buffered by the handshake are not, but they were received just now anyway).
+        let inner = std::mem::replace(r.get_mut(), Box::new(tokio::io::empty()));
+        *r.get_mut() = Box::new(Stamped::new(inner, pulse.clone()));
+    }
+    let timeout = heartbeat.map_or(Duration::MAX, |h| h.timeout);
+    let mut alarm = std::pin::pin!(tokio::time::sleep(
+        timeout.min(Duration::from_secs(1 << 30))
+    ));
     let failure = loop {
         let Some(mut op) = next_op(&mut seq, &mut rx, &mut stop, &mut halted).await else {
             if !halted {
@@ -757,6 +844,8 @@ pub async fn read_loop(
             }
             break cancelled(&origin);
         };
+        // Silence counts from the start of a wait, not from the last message.
+        pulse.beat();
         let result = tokio::select! {
             biased;
             _ = stopped(&mut stop) => {
@@ -764,6 +853,13 @@ pub async fn read_loop(
                 break cancelled(&origin);
             }
             r = read_op(&mut r, &mut op, &mut buf, &limits, &origin) => r,
+            () = silence(alarm.as_mut(), &pulse, timeout), if heartbeat.is_some() => {
+                Err(Error::Timeout {
+                    what: "waiting for the peer (no heartbeat or data)",
+                    after: timeout,
+                    origin: origin.clone(),
+                })
+            }
         };
         match (result, op) {
             (Ok(Some(frame)), InOp::Frame { ticket, reply }) => send(

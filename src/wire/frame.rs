@@ -27,7 +27,12 @@ pub enum FrameKind {
     Join = 7,
     /// A channel's receiver tells the sender a tensor is done (or must be resent another way).
     Ack = 8,
+    /// A heartbeat: the sender is alive (sent by an idle writer; skipped by every reader).
+    Ping = 9,
 }
+
+/// A whole heartbeat frame: length prefix 1, kind [`FrameKind::Ping`], no body.
+pub const PING_FRAME: [u8; LEN_PREFIX + 1] = [1, 0, 0, 0, FrameKind::Ping as u8];
 
 impl FrameKind {
     fn from_byte(b: u8) -> Option<Self> {
@@ -40,6 +45,7 @@ impl FrameKind {
             6 => FrameKind::Close,
             7 => FrameKind::Join,
             8 => FrameKind::Ack,
+            9 => FrameKind::Ping,
             _ => return None,
         })
     }
@@ -64,6 +70,8 @@ pub enum Frame {
     Join(Join),
     /// A channel acknowledgement.
     Ack(Ack),
+    /// A heartbeat.
+    Ping,
 }
 
 impl Frame {
@@ -78,6 +86,7 @@ impl Frame {
             Frame::Close(_) => FrameKind::Close,
             Frame::Join(_) => FrameKind::Join,
             Frame::Ack(_) => FrameKind::Ack,
+            Frame::Ping => FrameKind::Ping,
         }
     }
 }
@@ -142,6 +151,13 @@ pub fn decode_frame(bytes: &[u8], limits: &Limits) -> Result<Frame, WireError> {
         FrameKind::Close => Frame::Close(serde_body(body, "close")?),
         FrameKind::Join => Frame::Join(serde_body(body, "join")?),
         FrameKind::Ack => Frame::Ack(decode_ack(body)?),
+        FrameKind::Ping if body.is_empty() => Frame::Ping,
+        FrameKind::Ping => {
+            return Err(WireError::Malformed(format!(
+                "malformed ping frame: {} unexpected bytes",
+                body.len()
+            )))
+        }
     })
 }
 
@@ -174,6 +190,13 @@ mod tests {
         encode_serde(&mut buf, FrameKind::Close, &bye);
         assert_eq!(round_trip(&buf), Frame::Close(bye));
         assert_eq!(round_trip(&buf).kind(), FrameKind::Close);
+    }
+
+    #[test]
+    fn ping_is_five_bytes_with_no_body() {
+        assert_eq!(round_trip(&PING_FRAME), Frame::Ping);
+        assert_eq!(Frame::Ping.kind(), FrameKind::Ping);
+        assert!(decode_frame(&[9, 0], &Limits::default()).is_err());
     }
 
     #[test]

@@ -23,7 +23,7 @@ pub use descriptor::{
     decode_ack, decode_chunk, decode_descriptor, encode_ack, encode_chunk, encode_descriptor, Ack,
     ChannelData, ChunkHeader, WireDescriptor,
 };
-pub use frame::{decode_frame, encode_frame, encode_serde, Farewell, Frame, FrameKind};
+pub use frame::{decode_frame, encode_frame, encode_serde, Farewell, Frame, FrameKind, PING_FRAME};
 
 use crate::error::{Error, Origin};
 
