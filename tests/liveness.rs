@@ -115,7 +115,9 @@ fn beating(b: ContextBuilder) -> ContextBuilder {
 }
 
 /// Every transport and channel two contexts of one process can pick.
-fn heartbeat_backends() -> [(&'static str, fn() -> ContextBuilder); 5] {
+type Named = (&'static str, fn() -> ContextBuilder);
+
+fn heartbeat_backends() -> [Named; 5] {
     [
         ("tcp+basic", tcp_basic),
         ("shm+basic", || Context::builder().only_channels(&["basic"])),
