@@ -4,14 +4,11 @@
 //! - as a byte stream: `read_frame` over an in-memory reader, frame after frame until it fails;
 //!
 //! each under the default limits and under tight ones. Nothing may panic, and no single
-//! allocation made while decoding may exceed the limits' `max_frame_size` plus [`SLACK`]: a
-//! counting global allocator records the largest block requested, and the target asserts on it
-//! after each call (an allocator must not panic itself).
-//!
-//! Known finding: serde-decoded frames (hello, choice, join, …) make serde reserve up to 1 MiB
-//! for a sequence from its announced count, whatever the frame's size, so under the tight
-//! limits a 7-byte hello crashes this target at once. Set `ACTORPIPE_FUZZ_SERDE_SLACK=1` to
-//! allow that 1 MiB and keep fuzzing for other bugs until it is fixed. See README.md.
+//! allocation made while decoding may exceed the limits' `max_frame_size` plus [`SLACK`], plus,
+//! for the handshake frames that serde decodes, what serde may reserve for a sequence whose
+//! count fits in the frame (`SERDE_RESERVE_PER_BYTE` per byte of input, at each of the few
+//! nesting levels): a counting global allocator records the largest block requested, and the
+//! target asserts on it after each call (an allocator must not panic itself).
 
 #![no_main]
 
@@ -20,14 +17,14 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use actorpipe::transport::stream::read_frame;
-use actorpipe::wire::{check_frame_len, decode_frame, Limits};
+use actorpipe::wire::{check_frame_len, decode_frame, Limits, SERDE_RESERVE_PER_BYTE};
 use actorpipe::Origin;
 use libfuzzer_sys::fuzz_target;
 
 /// What decoding may allocate beyond the frame size (error messages, small vectors).
 const SLACK: usize = 4096;
-/// serde's cap on preallocating a sequence from its announced length.
-const SERDE_PREALLOC: usize = 1 << 20;
+/// Nesting levels of the handshake frames at which a sequence may be reserved at once.
+const SERDE_LEVELS: usize = 4;
 
 static MEASURING: AtomicBool = AtomicBool::new(false);
 static LARGEST: AtomicUsize = AtomicUsize::new(0);
@@ -73,7 +70,6 @@ static ALLOCATOR: Counting = Counting;
 struct Setup {
     runtime: tokio::runtime::Runtime,
     limit_sets: [Limits; 2],
-    serde_slack: usize,
 }
 
 fn setup() -> &'static Setup {
@@ -93,10 +89,6 @@ fn setup() -> &'static Setup {
                 max_tensor_size: 1 << 20,
             },
         ],
-        serde_slack: match std::env::var("ACTORPIPE_FUZZ_SERDE_SLACK").as_deref() {
-            Ok("1") => SERDE_PREALLOC,
-            _ => 0,
-        },
     })
 }
 
@@ -119,7 +111,8 @@ fn within<T>(what: &str, limits: &Limits, bound: usize, f: impl FnOnce() -> T) -
 fuzz_target!(|data: &[u8]| {
     let s = setup();
     for limits in &s.limit_sets {
-        let bound = limits.max_frame_size as usize + SLACK + s.serde_slack;
+        let serde = SERDE_LEVELS * SERDE_RESERVE_PER_BYTE * data.len();
+        let bound = limits.max_frame_size as usize + SLACK + serde;
 
         // One frame: its announced length is the input's length (saturated: a longer input
         // is over any u32 limit anyway).

@@ -122,7 +122,93 @@ pub fn encode_serde(buf: &mut Vec<u8>, kind: FrameKind, value: &impl serde::Seri
     });
 }
 
+/// Walks the MessagePack value at the start of `body` without decoding it, refusing any
+/// announced length that the bytes left cannot hold: every element of an array or map takes at
+/// least one byte, every string or binary its length. rmp-serde reserves capacity from announced
+/// counts (up to 1 MiB per sequence), so this check, made first, bounds what a serde frame can
+/// make us allocate by its own size.
+fn check_lengths(body: &[u8], what: &str) -> Result<(), WireError> {
+    let bad = |why: String| WireError::Malformed(format!("malformed {what} frame: {why}"));
+    let mut pos = 0usize;
+    // Values still to read; each needs at least one byte.
+    let mut pending: u64 = 1;
+    let take = |pos: &mut usize, n: usize| -> Result<u64, WireError> {
+        let bytes = body
+            .get(*pos..*pos + n)
+            .ok_or_else(|| bad("truncated".into()))?;
+        *pos += n;
+        Ok(bytes.iter().fold(0u64, |v, &b| v << 8 | b as u64))
+    };
+    while pending > 0 {
+        let marker = *body.get(pos).ok_or_else(|| bad("truncated".into()))?;
+        pos += 1;
+        pending -= 1;
+        // (elements announced, bytes announced)
+        let (elements, bytes) = match marker {
+            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
+            0x80..=0x8f => (2 * (marker & 0x0f) as u64, 0),
+            0x90..=0x9f => ((marker & 0x0f) as u64, 0),
+            0xa0..=0xbf => (0, (marker & 0x1f) as u64),
+            0xc1 => return Err(bad("reserved byte 0xc1".into())),
+            0xc4 | 0xd9 => (0, take(&mut pos, 1)?),
+            0xc5 | 0xda => (0, take(&mut pos, 2)?),
+            0xc6 | 0xdb => (0, take(&mut pos, 4)?),
+            0xc7 => (0, take(&mut pos, 1)? + 1),
+            0xc8 => (0, take(&mut pos, 2)? + 1),
+            0xc9 => (0, take(&mut pos, 4)? + 1),
+            0xca | 0xce | 0xd2 => (0, 4),
+            0xcb | 0xcf | 0xd3 => (0, 8),
+            0xcc | 0xd0 => (0, 1),
+            0xcd | 0xd1 => (0, 2),
+            0xd4..=0xd8 => (0, 1 + (1u64 << (marker - 0xd4))),
+            0xdc => (take(&mut pos, 2)?, 0),
+            0xdd => (take(&mut pos, 4)?, 0),
+            0xde => (2 * take(&mut pos, 2)?, 0),
+            0xdf => (2 * take(&mut pos, 4)?, 0),
+        };
+        let left = (body.len() - pos) as u64;
+        if bytes > left {
+            return Err(bad(format!("{bytes} bytes announced, {left} left")));
+        }
+        pos += bytes as usize;
+        pending += elements;
+        if pending > left - bytes {
+            return Err(bad(format!(
+                "{elements} elements announced, {} bytes left",
+                left - bytes
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The most a handshake frame (decoded with serde) reserves per byte of its own length, at each
+/// nesting level: serde reserves a sequence's capacity from its announced count, the decoder
+/// refuses counts larger than the bytes left, so a sequence reserves at most one element per
+/// byte. This is the largest element of any sequence in those frames.
+pub const SERDE_RESERVE_PER_BYTE: usize = {
+    use crate::negotiate::{ChannelChoice, ChannelOffer, DevicePair, Offer};
+    use std::mem::size_of;
+    let sizes = [
+        size_of::<Offer>(),
+        size_of::<ChannelOffer>(),
+        size_of::<ChannelChoice>(),
+        size_of::<DevicePair>(),
+        size_of::<String>(),
+    ];
+    let mut max = 0;
+    let mut i = 0;
+    while i < sizes.len() {
+        if sizes[i] > max {
+            max = sizes[i];
+        }
+        i += 1;
+    }
+    max
+};
+
 fn serde_body<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> Result<T, WireError> {
+    check_lengths(body, what)?;
     let mut rest = body;
     let v = rmp_serde::decode::from_read(&mut rest)
         .map_err(|e| WireError::Malformed(format!("malformed {what} frame: {e}")))?;
@@ -190,6 +276,34 @@ mod tests {
         encode_serde(&mut buf, FrameKind::Close, &bye);
         assert_eq!(round_trip(&buf), Frame::Close(bye));
         assert_eq!(round_trip(&buf).kind(), FrameKind::Close);
+    }
+
+    #[test]
+    fn announced_lengths_must_fit_in_the_frame() {
+        // A hello whose brochure announces 2^32 - 1 transports in 8 bytes.
+        let e = decode_frame(
+            &[1, 0x91, 0x92, 0xdd, 0xff, 0xff, 0xff, 0xff],
+            &Limits::default(),
+        );
+        assert!(
+            matches!(&e, Err(WireError::Malformed(m)) if m.contains("elements announced")),
+            "{e:?}"
+        );
+        // A reject whose reason announces 65 535 bytes.
+        let e = decode_frame(&[3, 0xda, 0xff, 0xff, b'a'], &Limits::default());
+        assert!(
+            matches!(&e, Err(WireError::Malformed(m)) if m.contains("bytes announced")),
+            "{e:?}"
+        );
+        // Every kind of value in a well-formed body passes the walk.
+        let body = [
+            0x9f, 0x01, 0xe0, 0xc0, 0xc3, 0xa1, b'a', 0xc4, 0x01, 0x00, 0xd9, 0x00, 0xcb, 0, 0, 0,
+            0, 0, 0, 0, 0, 0xd4, 0x01, 0x02, 0xc7, 0x01, 0x05, 0x07, 0xdc, 0x00, 0x01, 0x00, 0xde,
+            0x00, 0x00, 0x81, 0x01, 0x02, 0x90, 0xd1, 0x00, 0x00,
+        ];
+        check_lengths(&body, "test").unwrap();
+        assert!(check_lengths(&body[..body.len() - 1], "test").is_err());
+        assert!(check_lengths(&[0xc1], "test").is_err());
     }
 
     #[test]

@@ -23,7 +23,10 @@ pub use descriptor::{
     decode_ack, decode_chunk, decode_descriptor, encode_ack, encode_chunk, encode_descriptor, Ack,
     ChannelData, ChunkHeader, WireDescriptor,
 };
-pub use frame::{decode_frame, encode_frame, encode_serde, Farewell, Frame, FrameKind, PING_FRAME};
+pub use frame::{
+    decode_frame, encode_frame, encode_serde, Farewell, Frame, FrameKind, PING_FRAME,
+    SERDE_RESERVE_PER_BYTE,
+};
 
 use crate::error::{Error, Origin};
 
