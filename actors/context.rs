@@ -122,11 +122,14 @@ impl std::fmt::Debug for Config {
 #[derive(Debug)]
 pub struct ContextBuilder {
     config: Config,
+    /// The settings `lanes` and `lane_addresses` build the mpt channel from.
+    mpt: Mpt,
 }
 
 impl Default for ContextBuilder {
     fn default() -> Self {
         let mut b = ContextBuilder {
+            mpt: Mpt::default(),
             config: Config {
                 limits: Limits::default(),
                 chunk_size: DEFAULT_CHUNK_SIZE,
@@ -235,10 +238,26 @@ impl ContextBuilder {
     }
 
     /// Lanes of the mpt channel, keeping its priority; nothing happens if mpt was removed.
-    pub fn lanes(mut self, n: u32) -> Self {
+    pub fn lanes(self, n: u32) -> Self {
+        self.mpt(|m| m.lanes = n.max(1))
+    }
+
+    /// Local addresses the mpt lanes this side dials leave from, one per NIC: lane `i` binds
+    /// `addresses[i % len]` before connecting, so its traffic goes out through that address's
+    /// interface. Each must be an address of this host, of the peer's address family; a lane
+    /// that cannot bind fails the `Connect` with the reason. Lanes of pipes this side accepts
+    /// are dialed by the peer, from its own lane addresses. Nothing happens if mpt was removed.
+    pub fn lane_addresses(self, addresses: impl IntoIterator<Item = std::net::IpAddr>) -> Self {
+        let sources: Vec<_> = addresses.into_iter().collect();
+        self.mpt(move |m| m.sources = sources)
+    }
+
+    /// Changes the mpt channel's settings, keeping its priority.
+    fn mpt(mut self, change: impl FnOnce(&mut Mpt)) -> Self {
+        change(&mut self.mpt);
         for (c, _) in &mut self.config.channels {
             if c.name() == "mpt" {
-                *c = Arc::new(Mpt { lanes: n.max(1) });
+                *c = Arc::new(self.mpt.clone());
             }
         }
         self
@@ -389,7 +408,19 @@ async fn dial(config: Arc<Config>, url: String) -> Result<PipeParts, Error> {
                     .connect(addr, t)
                     .await?
             }
-            Purpose::Channel { .. } => config.transport(&bootstrap)?.connect(&url, t).await?,
+            Purpose::Channel { channel, lane } => {
+                let transport = config.transport(&bootstrap)?;
+                let name = &choice.channels[channel as usize].name;
+                let source = config
+                    .channels
+                    .iter()
+                    .find(|(c, _)| c.name() == name)
+                    .and_then(|(c, _)| c.lane_source(lane));
+                match source {
+                    Some(ip) => transport.connect_from(&url, t, ip).await?,
+                    None => transport.connect(&url, t).await?,
+                }
+            }
         };
         let h = handshake::join(
             stream,

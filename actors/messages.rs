@@ -356,6 +356,22 @@ pub struct PipeInfo {
     /// Tensors that had to fall back from their channel's fast path (cma reads refused by the
     /// kernel at run time, streamed over the channel's connection instead).
     pub fallbacks: u64,
+    /// The channels' own connections (mpt lanes, the cma side connection), with their
+    /// addresses: which NIC each lane took.
+    pub connections: Vec<LaneInfo>,
+}
+
+/// One connection of a channel, in [`PipeInfo::connections`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaneInfo {
+    /// The channel it belongs to (`mpt`).
+    pub channel: String,
+    /// Its index among the channel's connections.
+    pub lane: u32,
+    /// Our end's address.
+    pub local: String,
+    /// The peer's end's address.
+    pub peer: String,
 }
 
 impl ActixMessage for GetInfo {

@@ -220,6 +220,19 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
             .collect(),
         closed: false,
         fallbacks: 0,
+        connections: choice
+            .channels
+            .iter()
+            .zip(&lanes)
+            .flat_map(|(c, lanes)| {
+                lanes.iter().enumerate().map(|(i, h)| LaneInfo {
+                    channel: c.name.clone(),
+                    lane: i as u32,
+                    local: h.local.clone(),
+                    peer: h.peer.clone(),
+                })
+            })
+            .collect(),
     };
     let (conn, link) = Connection::start(
         control.read,

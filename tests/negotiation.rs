@@ -83,3 +83,71 @@ async fn nothing_in_common_is_refused_with_the_reason() {
         other => panic!("expected Unavailable, got {other:?}"),
     }
 }
+
+fn mpt_only() -> ContextBuilder {
+    Context::builder()
+        .without("shm")
+        .only_channels(&["mpt", "basic"])
+        .lanes(3)
+}
+
+fn ip(s: &str) -> std::net::IpAddr {
+    s.parse().unwrap()
+}
+
+/// mpt lanes leave from the local addresses given, one per NIC, round-robin (loopback has the
+/// whole 127/8, so two "NICs" are 127.0.0.2 and 127.0.0.3); the listener sees them arrive from
+/// there, and data striped across them arrives intact.
+#[actix::test]
+async fn mpt_lanes_leave_from_the_given_local_addresses() {
+    let client = mpt_only().lane_addresses([ip("127.0.0.2"), ip("127.0.0.3")]);
+    let (tx, rx, _s) = pair(client, mpt_only()).await;
+    let mine = tx.send(GetInfo).await.unwrap().connections;
+    let theirs = rx.send(GetInfo).await.unwrap().connections;
+    assert_eq!(mine.len(), 3, "{mine:?}");
+    assert_eq!(theirs.len(), 3, "{theirs:?}");
+    for (i, (m, t)) in mine.iter().zip(&theirs).enumerate() {
+        let nic = ["127.0.0.2", "127.0.0.3"][i % 2];
+        assert_eq!((m.channel.as_str(), m.lane), ("mpt", i as u32));
+        assert!(m.local.starts_with(&format!("tcp://{nic}:")), "{m:?}");
+        assert!(t.peer.starts_with(&format!("tcp://{nic}:")), "{t:?}");
+        assert_eq!(m.local, t.peer);
+    }
+    // The control connection is not a lane: it leaves from wherever routing says.
+    assert!(tx
+        .send(GetInfo)
+        .await
+        .unwrap()
+        .local
+        .starts_with("tcp://127.0.0.1:"));
+    let w = tx.send(Write::new(checked_message(7, &[3], &[3 << 20, 1])));
+    assert_eq!(verify(&read_one(&rx).await.unwrap()), 7);
+    w.await.unwrap().result.unwrap();
+}
+
+/// A lane address that is not this host's, or not of the peer's family, fails the connect with
+/// the reason; nothing is left half open.
+#[actix::test]
+async fn a_lane_address_that_cannot_be_bound_fails_the_connect() {
+    let mut s = Server::start(mpt_only(), "tcp://127.0.0.1:0").await;
+    for (bad, why) in [
+        ("192.0.2.1", "cannot bind source address 192.0.2.1"),
+        ("::1", "not of the same family"),
+    ] {
+        let ctx = mpt_only().lane_addresses([ip(bad)]).start();
+        let e = ctx
+            .send(Connect::new(&s.url))
+            .await
+            .unwrap()
+            .expect_err("an unusable lane address");
+        assert_eq!(e.class(), "connect", "{e}");
+        assert!(e.to_string().contains(why), "{e}");
+    }
+    // The listener is still fine.
+    let ctx = mpt_only().start();
+    let tx = ctx.send(Connect::new(&s.url)).await.unwrap().unwrap();
+    let rx = s.next().await;
+    let w = tx.send(Write::new(checked_message(1, &[], &[1 << 20])));
+    assert_eq!(verify(&read_one(&rx).await.unwrap()), 1);
+    w.await.unwrap().result.unwrap();
+}

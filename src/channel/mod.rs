@@ -34,6 +34,12 @@ pub trait ChannelBackend: Send + Sync + 'static {
     fn viable(&self) -> Result<(), String> {
         Ok(())
     }
+    /// The local address connection `lane` of this channel leaves from, when the dialing side
+    /// opens it (`None`: wherever the routing table says).
+    fn lane_source(&self, lane: u32) -> Option<std::net::IpAddr> {
+        let _ = lane;
+        None
+    }
 
     /// This backend's entry in a brochure, at `priority`.
     fn offer(&self, priority: i32) -> ChannelOffer {

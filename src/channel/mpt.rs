@@ -10,15 +10,21 @@ use super::ChannelBackend;
 use crate::negotiate::DevicePair;
 
 /// The multi-lane TCP channel.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Mpt {
     /// Connections per pipe.
     pub lanes: u32,
+    /// Local addresses the dialing side's lanes leave from, one per NIC: lane `i` binds
+    /// `sources[i % len]`. Empty: the routing table chooses.
+    pub sources: Vec<std::net::IpAddr>,
 }
 
 impl Default for Mpt {
     fn default() -> Self {
-        Mpt { lanes: 2 }
+        Mpt {
+            lanes: 2,
+            sources: Vec::new(),
+        }
     }
 }
 
@@ -41,6 +47,10 @@ impl ChannelBackend for Mpt {
 
     fn connections(&self) -> u32 {
         self.lanes.max(1)
+    }
+
+    fn lane_source(&self, lane: u32) -> Option<std::net::IpAddr> {
+        (!self.sources.is_empty()).then(|| self.sources[lane as usize % self.sources.len()])
     }
 }
 

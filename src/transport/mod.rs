@@ -86,6 +86,22 @@ pub trait Transport: Send + Sync + 'static {
         url: &'a str,
         timeout: std::time::Duration,
     ) -> BoxFuture<'a, Result<Stream, Error>>;
+    /// Connects to `url` from the local address `source` (a given NIC). Transports without
+    /// addresses of that kind refuse.
+    fn connect_from<'a>(
+        &'a self,
+        url: &'a str,
+        timeout: std::time::Duration,
+        source: std::net::IpAddr,
+    ) -> BoxFuture<'a, Result<Stream, Error>> {
+        let _ = timeout;
+        Box::pin(async move {
+            Err(Error::Unavailable {
+                backend: self.name().into(),
+                reason: format!("cannot connect to {url} from {source}: no local addresses here"),
+            })
+        })
+    }
     /// Binds a listening endpoint at `url`.
     fn listen<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<Box<dyn Acceptor>, Error>>;
 

@@ -4,7 +4,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::{TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr};
+
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
 use super::{Acceptor, BoxFuture, Stream, Transport, Url};
 use crate::error::Error;
@@ -129,6 +131,41 @@ pub async fn connect(
     timeout: Duration,
     keepalive: Option<Keepalive>,
 ) -> Result<Stream, Error> {
+    connect_from(url, timeout, keepalive, None).await
+}
+
+/// Opens a socket to `to`, bound to `source` first if given.
+async fn dial(to: SocketAddr, source: Option<IpAddr>) -> std::io::Result<TcpStream> {
+    let Some(source) = source else {
+        return TcpStream::connect(to).await;
+    };
+    if source.is_ipv4() != to.is_ipv4() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::AddrNotAvailable,
+            format!("source address {source} is not of the same family as {to}"),
+        ));
+    }
+    let socket = if to.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    socket.bind(SocketAddr::new(source, 0)).map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("cannot bind source address {source}: {e}"),
+        )
+    })?;
+    socket.connect(to).await
+}
+
+/// Connects to `url`, leaving from the local address `source` if given (a given NIC).
+pub async fn connect_from(
+    url: &Url,
+    timeout: Duration,
+    keepalive: Option<Keepalive>,
+    source: Option<IpAddr>,
+) -> Result<Stream, Error> {
     let text = url.to_string();
     let connect_err = |e: std::io::Error| Error::Connect {
         url: text.clone(),
@@ -138,7 +175,7 @@ pub async fn connect(
     let attempt = async {
         let mut last = None;
         for a in addrs {
-            match TcpStream::connect(a).await {
+            match dial(a, source).await {
                 Ok(s) => return into_stream_with(s, keepalive).map_err(connect_err),
                 Err(e) => last = Some(e),
             }
@@ -229,6 +266,17 @@ impl Transport for Tcp {
         timeout: Duration,
     ) -> BoxFuture<'a, Result<Stream, Error>> {
         Box::pin(async move { connect(&Url::parse(url)?, timeout, self.keepalive).await })
+    }
+
+    fn connect_from<'a>(
+        &'a self,
+        url: &'a str,
+        timeout: Duration,
+        source: IpAddr,
+    ) -> BoxFuture<'a, Result<Stream, Error>> {
+        Box::pin(async move {
+            connect_from(&Url::parse(url)?, timeout, self.keepalive, Some(source)).await
+        })
     }
 
     fn listen<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<Box<dyn Acceptor>, Error>> {
