@@ -109,9 +109,9 @@ async fn a_met_deadline_is_harmless() {
     assert!(!tx.send(GetInfo).await.unwrap().closed);
 }
 
-/// Short heartbeats, so that the tests below run many timeouts' worth of silence.
+/// Short heartbeats, so that the test below runs several timeouts' worth of silence quickly.
 fn beating(b: ContextBuilder) -> ContextBuilder {
-    b.keepalive(Duration::from_millis(100), Duration::from_millis(400))
+    b.keepalive(Duration::from_millis(200), Duration::from_millis(800))
 }
 
 /// Every transport and channel two contexts of one process can pick.
@@ -134,7 +134,7 @@ fn heartbeat_backends() -> [Named; 5] {
     ]
 }
 
-/// An idle pipe stays open through many heartbeat timeouts (the pings keep it alive), and a
+/// An idle pipe stays open through several heartbeat timeouts (the pings keep it alive), and a
 /// receiver whose application stops reading, with megabytes stuck in flight, is not declared
 /// dead either: only a wait for bytes counts as silence.
 #[actix::test]
@@ -142,16 +142,16 @@ async fn heartbeats_keep_idle_and_stalled_pipes_alive() {
     const SIZE: usize = 16 << 20;
     for (name, b) in heartbeat_backends() {
         let (tx, rx, _s) = pair(beating(b()), beating(b())).await;
-        // Idle: 3 timeouts without a message either way.
-        tokio::time::sleep(Duration::from_millis(1200)).await;
+        // Idle: 2 timeouts without a message either way.
+        tokio::time::sleep(Duration::from_millis(1600)).await;
         assert!(!tx.send(GetInfo).await.unwrap().closed, "{name}: idle pipe");
         assert!(!rx.send(GetInfo).await.unwrap().closed, "{name}: idle pipe");
-        // Stalled: more than the socket buffers can hold, and nobody reads for 3 timeouts.
+        // Stalled: more than the socket buffers can hold, and nobody reads for 2 timeouts.
         let (done_to, mut done) = inbox::<WriteDone>();
         for i in 0..4 {
             tx.do_send(Write::new(checked_message(i, &[16], &[SIZE])).notify(done_to.clone()));
         }
-        tokio::time::sleep(Duration::from_millis(1200)).await;
+        tokio::time::sleep(Duration::from_millis(1600)).await;
         for i in 0..4 {
             let m = within(20, "read after the stall", read_one(&rx))
                 .await
