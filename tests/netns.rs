@@ -14,6 +14,10 @@
 //!   with data in flight too; every pending operation of the four must fail, in order, with a
 //!   timeout or peer-lost error, within the 3 s timeout plus [`DETECTION_SLACK`]. Detection
 //!   times are printed.
+//! - `netns_mpt_lanes_use_both_nics_or_skip`: a second veth pair joins the hosts (two NICs a
+//!   side, policy routing in B by source address); an mpt pipe with `lane_addresses` set to B's
+//!   two addresses sends a lane through each link (the second link's byte counter shows it),
+//!   and the rates of mpt over both links and basic over one are printed.
 //!
 //! Namespaces need root (CAP_SYS_ADMIN) and iproute2. Where they cannot be made, each test
 //! prints `skipped: <test>: <reason>` straight to stderr (past the harness's capture, so CI logs
@@ -40,6 +44,9 @@ const CHILD_ENV: &str = "ACTORPIPE_NETNS_CHILD";
 const CHILD_TAG: &str = "netns-child:";
 const SERVER_IP: &str = "10.199.0.1";
 const CLIENT_IP: &str = "10.199.0.2";
+/// The second link ("NIC") of the two-NIC test.
+const SERVER_IP2: &str = "10.199.1.1";
+const CLIENT_IP2: &str = "10.199.1.2";
 /// The impairment asked for, on both ends of the link.
 const NETEM: &str = "netem delay 5ms 2ms loss 1% reorder 5%";
 /// Where the kernel has no netem: a rate limit whose short queue drops packets.
@@ -96,6 +103,9 @@ struct Hosts {
     a: String,
     b: String,
     veth_a: String,
+    veth_b: String,
+    /// The second link's ends (A's, B's), once added.
+    second: Option<(String, String)>,
     /// What impairs the link, in words.
     impairment: String,
 }
@@ -120,15 +130,19 @@ impl Hosts {
             a: format!("{base}a"),
             b: format!("{base}b"),
             veth_a: format!("{base}a"),
+            veth_b: format!("{base}b"),
+            second: Some((format!("{base}c"), format!("{base}d"))),
             impairment: String::new(),
         };
-        let veth_b = format!("{base}b");
+        let veth_b = hosts.veth_b.clone();
         // Names carry our pid, so any namespace by these names was left by a dead process
         // (killed before its guard ran) whose pid we now have.
         drop(Hosts {
             a: hosts.a.clone(),
             b: hosts.b.clone(),
             veth_a: hosts.veth_a.clone(),
+            veth_b: hosts.veth_b.clone(),
+            second: hosts.second.take(),
             impairment: String::new(),
         });
         ip(&["netns", "add", &hosts.a]).map_err(|e| {
@@ -161,6 +175,55 @@ impl Hosts {
         impairments.dedup();
         hosts.impairment = impairments.join("; ");
         Ok(hosts)
+    }
+
+    /// A second link between the hosts ("NIC" 2: 10.199.1.0/24), impaired like the first. In
+    /// B, traffic from [`CLIENT_IP2`] goes through it even to [`SERVER_IP`] (policy routing, as
+    /// on a multi-homed host), so a lane bound to that address takes this link. Returns B's end.
+    fn add_second_link(&mut self) -> Result<String, String> {
+        let base = self.veth_a.trim_end_matches('a');
+        let (end_a, end_b) = (format!("{base}c"), format!("{base}d"));
+        self.second = Some((end_a.clone(), end_b.clone()));
+        ip(&[
+            "link", "add", &end_a, "type", "veth", "peer", "name", &end_b,
+        ])?;
+        ip(&["link", "set", &end_a, "netns", &self.a])?;
+        ip(&["link", "set", &end_b, "netns", &self.b])?;
+        for (ns, dev, addr) in [
+            (self.a.clone(), end_a, SERVER_IP2),
+            (self.b.clone(), end_b.clone(), CLIENT_IP2),
+        ] {
+            ip(&["-n", &ns, "addr", "add", &format!("{addr}/24"), "dev", &dev])?;
+            ip(&["-n", &ns, "link", "set", &dev, "up"])?;
+            impair(&ns, &dev);
+        }
+        ip(&[
+            "-n", &self.b, "rule", "add", "from", CLIENT_IP2, "table", "101",
+        ])?;
+        ip(&[
+            "-n",
+            &self.b,
+            "route",
+            "add",
+            "10.199.0.0/24",
+            "dev",
+            &end_b,
+            "src",
+            CLIENT_IP2,
+            "table",
+            "101",
+        ])?;
+        Ok(end_b)
+    }
+
+    /// Bytes sent so far by interface `dev` of namespace `ns`.
+    fn tx_bytes(&self, ns: &str, dev: &str) -> u64 {
+        let path = format!("/sys/class/net/{dev}/statistics/tx_bytes");
+        ip(&["netns", "exec", ns, "cat", &path])
+            .expect("interface counters")
+            .trim()
+            .parse()
+            .expect("a byte count")
     }
 
     /// `ip netns exec <ns>` this test binary as the child `netns_child`, in mode `mode`.
@@ -209,6 +272,9 @@ impl Drop for Hosts {
             let _ = ip(&["netns", "del", ns]);
         }
         let _ = ip(&["link", "del", &self.veth_a]);
+        if let Some((end_a, _)) = &self.second {
+            let _ = ip(&["link", "del", end_a]);
+        }
     }
 }
 
@@ -276,6 +342,7 @@ fn netns_child() {
             "server" => serve().await,
             "deliver" => deliver(&words[1]).await,
             "cut" => cut(&words[1]).await,
+            "nics" => two_nics(&words[1]).await,
             other => panic!("unknown child mode {other:?}"),
         }
     });
@@ -385,6 +452,62 @@ async fn deliver(url: &str) {
         start.elapsed()
     ));
     for p in [basic, mpt] {
+        p.send(Close::because("done")).await.unwrap();
+    }
+}
+
+/// Echoes `n` messages of one `size` tensor, 2 in flight; returns how long it took.
+async fn echo_fixed(pipe: &Addr<Pipe>, n: u64, size: usize) -> Duration {
+    let start = Instant::now();
+    let (done_to, mut done) = inbox::<WriteDone>();
+    let writer = async {
+        for i in 0..n {
+            pipe.do_send(Write::new(checked_message(i, &[], &[size])).notify(done_to.clone()));
+            if i >= 1 {
+                done.recv().await.unwrap().result.expect("write");
+            }
+        }
+        done.recv().await.unwrap().result.expect("write");
+    };
+    let reader = async {
+        for i in 0..n {
+            assert_eq!(verify(&read_one(pipe).await.expect("echo")), i);
+        }
+    };
+    tokio::join!(writer, reader);
+    start.elapsed()
+}
+
+/// The two-NIC client: an mpt pipe whose lanes leave from both of B's addresses, then a basic
+/// pipe over the first link alone, the same bytes on each.
+async fn two_nics(url: &str) {
+    const N: u64 = 4;
+    const SIZE: usize = 8 << 20;
+    let b = builder().lane_addresses([CLIENT_IP, CLIENT_IP2].map(|a| a.parse().unwrap()));
+    let mpt = connect(url, b, "mpt").await;
+    let lanes = mpt.send(GetInfo).await.unwrap().connections;
+    let locals: Vec<_> = lanes.iter().map(|l| l.local.as_str()).collect();
+    assert_eq!(lanes.len(), 2, "{lanes:?}");
+    assert!(
+        locals[0].starts_with(&format!("tcp://{CLIENT_IP}:")),
+        "{locals:?}"
+    );
+    assert!(
+        locals[1].starts_with(&format!("tcp://{CLIENT_IP2}:")),
+        "{locals:?}"
+    );
+    let t_mpt = within(120, "mpt echoes", echo_fixed(&mpt, N, SIZE)).await;
+    let basic = connect(url, builder(), "basic").await;
+    let t_basic = within(120, "basic echoes", echo_fixed(&basic, N, SIZE)).await;
+    let rate = |t: Duration| (N as usize * SIZE) as f64 / t.as_secs_f64() / 1e6;
+    say(format!(
+        "done: {N} echoes of {} MiB: mpt over both links {:.1} MB/s each way, basic over one \
+         link {:.1} MB/s",
+        SIZE >> 20,
+        rate(t_mpt),
+        rate(t_basic)
+    ));
+    for p in [mpt, basic] {
         p.send(Close::because("done")).await.unwrap();
     }
 }
@@ -585,6 +708,66 @@ fn netns_random_sizes_arrive_intact_and_in_order_or_skip() {
         "{NAME}: {summary} over a veth pair with {}; packets dropped by the qdisc in A: {}",
         hosts.impairment,
         hosts.drops()
+    ));
+}
+
+/// Two links between the hosts (two NICs each side): mpt lanes bound to B's two addresses
+/// leave through both links (the second link's byte counter shows a lane's share of the
+/// stripes), and the data arrives intact. The rates are printed, not asserted: with links
+/// limited per interface (the `tbf` fallback), mpt over both is about twice basic over one.
+#[test]
+fn netns_mpt_lanes_use_both_nics_or_skip() {
+    const NAME: &str = "netns_mpt_lanes_use_both_nics_or_skip";
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(mut hosts) = hosts_or_skip(NAME) else {
+        return;
+    };
+    let second = match hosts.add_second_link() {
+        Ok(dev) => dev,
+        Err(why) => {
+            tell_ci(&format!("skipped: {NAME}: cannot add a second link: {why}"));
+            return;
+        }
+    };
+    let (mut server, url) = server(&hosts);
+    let (b, first) = (hosts.b.clone(), hosts.veth_b.clone());
+    let before = (hosts.tx_bytes(&b, &first), hosts.tx_bytes(&b, &second));
+    let mut client = hosts.child(&hosts.b, &format!("nics {url}"));
+    let Some((_, summary)) = client.line(&format!("{CHILD_TAG} done:"), Duration::from_secs(150))
+    else {
+        panic!(
+            "the client did not finish; its output:\n{}\nthe server's:\n{}",
+            client.tail(),
+            server.tail()
+        )
+    };
+    let status = client.wait_exit(Duration::from_secs(10));
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the client failed ({status:?}); its output:\n{}",
+        client.tail()
+    );
+    let sent = (
+        hosts.tx_bytes(&b, &first) - before.0,
+        hosts.tx_bytes(&b, &second) - before.1,
+    );
+    // mpt's 32 MiB went half over each link; basic's 32 MiB over the first only.
+    assert!(
+        sent.1 >= 12 << 20,
+        "the second link carried {} bytes; a lane should have sent about 16 MiB over it",
+        sent.1
+    );
+    assert!(
+        sent.0 >= 40 << 20,
+        "the first link carried {} bytes",
+        sent.0
+    );
+    tell_ci(&format!(
+        "{NAME}: {}; B sent {} MiB on link 1 and {} MiB on link 2; links: {}",
+        summary.trim(),
+        sent.0 >> 20,
+        sent.1 >> 20,
+        hosts.impairment
     ));
 }
 
