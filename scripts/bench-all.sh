@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Runs every benchmark that docs/performance.md reports, one after the other, and prints the
+# tables (Markdown) as they come. Run it on an idle machine:
+#
+#   bash scripts/bench-all.sh | tee bench.md
+#
+# Each table's header repeats its exact command line, machine and time, so a row in the doc can
+# be traced back to the command that printed it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cargo build --release --bin actorpipe >&2
+B=target/release/actorpipe
+
+run() {
+    echo
+    echo "\$ actorpipe $*"
+    "$B" "$@" 2>/dev/null
+}
+
+run bench transport --backend tcp
+run bench transport --backend shm
+run bench transport --backend shm --spin 20
+run bench transport --backend shm --spin 20 --pin
+run bench channel --backend basic
+run bench channel --backend basic --transport shm
+run bench channel --backend mpt
+run bench channel --backend cma
+run bench channel --backend xth
+run bench pipe
+run bench pipe --backend tcp+basic
+run bench transport --backend tcp --sizes 64 --iters 20000
+run bench channel --backend basic --sizes 64M --iters 40
+run bench idle --pipes 1000
