@@ -37,16 +37,49 @@ pub(crate) enum ChannelKind {
     Basic { chunk_size: usize },
     /// In-process copy.
     Xth { pipe: u64 },
-    /// `process_vm_readv`, with a side connection for acks and fallback bytes.
-    Cma { threads: usize, chunk_size: usize },
+    /// `process_vm_readv`, with a side connection for acks and fallback bytes. Tensors of
+    /// 1..=`inline_max` bytes travel like basic ones instead, on the pipe's connection: below
+    /// that size the copy through the transport costs less than a cross-memory read and its
+    /// acknowledgement.
+    Cma {
+        threads: usize,
+        chunk_size: usize,
+        inline_max: u64,
+    },
     /// Stripes over several lane connections.
     Mpt { chunk_size: usize },
 }
 
 impl ChannelKind {
-    /// Whether its bytes travel on the pipe's control connection (and so take tickets there).
-    pub fn uses_control(&self) -> bool {
-        matches!(self, ChannelKind::Basic { .. })
+    /// Whether a tensor of `len` bytes that we send travels on the pipe's control connection
+    /// (and so takes a ticket there).
+    pub fn sends_on_control(&self, len: u64) -> bool {
+        match *self {
+            ChannelKind::Basic { .. } => true,
+            ChannelKind::Cma { inline_max, .. } => len > 0 && len <= inline_max,
+            _ => false,
+        }
+    }
+
+    /// Whether a tensor we receive, with this channel data from its descriptor, travels on the
+    /// pipe's control connection. The sender decides ([`Self::sends_on_control`]); an inline cma
+    /// tensor is the one whose channel data is empty (a [`RemoteBuffer`] never is).
+    pub fn recvs_on_control(&self, data: &[u8]) -> bool {
+        match self {
+            ChannelKind::Basic { .. } => true,
+            ChannelKind::Cma { .. } => data.is_empty(),
+            _ => false,
+        }
+    }
+
+    /// The chunk size of tensors on the pipe's connection.
+    fn control_chunk(&self) -> usize {
+        match *self {
+            ChannelKind::Basic { chunk_size }
+            | ChannelKind::Cma { chunk_size, .. }
+            | ChannelKind::Mpt { chunk_size } => chunk_size,
+            ChannelKind::Xth { .. } => usize::MAX,
+        }
     }
 }
 
@@ -249,6 +282,40 @@ impl Channel {
         for l in &self.lanes {
             l.conn.do_send(Shutdown::default());
         }
+    }
+
+    // ----- on the pipe's connection (basic, and small cma tensors) --------------------------
+
+    /// Writes the tensor's bytes on the pipe's connection at the ticket the pipe reserved; the
+    /// completion goes straight to the pipe.
+    fn send_on_control(&mut self, m: SendTensor) {
+        self.link.write(
+            OutOp::Tensor {
+                ticket: m.ticket,
+                seq: m.seq,
+                index: m.index,
+                memory: Memory::Owned(m.buffer),
+                offset: 0,
+                chunk_size: self.kind.control_chunk(),
+                reply: self.reply.clone(),
+            },
+            self.gone(),
+        )
+    }
+
+    /// Reads the tensor's bytes from the pipe's connection at the ticket the pipe reserved.
+    fn recv_on_control(&mut self, m: RecvTensor) {
+        self.link.read(
+            InOp::Tensor {
+                ticket: m.ticket,
+                seq: m.seq,
+                index: m.index,
+                memory: Memory::Owned(m.buffer),
+                offset: 0,
+                reply: self.reply.clone(),
+            },
+            self.gone(),
+        )
     }
 
     // ----- mpt ----------------------------------------------------------------------------
@@ -591,19 +658,11 @@ impl Handler<SendTensor> for Channel {
     type Result = ();
 
     fn handle(&mut self, m: SendTensor, _: &mut Self::Context) {
+        if self.kind.sends_on_control(m.buffer.len() as u64) {
+            return self.send_on_control(m);
+        }
         match self.kind {
-            ChannelKind::Basic { chunk_size } => self.link.write(
-                OutOp::Tensor {
-                    ticket: m.ticket,
-                    seq: m.seq,
-                    index: m.index,
-                    memory: Memory::Owned(m.buffer),
-                    offset: 0,
-                    chunk_size,
-                    reply: self.reply.clone(),
-                },
-                self.gone(),
-            ),
+            ChannelKind::Basic { .. } => self.send_on_control(m),
             ChannelKind::Xth { pipe } => {
                 let key = xth::Key {
                     sender: pipe,
@@ -643,18 +702,11 @@ impl Handler<RecvTensor> for Channel {
     type Result = ();
 
     fn handle(&mut self, m: RecvTensor, ctx: &mut Self::Context) {
+        if self.kind.recvs_on_control(&m.data) {
+            return self.recv_on_control(m);
+        }
         match self.kind {
-            ChannelKind::Basic { .. } => self.link.read(
-                InOp::Tensor {
-                    ticket: m.ticket,
-                    seq: m.seq,
-                    index: m.index,
-                    memory: Memory::Owned(m.buffer),
-                    offset: 0,
-                    reply: self.reply.clone(),
-                },
-                self.gone(),
-            ),
+            ChannelKind::Basic { .. } => self.recv_on_control(m),
             ChannelKind::Xth { .. } => {
                 let sender = match <[u8; 8]>::try_from(m.data.as_slice()) {
                     Ok(b) => u64::from_le_bytes(b),

@@ -29,6 +29,7 @@ pub struct Config {
     pub(crate) connect_timeout: Duration,
     pub(crate) handshake_timeout: Duration,
     pub(crate) cma_threads: usize,
+    pub(crate) cma_inline_max: Option<u64>,
     pub(crate) metrics_addr: Option<std::net::SocketAddr>,
     pub(crate) secret: Option<Arc<[u8]>>,
     pub(crate) heartbeat: Option<Heartbeat>,
@@ -90,6 +91,7 @@ impl std::fmt::Debug for Config {
             .field("connect_timeout", &self.connect_timeout)
             .field("handshake_timeout", &self.handshake_timeout)
             .field("cma_threads", &self.cma_threads)
+            .field("cma_inline_max", &self.cma_inline_max)
             .field("metrics_addr", &self.metrics_addr)
             .field("secret", &self.secret.as_ref().map(|_| "<set>"))
             .field(
@@ -136,6 +138,7 @@ impl Default for ContextBuilder {
                 connect_timeout: Duration::from_secs(10),
                 handshake_timeout: Duration::from_secs(10),
                 cma_threads: 2,
+                cma_inline_max: None,
                 metrics_addr: None,
                 secret: None,
                 heartbeat: Some(Heartbeat::default()),
@@ -182,6 +185,16 @@ impl ContextBuilder {
     /// Threads per cma read (large tensors are split across them).
     pub fn cma_threads(mut self, n: usize) -> Self {
         self.config.cma_threads = n.max(1);
+        self
+    }
+
+    /// Tensors of at most this many bytes that would go over cma travel on the pipe's own
+    /// connection instead, as basic ones do: for them a copy through the transport costs less
+    /// than a cross-memory read and its acknowledgement. The default depends on the pipe's
+    /// transport ([`crate::channel::cma::inline_max`]); 0 sends every non-empty tensor by cma.
+    /// Only the sender's setting counts: the receiver follows the descriptor.
+    pub fn cma_inline_max(mut self, bytes: u64) -> Self {
+        self.config.cma_inline_max = Some(bytes);
         self
     }
 

@@ -255,6 +255,9 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                 "cma" => ChannelKind::Cma {
                     threads: config.cma_threads,
                     chunk_size,
+                    inline_max: config
+                        .cma_inline_max
+                        .unwrap_or_else(|| crate::channel::cma::inline_max(&choice.transport)),
                 },
                 "mpt" => ChannelKind::Mpt { chunk_size },
                 // Negotiation only offers what this build has; everything else is basic.
@@ -503,7 +506,9 @@ impl Pipe {
                     ChannelKind::Xth { .. } => data.set(&id_bytes),
                     ChannelKind::Cma { .. } => {
                         if let Some(buf) = message.tensors[i].buffer.as_cpu() {
-                            data.set(&RemoteBuffer::local(buf).encode())
+                            if !kind.sends_on_control(buf.len() as u64) {
+                                data.set(&RemoteBuffer::local(buf).encode())
+                            }
                         }
                     }
                     _ => {}
@@ -527,12 +532,12 @@ impl Pipe {
         }
         self.next_wire_seq += 1;
         let ticket = self.out_ticket;
-        let on_control = self.cpu_kind.uses_control();
-        self.out_ticket += 1 + if on_control {
-            message.tensors.len() as u64
-        } else {
-            0
-        };
+        let on_control = message
+            .tensors
+            .iter()
+            .filter(|t| kind.sends_on_control(t.buffer.len()))
+            .count() as u64;
+        self.out_ticket += 1 + on_control;
         let reply = self
             .reply
             .clone()
@@ -546,10 +551,17 @@ impl Pipe {
             },
             self.link_gone(),
         );
+        let mut next = ticket + 1;
         for (i, t) in message.tensors.iter_mut().enumerate() {
             let Buffer::Cpu(buffer) = mem::take(&mut t.buffer);
+            let tensor_ticket = if kind.sends_on_control(buffer.len() as u64) {
+                next += 1;
+                next - 1
+            } else {
+                0
+            };
             self.channels[self.cpu_channel].do_send(SendTensor {
-                ticket: if on_control { ticket + 1 + i as u64 } else { 0 },
+                ticket: tensor_ticket,
                 seq,
                 index: i as u32,
                 buffer,
@@ -612,10 +624,10 @@ impl Pipe {
 
     // ----- reads --------------------------------------------------------------------------
 
-    /// Whether reading message `d` takes reads on the control connection (payload bytes, or
-    /// tensors of a channel that travels there).
-    fn in_band(&self, payloads: usize, tensors: usize) -> bool {
-        payloads > 0 || (self.cpu_kind.uses_control() && tensors > 0)
+    /// Whether reading a message takes reads on the control connection (payload bytes, or
+    /// tensors that travel there, given each tensor's channel data).
+    fn in_band<'a>(&self, payloads: usize, mut routes: impl Iterator<Item = &'a [u8]>) -> bool {
+        payloads > 0 || routes.any(|data| self.cpu_kind.recvs_on_control(data))
     }
 
     fn arm_prefetch(&mut self) {
@@ -754,7 +766,10 @@ impl Pipe {
         let (Some((_, link)), Some(reply)) = (&self.conn, &self.reply) else {
             unreachable!("reads start only while the pipe is open");
         };
-        let in_band = self.in_band(alloc.payloads.len(), alloc.tensors.len());
+        let in_band = self.in_band(
+            alloc.payloads.len(),
+            routes.iter().map(|(_, data)| data.as_slice()),
+        );
         let mut ticket = self.in_ticket;
         let payload_ticket = (!alloc.payloads.is_empty()).then_some(ticket);
         if payload_ticket.is_some() {
@@ -769,9 +784,9 @@ impl Pipe {
             ticket += 1;
         }
         let tensors_out = alloc.tensors.len();
-        let on_control = self.cpu_kind.uses_control();
         for (i, (buffer, (ch, data))) in alloc.tensors.into_iter().zip(routes).enumerate() {
             let Buffer::Cpu(buffer) = buffer;
+            let on_control = self.cpu_kind.recvs_on_control(&data);
             self.channels[ch as usize].do_send(RecvTensor {
                 ticket: if on_control { ticket } else { 0 },
                 seq,
@@ -913,8 +928,10 @@ impl Pipe {
                     Ok(wd) => {
                         self.expect_seq += 1;
                         self.prefetch.in_flight = false;
-                        let d = &wd.descriptor;
-                        self.prefetch.blocked = self.in_band(d.payloads.len(), d.tensors.len());
+                        self.prefetch.blocked = self.in_band(
+                            wd.descriptor.payloads.len(),
+                            wd.routes.iter().map(|(_, data)| data.as_slice()),
+                        );
                         self.prefetch.ready.push_back(wd);
                         self.advance_reads();
                         self.arm_prefetch();

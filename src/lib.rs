@@ -28,6 +28,7 @@
 pub mod auth;
 pub mod backends;
 pub mod channel;
+pub mod copy;
 pub mod error;
 pub mod handshake;
 pub mod message;

@@ -18,6 +18,8 @@ async fn refused_reads_fall_back_and_are_reported() {
             .without("shm")
             .only_channels(&["cma", "basic"])
             .chunk_size(64 << 10)
+            // Every non-empty tensor by cma, so that every one can be refused.
+            .cma_inline_max(0)
     };
     let (tx, rx, _s) = pair(b(), b()).await;
     assert_eq!(

@@ -329,9 +329,12 @@ macro_rules! transport_suite {
 /// The channel suite for one channel, over TCP.
 macro_rules! channel_suite {
     ($name:ident, $builder:expr) => {
+        channel_suite!($name, stringify!($name), $builder);
+    };
+    ($name:ident, $channel:expr, $builder:expr) => {
         mod $name {
             use super::*;
-            cases!($builder, "tcp", stringify!($name);
+            cases!($builder, "tcp", $channel;
                 order_of_many_ops, empty_and_one_byte, larger_than_rings_and_chunks,
                 both_directions, both_directions_large, concurrent_pipes, close_mid_operation_by_writer,
                 close_mid_operation_by_reader, close_with_both_directions_in_flight,
@@ -360,6 +363,17 @@ channel_suite!(xth, || base()
 channel_suite!(cma, || base()
     .without("shm")
     .only_channels(&["cma", "basic"]));
+// Every tensor by cross-memory read, however small (by default small ones go inline).
+channel_suite!(cma_no_inline, "cma", || base()
+    .without("shm")
+    .only_channels(&["cma", "basic"])
+    .cma_inline_max(0));
+// A threshold inside the sizes the cases use: one message (`larger_than_rings_and_chunks`) mixes
+// an inline tensor (a ticket on the control connection) and a cma one.
+channel_suite!(cma_mixed, "cma", || base()
+    .without("shm")
+    .only_channels(&["cma", "basic"])
+    .cma_inline_max(1 << 20));
 channel_suite!(mpt, || base()
     .without("shm")
     .only_channels(&["mpt", "basic"])

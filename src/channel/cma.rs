@@ -39,6 +39,27 @@ pub const MAX_THREADS: usize = 64;
 /// Shares start on multiples of this, so that two threads rarely pin the same page.
 const SHARE_ALIGN: u64 = 4096;
 
+/// Largest tensor that goes over the pipe's connection instead of cma when that connection is
+/// shm. On the 2-core machine of docs/performance.md the shm ring (with non-temporal stores into
+/// the destination) moves a tensor at least as fast as `process_vm_readv` plus its
+/// acknowledgement at every size measured, 64 B to 64 MiB (`actorpipe bench channel --backend
+/// basic --transport shm` against `--backend cma`); above this, cma's reads split across threads
+/// and keep the control connection free for other messages.
+pub const INLINE_MAX_SHM: u64 = 64 << 20;
+
+/// The same over any other connection (tcp): the kernel's loopback copy is slower than a
+/// cross-memory read, so only small tensors, whose cost is the fixed cost of a read, go inline.
+pub const INLINE_MAX_OTHER: u64 = 256 << 10;
+
+/// Largest tensor sent inline, on the pipe's connection, rather than by cma, when the pipe's
+/// transport is `transport` (see [`INLINE_MAX_SHM`] and [`INLINE_MAX_OTHER`]).
+pub fn inline_max(transport: &str) -> u64 {
+    match transport {
+        "shm" => INLINE_MAX_SHM,
+        _ => INLINE_MAX_OTHER,
+    }
+}
+
 /// Encoded size of a [`RemoteBuffer`].
 pub const REMOTE_BUFFER_LEN: usize = 20;
 

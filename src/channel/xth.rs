@@ -97,7 +97,7 @@ fn finish(
     origin: &Origin,
 ) {
     let result = if src.len() == dst.len() {
-        dst.copy_from_slice(&src);
+        crate::copy::copy_large(&mut dst, &src);
         Ok(())
     } else {
         Err(Error::protocol(

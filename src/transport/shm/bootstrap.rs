@@ -22,7 +22,7 @@ use tokio::io::Interest;
 use tokio::net::UnixStream;
 
 use super::fd::{self, EventFd, Mapping};
-use super::halves::{Hangup, ShmRead, ShmWrite};
+use super::halves::{Hangup, ShmRead, ShmWrite, Spin};
 use super::ring::{self, Consumer, Producer, HEADER};
 
 const HELLO: [u8; 8] = *b"APSHMv1\0";
@@ -110,6 +110,7 @@ fn assemble(
         space: rx_space,
         hangup: Hangup::new(sock.try_clone()?)?,
         spin,
+        spun: Spin::default(),
         silent: false,
     };
     let write = ShmWrite {
@@ -118,6 +119,7 @@ fn assemble(
         data: tx_data,
         hangup: Hangup::new(sock)?,
         spin,
+        spun: Spin::default(),
         shut: false,
         silent: false,
     };

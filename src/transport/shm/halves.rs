@@ -5,6 +5,12 @@
 //! peer hanging up. Waiting never involves a thread: a half with nothing to do sets its ring's
 //! waiting flag and returns `Pending`; it is woken by the peer's doorbell or by the socket
 //! closing. With `spin` set it first polls the ring for that long, for latency.
+//!
+//! A spin never holds the thread: the half runs on its context's single arbiter thread, next to
+//! the tasks that produce the very answer it waits for. So each poll checks the ring once, then
+//! wakes its own task and returns `Pending`: the executor runs every other ready task and polls
+//! the half again. Only once the spin budget is spent without bytes (or
+//! space) does the half park on its doorbell.
 
 use std::io::{self, IoSlice};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -65,19 +71,67 @@ fn poll_bell(bell: &AsyncFd<EventFd>, cx: &mut Context<'_>) -> Poll<io::Result<(
     Poll::Ready(Ok(()))
 }
 
-/// Polls `ready` until it says yes or `spin` has passed.
-fn spin_until(spin: Duration, mut ready: impl FnMut() -> io::Result<bool>) -> io::Result<bool> {
-    let start = Instant::now();
-    loop {
-        for _ in 0..64 {
-            if ready()? {
-                return Ok(true);
-            }
-            std::hint::spin_loop();
+/// How often a spinning half offers its CPU to other threads (`sched_yield`). Without it, a peer
+/// woken onto this CPU (the scheduler puts a woken thread next to its waker) would wait for the
+/// whole spin to end.
+pub(crate) const OS_YIELD_EVERY: Duration = Duration::from_micros(5);
+
+/// A spin budget spread over several polls of one task.
+#[derive(Debug, Default)]
+pub(crate) struct Spin {
+    /// When the current spin began; `None` between waits.
+    since: Option<Instant>,
+    /// When this spin last called `sched_yield`.
+    os_yield: Option<Instant>,
+}
+
+/// What one poll's spin found.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Spun {
+    /// `ready` said yes: look again.
+    Ready,
+    /// Not yet, and budget is left: the task has been woken, return `Pending`.
+    Yield,
+    /// The budget is spent: park.
+    Spent,
+}
+
+impl Spin {
+    /// Checks `ready` once. When it is not, and budget is left, wakes the task and says to
+    /// return `Pending`: the executor runs whatever else is ready (the tasks that produce the
+    /// answer we wait for, often) and polls the half again. So the spin costs the other tasks
+    /// one poll each time round, never a stretch of the thread.
+    pub(crate) fn poll(
+        &mut self,
+        budget: Duration,
+        cx: &mut Context<'_>,
+        mut ready: impl FnMut() -> io::Result<bool>,
+    ) -> io::Result<Spun> {
+        if ready()? {
+            return Ok(Spun::Ready);
         }
-        if start.elapsed() >= spin {
-            return Ok(false);
+        let now = Instant::now();
+        let since = *self.since.get_or_insert(now);
+        if now.duration_since(since) >= budget {
+            // Park now; a wake-up that finds nothing (rare) starts a fresh spin.
+            self.since = None;
+            self.os_yield = None;
+            return Ok(Spun::Spent);
         }
+        let last = *self.os_yield.get_or_insert(now);
+        if now.duration_since(last) >= OS_YIELD_EVERY {
+            self.os_yield = Some(now);
+            std::thread::yield_now();
+        }
+        std::hint::spin_loop();
+        cx.waker().wake_by_ref();
+        Ok(Spun::Yield)
+    }
+
+    /// The wait is over (bytes moved): the next wait gets a fresh budget.
+    pub(crate) fn reset(&mut self) {
+        self.since = None;
+        self.os_yield = None;
     }
 }
 
@@ -94,6 +148,7 @@ pub(crate) struct ShmRead {
     pub(crate) space: EventFd,
     pub(crate) hangup: Hangup,
     pub(crate) spin: Option<Duration>,
+    pub(crate) spun: Spin,
     /// Test hook: drop without telling the peer, as a crashed process would.
     pub(crate) silent: bool,
 }
@@ -108,12 +163,12 @@ impl AsyncRead for ShmRead {
         if buf.remaining() == 0 {
             return Poll::Ready(Ok(()));
         }
-        let mut spun = false;
         loop {
             // SAFETY: the ring only writes initialized bytes into the unfilled part, and we
             // report exactly how many.
             let n = this.ring.read_uninit(unsafe { buf.unfilled_mut() })?;
             if n > 0 {
+                this.spun.reset();
                 // SAFETY: `read_uninit` initialized the first `n` unfilled bytes.
                 unsafe { buf.assume_init(n) };
                 buf.advance(n);
@@ -129,11 +184,14 @@ impl AsyncRead for ShmRead {
                 }
                 return Poll::Ready(Ok(()));
             }
-            if let (Some(spin), false) = (this.spin, spun) {
-                spun = true;
+            if let Some(spin) = this.spin {
                 let ring = &mut this.ring;
-                if spin_until(spin, || Ok(ring.available()? > 0 || ring.writer_closed()))? {
-                    continue;
+                match this.spun.poll(spin, cx, || {
+                    Ok(ring.available()? > 0 || ring.writer_closed())
+                })? {
+                    Spun::Ready => continue,
+                    Spun::Yield => return Poll::Pending,
+                    Spun::Spent => {}
                 }
             }
             if this.hangup.poll(cx) {
@@ -169,6 +227,7 @@ pub(crate) struct ShmWrite {
     pub(crate) data: EventFd,
     pub(crate) hangup: Hangup,
     pub(crate) spin: Option<Duration>,
+    pub(crate) spun: Spin,
     pub(crate) shut: bool,
     /// Test hook: drop without telling the peer, as a crashed process would.
     pub(crate) silent: bool,
@@ -205,7 +264,6 @@ impl AsyncWrite for ShmWrite {
         if bufs.iter().all(|b| b.is_empty()) {
             return Poll::Ready(Ok(0));
         }
-        let mut spun = false;
         loop {
             if this.hangup.poll(cx) {
                 return Poll::Ready(Err(broken("hung up")));
@@ -215,16 +273,21 @@ impl AsyncWrite for ShmWrite {
             }
             let n = this.ring.write(bufs)?;
             if n > 0 {
+                this.spun.reset();
                 if this.ring.take_reader_waiting() {
                     this.data.ring();
                 }
                 return Poll::Ready(Ok(n));
             }
-            if let (Some(spin), false) = (this.spin, spun) {
-                spun = true;
+            if let Some(spin) = this.spin {
                 let ring = &mut this.ring;
-                if spin_until(spin, || Ok(ring.space()? > 0 || ring.reader_closed()))? {
-                    continue;
+                match this
+                    .spun
+                    .poll(spin, cx, || Ok(ring.space()? > 0 || ring.reader_closed()))?
+                {
+                    Spun::Ready => continue,
+                    Spun::Yield => return Poll::Pending,
+                    Spun::Spent => {}
                 }
             }
             if this.ring.prepare_park()? {

@@ -27,6 +27,8 @@ use std::mem::MaybeUninit;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use crate::copy::copy_nonoverlapping_nt;
+
 /// Bytes reserved for the header in front of the data; one page keeps the data page-aligned.
 pub(crate) const HEADER: usize = 4096;
 /// Smallest ring accepted (one page).
@@ -35,6 +37,12 @@ pub const MIN_CAPACITY: usize = 4096;
 pub const MAX_CAPACITY: usize = 1 << 30;
 /// The default ring size, in data bytes (the shm transport's default per direction).
 pub const DEFAULT_CAPACITY: usize = 2 << 20;
+
+/// Reads into a destination at least this long copy with non-temporal stores
+/// ([`crate::copy::copy_nt`]). Only tensor reads ask for this much at once (frames and small
+/// payloads go through the connection's read buffer), and only tensors larger than 1 MiB: a
+/// tensor of 1 MiB or less stays in the cache for whoever reads it next.
+pub const NT_READ_MIN: usize = (1 << 20) + 1;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"APSHMRG1");
 
@@ -398,8 +406,15 @@ impl Consumer {
         // bytes may be changed concurrently by a misbehaving peer: we copy whatever is there,
         // which is garbage in, garbage out for the framing layer, never out of bounds.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.s.data.add(at), out, first);
-            std::ptr::copy_nonoverlapping(self.s.data, out.add(first), n - first);
+            if dst.len() >= NT_READ_MIN {
+                // A large read goes straight to its destination (a tensor), which will not stay
+                // in the cache anyway: stream it there instead of reading every line first.
+                copy_nonoverlapping_nt(self.s.data.add(at), out, first);
+                copy_nonoverlapping_nt(self.s.data, out.add(first), n - first);
+            } else {
+                std::ptr::copy_nonoverlapping(self.s.data.add(at), out, first);
+                std::ptr::copy_nonoverlapping(self.s.data, out.add(first), n - first);
+            }
         }
         self.tail = self.tail.wrapping_add(n as u64);
         self.s.header().tail.0.store(self.tail, Ordering::Release);
@@ -469,6 +484,29 @@ pub(crate) mod tests {
         }
         assert_eq!(out, data);
         assert_eq!(c.read(&mut buf).unwrap(), 0);
+    }
+
+    /// Reads into a large destination take the non-temporal copy; they must move the same
+    /// bytes, across the wrap-around and at odd offsets of the destination.
+    #[test]
+    fn large_reads_wrap_around_in_order() {
+        let (mut p, mut c) = create(Heap::new(1 << 20)).unwrap();
+        let data = pattern(5 << 20, 9);
+        let mut out = vec![0u8; data.len() + 3];
+        let (mut sent, mut got) = (0, 3);
+        assert!(
+            out.len() - got >= 4 * NT_READ_MIN,
+            "most reads take the NT path"
+        );
+        let mut step = 0;
+        while got < out.len() {
+            // Uneven writes, so the reads start and end anywhere in the ring.
+            let w = (data.len() - sent).min(300_001 + step * 4097);
+            sent += p.write(&[IoSlice::new(&data[sent..sent + w])]).unwrap();
+            got += c.read(&mut out[got..]).unwrap();
+            step += 1;
+        }
+        assert_eq!(&out[3..], &data[..]);
     }
 
     #[test]

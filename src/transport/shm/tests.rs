@@ -231,6 +231,39 @@ async fn spin_mode_moves_the_same_bytes() {
     .await
 }
 
+/// A spinning read must not hold the thread: the task that writes what it waits for runs on the
+/// same single thread, between its polls. With a spin of 10 s that held the thread, the read
+/// would take 10 s (the writer could only run once the read parked).
+#[test]
+fn a_spinning_read_gives_way_to_other_tasks_on_its_thread() {
+    let spin = Duration::from_secs(10);
+    runtime().block_on(bounded(async {
+        let shm = Shm::new().with_spin(spin);
+        let (mut c, mut s) = pair(&shm).await;
+        let local = tokio::task::LocalSet::new();
+        local
+            .run_until(async move {
+                let start = Instant::now();
+                let reader = tokio::task::spawn_local(async move {
+                    let mut b = [0u8; 3];
+                    s.read.read_exact(&mut b).await.unwrap();
+                    b
+                });
+                // Let the reader start spinning first.
+                tokio::task::yield_now().await;
+                let writer = tokio::task::spawn_local(async move {
+                    c.write.write_all(b"abc").await.unwrap();
+                    c
+                });
+                assert_eq!(&reader.await.unwrap(), b"abc");
+                let took = start.elapsed();
+                assert!(took < spin / 4, "the read took {took:?}");
+                drop(writer.await.unwrap());
+            })
+            .await;
+    }))
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
