@@ -36,7 +36,7 @@ use crate::handshake::Halves;
 use crate::message::{Allocation, Buffer, Descriptor, Message, Payload, Tensor};
 use crate::metrics::{OpKind, PipeMetrics};
 use crate::negotiate::{Choice, DeviceKind, DevicePair};
-use crate::transport::stream::{unexpected, Done, Farewell, InOp, OutOp, Reply};
+use crate::transport::stream::{inline_payloads, unexpected, Done, Farewell, InOp, OutOp, Reply};
 use crate::wire::{self, encode_frame, Frame, FrameKind, Limits, WireDescriptor};
 
 static NEXT_PIPE_ID: AtomicU64 = AtomicU64::new(1);
@@ -131,7 +131,7 @@ pub const MAX_PREFETCH: usize = 16;
 /// Descriptors read ahead of the user.
 #[derive(Default)]
 struct Prefetch {
-    ready: VecDeque<WireDescriptor>,
+    ready: VecDeque<Incoming>,
     in_flight: bool,
     /// The last ready descriptor has bytes in-band: nothing more can be read before its `Read`.
     blocked: bool,
@@ -175,7 +175,14 @@ pub struct Pipe {
     in_ticket: u64,
     expect_seq: u64,
     prefetch: Prefetch,
-    current: Option<WireDescriptor>,
+    current: Option<Incoming>,
+}
+
+/// A descriptor read ahead, with its payloads' bytes if they were read with it (see
+/// [`inline_payloads`]).
+struct Incoming {
+    wd: WireDescriptor,
+    payloads: Vec<u8>,
 }
 
 /// Everything a pipe is built from: its control connection, what was negotiated, and each
@@ -315,16 +322,16 @@ impl Actor for Pipe {
             ctx.add_stream(Queue(rx));
         }
         self.arm_prefetch();
-        ctx.run_interval(ORPHAN_CHECK, |act, ctx| {
-            if ctx.connected() {
-                return;
-            }
-            act.fail(Error::Closed {
-                reason: "every address of the pipe was dropped".into(),
-                origin: act.origin.clone(),
-            });
-            if act.closed_sent {
-                ctx.stop();
+        // The orphan check is a task of its own: an interval on the pipe's context would be
+        // polled each time the pipe wakes, that is at every operation and completion.
+        let pipe = ctx.address().downgrade();
+        actix::spawn(async move {
+            loop {
+                tokio::time::sleep(ORPHAN_CHECK).await;
+                match pipe.upgrade() {
+                    Some(addr) if addr.connected() => addr.do_send(OrphanCheck),
+                    _ => return,
+                }
             }
         });
     }
@@ -338,6 +345,31 @@ impl Actor for Pipe {
             });
         }
         tracing::debug!(parent: &self.span, "pipe actor stopped");
+    }
+}
+
+/// Sent by the pipe's orphan-check task every [`ORPHAN_CHECK`].
+struct OrphanCheck;
+
+impl actix::Message for OrphanCheck {
+    type Result = ();
+}
+
+impl Handler<OrphanCheck> for Pipe {
+    type Result = ();
+
+    fn handle(&mut self, _: OrphanCheck, ctx: &mut Self::Context) {
+        // The task's own address is gone by now: this counts the application's.
+        if ctx.connected() {
+            return;
+        }
+        self.fail(Error::Closed {
+            reason: "every address of the pipe was dropped".into(),
+            origin: self.origin.clone(),
+        });
+        if self.closed_sent {
+            ctx.stop();
+        }
     }
 }
 
@@ -586,10 +618,11 @@ impl Pipe {
 
     // ----- reads --------------------------------------------------------------------------
 
-    /// Whether reading message `d` takes reads on the control connection (payload bytes, or
-    /// tensors of a channel that travels there).
-    fn in_band(&self, payloads: usize, tensors: usize) -> bool {
-        payloads > 0 || (self.cpu_kind.uses_control() && tensors > 0)
+    /// Whether reading message `d` takes reads on the control connection (payload bytes not
+    /// read with the descriptor, or tensors of a channel that travels there).
+    fn in_band(&self, d: &Descriptor) -> bool {
+        (!d.payloads.is_empty() && inline_payloads(d).is_none())
+            || (self.cpu_kind.uses_control() && !d.tensors.is_empty())
     }
 
     fn arm_prefetch(&mut self) {
@@ -665,9 +698,9 @@ impl Pipe {
                     return false;
                 }
                 match self.prefetch.ready.pop_front() {
-                    Some(wd) => {
-                        *result = Some(Ok(wd.descriptor.clone()));
-                        self.current = Some(wd);
+                    Some(incoming) => {
+                        *result = Some(Ok(incoming.wd.descriptor.clone()));
+                        self.current = Some(incoming);
                         self.arm_prefetch();
                         true
                     }
@@ -684,14 +717,14 @@ impl Pipe {
                     (None, None) => Some(Error::invalid(
                         "Read issued with no descriptor to read: send ReadDescriptor first",
                     )),
-                    (None, Some(wd)) => alloc.check(&wd.descriptor).err(),
+                    (None, Some(incoming)) => alloc.check(&incoming.wd.descriptor).err(),
                 };
                 if let Some(e) = refusal {
                     *message = hand_back(alloc);
                     *state = ReadState::Finished(Err(e));
                 } else {
-                    let wd = self.current.take().expect("checked above");
-                    (*message, *state) = self.start_read(wd, alloc);
+                    let incoming = self.current.take().expect("checked above");
+                    (*message, *state) = self.start_read(incoming, alloc);
                 }
                 true
             }
@@ -699,13 +732,19 @@ impl Pipe {
         }
     }
 
-    fn start_read(&mut self, wd: WireDescriptor, alloc: Allocation) -> (Message, ReadState) {
-        let WireDescriptor {
-            seq,
-            descriptor,
-            routes,
-        } = wd;
-        let message = Message {
+    fn start_read(&mut self, incoming: Incoming, alloc: Allocation) -> (Message, ReadState) {
+        let Incoming {
+            wd:
+                WireDescriptor {
+                    seq,
+                    descriptor,
+                    routes,
+                },
+            payloads: inline,
+        } = incoming;
+        let in_band = self.in_band(&descriptor);
+        let inline = inline_payloads(&descriptor).map(|_| inline);
+        let mut message = Message {
             metadata: descriptor.metadata,
             payloads: descriptor
                 .payloads
@@ -728,10 +767,19 @@ impl Pipe {
         let (Some((_, link)), Some(reply)) = (&self.conn, &self.reply) else {
             unreachable!("reads start only while the pipe is open");
         };
-        let in_band = self.in_band(alloc.payloads.len(), alloc.tensors.len());
         let mut ticket = self.in_ticket;
-        let payload_ticket = (!alloc.payloads.is_empty()).then_some(ticket);
-        if payload_ticket.is_some() {
+        let payload_ticket = (!alloc.payloads.is_empty() && inline.is_none()).then_some(ticket);
+        if let Some(bytes) = inline {
+            // Read with the descriptor: copy them into the caller's buffers (the sizes match,
+            // `Allocation::check` saw to that).
+            let mut at = 0;
+            for (p, mut b) in message.payloads.iter_mut().zip(alloc.payloads) {
+                let n = b.len();
+                b.copy_from_slice(&bytes[at..at + n]);
+                at += n;
+                p.data = b;
+            }
+        } else if payload_ticket.is_some() {
             link.read(
                 InOp::Payloads {
                     ticket,
@@ -878,7 +926,9 @@ impl Pipe {
                 }
                 self.pump_writes();
             }
-            Done::Frame { result, .. } => {
+            Done::Frame {
+                result, payloads, ..
+            } => {
                 let outcome = result.and_then(|f| match f {
                     Frame::Descriptor(wd) => self.check_descriptor(&wd).map(|_| wd),
                     f => Err(unexpected(f, "a message descriptor", &self.origin)),
@@ -887,9 +937,8 @@ impl Pipe {
                     Ok(wd) => {
                         self.expect_seq += 1;
                         self.prefetch.in_flight = false;
-                        let d = &wd.descriptor;
-                        self.prefetch.blocked = self.in_band(d.payloads.len(), d.tensors.len());
-                        self.prefetch.ready.push_back(wd);
+                        self.prefetch.blocked = self.in_band(&wd.descriptor);
+                        self.prefetch.ready.push_back(Incoming { wd, payloads });
                         self.advance_reads();
                         self.arm_prefetch();
                     }

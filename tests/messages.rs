@@ -211,3 +211,43 @@ async fn write_over_limits_fails_alone() {
     assert_eq!(verify(&read_one(&rx).await.unwrap()), 1);
     w.await.unwrap().result.unwrap();
 }
+
+/// Payloads of up to 16 KiB in all are read together with their descriptor, larger ones after
+/// it. Messages on both sides of that boundary, with and without tensors (which travel on the
+/// control stream with basic), all written before any is read, arrive intact and in order.
+#[actix::test]
+async fn payloads_around_the_inline_boundary() {
+    let shapes: [(&[usize], &[usize]); 8] = [
+        (&[16384], &[]),
+        (&[16385], &[]),
+        (&[8192, 8192], &[100]),
+        (&[8192, 8193], &[100]),
+        (&[0, 0, 0], &[]),
+        (&[1, 2, 3], &[5000, 0]),
+        (&[64], &[]),
+        (&[100_000, 64], &[64]),
+    ];
+    for builder in [tcp_basic, Context::builder] {
+        let (tx, rx, _s) = pair(builder(), builder()).await;
+        let (done_to, mut done) = inbox::<WriteDone>();
+        let mut sent = Vec::new();
+        for round in 0..3u64 {
+            for (i, (p, t)) in shapes.iter().enumerate() {
+                let index = round * 100 + i as u64;
+                tx.do_send(Write::new(checked_message(index, p, t)).notify(done_to.clone()));
+                sent.push(index);
+            }
+        }
+        within(60, "inline boundary", async {
+            for index in &sent {
+                assert_eq!(verify(&read_one(&rx).await.unwrap()), *index);
+            }
+            for id in 0..sent.len() as u64 {
+                let d = done.recv().await.expect("write completion");
+                assert_eq!(d.id, id);
+                d.result.unwrap();
+            }
+        })
+        .await;
+    }
+}

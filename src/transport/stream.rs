@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, watch};
 
 use super::{BoxRead, BoxWrite};
 use crate::error::{Error, Origin};
-use crate::message::Payload;
+use crate::message::{Descriptor, Payload};
 use crate::wire::{self, ChunkHeader, Frame, FrameKind, Limits, LEN_PREFIX};
 
 /// Where a loop sends completions.
@@ -31,6 +31,21 @@ pub type Reply = mpsc::UnboundedSender<Done>;
 
 /// Capacity of the buffered reader in front of each connection.
 pub const READ_BUFFER: usize = 64 << 10;
+
+/// Payloads of a message totalling at most this many bytes are read together with its
+/// descriptor frame (see [`inline_payloads`]).
+pub const INLINE_PAYLOADS: u64 = 16 << 10;
+
+/// The total size of a message's payloads, if small enough to be read with its descriptor: the
+/// read loop then reads them right after the frame and hands them over in [`Done::Frame`], which
+/// saves the receiver a round through the loop's queue per message.
+pub fn inline_payloads(d: &Descriptor) -> Option<usize> {
+    let total = d
+        .payloads
+        .iter()
+        .try_fold(0u64, |sum, p| sum.checked_add(p.length))?;
+    (total <= INLINE_PAYLOADS).then_some(total as usize)
+}
 
 /// Memory a tensor operation reads from or writes into.
 #[derive(Debug)]
@@ -189,6 +204,9 @@ pub enum Done {
         ticket: u64,
         /// The frame, or why none came.
         result: Result<Frame, Error>,
+        /// For a descriptor whose payloads are [inline](inline_payloads): their bytes, one after
+        /// the other. Empty otherwise.
+        payloads: Vec<u8>,
     },
     /// [`InOp::Payloads`] finished.
     Payloads {
@@ -280,6 +298,7 @@ impl InOp {
                 Done::Frame {
                     ticket,
                     result: Err(e),
+                    payloads: Vec::new(),
                 },
             ),
             op => op.complete(Err(e)),
@@ -305,6 +324,7 @@ impl Ticketed for InOp {
                     ticket,
                     result: result
                         .and_then(|_| Err(Error::invalid("frame read completed without a frame"))),
+                    payloads: Vec::new(),
                 },
             ),
             InOp::Payloads {
@@ -412,6 +432,35 @@ async fn stopped(stop: &mut Stop) {
     let _ = stop.wait_for(|s| s.is_some()).await;
 }
 
+/// The stop signal as one future armed for the life of a loop: a fresh `watch` wait in every
+/// `select!` would register and drop a waiter per operation. Once ready it stays ready.
+struct Halt {
+    wait: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>,
+}
+
+impl Halt {
+    fn new(mut stop: Stop) -> Halt {
+        Halt {
+            wait: Some(Box::pin(async move { stopped(&mut stop).await })),
+        }
+    }
+}
+
+impl std::future::Future for Halt {
+    type Output = ();
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        if let Some(wait) = &mut self.wait {
+            std::task::ready!(wait.as_mut().poll(cx));
+            self.wait = None;
+        }
+        std::task::Poll::Ready(())
+    }
+}
+
 fn cancelled(origin: &Origin) -> Error {
     Error::Closed {
         reason: "connection stopped".into(),
@@ -424,7 +473,7 @@ fn cancelled(origin: &Origin) -> Error {
 async fn next_op<T: Ticketed>(
     seq: &mut Sequencer<T>,
     rx: &mut mpsc::UnboundedReceiver<T>,
-    stop: &mut Stop,
+    stop: &mut Halt,
     halted: &mut bool,
 ) -> Option<T> {
     loop {
@@ -433,7 +482,7 @@ async fn next_op<T: Ticketed>(
         }
         tokio::select! {
             biased;
-            _ = stopped(stop) => {
+            _ = &mut *stop => {
                 *halted = true;
                 return None;
             }
@@ -532,14 +581,15 @@ async fn write_op(w: &mut BoxWrite, op: &OutOp, scratch: &mut Vec<u8>) -> std::i
 pub async fn write_loop(
     mut w: BoxWrite,
     mut rx: mpsc::UnboundedReceiver<OutOp>,
-    mut stop: Stop,
+    stop: Stop,
     origin: Origin,
 ) {
     let mut seq = Sequencer::default();
     let mut scratch = Vec::with_capacity(64);
     let mut halted = false;
+    let mut halt = Halt::new(stop.clone());
     let failure = loop {
-        let Some(op) = next_op(&mut seq, &mut rx, &mut stop, &mut halted).await else {
+        let Some(op) = next_op(&mut seq, &mut rx, &mut halt, &mut halted).await else {
             if !halted {
                 // Every sender is gone: nothing more to write.
                 let _ = w.shutdown().await;
@@ -558,7 +608,7 @@ pub async fn write_loop(
         };
         let result = tokio::select! {
             biased;
-            _ = stopped(&mut stop) => {
+            _ = &mut halt => {
                 op.complete(Err(cancelled(&origin)));
                 break cancelled(&origin);
             }
@@ -714,9 +764,21 @@ async fn read_op(
     buf: &mut Vec<u8>,
     limits: &Limits,
     origin: &Origin,
-) -> Result<Option<Frame>, Error> {
+) -> Result<Option<(Frame, Vec<u8>)>, Error> {
     match op {
-        InOp::Frame { .. } => read_frame(r, buf, limits, origin).await.map(Some),
+        InOp::Frame { .. } => {
+            let frame = read_frame(r, buf, limits, origin).await?;
+            let mut payloads = Vec::new();
+            if let Frame::Descriptor(wd) = &frame {
+                if let Some(n @ 1..) = inline_payloads(&wd.descriptor) {
+                    payloads.resize(n, 0);
+                    r.read_exact(&mut payloads)
+                        .await
+                        .map_err(|e| io_error("reading a payload", e, origin))?;
+                }
+            }
+            Ok(Some((frame, payloads)))
+        }
         InOp::Payloads { buffers, .. } => {
             for b in buffers.iter_mut() {
                 r.read_exact(b)
@@ -743,15 +805,16 @@ async fn read_op(
 pub async fn read_loop(
     mut r: BufReader<BoxRead>,
     mut rx: mpsc::UnboundedReceiver<InOp>,
-    mut stop: Stop,
+    stop: Stop,
     limits: Limits,
     origin: Origin,
 ) {
     let mut seq = Sequencer::default();
     let mut buf = Vec::with_capacity(256);
     let mut halted = false;
+    let mut halt = Halt::new(stop);
     let failure = loop {
-        let Some(mut op) = next_op(&mut seq, &mut rx, &mut stop, &mut halted).await else {
+        let Some(mut op) = next_op(&mut seq, &mut rx, &mut halt, &mut halted).await else {
             if !halted {
                 return;
             }
@@ -759,18 +822,19 @@ pub async fn read_loop(
         };
         let result = tokio::select! {
             biased;
-            _ = stopped(&mut stop) => {
+            _ = &mut halt => {
                 op.fail(cancelled(&origin));
                 break cancelled(&origin);
             }
             r = read_op(&mut r, &mut op, &mut buf, &limits, &origin) => r,
         };
         match (result, op) {
-            (Ok(Some(frame)), InOp::Frame { ticket, reply }) => send(
+            (Ok(Some((frame, payloads))), InOp::Frame { ticket, reply }) => send(
                 &reply,
                 Done::Frame {
                     ticket,
                     result: Ok(frame),
+                    payloads,
                 },
             ),
             (Ok(_), op) => op.complete(Ok(())),
