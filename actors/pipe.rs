@@ -48,6 +48,7 @@ const ORPHAN_CHECK: Duration = Duration::from_secs(2);
 pub(crate) enum Completer<T: actix::Message<Result = ()> + Send> {
     Reply(oneshot::Sender<T>),
     Notify(Recipient<T>),
+    Shared(Arc<Recipient<T>>),
 }
 
 impl<T: actix::Message<Result = ()> + Send + 'static> Completer<T> {
@@ -57,6 +58,7 @@ impl<T: actix::Message<Result = ()> + Send + 'static> Completer<T> {
                 let _ = tx.send(v);
             }
             Completer::Notify(r) => r.do_send(v),
+            Completer::Shared(r) => r.do_send(v),
         }
     }
 }
@@ -1241,6 +1243,14 @@ macro_rules! pipe_op {
 
             fn handle(&mut self, n: Notify<$op>, ctx: &mut Self::Context) {
                 self.submit(n.op.into_pending(Completer::Notify(n.to)), ctx);
+            }
+        }
+
+        impl Handler<NotifyShared<$op>> for Pipe {
+            type Result = ();
+
+            fn handle(&mut self, n: NotifyShared<$op>, ctx: &mut Self::Context) {
+                self.submit(n.op.into_pending(Completer::Shared(n.to)), ctx);
             }
         }
     };

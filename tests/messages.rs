@@ -184,6 +184,54 @@ async fn fired_reads_complete_in_order() {
     }
 }
 
+/// Operations fired with `notify_shared` (one recipient made once) and with `notify`, mixed,
+/// complete in issue order, writes and reads alike.
+#[actix::test]
+async fn shared_recipients_complete_in_order() {
+    let (tx, rx, _s) = pair(Context::builder(), Context::builder()).await;
+    let (wrote_to, mut wrote) = inbox::<WriteDone>();
+    let (desc_to, mut descs) = inbox::<DescriptorReady>();
+    let (read_to, mut reads) = inbox::<ReadDone>();
+    let (wrote_shared, desc_shared, read_shared) = (
+        std::sync::Arc::new(wrote_to.clone()),
+        std::sync::Arc::new(desc_to.clone()),
+        std::sync::Arc::new(read_to.clone()),
+    );
+    for i in 0..6 {
+        let w = Write::new(checked_message(i, &[8], &[16]));
+        if i % 2 == 0 {
+            tx.do_send(w.notify_shared(&wrote_shared));
+        } else {
+            tx.do_send(w.notify(wrote_to.clone()));
+        }
+    }
+    for i in 0..6 {
+        let alloc = Allocation {
+            payloads: vec![vec![0; 8]],
+            tensors: vec![Buffer::Cpu(vec![0; 16])],
+        };
+        if i % 2 == 0 {
+            rx.do_send(ReadDescriptor.notify(desc_to.clone()));
+            rx.do_send(Read::new(alloc).notify_shared(&read_shared));
+        } else {
+            rx.do_send(ReadDescriptor.notify_shared(&desc_shared));
+            rx.do_send(Read::new(alloc).notify(read_to.clone()));
+        }
+    }
+    for i in 0..6 {
+        let w = within(10, "write", wrote.recv()).await.unwrap();
+        assert_eq!(w.id, i);
+        w.result.unwrap();
+        let d = within(10, "descriptor", descs.recv()).await.unwrap();
+        assert_eq!(d.id, 2 * i);
+        d.descriptor.unwrap();
+        let r = within(10, "read", reads.recv()).await.unwrap();
+        assert_eq!(r.id, 2 * i + 1);
+        r.result.unwrap();
+        assert_eq!(verify(&r.message), i);
+    }
+}
+
 /// Over the limits on the sending side: the write fails with LimitExceeded, hands its buffers
 /// back, and the pipe stays open.
 #[actix::test]
