@@ -7,7 +7,7 @@
 //! in the operation.
 //!
 //! Bytes land directly in the caller's buffers: payloads and tensor pieces are read with
-//! `read_exact` into the user's memory (the 64 KiB read buffer only serves frame headers; tokio
+//! `read_exact` into the user's memory (the 8 KiB read buffer only serves frames and small payloads; tokio
 //! bypasses it for large reads), and written with vectored writes straight from the user's
 //! memory. Encoding and frame buffers are reused, so steady state allocates nothing here.
 //!
@@ -29,8 +29,13 @@ use crate::wire::{self, ChunkHeader, Frame, FrameKind, Limits, LEN_PREFIX};
 /// Where a loop sends completions.
 pub type Reply = mpsc::UnboundedSender<Done>;
 
-/// Capacity of the buffered reader in front of each connection.
-pub const READ_BUFFER: usize = 64 << 10;
+/// Capacity of the buffered reader in front of each connection. It is allocated (and touched)
+/// for every connection, idle or not, so it is kept small: frames and small payloads go through
+/// it, and a read of at least this size into an empty buffer bypasses it.
+pub const READ_BUFFER: usize = 8 << 10;
+
+/// A frame buffer grown past 4 × this by a large frame is shrunk back to it.
+const FRAME_BUFFER: usize = 64 << 10;
 
 /// Payloads of a message totalling at most this many bytes are read together with its
 /// descriptor frame (see [`inline_payloads`]).
@@ -690,10 +695,10 @@ pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(
 ) -> Result<Frame, Error> {
     read_frame_bytes(r, buf, limits, origin).await?;
     let frame = wire::decode_frame(buf, limits).map_err(|e| e.at(origin));
-    if buf.capacity() > 4 * READ_BUFFER {
+    if buf.capacity() > 4 * FRAME_BUFFER {
         // One large frame should not pin its buffer for the life of the pipe.
         buf.clear();
-        buf.shrink_to(READ_BUFFER);
+        buf.shrink_to(FRAME_BUFFER);
     }
     frame
 }
