@@ -4,6 +4,10 @@
 //! is complete) or fired with a recipient that receives the completion
 //! (`pipe.do_send(Write::new(m).notify(me.recipient()))`). Completions of one kind (writes;
 //! descriptor reads and reads) arrive in the order the operations were issued, errors included.
+//! An actor that fires many operations can make each recipient once and fire with
+//! [`Op::notify_shared`], which costs no allocation per operation.
+
+use std::sync::Arc;
 
 use actix::{Addr, Message as ActixMessage, Recipient};
 
@@ -19,6 +23,17 @@ pub trait Op: ActixMessage<Result = <Self as Op>::Done> + Send + Sized + 'static
     /// Fires this operation: `to` receives the completion instead of the caller awaiting it.
     fn notify(self, to: Recipient<Self::Done>) -> Notify<Self> {
         Notify { op: self, to }
+    }
+
+    /// Fires this operation to a recipient shared by many operations: `to` receives the
+    /// completion. Cloning the `Arc` allocates nothing, where each `Recipient` (a
+    /// `ctx.address().recipient()`, or a clone of one) allocates three times. Make it once, as
+    /// `Arc::new(ctx.address().recipient())`, and keep it.
+    fn notify_shared(self, to: &Arc<Recipient<Self::Done>>) -> NotifyShared<Self> {
+        NotifyShared {
+            op: self,
+            to: to.clone(),
+        }
     }
 
     /// The completion used if the pipe actor vanished before answering (it never does while
@@ -37,6 +52,19 @@ pub struct Notify<M: Op> {
 }
 
 impl<M: Op> ActixMessage for Notify<M> {
+    type Result = ();
+}
+
+/// An operation whose completion goes to a shared recipient; see [`Op::notify_shared`].
+#[derive(Debug)]
+pub struct NotifyShared<M: Op> {
+    /// The operation.
+    pub op: M,
+    /// Who gets the completion.
+    pub to: Arc<Recipient<M::Done>>,
+}
+
+impl<M: Op> ActixMessage for NotifyShared<M> {
     type Result = ();
 }
 

@@ -36,7 +36,7 @@ use crate::handshake::Halves;
 use crate::message::{Allocation, Buffer, Descriptor, Message, Payload, Tensor};
 use crate::metrics::{OpKind, PipeMetrics};
 use crate::negotiate::{Choice, DeviceKind, DevicePair};
-use crate::transport::stream::{unexpected, Done, Farewell, InOp, OutOp, Reply};
+use crate::transport::stream::{inline_payloads, unexpected, Done, Farewell, InOp, OutOp, Reply};
 use crate::wire::{self, encode_frame, Frame, FrameKind, Limits, WireDescriptor};
 
 static NEXT_PIPE_ID: AtomicU64 = AtomicU64::new(1);
@@ -48,6 +48,7 @@ const ORPHAN_CHECK: Duration = Duration::from_secs(2);
 pub(crate) enum Completer<T: actix::Message<Result = ()> + Send> {
     Reply(oneshot::Sender<T>),
     Notify(Recipient<T>),
+    Shared(Arc<Recipient<T>>),
 }
 
 impl<T: actix::Message<Result = ()> + Send + 'static> Completer<T> {
@@ -57,6 +58,7 @@ impl<T: actix::Message<Result = ()> + Send + 'static> Completer<T> {
                 let _ = tx.send(v);
             }
             Completer::Notify(r) => r.do_send(v),
+            Completer::Shared(r) => r.do_send(v),
         }
     }
 }
@@ -131,7 +133,7 @@ pub const MAX_PREFETCH: usize = 16;
 /// Descriptors read ahead of the user.
 #[derive(Default)]
 struct Prefetch {
-    ready: VecDeque<WireDescriptor>,
+    ready: VecDeque<Incoming>,
     in_flight: bool,
     /// The last ready descriptor has bytes in-band: nothing more can be read before its `Read`.
     blocked: bool,
@@ -175,7 +177,14 @@ pub struct Pipe {
     in_ticket: u64,
     expect_seq: u64,
     prefetch: Prefetch,
-    current: Option<WireDescriptor>,
+    current: Option<Incoming>,
+}
+
+/// A descriptor read ahead, with its payloads' bytes if they were read with it (see
+/// [`inline_payloads`]).
+struct Incoming {
+    wd: WireDescriptor,
+    payloads: Vec<u8>,
 }
 
 /// Everything a pipe is built from: its control connection, what was negotiated, and each
@@ -344,16 +353,16 @@ impl Actor for Pipe {
             ctx.add_stream(Queue(rx));
         }
         self.arm_prefetch();
-        ctx.run_interval(ORPHAN_CHECK, |act, ctx| {
-            if ctx.connected() {
-                return;
-            }
-            act.fail(Error::Closed {
-                reason: "every address of the pipe was dropped".into(),
-                origin: act.origin.clone(),
-            });
-            if act.closed_sent {
-                ctx.stop();
+        // The orphan check is a task of its own: an interval on the pipe's context would be
+        // polled each time the pipe wakes, that is at every operation and completion.
+        let pipe = ctx.address().downgrade();
+        actix::spawn(async move {
+            loop {
+                tokio::time::sleep(ORPHAN_CHECK).await;
+                match pipe.upgrade() {
+                    Some(addr) if addr.connected() => addr.do_send(OrphanCheck),
+                    _ => return,
+                }
             }
         });
     }
@@ -367,6 +376,31 @@ impl Actor for Pipe {
             });
         }
         tracing::debug!(parent: &self.span, "pipe actor stopped");
+    }
+}
+
+/// Sent by the pipe's orphan-check task every [`ORPHAN_CHECK`].
+struct OrphanCheck;
+
+impl actix::Message for OrphanCheck {
+    type Result = ();
+}
+
+impl Handler<OrphanCheck> for Pipe {
+    type Result = ();
+
+    fn handle(&mut self, _: OrphanCheck, ctx: &mut Self::Context) {
+        // The task's own address is gone by now: this counts the application's.
+        if ctx.connected() {
+            return;
+        }
+        self.fail(Error::Closed {
+            reason: "every address of the pipe was dropped".into(),
+            origin: self.origin.clone(),
+        });
+        if self.closed_sent {
+            ctx.stop();
+        }
     }
 }
 
@@ -624,10 +658,12 @@ impl Pipe {
 
     // ----- reads --------------------------------------------------------------------------
 
-    /// Whether reading a message takes reads on the control connection (payload bytes, or
-    /// tensors that travel there, given each tensor's channel data).
-    fn in_band<'a>(&self, payloads: usize, mut routes: impl Iterator<Item = &'a [u8]>) -> bool {
-        payloads > 0 || routes.any(|data| self.cpu_kind.recvs_on_control(data))
+    /// Whether reading message `d` takes reads on the control connection (payload bytes not
+    /// read with the descriptor, or tensors that travel there, given each tensor's channel
+    /// data).
+    fn in_band<'a>(&self, d: &Descriptor, mut routes: impl Iterator<Item = &'a [u8]>) -> bool {
+        (!d.payloads.is_empty() && inline_payloads(d).is_none())
+            || routes.any(|data| self.cpu_kind.recvs_on_control(data))
     }
 
     fn arm_prefetch(&mut self) {
@@ -703,9 +739,9 @@ impl Pipe {
                     return false;
                 }
                 match self.prefetch.ready.pop_front() {
-                    Some(wd) => {
-                        *result = Some(Ok(wd.descriptor.clone()));
-                        self.current = Some(wd);
+                    Some(incoming) => {
+                        *result = Some(Ok(incoming.wd.descriptor.clone()));
+                        self.current = Some(incoming);
                         self.arm_prefetch();
                         true
                     }
@@ -722,14 +758,14 @@ impl Pipe {
                     (None, None) => Some(Error::invalid(
                         "Read issued with no descriptor to read: send ReadDescriptor first",
                     )),
-                    (None, Some(wd)) => alloc.check(&wd.descriptor).err(),
+                    (None, Some(incoming)) => alloc.check(&incoming.wd.descriptor).err(),
                 };
                 if let Some(e) = refusal {
                     *message = hand_back(alloc);
                     *state = ReadState::Finished(Err(e));
                 } else {
-                    let wd = self.current.take().expect("checked above");
-                    (*message, *state) = self.start_read(wd, alloc);
+                    let incoming = self.current.take().expect("checked above");
+                    (*message, *state) = self.start_read(incoming, alloc);
                 }
                 true
             }
@@ -737,13 +773,19 @@ impl Pipe {
         }
     }
 
-    fn start_read(&mut self, wd: WireDescriptor, alloc: Allocation) -> (Message, ReadState) {
-        let WireDescriptor {
-            seq,
-            descriptor,
-            routes,
-        } = wd;
-        let message = Message {
+    fn start_read(&mut self, incoming: Incoming, alloc: Allocation) -> (Message, ReadState) {
+        let Incoming {
+            wd:
+                WireDescriptor {
+                    seq,
+                    descriptor,
+                    routes,
+                },
+            payloads: inline,
+        } = incoming;
+        let in_band = self.in_band(&descriptor, routes.iter().map(|(_, data)| data.as_slice()));
+        let inline = inline_payloads(&descriptor).map(|_| inline);
+        let mut message = Message {
             metadata: descriptor.metadata,
             payloads: descriptor
                 .payloads
@@ -766,13 +808,19 @@ impl Pipe {
         let (Some((_, link)), Some(reply)) = (&self.conn, &self.reply) else {
             unreachable!("reads start only while the pipe is open");
         };
-        let in_band = self.in_band(
-            alloc.payloads.len(),
-            routes.iter().map(|(_, data)| data.as_slice()),
-        );
         let mut ticket = self.in_ticket;
-        let payload_ticket = (!alloc.payloads.is_empty()).then_some(ticket);
-        if payload_ticket.is_some() {
+        let payload_ticket = (!alloc.payloads.is_empty() && inline.is_none()).then_some(ticket);
+        if let Some(bytes) = inline {
+            // Read with the descriptor: copy them into the caller's buffers (the sizes match,
+            // `Allocation::check` saw to that).
+            let mut at = 0;
+            for (p, mut b) in message.payloads.iter_mut().zip(alloc.payloads) {
+                let n = b.len();
+                b.copy_from_slice(&bytes[at..at + n]);
+                at += n;
+                p.data = b;
+            }
+        } else if payload_ticket.is_some() {
             link.read(
                 InOp::Payloads {
                     ticket,
@@ -919,7 +967,9 @@ impl Pipe {
                 }
                 self.pump_writes();
             }
-            Done::Frame { result, .. } => {
+            Done::Frame {
+                result, payloads, ..
+            } => {
                 let outcome = result.and_then(|f| match f {
                     Frame::Descriptor(wd) => self.check_descriptor(&wd).map(|_| wd),
                     f => Err(unexpected(f, "a message descriptor", &self.origin)),
@@ -929,10 +979,10 @@ impl Pipe {
                         self.expect_seq += 1;
                         self.prefetch.in_flight = false;
                         self.prefetch.blocked = self.in_band(
-                            wd.descriptor.payloads.len(),
+                            &wd.descriptor,
                             wd.routes.iter().map(|(_, data)| data.as_slice()),
                         );
-                        self.prefetch.ready.push_back(wd);
+                        self.prefetch.ready.push_back(Incoming { wd, payloads });
                         self.advance_reads();
                         self.arm_prefetch();
                     }
@@ -1235,6 +1285,14 @@ macro_rules! pipe_op {
 
             fn handle(&mut self, n: Notify<$op>, ctx: &mut Self::Context) {
                 self.submit(n.op.into_pending(Completer::Notify(n.to)), ctx);
+            }
+        }
+
+        impl Handler<NotifyShared<$op>> for Pipe {
+            type Result = ();
+
+            fn handle(&mut self, n: NotifyShared<$op>, ctx: &mut Self::Context) {
+                self.submit(n.op.into_pending(Completer::Shared(n.to)), ctx);
             }
         }
     };

@@ -184,6 +184,54 @@ async fn fired_reads_complete_in_order() {
     }
 }
 
+/// Operations fired with `notify_shared` (one recipient made once) and with `notify`, mixed,
+/// complete in issue order, writes and reads alike.
+#[actix::test]
+async fn shared_recipients_complete_in_order() {
+    let (tx, rx, _s) = pair(Context::builder(), Context::builder()).await;
+    let (wrote_to, mut wrote) = inbox::<WriteDone>();
+    let (desc_to, mut descs) = inbox::<DescriptorReady>();
+    let (read_to, mut reads) = inbox::<ReadDone>();
+    let (wrote_shared, desc_shared, read_shared) = (
+        std::sync::Arc::new(wrote_to.clone()),
+        std::sync::Arc::new(desc_to.clone()),
+        std::sync::Arc::new(read_to.clone()),
+    );
+    for i in 0..6 {
+        let w = Write::new(checked_message(i, &[8], &[16]));
+        if i % 2 == 0 {
+            tx.do_send(w.notify_shared(&wrote_shared));
+        } else {
+            tx.do_send(w.notify(wrote_to.clone()));
+        }
+    }
+    for i in 0..6 {
+        let alloc = Allocation {
+            payloads: vec![vec![0; 8]],
+            tensors: vec![Buffer::Cpu(vec![0; 16])],
+        };
+        if i % 2 == 0 {
+            rx.do_send(ReadDescriptor.notify(desc_to.clone()));
+            rx.do_send(Read::new(alloc).notify_shared(&read_shared));
+        } else {
+            rx.do_send(ReadDescriptor.notify_shared(&desc_shared));
+            rx.do_send(Read::new(alloc).notify(read_to.clone()));
+        }
+    }
+    for i in 0..6 {
+        let w = within(10, "write", wrote.recv()).await.unwrap();
+        assert_eq!(w.id, i);
+        w.result.unwrap();
+        let d = within(10, "descriptor", descs.recv()).await.unwrap();
+        assert_eq!(d.id, 2 * i);
+        d.descriptor.unwrap();
+        let r = within(10, "read", reads.recv()).await.unwrap();
+        assert_eq!(r.id, 2 * i + 1);
+        r.result.unwrap();
+        assert_eq!(verify(&r.message), i);
+    }
+}
+
 /// Over the limits on the sending side: the write fails with LimitExceeded, hands its buffers
 /// back, and the pipe stays open.
 #[actix::test]
@@ -210,4 +258,44 @@ async fn write_over_limits_fails_alone() {
     let w = tx.send(Write::new(checked_message(1, &[], &[1, 1])));
     assert_eq!(verify(&read_one(&rx).await.unwrap()), 1);
     w.await.unwrap().result.unwrap();
+}
+
+/// Payloads of up to 16 KiB in all are read together with their descriptor, larger ones after
+/// it. Messages on both sides of that boundary, with and without tensors (which travel on the
+/// control stream with basic), all written before any is read, arrive intact and in order.
+#[actix::test]
+async fn payloads_around_the_inline_boundary() {
+    let shapes: [(&[usize], &[usize]); 8] = [
+        (&[16384], &[]),
+        (&[16385], &[]),
+        (&[8192, 8192], &[100]),
+        (&[8192, 8193], &[100]),
+        (&[0, 0, 0], &[]),
+        (&[1, 2, 3], &[5000, 0]),
+        (&[64], &[]),
+        (&[100_000, 64], &[64]),
+    ];
+    for builder in [tcp_basic, Context::builder] {
+        let (tx, rx, _s) = pair(builder(), builder()).await;
+        let (done_to, mut done) = inbox::<WriteDone>();
+        let mut sent = Vec::new();
+        for round in 0..3u64 {
+            for (i, (p, t)) in shapes.iter().enumerate() {
+                let index = round * 100 + i as u64;
+                tx.do_send(Write::new(checked_message(index, p, t)).notify(done_to.clone()));
+                sent.push(index);
+            }
+        }
+        within(60, "inline boundary", async {
+            for index in &sent {
+                assert_eq!(verify(&read_one(&rx).await.unwrap()), *index);
+            }
+            for id in 0..sent.len() as u64 {
+                let d = done.recv().await.expect("write completion");
+                assert_eq!(d.id, id);
+                d.result.unwrap();
+            }
+        })
+        .await;
+    }
 }

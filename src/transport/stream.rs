@@ -7,7 +7,7 @@
 //! in the operation.
 //!
 //! Bytes land directly in the caller's buffers: payloads and tensor pieces are read with
-//! `read_exact` into the user's memory (the 64 KiB read buffer only serves frame headers; tokio
+//! `read_exact` into the user's memory (the 8 KiB read buffer only serves frames and small payloads; tokio
 //! bypasses it for large reads), and written with vectored writes straight from the user's
 //! memory. Encoding and frame buffers are reused, so steady state allocates nothing here.
 //!
@@ -27,14 +27,34 @@ use tokio::time::Sleep;
 use super::liveness::{silence, Heartbeat, Pulse, Stamped};
 use super::{BoxRead, BoxWrite};
 use crate::error::{Error, Origin};
-use crate::message::Payload;
+use crate::message::{Descriptor, Payload};
 use crate::wire::{self, ChunkHeader, Frame, FrameKind, Limits, LEN_PREFIX};
 
 /// Where a loop sends completions.
 pub type Reply = mpsc::UnboundedSender<Done>;
 
-/// Capacity of the buffered reader in front of each connection.
-pub const READ_BUFFER: usize = 64 << 10;
+/// Capacity of the buffered reader in front of each connection. It is allocated (and touched)
+/// for every connection, idle or not, so it is kept small: frames and small payloads go through
+/// it, and a read of at least this size into an empty buffer bypasses it.
+pub const READ_BUFFER: usize = 8 << 10;
+
+/// A frame buffer grown past 4 × this by a large frame is shrunk back to it.
+const FRAME_BUFFER: usize = 64 << 10;
+
+/// Payloads of a message totalling at most this many bytes are read together with its
+/// descriptor frame (see [`inline_payloads`]).
+pub const INLINE_PAYLOADS: u64 = 16 << 10;
+
+/// The total size of a message's payloads, if small enough to be read with its descriptor: the
+/// read loop then reads them right after the frame and hands them over in [`Done::Frame`], which
+/// saves the receiver a round through the loop's queue per message.
+pub fn inline_payloads(d: &Descriptor) -> Option<usize> {
+    let total = d
+        .payloads
+        .iter()
+        .try_fold(0u64, |sum, p| sum.checked_add(p.length))?;
+    (total <= INLINE_PAYLOADS).then_some(total as usize)
+}
 
 /// Memory a tensor operation reads from or writes into.
 #[derive(Debug)]
@@ -193,6 +213,9 @@ pub enum Done {
         ticket: u64,
         /// The frame, or why none came.
         result: Result<Frame, Error>,
+        /// For a descriptor whose payloads are [inline](inline_payloads): their bytes, one after
+        /// the other. Empty otherwise.
+        payloads: Vec<u8>,
     },
     /// [`InOp::Payloads`] finished.
     Payloads {
@@ -284,6 +307,7 @@ impl InOp {
                 Done::Frame {
                     ticket,
                     result: Err(e),
+                    payloads: Vec::new(),
                 },
             ),
             op => op.complete(Err(e)),
@@ -309,6 +333,7 @@ impl Ticketed for InOp {
                     ticket,
                     result: result
                         .and_then(|_| Err(Error::invalid("frame read completed without a frame"))),
+                    payloads: Vec::new(),
                 },
             ),
             InOp::Payloads {
@@ -416,6 +441,35 @@ async fn stopped(stop: &mut Stop) {
     let _ = stop.wait_for(|s| s.is_some()).await;
 }
 
+/// The stop signal as one future armed for the life of a loop: a fresh `watch` wait in every
+/// `select!` would register and drop a waiter per operation. Once ready it stays ready.
+struct Halt {
+    wait: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>,
+}
+
+impl Halt {
+    fn new(mut stop: Stop) -> Halt {
+        Halt {
+            wait: Some(Box::pin(async move { stopped(&mut stop).await })),
+        }
+    }
+}
+
+impl std::future::Future for Halt {
+    type Output = ();
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        if let Some(wait) = &mut self.wait {
+            std::task::ready!(wait.as_mut().poll(cx));
+            self.wait = None;
+        }
+        std::task::Poll::Ready(())
+    }
+}
+
 fn cancelled(origin: &Origin) -> Error {
     Error::Closed {
         reason: "connection stopped".into(),
@@ -428,7 +482,7 @@ fn cancelled(origin: &Origin) -> Error {
 async fn next_op<T: Ticketed>(
     seq: &mut Sequencer<T>,
     rx: &mut mpsc::UnboundedReceiver<T>,
-    stop: &mut Stop,
+    stop: &mut Halt,
     halted: &mut bool,
 ) -> Option<T> {
     loop {
@@ -437,7 +491,7 @@ async fn next_op<T: Ticketed>(
         }
         tokio::select! {
             biased;
-            _ = stopped(stop) => {
+            _ = &mut *stop => {
                 *halted = true;
                 return None;
             }
@@ -544,7 +598,7 @@ enum Idle {
 async fn next_write(
     seq: &mut Sequencer<OutOp>,
     rx: &mut mpsc::UnboundedReceiver<OutOp>,
-    stop: &mut Stop,
+    stop: &mut Halt,
     halted: &mut bool,
     beat: Option<(&Heartbeat, Pin<&mut Sleep>, &mut Instant)>,
     w: &mut BoxWrite,
@@ -562,7 +616,7 @@ async fn next_write(
         if Instant::now() >= *last_write + hb.interval {
             let sent = tokio::select! {
                 biased;
-                _ = stopped(stop) => Err(cancelled(origin)),
+                _ = &mut *stop => Err(cancelled(origin)),
                 r = w.write_all(&wire::PING_FRAME) => r.map_err(|e| io_error("writing", e, origin)),
             };
             if sent.is_err() {
@@ -579,13 +633,14 @@ async fn next_write(
 pub async fn write_loop(
     mut w: BoxWrite,
     mut rx: mpsc::UnboundedReceiver<OutOp>,
-    mut stop: Stop,
+    stop: Stop,
     origin: Origin,
     heartbeat: Option<Heartbeat>,
 ) {
     let mut seq = Sequencer::default();
     let mut scratch = Vec::with_capacity(64);
     let mut halted = false;
+    let mut halt = Halt::new(stop.clone());
     let mut alarm = std::pin::pin!(tokio::time::sleep(
         heartbeat.map_or(Duration::ZERO, |h| h.interval)
     ));
@@ -597,7 +652,7 @@ pub async fn write_loop(
         let next = next_write(
             &mut seq,
             &mut rx,
-            &mut stop,
+            &mut halt,
             &mut halted,
             beat,
             &mut w,
@@ -626,7 +681,7 @@ pub async fn write_loop(
         };
         let result = tokio::select! {
             biased;
-            _ = stopped(&mut stop) => {
+            _ = &mut halt => {
                 op.complete(Err(cancelled(&origin)));
                 break cancelled(&origin);
             }
@@ -714,10 +769,10 @@ pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(
             f => break f.map_err(|e| e.at(origin)),
         }
     };
-    if buf.capacity() > 4 * READ_BUFFER {
+    if buf.capacity() > 4 * FRAME_BUFFER {
         // One large frame should not pin its buffer for the life of the pipe.
         buf.clear();
-        buf.shrink_to(READ_BUFFER);
+        buf.shrink_to(FRAME_BUFFER);
     }
     frame
 }
@@ -788,9 +843,21 @@ async fn read_op(
     buf: &mut Vec<u8>,
     limits: &Limits,
     origin: &Origin,
-) -> Result<Option<Frame>, Error> {
+) -> Result<Option<(Frame, Vec<u8>)>, Error> {
     match op {
-        InOp::Frame { .. } => read_frame(r, buf, limits, origin).await.map(Some),
+        InOp::Frame { .. } => {
+            let frame = read_frame(r, buf, limits, origin).await?;
+            let mut payloads = Vec::new();
+            if let Frame::Descriptor(wd) = &frame {
+                if let Some(n @ 1..) = inline_payloads(&wd.descriptor) {
+                    payloads.resize(n, 0);
+                    r.read_exact(&mut payloads)
+                        .await
+                        .map_err(|e| io_error("reading a payload", e, origin))?;
+                }
+            }
+            Ok(Some((frame, payloads)))
+        }
         InOp::Payloads { buffers, .. } => {
             for b in buffers.iter_mut() {
                 r.read_exact(b)
@@ -818,7 +885,7 @@ async fn read_op(
 pub async fn read_loop(
     mut r: BufReader<BoxRead>,
     mut rx: mpsc::UnboundedReceiver<InOp>,
-    mut stop: Stop,
+    stop: Stop,
     limits: Limits,
     origin: Origin,
     heartbeat: Option<Heartbeat>,
@@ -826,6 +893,7 @@ pub async fn read_loop(
     let mut seq = Sequencer::default();
     let mut buf = Vec::with_capacity(256);
     let mut halted = false;
+    let mut halt = Halt::new(stop);
     let pulse = Pulse::new();
     if heartbeat.is_some() {
         // Count every byte the stream delivers from now on as a sign of life (bytes already
@@ -838,7 +906,7 @@ pub async fn read_loop(
         timeout.min(Duration::from_secs(1 << 30))
     ));
     let failure = loop {
-        let Some(mut op) = next_op(&mut seq, &mut rx, &mut stop, &mut halted).await else {
+        let Some(mut op) = next_op(&mut seq, &mut rx, &mut halt, &mut halted).await else {
             if !halted {
                 return;
             }
@@ -848,7 +916,7 @@ pub async fn read_loop(
         pulse.beat();
         let result = tokio::select! {
             biased;
-            _ = stopped(&mut stop) => {
+            _ = &mut halt => {
                 op.fail(cancelled(&origin));
                 break cancelled(&origin);
             }
@@ -862,11 +930,12 @@ pub async fn read_loop(
             }
         };
         match (result, op) {
-            (Ok(Some(frame)), InOp::Frame { ticket, reply }) => send(
+            (Ok(Some((frame, payloads))), InOp::Frame { ticket, reply }) => send(
                 &reply,
                 Done::Frame {
                     ticket,
                     result: Ok(frame),
+                    payloads,
                 },
             ),
             (Ok(_), op) => op.complete(Ok(())),

@@ -1,7 +1,7 @@
 //! The same echo and round trip as [`crate::bench`], written as actors that fire operations
 //! with `notify` and handle the completion messages (`--api fired`), as an application actor
 //! does. Comparing the two shows what awaiting costs (a oneshot, a boxed future and a spawned
-//! task per operation).
+//! task per operation). Both actors make their recipients once and fire with `notify_shared`.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -22,16 +22,48 @@ use crate::report::Progress;
 /// How long one round trip may take before the run gives up.
 const ROUND_TRIP_LIMIT: Duration = Duration::from_secs(60);
 
+/// An actor's recipients for the completions of fired operations, made once.
+struct Recipients {
+    wrote: Arc<Recipient<WriteDone>>,
+    described: Arc<Recipient<DescriptorReady>>,
+    read: Arc<Recipient<ReadDone>>,
+}
+
+impl Recipients {
+    fn of<A>(me: &Addr<A>) -> Recipients
+    where
+        A: Actor<Context = Context<A>>
+            + Handler<WriteDone>
+            + Handler<DescriptorReady>
+            + Handler<ReadDone>,
+    {
+        Recipients {
+            wrote: Arc::new(me.clone().recipient()),
+            described: Arc::new(me.clone().recipient()),
+            read: Arc::new(me.clone().recipient()),
+        }
+    }
+}
+
 /// Echoes one pipe: read a descriptor, read the message, write it back, repeat.
 pub struct Echo {
     pipe: Addr<Pipe>,
     spare: Option<Allocation>,
+    to: Option<Recipients>,
 }
 
 impl Echo {
     /// An echo of `pipe`, not started.
     pub fn new(pipe: Addr<Pipe>) -> Echo {
-        Echo { pipe, spare: None }
+        Echo {
+            pipe,
+            spare: None,
+            to: None,
+        }
+    }
+
+    fn to(&self) -> &Recipients {
+        self.to.as_ref().expect("made when started")
     }
 }
 
@@ -41,14 +73,17 @@ impl Actor for Echo {
     fn started(&mut self, ctx: &mut Self::Context) {
         let me = ctx.address();
         self.pipe.do_send(Subscribe(me.clone().recipient()));
-        self.pipe.do_send(ReadDescriptor.notify(me.recipient()));
+        let to = Recipients::of(&me);
+        self.pipe
+            .do_send(ReadDescriptor.notify_shared(&to.described));
+        self.to = Some(to);
     }
 }
 
 impl Handler<DescriptorReady> for Echo {
     type Result = ();
 
-    fn handle(&mut self, d: DescriptorReady, ctx: &mut Self::Context) {
+    fn handle(&mut self, d: DescriptorReady, _: &mut Self::Context) {
         // An error means the pipe closed; `Closed` follows.
         let Ok(descriptor) = d.descriptor else { return };
         let allocation = match self.spare.take() {
@@ -64,21 +99,22 @@ impl Handler<DescriptorReady> for Echo {
             },
         };
         self.pipe
-            .do_send(Read::new(allocation).notify(ctx.address().recipient()));
+            .do_send(Read::new(allocation).notify_shared(&self.to().read));
     }
 }
 
 impl Handler<ReadDone> for Echo {
     type Result = ();
 
-    fn handle(&mut self, r: ReadDone, ctx: &mut Self::Context) {
+    fn handle(&mut self, r: ReadDone, _: &mut Self::Context) {
         if r.result.is_err() {
             return;
         }
-        let me = ctx.address();
+        let to = self.to();
         self.pipe
-            .do_send(Write::new(r.message).notify(me.clone().recipient()));
-        self.pipe.do_send(ReadDescriptor.notify(me.recipient()));
+            .do_send(Write::new(r.message).notify_shared(&to.wrote));
+        self.pipe
+            .do_send(ReadDescriptor.notify_shared(&to.described));
     }
 }
 
@@ -117,6 +153,7 @@ pub struct Pinger {
     shared_trips: Arc<AtomicU32>,
     samples: Samples,
     finish: Option<oneshot::Sender<Result<(Samples, Buffers), Failure>>>,
+    to: Option<Recipients>,
 }
 
 impl Pinger {
@@ -144,6 +181,7 @@ impl Pinger {
             shared_trips: trips.clone(),
             samples: Samples::with_capacity(counts.iters as usize),
             finish: Some(tx),
+            to: None,
         }
         .start();
         // A round trip that never ends must end the run, not hang it. The watchdog is a task of
@@ -170,12 +208,15 @@ impl Pinger {
     }
 
     fn fire(&mut self, ctx: &mut Context<Self>) {
-        let me = ctx.address();
+        let to = self
+            .to
+            .get_or_insert_with(|| Recipients::of(&ctx.address()));
         let message = self.message.take().expect("a message to send");
         self.start = Instant::now();
         self.pipe
-            .do_send(Write::new(message).notify(me.clone().recipient()));
-        self.pipe.do_send(ReadDescriptor.notify(me.recipient()));
+            .do_send(Write::new(message).notify_shared(&to.wrote));
+        self.pipe
+            .do_send(ReadDescriptor.notify_shared(&to.described));
     }
 
     fn fail(&mut self, e: Failure, ctx: &mut Context<Self>) {
@@ -276,8 +317,9 @@ impl Handler<DescriptorReady> for Pinger {
                 Err(e) => return self.fail(e.into(), ctx),
             },
         };
+        let to = self.to.as_ref().expect("made by the first fire");
         self.pipe
-            .do_send(Read::new(allocation).notify(ctx.address().recipient()));
+            .do_send(Read::new(allocation).notify_shared(&to.read));
     }
 }
 
