@@ -88,3 +88,51 @@ fn info_lists_every_backend_and_why() {
     assert_eq!(v[1]["name"], "shm");
     assert!(v[1]["domain"].as_str().unwrap().contains(':'));
 }
+
+/// Runs `actorpipe <args> --json` and returns its JSON.
+fn bench_json(args: &[&str]) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_actorpipe"))
+        .args(args)
+        .arg("--json")
+        .output()
+        .expect("run actorpipe bench");
+    assert!(
+        out.status.success(),
+        "actorpipe {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "actorpipe {args:?}: not JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+/// The bench command end to end, tiny: two processes, a row per size with a baseline, and the
+/// idle measurement with its memory and CPU columns; bad input exits with code 2.
+#[test]
+fn bench_command_runs_end_to_end() {
+    let v = bench_json(&[
+        "bench", "transport", "--sizes", "64,70K", "--iters", "20", "--rounds", "1",
+    ]);
+    let rows = v["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 2, "{v}");
+    for r in rows {
+        assert_eq!(r["round_trips"], 20, "{r}");
+        assert!(r["p50_us"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["baseline_p50_us"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let v = bench_json(&["bench", "idle", "--pipes", "5", "--hold", "1"]);
+    let rows = v["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 2, "{v}");
+    for r in rows {
+        assert_eq!(r["pipes"], 5);
+        assert!(r["client_idle_cpu_percent"].as_f64().unwrap() >= 0.0, "{r}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_actorpipe"))
+        .args(["bench", "transport", "--sizes", "nonsense"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}

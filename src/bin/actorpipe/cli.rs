@@ -148,6 +148,12 @@ pub struct IdleArgs {
     #[arg(long, value_name = "NAME")]
     pub backend: Option<String>,
 
+    /// Seconds to leave the pipes idle while measuring the client's CPU time (heartbeats and
+    /// timers are all that runs).
+    #[arg(long, value_name = "SECS", default_value_t = 5,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub hold: u64,
+
     /// Print the results as JSON on stdout (no progress bar).
     #[arg(long)]
     pub json: bool,

@@ -52,6 +52,17 @@ pub fn rss() -> Option<Rss> {
     })
 }
 
+/// CPU time (user + system) this process has used so far.
+fn cpu_time() -> Duration {
+    // SAFETY: getrusage fills the struct we pass, which lives for the call.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return Duration::ZERO;
+    }
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
 }
@@ -88,6 +99,9 @@ struct Measured {
     server_after: u64,
     fds_before: usize,
     fds_after: usize,
+    /// Client CPU time over the idle hold, and the hold.
+    idle_cpu: Duration,
+    hold: Duration,
 }
 
 impl Measured {
@@ -101,6 +115,11 @@ impl Measured {
 
     fn server_kib(&self) -> f64 {
         self.per_pipe(self.server_before, self.server_after)
+    }
+
+    /// The client's CPU use while the pipes sat idle, in percent of one core.
+    fn idle_cpu_percent(&self) -> f64 {
+        100.0 * self.idle_cpu.as_secs_f64() / self.hold.as_secs_f64()
     }
 }
 
@@ -125,7 +144,13 @@ pub fn run(args: &IdleArgs) -> Result<(), Failure> {
     let mut results = Vec::new();
     for (name, setup) in &setups {
         progress.stage(format!("{name}: opening pipes"));
-        results.push(measure(name, setup, args.pipes, &progress)?);
+        results.push(measure(
+            name,
+            setup,
+            args.pipes,
+            Duration::from_secs(args.hold),
+            &progress,
+        )?);
     }
     progress.finish();
     crate::report::emit(&report(&results, args.json))
@@ -149,6 +174,7 @@ fn measure(
     name: &str,
     setup: &Setup,
     pipes: u32,
+    hold: Duration,
     progress: &Progress,
 ) -> Result<Measured, Failure> {
     let args: Vec<String> = [
@@ -190,6 +216,10 @@ fn measure(
     let client_after = rss().unwrap_or_default();
     let fds_after = open_fds();
     let server_after = server.rss_kib()?;
+    progress.stage(format!("{name}: idle for {}", human_secs(hold)));
+    let cpu_before = cpu_time();
+    system.block_on(async { tokio::time::sleep(hold).await });
+    let idle_cpu = cpu_time().saturating_sub(cpu_before);
     drop(open);
     drop(first);
     drop(server);
@@ -203,7 +233,13 @@ fn measure(
         server_after,
         fds_before,
         fds_after,
+        idle_cpu,
+        hold,
     })
+}
+
+fn human_secs(d: Duration) -> String {
+    format!("{} s", d.as_secs())
 }
 
 /// The results as a table, or as JSON.
@@ -226,6 +262,8 @@ fn report(results: &[Measured], as_json: bool) -> String {
                     "server_rss_kib_after": m.server_after,
                     "server_kib_per_pipe": m.server_kib(),
                     "client_fds_per_pipe": m.fds_after.saturating_sub(m.fds_before) as f64 / m.pipes as f64,
+                    "client_idle_cpu_percent": m.idle_cpu_percent(),
+                    "idle_hold_s": m.hold.as_secs_f64(),
                     "goal_kib_per_pipe": GOAL_KIB,
                 })
             })
@@ -242,11 +280,12 @@ fn report(results: &[Measured], as_json: bool) -> String {
     let mut out = String::new();
     out += "actorpipe bench idle: pipes opened on one client context to a spawned server, then left idle\n";
     out += "  RSS is VmRSS of /proc/self/status, after minus before, over the pipes opened\n";
+    out += "  idle CPU is the client's user + system time while every pipe sat idle, in % of one core\n";
     out += &format!("  machine:     {}\n", p.machine);
     out += &format!("  date:        {}\n", p.date);
     out += &format!("  command:     {}\n\n", p.command);
-    out += "| configuration | negotiated | pipes | client KiB/pipe | of which anon / shmem | server KiB/pipe | client fds/pipe | goal < 64 KiB |\n";
-    out += "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |\n";
+    out += "| configuration | negotiated | pipes | client KiB/pipe | of which anon / shmem | server KiB/pipe | client fds/pipe | client idle CPU | goal < 64 KiB |\n";
+    out += "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n";
     for m in results {
         let client = m.client_kib();
         let server = m.server_kib();
@@ -256,7 +295,7 @@ fn report(results: &[Measured], as_json: bool) -> String {
             "missed"
         };
         out += &format!(
-            "| {} | {} | {} | {:.1} | {:.1} / {:.1} | {:.1} | {:.1} | {} |\n",
+            "| {} | {} | {} | {:.1} | {:.1} / {:.1} | {:.1} | {:.1} | {:.2} % over {} | {} |\n",
             m.name,
             m.negotiated,
             m.pipes,
@@ -265,6 +304,8 @@ fn report(results: &[Measured], as_json: bool) -> String {
             m.per_pipe(m.client_before.shmem_kib, m.client_after.shmem_kib),
             server,
             m.fds_after.saturating_sub(m.fds_before) as f64 / m.pipes as f64,
+            m.idle_cpu_percent(),
+            human_secs(m.hold),
             met
         );
     }
