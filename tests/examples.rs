@@ -114,7 +114,14 @@ fn bench_json(args: &[&str]) -> serde_json::Value {
 #[test]
 fn bench_command_runs_end_to_end() {
     let v = bench_json(&[
-        "bench", "transport", "--sizes", "64,70K", "--iters", "20", "--rounds", "1",
+        "bench",
+        "transport",
+        "--sizes",
+        "64,70K",
+        "--iters",
+        "20",
+        "--rounds",
+        "1",
     ]);
     let rows = v["rows"].as_array().expect("rows");
     assert_eq!(rows.len(), 2, "{v}");

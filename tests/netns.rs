@@ -682,16 +682,15 @@ async fn cut(url: &str) {
 
 // ----- the tests -------------------------------------------------------------------------------
 
-#[test]
-fn netns_random_sizes_arrive_intact_and_in_order_or_skip() {
-    const NAME: &str = "netns_random_sizes_arrive_intact_and_in_order_or_skip";
-    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(hosts) = hosts_or_skip(NAME) else {
-        return;
-    };
-    let (mut server, url) = server(&hosts);
-    let mut client = hosts.child(&hosts.b, &format!("deliver {url}"));
-    let Some((_, summary)) = client.line(CHILD_TAG, Duration::from_secs(100)) else {
+/// Waits up to `limit` for the client's line starting with `tag`, then for its clean exit;
+/// returns the rest of the line.
+fn finish(
+    mut client: ChildProcess,
+    server: &mut ChildProcess,
+    tag: &str,
+    limit: Duration,
+) -> String {
+    let Some((_, summary)) = client.line(tag, limit) else {
         panic!(
             "the client did not finish; its output:\n{}\nthe server's:\n{}",
             client.tail(),
@@ -704,6 +703,19 @@ fn netns_random_sizes_arrive_intact_and_in_order_or_skip() {
         "the client failed ({status:?}); its output:\n{}",
         client.tail()
     );
+    summary
+}
+
+#[test]
+fn netns_random_sizes_arrive_intact_and_in_order_or_skip() {
+    const NAME: &str = "netns_random_sizes_arrive_intact_and_in_order_or_skip";
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(hosts) = hosts_or_skip(NAME) else {
+        return;
+    };
+    let (mut server, url) = server(&hosts);
+    let client = hosts.child(&hosts.b, &format!("deliver {url}"));
+    let summary = finish(client, &mut server, CHILD_TAG, Duration::from_secs(100));
     tell_ci(&format!(
         "{NAME}: {summary} over a veth pair with {}; packets dropped by the qdisc in A: {}",
         hosts.impairment,
@@ -732,21 +744,9 @@ fn netns_mpt_lanes_use_both_nics_or_skip() {
     let (mut server, url) = server(&hosts);
     let (b, first) = (hosts.b.clone(), hosts.veth_b.clone());
     let before = (hosts.tx_bytes(&b, &first), hosts.tx_bytes(&b, &second));
-    let mut client = hosts.child(&hosts.b, &format!("nics {url}"));
-    let Some((_, summary)) = client.line(&format!("{CHILD_TAG} done:"), Duration::from_secs(150))
-    else {
-        panic!(
-            "the client did not finish; its output:\n{}\nthe server's:\n{}",
-            client.tail(),
-            server.tail()
-        )
-    };
-    let status = client.wait_exit(Duration::from_secs(10));
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "the client failed ({status:?}); its output:\n{}",
-        client.tail()
-    );
+    let client = hosts.child(&hosts.b, &format!("nics {url}"));
+    let tag = format!("{CHILD_TAG} done:");
+    let summary = finish(client, &mut server, &tag, Duration::from_secs(150));
     let sent = (
         hosts.tx_bytes(&b, &first) - before.0,
         hosts.tx_bytes(&b, &second) - before.1,
