@@ -298,9 +298,9 @@ impl Producer {
         self.write_waking(bufs, || {})
     }
 
-    /// [`Producer::write`], publishing every [`PIECE`] bytes on the way and calling `wake` when
-    /// the consumer is parked at that point: a large write then overlaps with the consumer's
-    /// copy instead of preceding it.
+    /// [`Producer::write`], publishing every [`PIECE`] bytes on the way and calling `wake` (once
+    /// at most) when the consumer is parked at that point: a large write then overlaps with the
+    /// consumer's copy instead of preceding it.
     pub(crate) fn write_waking(
         &mut self,
         bufs: &[io::IoSlice<'_>],
@@ -317,6 +317,10 @@ impl Producer {
         let start = self.head;
         let mut pos = self.head;
         let mut unpublished = 0;
+        // One early wake-up per call at most: a consumer that catches up and parks again is
+        // woken by the caller at the end, not once per piece (on a busy machine each wake-up is
+        // a context switch that competes with this copy).
+        let mut woke = false;
         for b in bufs {
             if room == 0 {
                 break;
@@ -342,7 +346,8 @@ impl Producer {
                     unpublished = 0;
                     self.head = pos;
                     self.s.header().head.0.store(pos, Ordering::Release);
-                    if self.take_reader_waiting() {
+                    if !woke && self.take_reader_waiting() {
+                        woke = true;
                         wake();
                     }
                 }
@@ -428,8 +433,8 @@ impl Consumer {
     }
 
     /// [`Consumer::read_uninit`], freeing space every [`PIECE`] bytes on the way and calling
-    /// `wake` when the producer is parked for space at that point, so that it refills the ring
-    /// while we copy. A destination of at least [`NT_READ_MIN`] bytes is written with
+    /// `wake` (once at most) when the producer is parked for space at that point, so that it
+    /// refills the ring while we copy. A destination of at least [`NT_READ_MIN`] bytes is written with
     /// non-temporal stores.
     pub(crate) fn read_waking(
         &mut self,
@@ -443,6 +448,8 @@ impl Consumer {
         let nt = dst.len() >= NT_READ_MIN;
         let out = dst.as_mut_ptr() as *mut u8;
         let mut done = 0;
+        // One early wake-up per call at most, as in `write_waking`.
+        let mut woke = false;
         while done < total {
             let n = (total - done).min(PIECE);
             let at = self.s.mask(self.tail);
@@ -467,7 +474,8 @@ impl Consumer {
             done += n;
             self.tail = self.tail.wrapping_add(n as u64);
             self.s.header().tail.0.store(self.tail, Ordering::Release);
-            if done < total && self.take_writer_waiting() {
+            if !woke && done < total && self.take_writer_waiting() {
+                woke = true;
                 wake();
             }
         }
