@@ -164,12 +164,14 @@ impl AsyncRead for ShmRead {
             return Poll::Ready(Ok(()));
         }
         loop {
+            let space = &this.space;
             // SAFETY: the ring only writes initialized bytes into the unfilled part, and we
             // report exactly how many.
-            let n = this.ring.read_uninit(unsafe { buf.unfilled_mut() })?;
+            let unfilled = unsafe { buf.unfilled_mut() };
+            let n = this.ring.read_waking(unfilled, || space.ring())?;
             if n > 0 {
                 this.spun.reset();
-                // SAFETY: `read_uninit` initialized the first `n` unfilled bytes.
+                // SAFETY: `read_waking` initialized the first `n` unfilled bytes.
                 unsafe { buf.assume_init(n) };
                 buf.advance(n);
                 if this.ring.take_writer_waiting() {
@@ -271,7 +273,8 @@ impl AsyncWrite for ShmWrite {
             if this.ring.reader_closed() {
                 return Poll::Ready(Err(broken("closed its read half")));
             }
-            let n = this.ring.write(bufs)?;
+            let data = &this.data;
+            let n = this.ring.write_waking(bufs, || data.ring())?;
             if n > 0 {
                 this.spun.reset();
                 if this.ring.take_reader_waiting() {

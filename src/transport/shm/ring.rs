@@ -44,6 +44,11 @@ pub const DEFAULT_CAPACITY: usize = 2 << 20;
 /// tensor of 1 MiB or less stays in the cache for whoever reads it next.
 pub const NT_READ_MIN: usize = (1 << 20) + 1;
 
+/// Large reads and writes publish their progress every this many bytes (and wake a parked
+/// peer), so that the producer's copy into the ring and the consumer's copy out of it overlap
+/// instead of taking turns a ring at a time.
+pub const PIECE: usize = 256 << 10;
+
 const MAGIC: u64 = u64::from_le_bytes(*b"APSHMRG1");
 
 /// Two cache lines: adjacent-line prefetchers pull lines in pairs, so 64 bytes is not enough to
@@ -290,6 +295,17 @@ impl Producer {
     /// Copies as much of `bufs` as fits, in order, and publishes it. Returns the bytes taken;
     /// 0 means full (or nothing to write). Errors as [`Producer::space`].
     pub fn write(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.write_waking(bufs, || {})
+    }
+
+    /// [`Producer::write`], publishing every [`PIECE`] bytes on the way and calling `wake` (once
+    /// at most) when the consumer is parked at that point: a large write then overlaps with the
+    /// consumer's copy instead of preceding it.
+    pub(crate) fn write_waking(
+        &mut self,
+        bufs: &[io::IoSlice<'_>],
+        mut wake: impl FnMut(),
+    ) -> io::Result<usize> {
         let want: u64 = bufs.iter().map(|b| b.len() as u64).sum();
         if self.free() < want {
             self.reload_tail()?;
@@ -298,25 +314,47 @@ impl Producer {
         if room == 0 {
             return Ok(0);
         }
+        let start = self.head;
         let mut pos = self.head;
+        let mut unpublished = 0;
+        // One early wake-up per call at most: a consumer that catches up and parks again is
+        // woken by the caller at the end, not once per piece (on a busy machine each wake-up is
+        // a context switch that competes with this copy).
+        let mut woke = false;
         for b in bufs {
             if room == 0 {
                 break;
             }
-            let n = (b.len() as u64).min(room) as usize;
-            let at = self.s.mask(pos);
-            let first = n.min(self.s.capacity as usize - at);
-            // SAFETY: `at + first <= capacity` and `n - first <= capacity`, so both copies stay
-            // in the data area; `b` holds at least `n` bytes; the ring memory and the caller's
-            // buffer cannot overlap (one is a fresh mapping).
-            unsafe {
-                std::ptr::copy_nonoverlapping(b.as_ptr(), self.s.data.add(at), first);
-                std::ptr::copy_nonoverlapping(b.as_ptr().add(first), self.s.data, n - first);
+            let take = (b.len() as u64).min(room) as usize;
+            let mut off = 0;
+            while off < take {
+                let n = (take - off).min(PIECE - unpublished);
+                let at = self.s.mask(pos);
+                let first = n.min(self.s.capacity as usize - at);
+                // SAFETY: `at + first <= capacity` and `n - first <= capacity`, so both copies
+                // stay in the data area; `b` holds at least `off + n` bytes; the ring memory and
+                // the caller's buffer cannot overlap (one is a fresh mapping).
+                unsafe {
+                    let src = b.as_ptr().add(off);
+                    std::ptr::copy_nonoverlapping(src, self.s.data.add(at), first);
+                    std::ptr::copy_nonoverlapping(src.add(first), self.s.data, n - first);
+                }
+                pos = pos.wrapping_add(n as u64);
+                off += n;
+                unpublished += n;
+                if unpublished == PIECE {
+                    unpublished = 0;
+                    self.head = pos;
+                    self.s.header().head.0.store(pos, Ordering::Release);
+                    if !woke && self.take_reader_waiting() {
+                        woke = true;
+                        wake();
+                    }
+                }
             }
-            pos = pos.wrapping_add(n as u64);
-            room -= n as u64;
+            room -= take as u64;
         }
-        let n = pos.wrapping_sub(self.head);
+        let n = pos.wrapping_sub(start);
         self.head = pos;
         self.s.header().head.0.store(pos, Ordering::Release);
         Ok(n as usize)
@@ -391,34 +429,57 @@ impl Consumer {
 
     /// Copies up to `dst.len()` bytes out and frees their space. Returns 0 when empty.
     pub(crate) fn read_uninit(&mut self, dst: &mut [MaybeUninit<u8>]) -> io::Result<usize> {
+        self.read_waking(dst, || {})
+    }
+
+    /// [`Consumer::read_uninit`], freeing space every [`PIECE`] bytes on the way and calling
+    /// `wake` (once at most) when the producer is parked for space at that point, so that it
+    /// refills the ring while we copy. A destination of at least [`NT_READ_MIN`] bytes is written with
+    /// non-temporal stores.
+    pub(crate) fn read_waking(
+        &mut self,
+        dst: &mut [MaybeUninit<u8>],
+        mut wake: impl FnMut(),
+    ) -> io::Result<usize> {
         if self.head == self.tail {
             self.reload_head()?;
         }
-        let n = (self.head.wrapping_sub(self.tail) as usize).min(dst.len());
-        if n == 0 {
-            return Ok(0);
-        }
-        let at = self.s.mask(self.tail);
-        let first = n.min(self.s.capacity as usize - at);
+        let total = (self.head.wrapping_sub(self.tail) as usize).min(dst.len());
+        let nt = dst.len() >= NT_READ_MIN;
         let out = dst.as_mut_ptr() as *mut u8;
-        // SAFETY: `at + first <= capacity` and `n - first <= capacity` keep both copies in the
-        // data area, `dst` has room for `n` bytes, and the mapping cannot overlap `dst`. The
-        // bytes may be changed concurrently by a misbehaving peer: we copy whatever is there,
-        // which is garbage in, garbage out for the framing layer, never out of bounds.
-        unsafe {
-            if dst.len() >= NT_READ_MIN {
-                // A large read goes straight to its destination (a tensor), which will not stay
-                // in the cache anyway: stream it there instead of reading every line first.
-                copy_nonoverlapping_nt(self.s.data.add(at), out, first);
-                copy_nonoverlapping_nt(self.s.data, out.add(first), n - first);
-            } else {
-                std::ptr::copy_nonoverlapping(self.s.data.add(at), out, first);
-                std::ptr::copy_nonoverlapping(self.s.data, out.add(first), n - first);
+        let mut done = 0;
+        // One early wake-up per call at most, as in `write_waking`.
+        let mut woke = false;
+        while done < total {
+            let n = (total - done).min(PIECE);
+            let at = self.s.mask(self.tail);
+            let first = n.min(self.s.capacity as usize - at);
+            // SAFETY: `at + first <= capacity` and `n - first <= capacity` keep both copies in
+            // the data area, `dst` has room for `done + n <= total <= dst.len()` bytes, and the
+            // mapping cannot overlap `dst`. The bytes may be changed concurrently by a
+            // misbehaving peer: we copy whatever is there, which is garbage in, garbage out for
+            // the framing layer, never out of bounds.
+            unsafe {
+                let out = out.add(done);
+                if nt {
+                    // A large read goes straight to its destination (a tensor), which will not
+                    // stay in the cache anyway: stream it there instead of reading every line.
+                    copy_nonoverlapping_nt(self.s.data.add(at), out, first);
+                    copy_nonoverlapping_nt(self.s.data, out.add(first), n - first);
+                } else {
+                    std::ptr::copy_nonoverlapping(self.s.data.add(at), out, first);
+                    std::ptr::copy_nonoverlapping(self.s.data, out.add(first), n - first);
+                }
+            }
+            done += n;
+            self.tail = self.tail.wrapping_add(n as u64);
+            self.s.header().tail.0.store(self.tail, Ordering::Release);
+            if !woke && done < total && self.take_writer_waiting() {
+                woke = true;
+                wake();
             }
         }
-        self.tail = self.tail.wrapping_add(n as u64);
-        self.s.header().tail.0.store(self.tail, Ordering::Release);
-        Ok(n)
+        Ok(total)
     }
 
     /// Copies up to `dst.len()` bytes out and frees their space. Returns 0 when empty. Errors as
@@ -507,6 +568,38 @@ pub(crate) mod tests {
             step += 1;
         }
         assert_eq!(&out[3..], &data[..]);
+    }
+
+    /// Large writes and reads publish every `PIECE` bytes and wake a parked peer at the first
+    /// piece (once per park), and move the same bytes across slice and piece boundaries.
+    #[test]
+    fn pieces_wake_a_parked_peer_once_and_keep_the_bytes() {
+        let (mut p, mut c) = create(Heap::new(2 << 20)).unwrap();
+        let a = pattern(PIECE / 3, 1);
+        let b = pattern(PIECE + 17, 2);
+        let d = pattern(PIECE * 2 + 5, 3);
+        let want: Vec<u8> = [&a[..], &b[..], &d[..]].concat();
+        let mut got = vec![0u8; want.len()];
+        // The consumer parks on an empty ring: the writer's first published piece wakes it.
+        assert!(!c.prepare_park().unwrap());
+        let mut wakes = 0;
+        let bufs = [IoSlice::new(&a), IoSlice::new(&b), IoSlice::new(&d)];
+        assert_eq!(p.write_waking(&bufs, || wakes += 1).unwrap(), want.len());
+        assert_eq!(wakes, 1, "one wake-up per park");
+        assert!(!p.take_reader_waiting());
+        // Fill the ring; the producer parks; the reader's first freed piece wakes it.
+        let fill = pattern((2 << 20) - want.len(), 4);
+        assert_eq!(p.write(&[IoSlice::new(&fill)]).unwrap(), fill.len());
+        assert!(!p.prepare_park().unwrap());
+        let mut wakes = 0;
+        let mut all = vec![0u8; 2 << 20];
+        // SAFETY: viewing initialized bytes as `MaybeUninit` is always sound.
+        let dst = unsafe { &mut *(&mut all[..] as *mut [u8] as *mut [MaybeUninit<u8>]) };
+        assert_eq!(c.read_waking(dst, || wakes += 1).unwrap(), 2 << 20);
+        assert_eq!(wakes, 1, "one wake-up per park");
+        got.copy_from_slice(&all[..want.len()]);
+        assert_eq!(got, want);
+        assert_eq!(&all[want.len()..], &fill[..]);
     }
 
     #[test]
