@@ -441,12 +441,19 @@ async fn stopped(stop: &mut Stop) {
 /// `select!` would register and drop a waiter per operation. Once ready it stays ready.
 struct Halt {
     wait: Option<std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>>,
+    /// Whether `wait` has registered this task's waker (it stays registered until woken).
+    armed: bool,
+    /// A receiver that never marks the value seen: a cheap check of whether `wait` can be ready,
+    /// where polling `wait` takes the notifier's lock each time.
+    probe: Stop,
 }
 
 impl Halt {
     fn new(mut stop: Stop) -> Halt {
         Halt {
+            probe: stop.clone(),
             wait: Some(Box::pin(async move { stopped(&mut stop).await })),
+            armed: false,
         }
     }
 }
@@ -458,8 +465,16 @@ impl std::future::Future for Halt {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<()> {
+        // A loop polls this from one task only, so the waker `wait` registered stays the right
+        // one; nothing sent (and the sender still there) means nothing to see.
+        if self.armed && matches!(self.probe.has_changed(), Ok(false)) {
+            return std::task::Poll::Pending;
+        }
         if let Some(wait) = &mut self.wait {
-            std::task::ready!(wait.as_mut().poll(cx));
+            if wait.as_mut().poll(cx).is_pending() {
+                self.armed = true;
+                return std::task::Poll::Pending;
+            }
             self.wait = None;
         }
         std::task::Poll::Ready(())
