@@ -329,6 +329,7 @@ impl Channel {
             InOp::Frame {
                 ticket,
                 reply: self.own.clone(),
+                more: 0,
             },
             lane_gone,
         );

@@ -36,7 +36,9 @@ use crate::handshake::Halves;
 use crate::message::{Allocation, Buffer, Descriptor, Message, Payload, Tensor};
 use crate::metrics::{OpKind, PipeMetrics};
 use crate::negotiate::{Choice, DeviceKind, DevicePair};
-use crate::transport::stream::{inline_payloads, unexpected, Done, Farewell, InOp, OutOp, Reply};
+use crate::transport::stream::{
+    inline_payloads, self_contained, unexpected, Done, Farewell, InOp, OutOp, Reply,
+};
 use crate::wire::{self, encode_frame, Frame, FrameKind, Limits, WireDescriptor};
 
 static NEXT_PIPE_ID: AtomicU64 = AtomicU64::new(1);
@@ -135,6 +137,9 @@ pub const MAX_PREFETCH: usize = 16;
 struct Prefetch {
     ready: VecDeque<Incoming>,
     in_flight: bool,
+    /// Frames the read loop may still read by itself after the one in flight (see
+    /// `InOp::Frame::more`).
+    more: u32,
     /// The last ready descriptor has bytes in-band: nothing more can be read before its `Read`.
     blocked: bool,
 }
@@ -635,13 +640,17 @@ impl Pipe {
         let (Some((_, link)), Some(reply)) = (&self.conn, &self.reply) else {
             return;
         };
+        // Whatever the loop reads by itself still fits in the queue.
+        let more = (MAX_PREFETCH - 1 - p.ready.len()) as u32;
         let ticket = self.in_ticket;
         self.in_ticket += 1;
         self.prefetch.in_flight = true;
+        self.prefetch.more = more;
         link.read(
             InOp::Frame {
                 ticket,
                 reply: reply.clone(),
+                more,
             },
             self.link_gone(),
         );
@@ -938,9 +947,17 @@ impl Pipe {
                 match outcome {
                     Ok(wd) => {
                         self.expect_seq += 1;
-                        self.prefetch.in_flight = false;
+                        if self.prefetch.more > 0 && self_contained(&wd.descriptor) {
+                            // The read loop went on to the next frame by itself, at the next
+                            // ticket.
+                            self.prefetch.more -= 1;
+                            self.in_ticket += 1;
+                        } else {
+                            self.prefetch.in_flight = false;
+                        }
                         self.prefetch.blocked = self.in_band(&wd.descriptor);
                         self.prefetch.ready.push_back(Incoming { wd, payloads });
+                        debug_assert!(self.prefetch.ready.len() <= MAX_PREFETCH);
                         self.advance_reads();
                         self.arm_prefetch();
                     }
