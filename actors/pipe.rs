@@ -20,11 +20,12 @@
 use std::collections::VecDeque;
 use std::mem;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use actix::dev::{MessageResponse, OneshotSender};
 use actix::prelude::*;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use super::channel::{Channel, ChannelKind, Queue, RecvTensor, SendTensor, StopChannel};
 use super::connection::{Connection, Link, Shutdown};
@@ -48,7 +49,7 @@ const ORPHAN_CHECK: Duration = Duration::from_secs(2);
 
 /// Where a completion goes: back to an awaiting caller, or to a recipient.
 pub(crate) enum Completer<T: actix::Message<Result = ()> + Send> {
-    Reply(oneshot::Sender<T>),
+    Reply(Waiter<T>),
     Notify(Recipient<T>),
     Shared(Arc<Recipient<T>>),
 }
@@ -56,11 +57,102 @@ pub(crate) enum Completer<T: actix::Message<Result = ()> + Send> {
 impl<T: actix::Message<Result = ()> + Send + 'static> Completer<T> {
     fn complete(self, v: T) {
         match self {
-            Completer::Reply(tx) => {
-                let _ = tx.send(v);
-            }
+            Completer::Reply(w) => w.complete(v),
             Completer::Notify(r) => r.do_send(v),
             Completer::Shared(r) => r.do_send(v),
+        }
+    }
+}
+
+/// The answer of an awaited operation, met halfway: actix hands over the caller's reply sender
+/// right after the handler returns ([`Deferred`]), and the pipe completes straight into it
+/// ([`Waiter`]). Whichever comes second delivers. Awaiting thus costs no spawned task, boxed
+/// future or second channel per operation.
+enum Slot<T> {
+    /// Neither the reply sender nor the answer has arrived.
+    Empty,
+    Tx(OneshotSender<T>),
+    Value(T),
+    /// Delivered, or nobody waits for it.
+    Done,
+}
+
+/// The handler's side of an awaited operation; see [`Slot`].
+pub struct Deferred<T> {
+    slot: Arc<Mutex<Slot<T>>>,
+}
+
+/// The pipe's side of an awaited operation; see [`Slot`]. Dropped without completing (the
+/// actor torn down), it answers with the operation's `lost` completion.
+pub(crate) struct Waiter<T> {
+    slot: Arc<Mutex<Slot<T>>>,
+    id: u64,
+    lost: fn(u64) -> T,
+}
+
+fn deferred<T>(id: u64, lost: fn(u64) -> T) -> (Deferred<T>, Waiter<T>) {
+    let slot = Arc::new(Mutex::new(Slot::Empty));
+    (Deferred { slot: slot.clone() }, Waiter { slot, id, lost })
+}
+
+fn lock<T>(slot: &Mutex<Slot<T>>) -> std::sync::MutexGuard<'_, Slot<T>> {
+    // Nothing panics while holding it; a poisoned slot is still consistent.
+    slot.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl<T> Waiter<T> {
+    fn complete(self, v: T) {
+        self.put(v);
+    }
+
+    fn put(&self, v: T) {
+        let mut slot = lock(&self.slot);
+        match mem::replace(&mut *slot, Slot::Done) {
+            Slot::Empty => *slot = Slot::Value(v),
+            Slot::Tx(tx) => {
+                drop(slot);
+                let _ = tx.send(v);
+            }
+            Slot::Value(_) | Slot::Done => {}
+        }
+    }
+}
+
+impl<T> Drop for Waiter<T> {
+    fn drop(&mut self) {
+        let pending = matches!(*lock(&self.slot), Slot::Empty | Slot::Tx(_));
+        if pending {
+            self.put((self.lost)(self.id));
+        }
+    }
+}
+
+impl<M> MessageResponse<Pipe, M> for Deferred<M::Result>
+where
+    M: actix::Message,
+{
+    fn handle(self, _: &mut actix::Context<Pipe>, tx: Option<OneshotSender<M::Result>>) {
+        self.hand_over(tx);
+    }
+}
+
+impl<T> Deferred<T> {
+    /// Takes actix's reply sender (none for a `do_send`).
+    fn hand_over(self, tx: Option<OneshotSender<T>>) {
+        let mut slot = lock(&self.slot);
+        match mem::replace(&mut *slot, Slot::Done) {
+            Slot::Value(v) => {
+                drop(slot);
+                if let Some(tx) = tx {
+                    let _ = tx.send(v);
+                }
+            }
+            Slot::Empty => {
+                if let Some(tx) = tx {
+                    *slot = Slot::Tx(tx);
+                }
+            }
+            Slot::Tx(_) | Slot::Done => {}
         }
     }
 }
@@ -1245,13 +1337,12 @@ impl IntoPending for Close {
 macro_rules! pipe_op {
     ($op:ty, $counter:ident) => {
         impl Handler<$op> for Pipe {
-            type Result = ResponseFuture<<$op as Op>::Done>;
+            type Result = Deferred<<$op as Op>::Done>;
 
             fn handle(&mut self, op: $op, ctx: &mut Self::Context) -> Self::Result {
-                let id = self.$counter;
-                let (tx, rx) = oneshot::channel();
-                self.submit(op.into_pending(Completer::Reply(tx)), ctx);
-                Box::pin(async move { rx.await.unwrap_or_else(|_| <$op as Op>::lost(id)) })
+                let (answer, waiter) = deferred(self.$counter, <$op as Op>::lost);
+                self.submit(op.into_pending(Completer::Reply(waiter)), ctx);
+                answer
             }
         }
 
@@ -1296,5 +1387,49 @@ impl Handler<GetInfo> for Pipe {
         let mut info = self.info.clone();
         info.fallbacks = self.fallbacks.load(Ordering::Relaxed);
         MessageResult(info)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lost(id: u64) -> u64 {
+        1000 + id
+    }
+
+    #[test]
+    fn awaited_answers_meet_whichever_side_comes_first() {
+        // Completed before actix hands the sender over (an op answered inside its handler).
+        let (answer, waiter) = deferred(1, lost);
+        waiter.complete(7);
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        answer.hand_over(Some(tx));
+        assert_eq!(rx.try_recv(), Ok(7));
+
+        // Sender first, completion later.
+        let (answer, waiter) = deferred(2, lost);
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        answer.hand_over(Some(tx));
+        assert!(rx.try_recv().is_err());
+        waiter.complete(8);
+        assert_eq!(rx.try_recv(), Ok(8));
+
+        // Nobody waits (`do_send`): the completion is dropped quietly.
+        let (answer, waiter) = deferred(3, lost);
+        answer.hand_over(None);
+        waiter.complete(9);
+
+        // The pipe drops the operation unanswered, before or after the hand-over.
+        let (answer, waiter) = deferred(4, lost);
+        drop(waiter);
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        answer.hand_over(Some(tx));
+        assert_eq!(rx.try_recv(), Ok(1004));
+        let (answer, waiter) = deferred(5, lost);
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        answer.hand_over(Some(tx));
+        drop(waiter);
+        assert_eq!(rx.try_recv(), Ok(1005));
     }
 }
