@@ -396,6 +396,7 @@ impl Channel {
             InOp::Frame {
                 ticket,
                 reply: self.own.clone(),
+                more: 0,
             },
             lane_gone,
         );

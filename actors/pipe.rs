@@ -20,11 +20,12 @@
 use std::collections::VecDeque;
 use std::mem;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use actix::dev::{MessageResponse, OneshotSender};
 use actix::prelude::*;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 
 use super::channel::{Channel, ChannelKind, Queue, RecvTensor, SendTensor, StopChannel};
 use super::connection::{Connection, Link, Shutdown};
@@ -36,7 +37,9 @@ use crate::handshake::Halves;
 use crate::message::{Allocation, Buffer, Descriptor, Message, Payload, Tensor};
 use crate::metrics::{OpKind, PipeMetrics};
 use crate::negotiate::{Choice, DeviceKind, DevicePair};
-use crate::transport::stream::{inline_payloads, unexpected, Done, Farewell, InOp, OutOp, Reply};
+use crate::transport::stream::{
+    inline_payloads, self_contained, unexpected, Done, Farewell, InOp, OutOp, Reply,
+};
 use crate::wire::{self, encode_frame, Frame, FrameKind, Limits, WireDescriptor};
 
 static NEXT_PIPE_ID: AtomicU64 = AtomicU64::new(1);
@@ -46,7 +49,7 @@ const ORPHAN_CHECK: Duration = Duration::from_secs(2);
 
 /// Where a completion goes: back to an awaiting caller, or to a recipient.
 pub(crate) enum Completer<T: actix::Message<Result = ()> + Send> {
-    Reply(oneshot::Sender<T>),
+    Reply(Waiter<T>),
     Notify(Recipient<T>),
     Shared(Arc<Recipient<T>>),
 }
@@ -54,11 +57,102 @@ pub(crate) enum Completer<T: actix::Message<Result = ()> + Send> {
 impl<T: actix::Message<Result = ()> + Send + 'static> Completer<T> {
     fn complete(self, v: T) {
         match self {
-            Completer::Reply(tx) => {
-                let _ = tx.send(v);
-            }
+            Completer::Reply(w) => w.complete(v),
             Completer::Notify(r) => r.do_send(v),
             Completer::Shared(r) => r.do_send(v),
+        }
+    }
+}
+
+/// The answer of an awaited operation, met halfway: actix hands over the caller's reply sender
+/// right after the handler returns ([`Deferred`]), and the pipe completes straight into it
+/// ([`Waiter`]). Whichever comes second delivers. Awaiting thus costs no spawned task, boxed
+/// future or second channel per operation.
+enum Slot<T> {
+    /// Neither the reply sender nor the answer has arrived.
+    Empty,
+    Tx(OneshotSender<T>),
+    Value(T),
+    /// Delivered, or nobody waits for it.
+    Done,
+}
+
+/// The handler's side of an awaited operation; see [`Slot`].
+pub struct Deferred<T> {
+    slot: Arc<Mutex<Slot<T>>>,
+}
+
+/// The pipe's side of an awaited operation; see [`Slot`]. Dropped without completing (the
+/// actor torn down), it answers with the operation's `lost` completion.
+pub(crate) struct Waiter<T> {
+    slot: Arc<Mutex<Slot<T>>>,
+    id: u64,
+    lost: fn(u64) -> T,
+}
+
+fn deferred<T>(id: u64, lost: fn(u64) -> T) -> (Deferred<T>, Waiter<T>) {
+    let slot = Arc::new(Mutex::new(Slot::Empty));
+    (Deferred { slot: slot.clone() }, Waiter { slot, id, lost })
+}
+
+fn lock<T>(slot: &Mutex<Slot<T>>) -> std::sync::MutexGuard<'_, Slot<T>> {
+    // Nothing panics while holding it; a poisoned slot is still consistent.
+    slot.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl<T> Waiter<T> {
+    fn complete(self, v: T) {
+        self.put(v);
+    }
+
+    fn put(&self, v: T) {
+        let mut slot = lock(&self.slot);
+        match mem::replace(&mut *slot, Slot::Done) {
+            Slot::Empty => *slot = Slot::Value(v),
+            Slot::Tx(tx) => {
+                drop(slot);
+                let _ = tx.send(v);
+            }
+            Slot::Value(_) | Slot::Done => {}
+        }
+    }
+}
+
+impl<T> Drop for Waiter<T> {
+    fn drop(&mut self) {
+        let pending = matches!(*lock(&self.slot), Slot::Empty | Slot::Tx(_));
+        if pending {
+            self.put((self.lost)(self.id));
+        }
+    }
+}
+
+impl<M> MessageResponse<Pipe, M> for Deferred<M::Result>
+where
+    M: actix::Message,
+{
+    fn handle(self, _: &mut actix::Context<Pipe>, tx: Option<OneshotSender<M::Result>>) {
+        self.hand_over(tx);
+    }
+}
+
+impl<T> Deferred<T> {
+    /// Takes actix's reply sender (none for a `do_send`).
+    fn hand_over(self, tx: Option<OneshotSender<T>>) {
+        let mut slot = lock(&self.slot);
+        match mem::replace(&mut *slot, Slot::Done) {
+            Slot::Value(v) => {
+                drop(slot);
+                if let Some(tx) = tx {
+                    let _ = tx.send(v);
+                }
+            }
+            Slot::Empty => {
+                if let Some(tx) = tx {
+                    *slot = Slot::Tx(tx);
+                }
+            }
+            Slot::Tx(_) | Slot::Done => {}
         }
     }
 }
@@ -135,6 +229,9 @@ pub const MAX_PREFETCH: usize = 16;
 struct Prefetch {
     ready: VecDeque<Incoming>,
     in_flight: bool,
+    /// Frames the read loop may still read by itself after the one in flight (see
+    /// `InOp::Frame::more`).
+    more: u32,
     /// The last ready descriptor has bytes in-band: nothing more can be read before its `Read`.
     blocked: bool,
 }
@@ -674,13 +771,17 @@ impl Pipe {
         let (Some((_, link)), Some(reply)) = (&self.conn, &self.reply) else {
             return;
         };
+        // Whatever the loop reads by itself still fits in the queue.
+        let more = (MAX_PREFETCH - 1 - p.ready.len()) as u32;
         let ticket = self.in_ticket;
         self.in_ticket += 1;
         self.prefetch.in_flight = true;
+        self.prefetch.more = more;
         link.read(
             InOp::Frame {
                 ticket,
                 reply: reply.clone(),
+                more,
             },
             self.link_gone(),
         );
@@ -977,12 +1078,20 @@ impl Pipe {
                 match outcome {
                     Ok(wd) => {
                         self.expect_seq += 1;
-                        self.prefetch.in_flight = false;
+                        if self.prefetch.more > 0 && self_contained(&wd.descriptor) {
+                            // The read loop went on to the next frame by itself, at the next
+                            // ticket.
+                            self.prefetch.more -= 1;
+                            self.in_ticket += 1;
+                        } else {
+                            self.prefetch.in_flight = false;
+                        }
                         self.prefetch.blocked = self.in_band(
                             &wd.descriptor,
                             wd.routes.iter().map(|(_, data)| data.as_slice()),
                         );
                         self.prefetch.ready.push_back(Incoming { wd, payloads });
+                        debug_assert!(self.prefetch.ready.len() <= MAX_PREFETCH);
                         self.advance_reads();
                         self.arm_prefetch();
                     }
@@ -1270,13 +1379,12 @@ impl IntoPending for Close {
 macro_rules! pipe_op {
     ($op:ty, $counter:ident) => {
         impl Handler<$op> for Pipe {
-            type Result = ResponseFuture<<$op as Op>::Done>;
+            type Result = Deferred<<$op as Op>::Done>;
 
             fn handle(&mut self, op: $op, ctx: &mut Self::Context) -> Self::Result {
-                let id = self.$counter;
-                let (tx, rx) = oneshot::channel();
-                self.submit(op.into_pending(Completer::Reply(tx)), ctx);
-                Box::pin(async move { rx.await.unwrap_or_else(|_| <$op as Op>::lost(id)) })
+                let (answer, waiter) = deferred(self.$counter, <$op as Op>::lost);
+                self.submit(op.into_pending(Completer::Reply(waiter)), ctx);
+                answer
             }
         }
 
@@ -1321,5 +1429,49 @@ impl Handler<GetInfo> for Pipe {
         let mut info = self.info.clone();
         info.fallbacks = self.fallbacks.load(Ordering::Relaxed);
         MessageResult(info)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lost(id: u64) -> u64 {
+        1000 + id
+    }
+
+    #[test]
+    fn awaited_answers_meet_whichever_side_comes_first() {
+        // Completed before actix hands the sender over (an op answered inside its handler).
+        let (answer, waiter) = deferred(1, lost);
+        waiter.complete(7);
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        answer.hand_over(Some(tx));
+        assert_eq!(rx.try_recv(), Ok(7));
+
+        // Sender first, completion later.
+        let (answer, waiter) = deferred(2, lost);
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        answer.hand_over(Some(tx));
+        assert!(rx.try_recv().is_err());
+        waiter.complete(8);
+        assert_eq!(rx.try_recv(), Ok(8));
+
+        // Nobody waits (`do_send`): the completion is dropped quietly.
+        let (answer, waiter) = deferred(3, lost);
+        answer.hand_over(None);
+        waiter.complete(9);
+
+        // The pipe drops the operation unanswered, before or after the hand-over.
+        let (answer, waiter) = deferred(4, lost);
+        drop(waiter);
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        answer.hand_over(Some(tx));
+        assert_eq!(rx.try_recv(), Ok(1004));
+        let (answer, waiter) = deferred(5, lost);
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        answer.hand_over(Some(tx));
+        drop(waiter);
+        assert_eq!(rx.try_recv(), Ok(1005));
     }
 }

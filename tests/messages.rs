@@ -261,8 +261,10 @@ async fn write_over_limits_fails_alone() {
 }
 
 /// Payloads of up to 16 KiB in all are read together with their descriptor, larger ones after
-/// it. Messages on both sides of that boundary, with and without tensors (which travel on the
-/// control stream with basic), all written before any is read, arrive intact and in order.
+/// it, and after a message with such payloads and no tensors the read loop goes on to the next
+/// frame by itself (up to the prefetch bound). Messages on both sides of that boundary, with and
+/// without tensors (which travel on the control stream with basic), and runs of small messages
+/// longer than the bound, all written before any is read, arrive intact and in order.
 #[actix::test]
 async fn payloads_around_the_inline_boundary() {
     let shapes: [(&[usize], &[usize]); 8] = [
@@ -283,6 +285,12 @@ async fn payloads_around_the_inline_boundary() {
             for (i, (p, t)) in shapes.iter().enumerate() {
                 let index = round * 100 + i as u64;
                 tx.do_send(Write::new(checked_message(index, p, t)).notify(done_to.clone()));
+                sent.push(index);
+            }
+            for i in 0..40 {
+                let index = round * 100 + 50 + i;
+                let m = checked_message(index, &[(i as usize) % 3 * 64], &[]);
+                tx.do_send(Write::new(m).notify(done_to.clone()));
                 sent.push(index);
             }
         }
