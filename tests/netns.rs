@@ -9,9 +9,9 @@
 //!   over a basic pipe and an mpt pipe at once, come back intact (checksums) and in order.
 //! - `netns_link_cut_is_detected_by_keepalive_or_skip`: the link is cut (`ip link set down` in
 //!   A) while the client has reads pending and writes in flight. Two busy pipes (basic, mpt)
-//!   use the keepalive plus an unacknowledged-data timeout (`TCP_USER_TIMEOUT`), a third busy
-//!   one and an idle one the plain `keepalive(1 s, 3 s)`, whose heartbeats must find the cut
-//!   with data in flight too; every pending operation of the four must fail, in order, with a
+//!   also set the kernel's unacknowledged-data timeout (`TCP_USER_TIMEOUT`, 6 s, a backstop),
+//!   a third busy one and an idle one only the plain `keepalive(1 s, 3 s)`; the heartbeats must
+//!   find the cut on all four, with data in flight too; every pending operation of the four must fail, in order, with a
 //!   timeout or peer-lost error, within the 3 s timeout plus [`DETECTION_SLACK`]. Detection
 //!   times are printed.
 //! - `netns_mpt_lanes_use_both_nics_or_skip`: a second veth pair joins the hosts (two NICs a
@@ -68,13 +68,15 @@ fn builder() -> ContextBuilder {
         .keepalive(KEEPALIVE_INTERVAL, KEEPALIVE_TIMEOUT)
 }
 
-/// The keepalive plus a timeout on unacknowledged data: what catches a pulled cable while data
-/// is in flight (the plain keepalive only probes idle connections).
+/// The keepalive plus the kernel's timeout on unacknowledged data (`TCP_USER_TIMEOUT`) as a
+/// backstop behind the heartbeats. It is longer than the heartbeat timeout: on the impaired
+/// link a run of drops can leave data unacknowledged for seconds on a healthy connection, and
+/// the kernel would abort it.
 fn unacked_builder() -> ContextBuilder {
     builder().tcp_keepalive(Keepalive {
         interval: KEEPALIVE_INTERVAL,
         timeout: KEEPALIVE_TIMEOUT,
-        unacked_timeout: Some(KEEPALIVE_TIMEOUT),
+        unacked_timeout: Some(2 * KEEPALIVE_TIMEOUT),
     })
 }
 
