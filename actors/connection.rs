@@ -13,7 +13,9 @@ use tokio::sync::{mpsc, watch};
 
 use crate::error::{Error, Origin};
 use crate::transport::liveness::Heartbeat;
-use crate::transport::stream::{read_loop, write_loop, Farewell, InOp, OutOp};
+use std::sync::Arc;
+
+use crate::transport::stream::{read_loop, write_loop, Farewell, InOp, OutOp, Parking};
 use crate::transport::{BoxRead, BoxWrite};
 use crate::wire::Limits;
 
@@ -22,6 +24,8 @@ use crate::wire::Limits;
 pub(crate) struct Link {
     pub out: mpsc::UnboundedSender<OutOp>,
     pub inp: mpsc::UnboundedSender<InOp>,
+    /// The write half while the write loop is idle (see [`Link::write_now`]).
+    pub parking: Arc<Parking>,
 }
 
 impl Link {
@@ -29,6 +33,19 @@ impl Link {
     pub fn write(&self, op: OutOp, err: impl FnOnce() -> Error) {
         if let Err(mpsc::error::SendError(op)) = self.out.send(op) {
             op.fail(err());
+        }
+    }
+
+    /// Writes a message at once when the write loop is idle and the message is next in ticket
+    /// order (see [`Parking::try_write`]): `Some(op)` is written, and the caller completes it
+    /// itself. Otherwise it is submitted as [`Link::write`] does, and `None` comes back.
+    pub fn write_now(&self, op: OutOp, err: impl FnOnce() -> Error) -> Option<OutOp> {
+        match self.parking.try_write(op) {
+            Ok(op) => Some(op),
+            Err(op) => {
+                self.write(op, err);
+                None
+            }
         }
     }
 
@@ -43,6 +60,7 @@ impl Link {
 /// Owns one transport connection and its I/O loops.
 pub struct Connection {
     stop: watch::Sender<Option<Farewell>>,
+    parking: Arc<Parking>,
 }
 
 /// Stops the connection: the operation in progress is interrupted and every queued one fails;
@@ -68,20 +86,27 @@ impl Connection {
         let (out_tx, out_rx) = mpsc::unbounded_channel();
         let (in_tx, in_rx) = mpsc::unbounded_channel();
         let (stop_tx, stop_rx) = watch::channel(None);
+        let parking = Arc::new(Parking::default());
         actix::spawn(write_loop(
             write,
             out_rx,
             stop_rx.clone(),
             origin.clone(),
             heartbeat,
+            parking.clone(),
         ));
         actix::spawn(read_loop(read, in_rx, stop_rx, limits, origin, heartbeat));
-        let addr = Connection { stop: stop_tx }.start();
+        let addr = Connection {
+            stop: stop_tx,
+            parking: parking.clone(),
+        }
+        .start();
         (
             addr,
             Link {
                 out: out_tx,
                 inp: in_tx,
+                parking,
             },
         )
     }
@@ -92,6 +117,7 @@ impl Actor for Connection {
 
     fn stopped(&mut self, _: &mut Self::Context) {
         // Dropped without a Shutdown (the pipe vanished): stop the loops anyway.
+        self.parking.halt();
         self.stop.send_if_modified(|s| {
             let was_running = s.is_none();
             if was_running {
@@ -106,6 +132,7 @@ impl Handler<Shutdown> for Connection {
     type Result = ();
 
     fn handle(&mut self, msg: Shutdown, ctx: &mut Self::Context) {
+        self.parking.halt();
         let _ = self.stop.send(Some(msg.farewell));
         actix::ActorContext::stop(ctx);
     }

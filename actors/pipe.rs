@@ -673,7 +673,9 @@ impl Pipe {
             .reply
             .clone()
             .expect("reply queue lives while the connection does");
-        link.write(
+        // Written at once if the write loop is idle (the usual case for a small message):
+        // then it completes below, with no trip through the loop and the completion queue.
+        let written = link.write_now(
             OutOp::Message {
                 ticket,
                 frame,
@@ -704,6 +706,20 @@ impl Pipe {
         w.tensors_out = message.tensors.len();
         w.message = message;
         self.writes.push_back(w);
+        if let Some(OutOp::Message {
+            ticket,
+            frame,
+            payloads,
+            ..
+        }) = written
+        {
+            self.on_done(Done::Wrote {
+                ticket,
+                frame,
+                payloads,
+                result: Ok(()),
+            });
+        }
     }
 
     /// Once an operation of a kind has completed with the pipe's error, every later one of that

@@ -17,6 +17,7 @@
 
 use std::collections::VecDeque;
 use std::io::IoSlice;
+use std::mem;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
@@ -428,6 +429,20 @@ impl<T> Sequencer<T> {
         }
     }
 
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.slots.iter().all(Option::is_none)
+    }
+
+    /// Moves the next expected ticket up to `next` (tickets below it were used elsewhere); only
+    /// while nothing is held.
+    pub fn skip_to(&mut self, next: u64) {
+        if self.is_empty() {
+            self.slots.clear();
+            self.next = self.next.max(next);
+        }
+    }
+
     /// Everything held, in any order (used to fail them all).
     pub fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
         self.slots.drain(..).flatten()
@@ -445,6 +460,141 @@ pub struct Farewell {
     /// How long to wait for it to go out (a graceful close waits for the peer to drain what
     /// was written before it; an abort barely waits).
     pub patience: std::time::Duration,
+}
+
+/// A connection's write half, parked here while its write loop is idle, so that the owner can
+/// write a message itself ([`Parking::try_write`]) instead of queueing it and waking the loop:
+/// a small message then goes out in the owner's own poll.
+#[derive(Default)]
+pub struct Parking(std::sync::Mutex<Parked>);
+
+#[derive(Default)]
+struct Parked {
+    /// The write half, while the loop waits for work with nothing held.
+    w: Option<BoxWrite>,
+    /// The loop's next ticket, advanced by each message written here.
+    next: u64,
+    /// The last write made here (the loop's heartbeat counts it).
+    last_write: Option<Instant>,
+    /// A message written here only in part (ticket, bytes written): the loop writes the rest.
+    torn: Option<(u64, usize)>,
+    /// The connection is stopping: write nothing more here.
+    halted: bool,
+}
+
+impl std::fmt::Debug for Parking {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Parking").finish_non_exhaustive()
+    }
+}
+
+impl Parking {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Parked> {
+        // Nothing panics while holding it; a poisoned lock still holds consistent state.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// From now on, nothing is written here: everything goes through the loop, which stops.
+    pub fn halt(&self) {
+        self.lock().halted = true;
+    }
+
+    /// Writes an [`OutOp::Message`] at once, with one non-blocking vectored write, if the write
+    /// loop is idle and the message is the next in ticket order. `Ok(op)`: it is written, and
+    /// the caller completes it. `Err(op)`: submit it to the loop as usual; if part of it was
+    /// written here, the loop writes the rest (and nothing goes in between).
+    pub fn try_write(&self, op: OutOp) -> Result<OutOp, OutOp> {
+        let OutOp::Message {
+            ticket,
+            frame,
+            payloads,
+            ..
+        } = &op
+        else {
+            return Err(op);
+        };
+        if payloads.len() >= IOV_BATCH {
+            return Err(op);
+        }
+        // Only the loop, on this same thread, ever holds the lock, and never across a poll.
+        let Ok(mut p) = self.0.try_lock() else {
+            return Err(op);
+        };
+        if p.halted || p.torn.is_some() || p.next != *ticket {
+            return Err(op);
+        }
+        let Some(w) = p.w.as_mut() else {
+            return Err(op);
+        };
+        let mut iov = [IoSlice::new(&[]); IOV_BATCH];
+        iov[0] = IoSlice::new(frame);
+        let mut total = frame.len();
+        for (slot, pl) in iov[1..].iter_mut().zip(payloads) {
+            *slot = IoSlice::new(&pl.data);
+            total += pl.data.len();
+        }
+        let n = 1 + payloads.len();
+        // A waker that does nothing: if the stream is not ready, the loop takes the message
+        // over and polls with its own.
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match Pin::new(&mut **w).poll_write_vectored(&mut cx, &iov[..n]) {
+            std::task::Poll::Ready(Ok(k)) if k == total => {
+                p.next += 1;
+                p.last_write = Some(Instant::now());
+                Ok(op)
+            }
+            std::task::Poll::Ready(Ok(k)) if k > 0 => {
+                p.torn = Some((*ticket, k));
+                p.last_write = Some(Instant::now());
+                Err(op)
+            }
+            // Not ready, or an error the loop will meet again and report.
+            _ => Err(op),
+        }
+    }
+}
+
+/// The write loop's hold on its write half: in hand while working, parked while idle.
+struct Pen<'a> {
+    w: Option<BoxWrite>,
+    parking: &'a Parking,
+    /// Taken over from the parking: a message partly written by the owner.
+    torn: Option<(u64, usize)>,
+    last_write: Instant,
+}
+
+impl Pen<'_> {
+    /// Parks the write half while the loop waits with nothing held.
+    fn park(&mut self, next: u64) {
+        if self.torn.is_some() {
+            return;
+        }
+        if let Some(w) = self.w.take() {
+            let mut p = self.parking.lock();
+            p.w = Some(w);
+            p.next = next;
+        }
+    }
+
+    /// Takes the write half back, with what was written meanwhile.
+    fn unpark(&mut self, seq: &mut Sequencer<OutOp>) {
+        if self.w.is_some() {
+            return;
+        }
+        let mut p = self.parking.lock();
+        self.w = p.w.take();
+        seq.skip_to(p.next);
+        self.torn = p.torn.take();
+        if let Some(t) = p.last_write.take() {
+            self.last_write = self.last_write.max(t);
+        }
+    }
+
+    fn get(&mut self) -> &mut BoxWrite {
+        self.w
+            .as_mut()
+            .expect("the write loop holds its write half")
+    }
 }
 
 async fn stopped(stop: &mut Stop) {
@@ -547,12 +697,14 @@ async fn fail_all<T: Ticketed>(
     }
 }
 
-/// Writes every slice completely, in one system call when the stream allows.
+/// Writes every slice completely (after the first `skip` bytes), in one system call when the
+/// stream allows.
 async fn write_all_vectored<W: AsyncWrite + Unpin + ?Sized>(
     w: &mut W,
     mut bufs: &mut [IoSlice<'_>],
+    skip: usize,
 ) -> std::io::Result<()> {
-    IoSlice::advance_slices(&mut bufs, 0);
+    IoSlice::advance_slices(&mut bufs, skip);
     while !bufs.is_empty() {
         let n = w.write_vectored(bufs).await?;
         if n == 0 {
@@ -566,7 +718,14 @@ async fn write_all_vectored<W: AsyncWrite + Unpin + ?Sized>(
 /// Slices per vectored write; larger payload lists go out in several calls.
 const IOV_BATCH: usize = 16;
 
-async fn write_op(w: &mut BoxWrite, op: &OutOp, scratch: &mut Vec<u8>) -> std::io::Result<()> {
+/// Writes `op`, less its first `skip` bytes (written already; only ever within its first batch
+/// of slices).
+async fn write_op(
+    w: &mut BoxWrite,
+    op: &OutOp,
+    scratch: &mut Vec<u8>,
+    mut skip: usize,
+) -> std::io::Result<()> {
     match op {
         OutOp::Message {
             frame, payloads, ..
@@ -576,13 +735,13 @@ async fn write_op(w: &mut BoxWrite, op: &OutOp, scratch: &mut Vec<u8>) -> std::i
             let mut n = 1;
             for p in payloads {
                 if n == IOV_BATCH {
-                    write_all_vectored(w, &mut iov[..n]).await?;
+                    write_all_vectored(w, &mut iov[..n], mem::take(&mut skip)).await?;
                     n = 0;
                 }
                 iov[n] = IoSlice::new(&p.data);
                 n += 1;
             }
-            write_all_vectored(w, &mut iov[..n]).await
+            write_all_vectored(w, &mut iov[..n], skip).await
         }
         OutOp::Tensor {
             seq,
@@ -605,7 +764,7 @@ async fn write_op(w: &mut BoxWrite, op: &OutOp, scratch: &mut Vec<u8>) -> std::i
                 };
                 wire::encode_frame(scratch, FrameKind::Chunk, |b| wire::encode_chunk(b, &h));
                 let body = &buffer[offset as usize..(offset + len) as usize];
-                write_all_vectored(w, &mut [IoSlice::new(scratch), IoSlice::new(body)]).await?;
+                write_all_vectored(w, &mut [IoSlice::new(scratch), IoSlice::new(body)], 0).await?;
             }
             Ok(())
         }
@@ -620,26 +779,64 @@ enum Idle {
     Ping(Result<(), Error>),
 }
 
+/// Waits for the next write in ticket order, its write half parked meanwhile while nothing is
+/// held. Returns `None` when the queue is closed and nothing is left, or when stopped (then
+/// `*halted` is set). The write half is back in hand when it returns.
+async fn next_out(
+    seq: &mut Sequencer<OutOp>,
+    rx: &mut mpsc::UnboundedReceiver<OutOp>,
+    stop: &mut Halt,
+    halted: &mut bool,
+    pen: &mut Pen<'_>,
+) -> Option<OutOp> {
+    loop {
+        if let Some(op) = seq.pop() {
+            return Some(op);
+        }
+        if seq.is_empty() {
+            pen.park(seq.next);
+        }
+        let got = tokio::select! {
+            biased;
+            _ = &mut *stop => None,
+            op = rx.recv() => Some(op),
+        };
+        pen.unpark(seq);
+        let Some(op) = got else {
+            *halted = true;
+            return None;
+        };
+        let op = op?;
+        if let Err(op) = seq.push(op.ticket(), op) {
+            // A duplicate ticket is a bug in the caller; fail the op, keep the loop.
+            op.complete(Err(Error::invalid("duplicate or stale connection ticket")));
+        }
+    }
+}
+
 /// Waits for the next operation in ticket order, sending pings while none comes.
 async fn next_write(
     seq: &mut Sequencer<OutOp>,
     rx: &mut mpsc::UnboundedReceiver<OutOp>,
     stop: &mut Halt,
     halted: &mut bool,
-    beat: Option<(&Heartbeat, Pin<&mut Sleep>, &mut Instant)>,
-    w: &mut BoxWrite,
+    beat: Option<(&Heartbeat, Pin<&mut Sleep>)>,
+    pen: &mut Pen<'_>,
     origin: &Origin,
 ) -> Idle {
-    let Some((hb, mut alarm, last_write)) = beat else {
-        return Idle::Op(next_op(seq, rx, stop, halted).await);
+    let Some((hb, mut alarm)) = beat else {
+        return Idle::Op(next_out(seq, rx, stop, halted, pen).await);
     };
     loop {
         tokio::select! {
             biased;
-            op = next_op(seq, rx, stop, halted) => return Idle::Op(op),
+            op = next_out(seq, rx, stop, halted, pen) => return Idle::Op(op),
             () = alarm.as_mut() => {}
         }
-        if Instant::now() >= *last_write + hb.interval {
+        // Interrupted while parked: take the write half back (and what was written meanwhile).
+        pen.unpark(seq);
+        if Instant::now() >= pen.last_write + hb.interval && pen.torn.is_none() {
+            let w = pen.w.as_mut().expect("the write loop holds its write half");
             let sent = tokio::select! {
                 biased;
                 _ = &mut *stop => Err(cancelled(origin)),
@@ -648,20 +845,23 @@ async fn next_write(
             if sent.is_err() {
                 return Idle::Ping(sent);
             }
-            *last_write = Instant::now();
+            pen.last_write = Instant::now();
         }
-        alarm.as_mut().reset((*last_write + hb.interval).into());
+        alarm.as_mut().reset((pen.last_write + hb.interval).into());
     }
 }
 
 /// Runs a connection's write side until every sender is gone. With a `heartbeat`, an idle
-/// writer sends a ping after each `interval` without writing.
+/// writer sends a ping after each `interval` without writing. While it waits for work with
+/// nothing held, its write half is parked in `parking`, where the owner may write a message
+/// itself ([`Parking::try_write`]).
 pub async fn write_loop(
-    mut w: BoxWrite,
+    w: BoxWrite,
     mut rx: mpsc::UnboundedReceiver<OutOp>,
     stop: Stop,
     origin: Origin,
     heartbeat: Option<Heartbeat>,
+    parking: std::sync::Arc<Parking>,
 ) {
     let mut seq = Sequencer::default();
     let mut scratch = Vec::with_capacity(64);
@@ -670,18 +870,21 @@ pub async fn write_loop(
     let mut alarm = std::pin::pin!(tokio::time::sleep(
         heartbeat.map_or(Duration::ZERO, |h| h.interval)
     ));
-    let mut last_write = Instant::now();
+    let mut pen = Pen {
+        w: Some(w),
+        parking: &parking,
+        torn: None,
+        last_write: Instant::now(),
+    };
     let failure = loop {
-        let beat = heartbeat
-            .as_ref()
-            .map(|h| (h, alarm.as_mut(), &mut last_write));
+        let beat = heartbeat.as_ref().map(|h| (h, alarm.as_mut()));
         let next = next_write(
             &mut seq,
             &mut rx,
             &mut halt,
             &mut halted,
             beat,
-            &mut w,
+            &mut pen,
             &origin,
         );
         let op = match next.await {
@@ -691,12 +894,15 @@ pub async fn write_loop(
         let Some(op) = op else {
             if !halted {
                 // Every sender is gone: nothing more to write.
-                let _ = w.shutdown().await;
+                let _ = pen.get().shutdown().await;
+                parking.halt();
                 return;
             }
-            // Stopped at a frame boundary: say goodbye if there is something to say.
+            // Stopped at a frame boundary (unless the owner wrote part of a message the loop
+            // has not finished): say goodbye if there is something to say.
             let farewell = stop.borrow().clone().unwrap_or_default();
-            if !farewell.frame.is_empty() {
+            if !farewell.frame.is_empty() && pen.torn.is_none() {
+                let w = pen.get();
                 let bye = async {
                     w.write_all(&farewell.frame).await?;
                     w.shutdown().await
@@ -705,15 +911,23 @@ pub async fn write_loop(
             }
             break cancelled(&origin);
         };
+        // The rest of a message the owner wrote in part.
+        let skip = match pen.torn {
+            Some((ticket, k)) if ticket == op.ticket() => {
+                pen.torn = None;
+                k
+            }
+            _ => 0,
+        };
         let result = tokio::select! {
             biased;
             _ = &mut halt => {
                 op.complete(Err(cancelled(&origin)));
                 break cancelled(&origin);
             }
-            r = write_op(&mut w, &op, &mut scratch) => r,
+            r = write_op(pen.w.as_mut().expect("in hand"), &op, &mut scratch, skip) => r,
         };
-        last_write = Instant::now();
+        pen.last_write = Instant::now();
         match result {
             Ok(()) => op.complete(Ok(())),
             Err(e) => {
@@ -723,7 +937,8 @@ pub async fn write_loop(
             }
         }
     };
-    drop(w);
+    parking.halt();
+    drop(pen);
     fail_all(&mut seq, &mut rx, failure, |op, e| op.complete(Err(e))).await;
 }
 
@@ -998,6 +1213,96 @@ pub async fn read_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+
+    fn message(ticket: u64, bytes: &[u8], reply: &Reply) -> OutOp {
+        OutOp::Message {
+            ticket,
+            frame: bytes[..2].to_vec(),
+            payloads: vec![Payload::new(bytes[2..].to_vec())],
+            reply: reply.clone(),
+        }
+    }
+
+    /// The owner writes while the loop is idle: whole, in part (the loop finishes it, and no
+    /// farewell cuts into it), or not at all (the loop is busy, or the ticket is not next).
+    #[tokio::test]
+    async fn owner_writes_while_the_loop_is_idle() {
+        // The loops run on one thread, as on an arbiter (an `OutOp` is not `Sync`).
+        tokio::task::LocalSet::new()
+            .run_until(owner_writes_while_idle())
+            .await;
+    }
+
+    async fn owner_writes_while_idle() {
+        let (w, mut r) = tokio::io::duplex(8);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (stop_tx, stop) = watch::channel(None);
+        let parking = Arc::new(Parking::default());
+        let (reply, mut done) = mpsc::unbounded_channel();
+        let origin = Origin::new("test", "test");
+        let lp = tokio::task::spawn_local(write_loop(
+            Box::new(w),
+            rx,
+            stop,
+            origin,
+            None,
+            parking.clone(),
+        ));
+        tokio::task::yield_now().await;
+        // Not next in ticket order: refused.
+        assert!(parking.try_write(message(1, b"zzzz", &reply)).is_err());
+        // Ticket 0 fits the stream's 8 bytes: written here.
+        assert!(parking.try_write(message(0, b"abcdef", &reply)).is_ok());
+        // Ticket 1 does not fit: 2 bytes go now, the loop writes the rest.
+        let op = parking
+            .try_write(message(1, b"0123456789", &reply))
+            .expect_err("only part fits");
+        // While torn, nothing more is written here.
+        assert!(parking.try_write(message(2, b"xy", &reply)).is_err());
+        tx.send(op).unwrap();
+        let mut got = vec![0u8; 16];
+        r.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"abcdef0123456789");
+        assert!(matches!(
+            done.recv().await,
+            Some(Done::Wrote {
+                ticket: 1,
+                result: Ok(()),
+                ..
+            })
+        ));
+        // Idle again: ticket 2 goes out here, ticket 3 through the loop.
+        tokio::task::yield_now().await;
+        assert!(parking.try_write(message(2, b"ghij", &reply)).is_ok());
+        tx.send(message(3, b"klmn", &reply)).unwrap();
+        let mut got = vec![0u8; 8];
+        r.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"ghijklmn");
+        assert!(matches!(
+            done.recv().await,
+            Some(Done::Wrote {
+                ticket: 3,
+                result: Ok(()),
+                ..
+            })
+        ));
+        // Stopped: nothing more is written here, and the farewell goes out.
+        tokio::task::yield_now().await;
+        parking.halt();
+        assert!(parking.try_write(message(4, b"nope", &reply)).is_err());
+        stop_tx
+            .send(Some(Farewell {
+                frame: b"bye".to_vec(),
+                patience: Duration::from_secs(1),
+            }))
+            .unwrap();
+        let mut rest = Vec::new();
+        r.read_to_end(&mut rest).await.unwrap();
+        assert_eq!(rest, b"bye");
+        drop(tx);
+        lp.await.unwrap();
+    }
 
     #[test]
     fn sequencer_restores_ticket_order() {
