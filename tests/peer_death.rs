@@ -33,6 +33,9 @@ const TRIALS: u32 = 4;
 const SIZE: usize = 16 << 20;
 /// Writes (and echoed reads) in flight when the kill comes.
 const IN_FLIGHT: u64 = 6;
+/// The child's pause after each echo: the batch takes at least `IN_FLIGHT` of them, longer
+/// than the survivor waits between the first echo and the kill (at most 12 ms).
+const ECHO_PAUSE: Duration = Duration::from_millis(15);
 /// Every pending operation must complete within this long after the kill.
 const BOUND: Duration = Duration::from_secs(5);
 /// The keepalive of both sides when the peer is frozen (SIGSTOP) instead: nothing closes, only
@@ -165,9 +168,13 @@ fn child_process() {
             }
             other => panic!("unknown child mode {other:?}"),
         };
-        // Echo until killed; a read failing means the survivor went away first.
+        // Echo until killed; a read failing means the survivor went away first. The pause
+        // after each echo keeps the batch in flight when the kill comes: same-host paths move
+        // the whole batch in a few milliseconds, so a child echoing flat out could be done
+        // before the survivor's kill lands.
         while let Ok(m) = read_one(&pipe).await {
             pipe.do_send(Write::new(m));
+            tokio::time::sleep(ECHO_PAUSE).await;
         }
     });
 }
