@@ -49,6 +49,21 @@ impl std::fmt::Debug for Halves {
     }
 }
 
+impl Halves {
+    /// The same connection with a smaller read buffer of `capacity` bytes (handshakes read
+    /// through one of [`READ_BUFFER`] bytes). When the handshake has read ahead, the buffer is
+    /// kept as it is, with those bytes.
+    pub fn with_read_buffer(self, capacity: usize) -> Halves {
+        if capacity >= READ_BUFFER || !self.read.buffer().is_empty() {
+            return self;
+        }
+        Halves {
+            read: BufReader::with_capacity(capacity, self.read.into_inner()),
+            ..self
+        }
+    }
+}
+
 impl From<Stream> for Halves {
     fn from(s: Stream) -> Self {
         Halves {
