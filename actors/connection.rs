@@ -7,9 +7,11 @@
 //! no extra mailbox hop here. The actor's mailbox is for the connection's life: stop, with or
 //! without a farewell frame.
 //!
-//! The read loop starts with the first read submitted: a connection nobody reads from (cma's
-//! side connections, until a tensor needs them) costs no task, no queue and no loop state. Its
-//! read half waits in the [`Link`] until then, and is dropped when the connection stops.
+//! A channel's own connection ([`Connection::start_lane`]) starts its read loop with the first
+//! read submitted: a connection nobody reads from (cma's side connections, until a tensor needs
+//! them) costs no task, no queue and no loop state. Its read half waits in the [`Link`] until
+//! then, and is dropped when the connection stops. The control connection, which the pipe reads
+//! at once, starts both loops together ([`Connection::start`]).
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -123,14 +125,36 @@ impl Message for Shutdown {
 }
 
 impl Connection {
-    /// Starts the write loop over a handshaken stream (the read loop starts with the first
-    /// read) and returns the actor and the submit handle.
+    /// Starts both loops over a handshaken stream and returns the actor and the submit handle.
     pub(crate) fn start(
         read: BufReader<BoxRead>,
         write: BoxWrite,
         limits: Limits,
         origin: Origin,
         heartbeat: Option<Heartbeat>,
+    ) -> (actix::Addr<Connection>, Link) {
+        Self::start_with(read, write, limits, origin, heartbeat, false)
+    }
+
+    /// Like [`Connection::start`], for a channel's own connection: the read loop starts with
+    /// the first read.
+    pub(crate) fn start_lane(
+        read: BufReader<BoxRead>,
+        write: BoxWrite,
+        limits: Limits,
+        origin: Origin,
+        heartbeat: Option<Heartbeat>,
+    ) -> (actix::Addr<Connection>, Link) {
+        Self::start_with(read, write, limits, origin, heartbeat, true)
+    }
+
+    fn start_with(
+        read: BufReader<BoxRead>,
+        write: BoxWrite,
+        limits: Limits,
+        origin: Origin,
+        heartbeat: Option<Heartbeat>,
+        lazy_read: bool,
     ) -> (actix::Addr<Connection>, Link) {
         let (out_tx, out_rx) = mpsc::unbounded_channel();
         let (stop_tx, stop_rx) = watch::channel(None);
@@ -148,6 +172,9 @@ impl Connection {
             origin,
             heartbeat,
         }))));
+        if !lazy_read {
+            reader.borrow_mut().queue();
+        }
         let addr = Connection {
             stop: stop_tx,
             reader: reader.clone(),
@@ -213,7 +240,7 @@ mod tests {
     fn over_duplex() -> (Addr<Connection>, Link, tokio::io::DuplexStream) {
         let (ours, theirs) = tokio::io::duplex(4096);
         let (r, w) = tokio::io::split(ours);
-        let (conn, link) = Connection::start(
+        let (conn, link) = Connection::start_lane(
             BufReader::with_capacity(512, Box::new(r)),
             Box::new(w),
             Limits::default(),
