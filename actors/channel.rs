@@ -134,7 +134,11 @@ pub struct Channel {
     link: Link,
     lanes: Vec<Lane>,
     reply: Reply,
-    own: Reply,
+    /// The channel's own completion queue (cma's side connections, mpt's lanes, xth's table).
+    /// Made on first use: a tokio queue allocates its first block of 32 slots up front, and
+    /// most pipes never need it (cma sends small tensors inline on the pipe's connection).
+    own: Option<Reply>,
+    /// The receiving end of `own`, until a handler hands it to the actor's context.
     own_rx: Option<mpsc::UnboundedReceiver<Done>>,
     origin: Origin,
     held: HashMap<HeldKey, Held>,
@@ -191,7 +195,6 @@ impl Channel {
         origin: Origin,
         fallbacks: Arc<AtomicU64>,
     ) -> Self {
-        let (own, own_rx) = mpsc::unbounded_channel();
         Channel {
             kind,
             link,
@@ -205,8 +208,8 @@ impl Channel {
                 })
                 .collect(),
             reply,
-            own,
-            own_rx: Some(own_rx),
+            own: None,
+            own_rx: None,
             origin,
             held: HashMap::new(),
             xth_keys: Vec::new(),
@@ -221,6 +224,28 @@ impl Channel {
         || Error::Closed {
             reason: "connection already stopped".into(),
             origin: self.origin.clone(),
+        }
+    }
+
+    /// A sender into the channel's own completion queue, made on first use. The handler that
+    /// makes it hands the receiving end to the actor's context before returning
+    /// ([`Self::poll_own`]).
+    fn own(&mut self) -> Reply {
+        let rx = &mut self.own_rx;
+        self.own
+            .get_or_insert_with(|| {
+                let (tx, r) = mpsc::unbounded_channel();
+                *rx = Some(r);
+                tx
+            })
+            .clone()
+    }
+
+    /// Starts polling the own completion queue if the handler that just ran made it. Every
+    /// handler that can call [`Self::own`] ends with this.
+    fn poll_own(&mut self, ctx: &mut Context<Self>) {
+        if let Some(rx) = self.own_rx.take() {
+            ctx.add_stream(Queue(rx));
         }
     }
 
@@ -330,6 +355,7 @@ impl Channel {
             // in `self.held` untouched until every stripe's operation has completed (`release`
             // waits for `out == 0`, and a stopping channel waits for `held` to empty).
             let region = unsafe { Region::new(base.add(offset as usize), n as usize) };
+            let reply = self.own();
             let l = &mut self.lanes[lane as usize];
             let origin = &self.origin;
             let gone = || Error::Closed {
@@ -347,7 +373,7 @@ impl Channel {
                         memory: Memory::Region(region),
                         offset,
                         chunk_size: chunk,
-                        reply: self.own.clone(),
+                        reply,
                     },
                     gone,
                 );
@@ -361,7 +387,7 @@ impl Channel {
                         index,
                         memory: Memory::Region(region),
                         offset,
-                        reply: self.own.clone(),
+                        reply,
                     },
                     gone,
                 );
@@ -389,13 +415,14 @@ impl Channel {
             return;
         }
         self.ack_armed = true;
+        let reply = self.own();
         let l = &mut self.lanes[CMA_ACKS];
         let ticket = l.in_ticket;
         l.in_ticket += 1;
         l.link.read(
             InOp::Frame {
                 ticket,
-                reply: self.own.clone(),
+                reply,
                 more: 0,
             },
             lane_gone,
@@ -403,9 +430,11 @@ impl Channel {
     }
 
     fn send_ack(&mut self, ack: Ack) {
-        let Some(l) = self.lanes.get_mut(CMA_ACKS) else {
+        if self.lanes.get(CMA_ACKS).is_none() {
             return;
-        };
+        }
+        let reply = self.own();
+        let l = &mut self.lanes[CMA_ACKS];
         let mut frame = Vec::with_capacity(24);
         wire::encode_frame(&mut frame, FrameKind::Ack, |b| wire::encode_ack(b, &ack));
         let ticket = l.out_ticket;
@@ -415,7 +444,7 @@ impl Channel {
                 ticket,
                 frame,
                 payloads: Vec::new(),
-                reply: self.own.clone(),
+                reply,
             },
             lane_gone,
         );
@@ -444,6 +473,7 @@ impl Channel {
         // SAFETY: the buffer stays in `self.held`, untouched, until this operation completes
         // (its `Done` decrements `out`, which is still 1 for the ack we were waiting for).
         let region = unsafe { Region::new(ptr, n) };
+        let reply = self.own();
         let l = &mut self.lanes[CMA_DATA];
         let ticket = l.out_ticket;
         l.out_ticket += 1;
@@ -455,7 +485,7 @@ impl Channel {
                 memory: Memory::Region(region),
                 offset: 0,
                 chunk_size,
-                reply: self.own.clone(),
+                reply,
             },
             lane_gone,
         );
@@ -504,6 +534,7 @@ impl Channel {
                 );
                 // SAFETY: as in `stripe`: `dst` stays in `self.held` until this read completes.
                 let region = unsafe { Region::new(ptr, n) };
+                let reply = self.own();
                 let l = &mut self.lanes[CMA_DATA];
                 let ticket = l.in_ticket;
                 l.in_ticket += 1;
@@ -514,7 +545,7 @@ impl Channel {
                         index: r.index,
                         memory: Memory::Region(region),
                         offset: 0,
-                        reply: self.own.clone(),
+                        reply,
                     },
                     lane_gone,
                 );
@@ -632,9 +663,7 @@ impl Actor for Channel {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
-        if let Some(rx) = self.own_rx.take() {
-            ctx.add_stream(Queue(rx));
-        }
+        self.poll_own(ctx);
     }
 
     fn stopped(&mut self, _: &mut Self::Context) {
@@ -650,6 +679,7 @@ impl Actor for Channel {
 impl StreamHandler<Done> for Channel {
     fn handle(&mut self, d: Done, ctx: &mut Self::Context) {
         self.on_own(d, ctx);
+        self.poll_own(ctx);
     }
 
     fn finished(&mut self, _: &mut Self::Context) {}
@@ -658,7 +688,7 @@ impl StreamHandler<Done> for Channel {
 impl Handler<SendTensor> for Channel {
     type Result = ();
 
-    fn handle(&mut self, m: SendTensor, _: &mut Self::Context) {
+    fn handle(&mut self, m: SendTensor, ctx: &mut Self::Context) {
         if self.kind.sends_on_control(m.buffer.len() as u64) {
             return self.send_on_control(m);
         }
@@ -671,7 +701,8 @@ impl Handler<SendTensor> for Channel {
                     index: m.index,
                 };
                 self.xth_keys.push((true, key));
-                xth::send(key, m.buffer, self.own.clone());
+                let reply = self.own();
+                xth::send(key, m.buffer, reply);
             }
             ChannelKind::Cma { .. } => {
                 let key = (true, m.seq, m.index);
@@ -696,6 +727,7 @@ impl Handler<SendTensor> for Channel {
                 self.stripe(m.seq, m.index, m.buffer, true, chunk_size)
             }
         }
+        self.poll_own(ctx);
     }
 }
 
@@ -729,7 +761,8 @@ impl Handler<RecvTensor> for Channel {
                     index: m.index,
                 };
                 self.xth_keys.push((false, key));
-                xth::recv(key, m.buffer, self.own.clone(), &self.origin);
+                let reply = self.own();
+                xth::recv(key, m.buffer, reply, &self.origin);
             }
             ChannelKind::Cma { threads, .. } => {
                 let remote = match RemoteBuffer::decode(&m.data) {
@@ -787,6 +820,7 @@ impl Handler<RecvTensor> for Channel {
                 self.stripe(m.seq, m.index, m.buffer, false, chunk_size)
             }
         }
+        self.poll_own(ctx);
     }
 }
 
@@ -795,6 +829,7 @@ impl Handler<CmaRead> for Channel {
 
     fn handle(&mut self, r: CmaRead, ctx: &mut Self::Context) {
         self.on_cma_read(r, ctx);
+        self.poll_own(ctx);
     }
 }
 
@@ -822,6 +857,7 @@ impl Handler<StopChannel> for Channel {
             self.fail_held(e);
         }
         self.maybe_stop(ctx);
+        self.poll_own(ctx);
     }
 }
 

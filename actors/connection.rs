@@ -6,6 +6,15 @@
 //! holding two senders) and completions go straight to the submitter's queue, so a message costs
 //! no extra mailbox hop here. The actor's mailbox is for the connection's life: stop, with or
 //! without a farewell frame.
+//!
+//! A channel's own connection ([`Connection::start_lane`]) starts its read loop with the first
+//! read submitted: a connection nobody reads from (cma's side connections, until a tensor needs
+//! them) costs no task, no queue and no loop state. Its read half waits in the [`Link`] until
+//! then, and is dropped when the connection stops. The control connection, which the pipe reads
+//! at once, starts both loops together ([`Connection::start`]).
+
+use std::cell::RefCell;
+use std::rc::Rc;
 
 use actix::{Actor, Context, Handler, Message};
 use tokio::io::BufReader;
@@ -15,7 +24,7 @@ use crate::error::{Error, Origin};
 use crate::transport::liveness::Heartbeat;
 use std::sync::Arc;
 
-use crate::transport::stream::{read_loop, write_loop, Farewell, InOp, OutOp, Parking};
+use crate::transport::stream::{read_loop, write_loop, Farewell, InOp, OutOp, Parking, Stop};
 use crate::transport::{BoxRead, BoxWrite};
 use crate::wire::Limits;
 
@@ -23,9 +32,61 @@ use crate::wire::Limits;
 #[derive(Debug, Clone)]
 pub(crate) struct Link {
     pub out: mpsc::UnboundedSender<OutOp>,
-    pub inp: mpsc::UnboundedSender<InOp>,
+    inp: Rc<RefCell<Reader>>,
     /// The write half while the write loop is idle (see [`Link::write_now`]).
     pub parking: Arc<Parking>,
+}
+
+/// Everything the read loop needs, kept until the first read.
+struct ReadParts {
+    read: BufReader<BoxRead>,
+    stop: Stop,
+    limits: Limits,
+    origin: Origin,
+    heartbeat: Option<Heartbeat>,
+}
+
+/// The read side of a connection: not started yet, running, or stopped before it started.
+enum Reader {
+    Idle(Box<ReadParts>),
+    Running(mpsc::UnboundedSender<InOp>),
+    Stopped,
+}
+
+impl std::fmt::Debug for Reader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Reader::Idle(_) => "Idle",
+            Reader::Running(_) => "Running",
+            Reader::Stopped => "Stopped",
+        })
+    }
+}
+
+impl Reader {
+    /// The read loop's queue, starting the loop on the actor system's current arbiter if it
+    /// has not started; `None` once stopped.
+    fn queue(&mut self) -> Option<&mpsc::UnboundedSender<InOp>> {
+        if matches!(self, Reader::Idle(_)) {
+            let Reader::Idle(p) = std::mem::replace(self, Reader::Stopped) else {
+                unreachable!("checked above")
+            };
+            let (tx, rx) = mpsc::unbounded_channel();
+            actix::spawn(read_loop(
+                p.read,
+                rx,
+                p.stop,
+                p.limits,
+                p.origin,
+                p.heartbeat,
+            ));
+            *self = Reader::Running(tx);
+        }
+        match self {
+            Reader::Running(tx) => Some(tx),
+            _ => None,
+        }
+    }
 }
 
 impl Link {
@@ -49,9 +110,14 @@ impl Link {
         }
     }
 
-    /// Submits a read; if the loop is gone, the op completes with `err` at once.
+    /// Submits a read (the first one starts the read loop); if the loop is gone, or the
+    /// connection stopped before anything was read, the op completes with `err` at once.
     pub fn read(&self, op: InOp, err: impl FnOnce() -> Error) {
-        if let Err(mpsc::error::SendError(op)) = self.inp.send(op) {
+        let refused = match self.inp.borrow_mut().queue() {
+            Some(tx) => tx.send(op).err().map(|mpsc::error::SendError(op)| op),
+            None => Some(op),
+        };
+        if let Some(op) = refused {
             op.fail(err());
         }
     }
@@ -61,6 +127,8 @@ impl Link {
 pub struct Connection {
     stop: watch::Sender<Option<Farewell>>,
     parking: Arc<Parking>,
+    /// The read side, to drop the read half if the loop never started.
+    reader: Rc<RefCell<Reader>>,
 }
 
 /// Stops the connection: the operation in progress is interrupted and every queued one fails;
@@ -75,7 +143,7 @@ impl Message for Shutdown {
 }
 
 impl Connection {
-    /// Starts the loops over a handshaken stream and returns the actor and the submit handle.
+    /// Starts both loops over a handshaken stream and returns the actor and the submit handle.
     pub(crate) fn start(
         read: BufReader<BoxRead>,
         write: BoxWrite,
@@ -83,8 +151,30 @@ impl Connection {
         origin: Origin,
         heartbeat: Option<Heartbeat>,
     ) -> (actix::Addr<Connection>, Link) {
+        Self::start_with(read, write, limits, origin, heartbeat, false)
+    }
+
+    /// Like [`Connection::start`], for a channel's own connection: the read loop starts with
+    /// the first read.
+    pub(crate) fn start_lane(
+        read: BufReader<BoxRead>,
+        write: BoxWrite,
+        limits: Limits,
+        origin: Origin,
+        heartbeat: Option<Heartbeat>,
+    ) -> (actix::Addr<Connection>, Link) {
+        Self::start_with(read, write, limits, origin, heartbeat, true)
+    }
+
+    fn start_with(
+        read: BufReader<BoxRead>,
+        write: BoxWrite,
+        limits: Limits,
+        origin: Origin,
+        heartbeat: Option<Heartbeat>,
+        lazy_read: bool,
+    ) -> (actix::Addr<Connection>, Link) {
         let (out_tx, out_rx) = mpsc::unbounded_channel();
-        let (in_tx, in_rx) = mpsc::unbounded_channel();
         let (stop_tx, stop_rx) = watch::channel(None);
         let parking = Arc::new(Parking::default());
         actix::spawn(write_loop(
@@ -95,20 +185,41 @@ impl Connection {
             heartbeat,
             parking.clone(),
         ));
-        actix::spawn(read_loop(read, in_rx, stop_rx, limits, origin, heartbeat));
+        let reader = Rc::new(RefCell::new(Reader::Idle(Box::new(ReadParts {
+            read,
+            stop: stop_rx,
+            limits,
+            origin,
+            heartbeat,
+        }))));
+        if !lazy_read {
+            reader.borrow_mut().queue();
+        }
         let addr = Connection {
             stop: stop_tx,
             parking: parking.clone(),
+            reader: reader.clone(),
         }
         .start();
         (
             addr,
             Link {
                 out: out_tx,
-                inp: in_tx,
+                inp: reader,
                 parking,
             },
         )
+    }
+}
+
+impl Connection {
+    /// A read half whose loop never started is dropped with the connection, as the loop would
+    /// have dropped it; later reads fail at once.
+    fn drop_idle_reader(&mut self) {
+        let mut r = self.reader.borrow_mut();
+        if matches!(*r, Reader::Idle(_)) {
+            *r = Reader::Stopped;
+        }
     }
 }
 
@@ -116,6 +227,7 @@ impl Actor for Connection {
     type Context = Context<Self>;
 
     fn stopped(&mut self, _: &mut Self::Context) {
+        self.drop_idle_reader();
         // Dropped without a Shutdown (the pipe vanished): stop the loops anyway.
         self.parking.halt();
         self.stop.send_if_modified(|s| {
@@ -134,6 +246,112 @@ impl Handler<Shutdown> for Connection {
     fn handle(&mut self, msg: Shutdown, ctx: &mut Self::Context) {
         self.parking.halt();
         let _ = self.stop.send(Some(msg.farewell));
+        self.drop_idle_reader();
         actix::ActorContext::stop(ctx);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncWriteExt;
+
+    use super::*;
+    use crate::transport::stream::Done;
+    use crate::wire::{self, Ack, Frame, FrameKind};
+    use actix::Addr;
+
+    /// A connection over one end of an in-memory pipe; the other end is returned.
+    fn over_duplex() -> (Addr<Connection>, Link, tokio::io::DuplexStream) {
+        let (ours, theirs) = tokio::io::duplex(4096);
+        let (r, w) = tokio::io::split(ours);
+        let (conn, link) = Connection::start_lane(
+            BufReader::with_capacity(512, Box::new(r)),
+            Box::new(w),
+            Limits::default(),
+            Origin::default(),
+            None,
+        );
+        (conn, link, theirs)
+    }
+
+    fn gone() -> Error {
+        Error::Closed {
+            reason: "gone".into(),
+            origin: Origin::default(),
+        }
+    }
+
+    fn is_idle(link: &Link) -> bool {
+        matches!(*link.inp.borrow(), Reader::Idle(_))
+    }
+
+    #[test]
+    fn the_read_loop_starts_with_the_first_read() {
+        actix::System::new().block_on(async {
+            let (_conn, link, mut peer) = over_duplex();
+            let ack = Ack {
+                seq: 7,
+                tensor: 1,
+                ok: true,
+            };
+            let mut frame = Vec::new();
+            wire::encode_frame(&mut frame, FrameKind::Ack, |b| wire::encode_ack(b, &ack));
+            // Written before anyone reads: it waits in the stream.
+            peer.write_all(&frame).await.unwrap();
+            tokio::task::yield_now().await;
+            assert!(is_idle(&link), "no read yet, no read loop");
+            let (reply, mut done) = mpsc::unbounded_channel();
+            link.read(
+                InOp::Frame {
+                    ticket: 0,
+                    reply,
+                    more: 0,
+                },
+                gone,
+            );
+            assert!(matches!(*link.inp.borrow(), Reader::Running(_)));
+            match done.recv().await.unwrap() {
+                Done::Frame {
+                    ticket: 0,
+                    result: Ok(Frame::Ack(a)),
+                    ..
+                } => assert_eq!((a.seq, a.tensor, a.ok), (7, 1, true)),
+                other => panic!("expected the ack frame, got {other:?}"),
+            }
+        });
+    }
+
+    #[test]
+    fn a_connection_stopped_before_any_read_fails_reads_and_drops_its_read_half() {
+        actix::System::new().block_on(async {
+            let (conn, link, mut peer) = over_duplex();
+            conn.send(Shutdown::default()).await.unwrap();
+            assert!(matches!(*link.inp.borrow(), Reader::Stopped));
+            let (reply, mut done) = mpsc::unbounded_channel();
+            link.read(
+                InOp::Frame {
+                    ticket: 0,
+                    reply,
+                    more: 0,
+                },
+                gone,
+            );
+            match done.recv().await.unwrap() {
+                Done::Frame {
+                    result: Err(Error::Closed { reason, .. }),
+                    ..
+                } => assert_eq!(reason, "gone"),
+                other => panic!("expected a failed read, got {other:?}"),
+            }
+            // Both halves are gone (the write loop shut its half down): end of stream.
+            let mut rest = Vec::new();
+            tokio::time::timeout(
+                std::time::Duration::from_secs(5),
+                tokio::io::AsyncReadExt::read_to_end(&mut peer, &mut rest),
+            )
+            .await
+            .expect("the peer sees the connection close")
+            .unwrap();
+        });
     }
 }

@@ -64,6 +64,16 @@ impl Config {
         }
     }
 
+    /// The read buffer of the connections of the channel called `name` (its lanes).
+    pub(crate) fn lane_read_buffer(&self, name: &str) -> usize {
+        self.channels
+            .iter()
+            .find(|(c, _)| c.name() == name)
+            .map_or(crate::transport::stream::READ_BUFFER, |(c, _)| {
+                c.lane_read_buffer()
+            })
+    }
+
     pub(crate) fn transport(&self, name: &str) -> Result<&Arc<dyn Transport>, Error> {
         self.transports
             .iter()
@@ -445,7 +455,10 @@ async fn dial(config: Arc<Config>, url: String) -> Result<PipeParts, Error> {
         .await?;
         match purpose {
             Purpose::Control => control = Some(h),
-            Purpose::Channel { channel, .. } => lanes[channel as usize].push(h),
+            Purpose::Channel { channel, .. } => {
+                let size = config.lane_read_buffer(&choice.channels[channel as usize].name);
+                lanes[channel as usize].push(h.with_read_buffer(size));
+            }
         }
     }
     Ok(PipeParts {

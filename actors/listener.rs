@@ -130,9 +130,13 @@ impl Listener {
                 return;
             }
         }
+        let mut h = h;
         let slot = match join.purpose {
             Purpose::Control => &mut p.control,
             Purpose::Channel { channel, lane } => {
+                if let Some(c) = p.hs.choice.channels.get(channel as usize) {
+                    h = h.with_read_buffer(self.config.lane_read_buffer(&c.name));
+                }
                 match p
                     .lanes
                     .get_mut(channel as usize)

@@ -373,7 +373,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
             let lanes = lanes
                 .into_iter()
                 .map(|h| {
-                    Connection::start(
+                    Connection::start_lane(
                         h.read,
                         h.write,
                         config.limits,

@@ -49,6 +49,21 @@ impl std::fmt::Debug for Halves {
     }
 }
 
+impl Halves {
+    /// The same connection with a smaller read buffer of `capacity` bytes (handshakes read
+    /// through one of [`READ_BUFFER`] bytes). When the handshake has read ahead, the buffer is
+    /// kept as it is, with those bytes.
+    pub fn with_read_buffer(self, capacity: usize) -> Halves {
+        if capacity >= READ_BUFFER || !self.read.buffer().is_empty() {
+            return self;
+        }
+        Halves {
+            read: BufReader::with_capacity(capacity, self.read.into_inner()),
+            ..self
+        }
+    }
+}
+
 impl From<Stream> for Halves {
     fn from(s: Stream) -> Self {
         Halves {
@@ -384,4 +399,49 @@ fn fresh_token() -> u64 {
     h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
     h.write_u32(std::process::id());
     h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    fn halves() -> (Halves, tokio::io::DuplexStream) {
+        let (ours, theirs) = tokio::io::duplex(4096);
+        let (r, w) = tokio::io::split(ours);
+        let h = Halves::from(Stream {
+            read: Box::new(r),
+            write: Box::new(w),
+            peer: "test://peer".into(),
+            local: "test://local".into(),
+        });
+        (h, theirs)
+    }
+
+    #[tokio::test]
+    async fn a_smaller_read_buffer_replaces_an_empty_one() {
+        let (h, mut peer) = halves();
+        let mut h = h.with_read_buffer(16);
+        let sent: Vec<u8> = (0..100).collect();
+        peer.write_all(&sent).await.unwrap();
+        assert_eq!(h.read.fill_buf().await.unwrap().len(), 16, "16-byte buffer");
+        let mut got = vec![0; 100];
+        h.read.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, sent);
+    }
+
+    #[tokio::test]
+    async fn bytes_the_handshake_read_ahead_are_kept() {
+        let (mut h, mut peer) = halves();
+        let sent: Vec<u8> = (0..100).collect();
+        peer.write_all(&sent).await.unwrap();
+        let mut first = [0; 10];
+        h.read.read_exact(&mut first).await.unwrap();
+        assert!(!h.read.buffer().is_empty(), "the rest is buffered");
+        let mut h = h.with_read_buffer(16);
+        let mut rest = vec![0; 90];
+        h.read.read_exact(&mut rest).await.unwrap();
+        assert_eq!([&first[..], &rest[..]].concat(), sent);
+    }
 }

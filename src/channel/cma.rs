@@ -60,6 +60,10 @@ pub fn inline_max(transport: &str) -> u64 {
     }
 }
 
+/// Capacity of the buffered reader of each cma side connection: an acknowledgement frame, or a
+/// chunk header with the first bytes of its chunk, fits.
+pub const SIDE_READ_BUFFER: usize = 512;
+
 /// Encoded size of a [`RemoteBuffer`].
 pub const REMOTE_BUFFER_LEN: usize = 20;
 
@@ -91,6 +95,13 @@ impl ChannelBackend for Cma {
     /// both directions of a pipe move tensors).
     fn connections(&self) -> u32 {
         2
+    }
+
+    /// Acknowledgements are small frames, and fallback bytes arrive in chunks far larger than
+    /// any read buffer, which tokio reads straight into the tensor: the side connections need
+    /// no 8 KiB buffer each ([`SIDE_READ_BUFFER`]).
+    fn lane_read_buffer(&self) -> usize {
+        SIDE_READ_BUFFER
     }
 
     fn viable(&self) -> Result<(), String> {

@@ -41,6 +41,13 @@ pub trait ChannelBackend: Send + Sync + 'static {
         None
     }
 
+    /// Capacity of the buffered reader of each of its own connections (see
+    /// [`crate::transport::stream::READ_BUFFER`]). A connection that carries little, and mostly
+    /// small frames, can do with less: every idle pipe pays for it.
+    fn lane_read_buffer(&self) -> usize {
+        crate::transport::stream::READ_BUFFER
+    }
+
     /// This backend's entry in a brochure, at `priority`.
     fn offer(&self, priority: i32) -> ChannelOffer {
         ChannelOffer {
