@@ -281,6 +281,20 @@ mod tests {
         }
     }
 
+    /// Submits the connection's first read (a frame) and returns where it completes.
+    fn read_first_frame(link: &Link) -> mpsc::UnboundedReceiver<Done> {
+        let (reply, done) = mpsc::unbounded_channel();
+        link.read(
+            InOp::Frame {
+                ticket: 0,
+                reply,
+                more: 0,
+            },
+            gone,
+        );
+        done
+    }
+
     fn is_idle(link: &Link) -> bool {
         matches!(*link.inp.borrow(), Reader::Idle(_))
     }
@@ -300,15 +314,7 @@ mod tests {
             peer.write_all(&frame).await.unwrap();
             tokio::task::yield_now().await;
             assert!(is_idle(&link), "no read yet, no read loop");
-            let (reply, mut done) = mpsc::unbounded_channel();
-            link.read(
-                InOp::Frame {
-                    ticket: 0,
-                    reply,
-                    more: 0,
-                },
-                gone,
-            );
+            let mut done = read_first_frame(&link);
             assert!(matches!(*link.inp.borrow(), Reader::Running(_)));
             match done.recv().await.unwrap() {
                 Done::Frame {
@@ -327,15 +333,7 @@ mod tests {
             let (conn, link, mut peer) = over_duplex();
             conn.send(Shutdown::default()).await.unwrap();
             assert!(matches!(*link.inp.borrow(), Reader::Stopped));
-            let (reply, mut done) = mpsc::unbounded_channel();
-            link.read(
-                InOp::Frame {
-                    ticket: 0,
-                    reply,
-                    more: 0,
-                },
-                gone,
-            );
+            let mut done = read_first_frame(&link);
             match done.recv().await.unwrap() {
                 Done::Frame {
                     result: Err(Error::Closed { reason, .. }),
