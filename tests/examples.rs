@@ -130,6 +130,22 @@ fn bench_command_runs_end_to_end() {
         assert!(r["p50_us"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["baseline_p50_us"].as_f64().unwrap() > 0.0, "{r}");
     }
+    // mpt lanes from two loopback addresses, as from two NICs.
+    let v = bench_json(&[
+        "bench",
+        "channel",
+        "--backend",
+        "mpt",
+        "--lane-addresses",
+        "127.0.0.2,127.0.0.3",
+        "--sizes",
+        "1M",
+        "--iters",
+        "5",
+        "--rounds",
+        "1",
+    ]);
+    assert_eq!(v["rows"][0]["round_trips"], 5, "{v}");
     let v = bench_json(&["bench", "idle", "--pipes", "5", "--hold", "1"]);
     let rows = v["rows"].as_array().expect("rows");
     assert_eq!(rows.len(), 2, "{v}");

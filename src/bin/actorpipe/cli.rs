@@ -89,6 +89,11 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
     pub lanes: Option<u32>,
 
+    /// Local addresses the client's mpt lanes leave from, one per NIC, round-robin
+    /// (`ContextBuilder::lane_addresses`); the raw baseline's sockets are not bound.
+    #[arg(long, value_name = "IP,IP", value_delimiter = ',')]
+    pub lane_addresses: Vec<std::net::IpAddr>,
+
     /// Spin mode: poll the shm rings for this many microseconds before sleeping on a doorbell
     /// (the shm transport and its baseline alike).
     #[arg(long, value_name = "MICROS", value_parser = clap::value_parser!(u64).range(0..=1_000_000))]

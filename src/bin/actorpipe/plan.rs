@@ -295,6 +295,14 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
         }
         setup.lanes = Some(n);
     }
+    if !args.lane_addresses.is_empty() {
+        let mpt_possible = setup.channel.is_none() || setup.channel == Some("mpt");
+        if !mpt_possible || setup.transports == Transports::Shm {
+            return Err(bad(
+                "--lane-addresses configures the mpt channel, which this run does not use",
+            ));
+        }
+    }
     if let Some(us) = args.spin {
         if setup.transports == Transports::Tcp {
             return Err(bad(

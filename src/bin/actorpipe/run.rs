@@ -88,8 +88,12 @@ pub fn run(plan: &Plan, args: &RunArgs) -> Result<(), Failure> {
         Arrangement::Listen(_) => unreachable!("served above"),
     };
 
+    let mut builder = plan.setup.builder();
+    if !args.lane_addresses.is_empty() {
+        builder = builder.lane_addresses(args.lane_addresses.iter().copied());
+    }
     let mut client = system.block_on(Client::connect(
-        plan.setup.builder(),
+        builder,
         &endpoints.actorpipe,
         plan.shape,
         args.api,
