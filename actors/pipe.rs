@@ -545,28 +545,26 @@ impl Pipe {
     }
 
     fn check_limits(&self, m: &Message) -> Result<(), Error> {
-        let over = |limit, value: u64, max: u64| {
-            (value > max).then(|| Error::LimitExceeded {
-                limit,
-                value,
-                max,
-                origin: self.origin.clone(),
-            })
-        };
+        // The first limit that is over, in this order; the error is only built for it.
+        let over = |limit, value: u64, max: u64| (value > max).then_some((limit, value, max));
         let l = &self.limits;
-        let checks = [
-            over(
-                "payload count",
-                m.payloads.len() as u64,
-                l.max_payloads as u64,
-            ),
-            over("tensor count", m.tensors.len() as u64, l.max_tensors as u64),
+        let first = over(
+            "payload count",
+            m.payloads.len() as u64,
+            l.max_payloads as u64,
+        )
+        .or_else(|| over("tensor count", m.tensors.len() as u64, l.max_tensors as u64))
+        .or_else(|| {
             m.payloads
                 .iter()
-                .find_map(|p| over("payload size", p.data.len() as u64, l.max_payload_size)),
+                .find_map(|p| over("payload size", p.data.len() as u64, l.max_payload_size))
+        })
+        .or_else(|| {
             m.tensors
                 .iter()
-                .find_map(|t| over("tensor size", t.buffer.len(), l.max_tensor_size)),
+                .find_map(|t| over("tensor size", t.buffer.len(), l.max_tensor_size))
+        })
+        .or_else(|| {
             over(
                 "metadata size",
                 (m.metadata.len()
@@ -574,10 +572,15 @@ impl Pipe {
                     + m.tensors.iter().map(|t| t.metadata.len()).sum::<usize>()
                     + m.tensors.len() * self.channel_data_len()) as u64,
                 l.max_metadata_size,
-            ),
-        ];
-        match checks.into_iter().flatten().next() {
-            Some(e) => Err(e),
+            )
+        });
+        match first {
+            Some((limit, value, max)) => Err(Error::LimitExceeded {
+                limit,
+                value,
+                max,
+                origin: self.origin.clone(),
+            }),
             None => Ok(()),
         }
     }
