@@ -162,7 +162,7 @@ struct PendingWrite {
     /// Sequence number on the wire; only writes that reach the wire get one.
     seq: u64,
     ticket: u64,
-    since: Instant,
+    since: Option<Instant>,
     message: Message,
     payloads_out: bool,
     tensors_out: usize,
@@ -188,13 +188,13 @@ enum ReadState {
 enum PendingRead {
     Descriptor {
         id: u64,
-        since: Instant,
+        since: Option<Instant>,
         completer: Completer<DescriptorReady>,
         result: Option<Result<Descriptor, Error>>,
     },
     Read {
         id: u64,
-        since: Instant,
+        since: Option<Instant>,
         completer: Completer<ReadDone>,
         message: Message,
         state: ReadState,
@@ -594,7 +594,7 @@ impl Pipe {
             id,
             seq: u64::MAX,
             ticket: u64::MAX,
-            since: Instant::now(),
+            since: self.metrics.start(),
             message: Message::default(),
             payloads_out: false,
             tensors_out: 0,
@@ -753,7 +753,7 @@ impl Pipe {
             let w = self.writes.pop_front().expect("front exists");
             let result = self.after_failure(w.error.map_or(Ok(()), Err), false);
             let bytes = result.as_ref().map(|_| w.message.total_bytes());
-            self.metrics.completed(OpKind::Write, w.since, bytes);
+            self.metrics.finished(OpKind::Write, w.since, bytes);
             tracing::trace!(parent: &self.span, id = w.id, ok = result.is_ok(), "write done");
             w.completer.complete(WriteDone {
                 id: w.id,
@@ -997,7 +997,7 @@ impl Pipe {
                 } => {
                     let descriptor = self.after_failure(result.expect("finished"), true);
                     let m = descriptor.as_ref().map(|_| 0);
-                    self.metrics.completed(OpKind::ReadDescriptor, since, m);
+                    self.metrics.finished(OpKind::ReadDescriptor, since, m);
                     completer.complete(DescriptorReady { id, descriptor })
                 }
                 PendingRead::Read {
@@ -1014,7 +1014,7 @@ impl Pipe {
                     };
                     let result = self.after_failure(result, true);
                     let bytes = result.as_ref().map(|_| message.total_bytes());
-                    self.metrics.completed(OpKind::Read, since, bytes);
+                    self.metrics.finished(OpKind::Read, since, bytes);
                     tracing::trace!(parent: &self.span, id, ok = result.is_ok(), "read done");
                     completer.complete(ReadDone {
                         id,
@@ -1288,7 +1288,7 @@ impl Pipe {
                 self.metrics.issued(OpKind::ReadDescriptor);
                 self.reads.push_back(PendingRead::Descriptor {
                     id,
-                    since: Instant::now(),
+                    since: self.metrics.start(),
                     completer,
                     result: None,
                 });
@@ -1303,7 +1303,7 @@ impl Pipe {
                 self.metrics.issued(OpKind::Read);
                 self.reads.push_back(PendingRead::Read {
                     id,
-                    since: Instant::now(),
+                    since: self.metrics.start(),
                     completer,
                     message: Message::default(),
                     state: ReadState::Waiting(alloc),
