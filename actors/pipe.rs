@@ -199,8 +199,6 @@ enum PendingRead {
         message: Message,
         state: ReadState,
     },
-    /// Transient, while an entry is being worked on.
-    Taken,
 }
 
 impl PendingRead {
@@ -216,7 +214,6 @@ impl PendingRead {
                 } => !payloads_out && *tensors_out == 0,
                 ReadState::Finished(_) => true,
             },
-            PendingRead::Taken => false,
         }
     }
 }
@@ -834,16 +831,17 @@ impl Pipe {
 
     /// Starts every read that can start, in order, then completes what is finished.
     fn advance_reads(&mut self) {
-        while self.read_cursor < self.reads.len() {
-            let i = self.read_cursor;
-            let mut op = mem::replace(&mut self.reads[i], PendingRead::Taken);
-            let progressed = self.try_start(&mut op);
-            self.reads[i] = op;
-            if !progressed {
+        // The queue is set aside while its entries start, rather than each entry being moved
+        // out and back (a pending read is over 250 bytes); `try_start` never looks at it.
+        let mut reads = mem::take(&mut self.reads);
+        while let Some(op) = reads.get_mut(self.read_cursor) {
+            if !self.try_start(op) {
                 break;
             }
             self.read_cursor += 1;
         }
+        debug_assert!(self.reads.is_empty(), "try_start queued a read");
+        self.reads = reads;
         self.pump_reads();
     }
 
@@ -889,7 +887,6 @@ impl Pipe {
                 }
                 true
             }
-            PendingRead::Taken => true,
         }
     }
 
@@ -1022,7 +1019,6 @@ impl Pipe {
                         message,
                     });
                 }
-                PendingRead::Taken => {}
             }
         }
         self.maybe_closed();
