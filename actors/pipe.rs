@@ -166,7 +166,7 @@ struct PendingWrite {
     message: Message,
     payloads_out: bool,
     tensors_out: usize,
-    error: Option<Error>,
+    error: Option<Box<Error>>,
     completer: Completer<WriteDone>,
 }
 
@@ -179,10 +179,10 @@ enum ReadState {
         payload_ticket: Option<u64>,
         payloads_out: bool,
         tensors_out: usize,
-        error: Option<Error>,
+        error: Option<Box<Error>>,
     },
     /// Done (or refused before starting).
-    Finished(Result<(), Error>),
+    Finished(Result<(), Box<Error>>),
 }
 
 enum PendingRead {
@@ -620,7 +620,7 @@ impl Pipe {
             .map(|c| &c.1)
             .filter(|_| refusal.is_none())
         else {
-            w.error = refusal;
+            w.error = refusal.map(Box::new);
             w.message = message;
             self.writes.push_back(w);
             self.pump_writes();
@@ -649,12 +649,12 @@ impl Pipe {
         });
         let body = (frame.len() - wire::LEN_PREFIX) as u64;
         if body > self.limits.max_frame_size as u64 {
-            w.error = Some(Error::LimitExceeded {
+            w.error = Some(Box::new(Error::LimitExceeded {
                 limit: "frame size",
                 value: body,
                 max: self.limits.max_frame_size as u64,
                 origin: self.origin.clone(),
-            });
+            }));
             w.message = message;
             self.frames.push(frame);
             self.writes.push_back(w);
@@ -747,7 +747,7 @@ impl Pipe {
             .is_some_and(|w| !w.payloads_out && w.tensors_out == 0)
         {
             let w = self.writes.pop_front().expect("front exists");
-            let result = self.after_failure(w.error.map_or(Ok(()), Err), false);
+            let result = self.after_failure(w.error.map_or(Ok(()), |e| Err(*e)), false);
             let bytes = result.as_ref().map(|_| w.message.total_bytes());
             self.metrics.finished(OpKind::Write, w.since, bytes);
             tracing::trace!(parent: &self.span, id = w.id, ok = result.is_ok(), "write done");
@@ -879,7 +879,7 @@ impl Pipe {
                 };
                 if let Some(e) = refusal {
                     *message = hand_back(alloc);
-                    *state = ReadState::Finished(Err(e));
+                    *state = ReadState::Finished(Err(Box::new(e)));
                 } else {
                     let incoming = self.current.take().expect("checked above");
                     (*message, *state) = self.start_read(incoming, alloc);
@@ -1004,8 +1004,8 @@ impl Pipe {
                     state,
                 } => {
                     let result = match state {
-                        ReadState::Finished(r) => r,
-                        ReadState::Running { error, .. } => error.map_or(Ok(()), Err),
+                        ReadState::Finished(r) => r.map_err(|e| *e),
+                        ReadState::Running { error, .. } => error.map_or(Ok(()), |e| Err(*e)),
                         ReadState::Waiting(_) => unreachable!("not finished"),
                     };
                     let result = self.after_failure(result, true);
@@ -1058,7 +1058,7 @@ impl Pipe {
                     w.message.payloads = payloads;
                     w.payloads_out = false;
                     if err.is_some() {
-                        w.error = err;
+                        w.error = err.map(Box::new);
                     }
                 }
                 self.pump_writes();
@@ -1077,7 +1077,7 @@ impl Pipe {
                     }
                     w.tensors_out -= 1;
                     if err.is_some() {
-                        w.error = err;
+                        w.error = err.map(Box::new);
                     }
                 }
                 self.pump_writes();
@@ -1141,7 +1141,7 @@ impl Pipe {
                     }
                     *out = false;
                     if err.is_some() {
-                        *error = err;
+                        *error = err.map(Box::new);
                     }
                 }
                 self.pump_reads();
@@ -1166,7 +1166,7 @@ impl Pipe {
                     }
                     *tensors_out -= 1;
                     if err.is_some() {
-                        *error = err;
+                        *error = err.map(Box::new);
                     }
                 }
                 self.pump_reads();
