@@ -162,11 +162,11 @@ struct PendingWrite {
     /// Sequence number on the wire; only writes that reach the wire get one.
     seq: u64,
     ticket: u64,
-    since: Instant,
+    since: Option<Instant>,
     message: Message,
     payloads_out: bool,
     tensors_out: usize,
-    error: Option<Error>,
+    error: Option<Box<Error>>,
     completer: Completer<WriteDone>,
 }
 
@@ -179,28 +179,26 @@ enum ReadState {
         payload_ticket: Option<u64>,
         payloads_out: bool,
         tensors_out: usize,
-        error: Option<Error>,
+        error: Option<Box<Error>>,
     },
     /// Done (or refused before starting).
-    Finished(Result<(), Error>),
+    Finished(Result<(), Box<Error>>),
 }
 
 enum PendingRead {
     Descriptor {
         id: u64,
-        since: Instant,
+        since: Option<Instant>,
         completer: Completer<DescriptorReady>,
         result: Option<Result<Descriptor, Error>>,
     },
     Read {
         id: u64,
-        since: Instant,
+        since: Option<Instant>,
         completer: Completer<ReadDone>,
         message: Message,
         state: ReadState,
     },
-    /// Transient, while an entry is being worked on.
-    Taken,
 }
 
 impl PendingRead {
@@ -216,7 +214,6 @@ impl PendingRead {
                 } => !payloads_out && *tensors_out == 0,
                 ReadState::Finished(_) => true,
             },
-            PendingRead::Taken => false,
         }
     }
 }
@@ -545,28 +542,26 @@ impl Pipe {
     }
 
     fn check_limits(&self, m: &Message) -> Result<(), Error> {
-        let over = |limit, value: u64, max: u64| {
-            (value > max).then(|| Error::LimitExceeded {
-                limit,
-                value,
-                max,
-                origin: self.origin.clone(),
-            })
-        };
+        // The first limit that is over, in this order; the error is only built for it.
+        let over = |limit, value: u64, max: u64| (value > max).then_some((limit, value, max));
         let l = &self.limits;
-        let checks = [
-            over(
-                "payload count",
-                m.payloads.len() as u64,
-                l.max_payloads as u64,
-            ),
-            over("tensor count", m.tensors.len() as u64, l.max_tensors as u64),
+        let first = over(
+            "payload count",
+            m.payloads.len() as u64,
+            l.max_payloads as u64,
+        )
+        .or_else(|| over("tensor count", m.tensors.len() as u64, l.max_tensors as u64))
+        .or_else(|| {
             m.payloads
                 .iter()
-                .find_map(|p| over("payload size", p.data.len() as u64, l.max_payload_size)),
+                .find_map(|p| over("payload size", p.data.len() as u64, l.max_payload_size))
+        })
+        .or_else(|| {
             m.tensors
                 .iter()
-                .find_map(|t| over("tensor size", t.buffer.len(), l.max_tensor_size)),
+                .find_map(|t| over("tensor size", t.buffer.len(), l.max_tensor_size))
+        })
+        .or_else(|| {
             over(
                 "metadata size",
                 (m.metadata.len()
@@ -574,10 +569,15 @@ impl Pipe {
                     + m.tensors.iter().map(|t| t.metadata.len()).sum::<usize>()
                     + m.tensors.len() * self.channel_data_len()) as u64,
                 l.max_metadata_size,
-            ),
-        ];
-        match checks.into_iter().flatten().next() {
-            Some(e) => Err(e),
+            )
+        });
+        match first {
+            Some((limit, value, max)) => Err(Error::LimitExceeded {
+                limit,
+                value,
+                max,
+                origin: self.origin.clone(),
+            }),
             None => Ok(()),
         }
     }
@@ -591,7 +591,7 @@ impl Pipe {
             id,
             seq: u64::MAX,
             ticket: u64::MAX,
-            since: Instant::now(),
+            since: self.metrics.start(),
             message: Message::default(),
             payloads_out: false,
             tensors_out: 0,
@@ -620,7 +620,7 @@ impl Pipe {
             .map(|c| &c.1)
             .filter(|_| refusal.is_none())
         else {
-            w.error = refusal;
+            w.error = refusal.map(Box::new);
             w.message = message;
             self.writes.push_back(w);
             self.pump_writes();
@@ -649,12 +649,12 @@ impl Pipe {
         });
         let body = (frame.len() - wire::LEN_PREFIX) as u64;
         if body > self.limits.max_frame_size as u64 {
-            w.error = Some(Error::LimitExceeded {
+            w.error = Some(Box::new(Error::LimitExceeded {
                 limit: "frame size",
                 value: body,
                 max: self.limits.max_frame_size as u64,
                 origin: self.origin.clone(),
-            });
+            }));
             w.message = message;
             self.frames.push(frame);
             self.writes.push_back(w);
@@ -702,23 +702,22 @@ impl Pipe {
         }
         w.seq = seq;
         w.ticket = ticket;
-        w.payloads_out = true;
         w.tensors_out = message.tensors.len();
         w.message = message;
-        self.writes.push_back(w);
         if let Some(OutOp::Message {
-            ticket,
-            frame,
-            payloads,
-            ..
+            frame, payloads, ..
         }) = written
         {
-            self.on_done(Done::Wrote {
-                ticket,
-                frame,
-                payloads,
-                result: Ok(()),
-            });
+            // What `Done::Wrote` would do, without building one and finding the write again.
+            if self.frames.len() < 4 {
+                self.frames.push(frame);
+            }
+            w.message.payloads = payloads;
+            self.writes.push_back(w);
+            self.pump_writes();
+        } else {
+            w.payloads_out = true;
+            self.writes.push_back(w);
         }
     }
 
@@ -748,9 +747,9 @@ impl Pipe {
             .is_some_and(|w| !w.payloads_out && w.tensors_out == 0)
         {
             let w = self.writes.pop_front().expect("front exists");
-            let result = self.after_failure(w.error.map_or(Ok(()), Err), false);
+            let result = self.after_failure(w.error.map_or(Ok(()), |e| Err(*e)), false);
             let bytes = result.as_ref().map(|_| w.message.total_bytes());
-            self.metrics.completed(OpKind::Write, w.since, bytes);
+            self.metrics.finished(OpKind::Write, w.since, bytes);
             tracing::trace!(parent: &self.span, id = w.id, ok = result.is_ok(), "write done");
             w.completer.complete(WriteDone {
                 id: w.id,
@@ -831,16 +830,17 @@ impl Pipe {
 
     /// Starts every read that can start, in order, then completes what is finished.
     fn advance_reads(&mut self) {
-        while self.read_cursor < self.reads.len() {
-            let i = self.read_cursor;
-            let mut op = mem::replace(&mut self.reads[i], PendingRead::Taken);
-            let progressed = self.try_start(&mut op);
-            self.reads[i] = op;
-            if !progressed {
+        // The queue is set aside while its entries start, rather than each entry being moved
+        // out and back (a pending read is over 250 bytes); `try_start` never looks at it.
+        let mut reads = mem::take(&mut self.reads);
+        while let Some(op) = reads.get_mut(self.read_cursor) {
+            if !self.try_start(op) {
                 break;
             }
             self.read_cursor += 1;
         }
+        debug_assert!(self.reads.is_empty(), "try_start queued a read");
+        self.reads = reads;
         self.pump_reads();
     }
 
@@ -879,14 +879,13 @@ impl Pipe {
                 };
                 if let Some(e) = refusal {
                     *message = hand_back(alloc);
-                    *state = ReadState::Finished(Err(e));
+                    *state = ReadState::Finished(Err(Box::new(e)));
                 } else {
                     let incoming = self.current.take().expect("checked above");
                     (*message, *state) = self.start_read(incoming, alloc);
                 }
                 true
             }
-            PendingRead::Taken => true,
         }
     }
 
@@ -994,7 +993,7 @@ impl Pipe {
                 } => {
                     let descriptor = self.after_failure(result.expect("finished"), true);
                     let m = descriptor.as_ref().map(|_| 0);
-                    self.metrics.completed(OpKind::ReadDescriptor, since, m);
+                    self.metrics.finished(OpKind::ReadDescriptor, since, m);
                     completer.complete(DescriptorReady { id, descriptor })
                 }
                 PendingRead::Read {
@@ -1005,13 +1004,13 @@ impl Pipe {
                     state,
                 } => {
                     let result = match state {
-                        ReadState::Finished(r) => r,
-                        ReadState::Running { error, .. } => error.map_or(Ok(()), Err),
+                        ReadState::Finished(r) => r.map_err(|e| *e),
+                        ReadState::Running { error, .. } => error.map_or(Ok(()), |e| Err(*e)),
                         ReadState::Waiting(_) => unreachable!("not finished"),
                     };
                     let result = self.after_failure(result, true);
                     let bytes = result.as_ref().map(|_| message.total_bytes());
-                    self.metrics.completed(OpKind::Read, since, bytes);
+                    self.metrics.finished(OpKind::Read, since, bytes);
                     tracing::trace!(parent: &self.span, id, ok = result.is_ok(), "read done");
                     completer.complete(ReadDone {
                         id,
@@ -1019,7 +1018,6 @@ impl Pipe {
                         message,
                     });
                 }
-                PendingRead::Taken => {}
             }
         }
         self.maybe_closed();
@@ -1060,7 +1058,7 @@ impl Pipe {
                     w.message.payloads = payloads;
                     w.payloads_out = false;
                     if err.is_some() {
-                        w.error = err;
+                        w.error = err.map(Box::new);
                     }
                 }
                 self.pump_writes();
@@ -1079,7 +1077,7 @@ impl Pipe {
                     }
                     w.tensors_out -= 1;
                     if err.is_some() {
-                        w.error = err;
+                        w.error = err.map(Box::new);
                     }
                 }
                 self.pump_writes();
@@ -1143,7 +1141,7 @@ impl Pipe {
                     }
                     *out = false;
                     if err.is_some() {
-                        *error = err;
+                        *error = err.map(Box::new);
                     }
                 }
                 self.pump_reads();
@@ -1168,7 +1166,7 @@ impl Pipe {
                     }
                     *tensors_out -= 1;
                     if err.is_some() {
-                        *error = err;
+                        *error = err.map(Box::new);
                     }
                 }
                 self.pump_reads();
@@ -1285,7 +1283,7 @@ impl Pipe {
                 self.metrics.issued(OpKind::ReadDescriptor);
                 self.reads.push_back(PendingRead::Descriptor {
                     id,
-                    since: Instant::now(),
+                    since: self.metrics.start(),
                     completer,
                     result: None,
                 });
@@ -1300,7 +1298,7 @@ impl Pipe {
                 self.metrics.issued(OpKind::Read);
                 self.reads.push_back(PendingRead::Read {
                     id,
-                    since: Instant::now(),
+                    since: self.metrics.start(),
                     completer,
                     message: Message::default(),
                     state: ReadState::Waiting(alloc),

@@ -56,31 +56,94 @@ impl Heartbeat {
     }
 }
 
+/// A cheap clock for heartbeat stamps, which only need a few milliseconds of precision.
+///
+/// `CLOCK_MONOTONIC_COARSE` is the kernel's time as of its last tick: reading it takes a few
+/// instructions, where a precise reading (`Instant::now()`) reads and scales the cycle counter.
+/// It runs on the same base as `Instant` but lags by up to one tick (1 to 10 ms, depending on
+/// the kernel), so [`Coarse::instant`] maps a stamp to an `Instant` no earlier than the moment
+/// it was taken: a verdict of silence may come up to two ticks late, never early.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Coarse {
+    /// An `Instant` taken right after `base_ns` was read.
+    base: Instant,
+    base_ns: u64,
+    /// The coarse clock's resolution: how far a reading may lag the precise one.
+    tick: Duration,
+}
+
+impl Coarse {
+    /// The process-wide mapping.
+    pub(crate) fn get() -> &'static Coarse {
+        static COARSE: std::sync::OnceLock<Coarse> = std::sync::OnceLock::new();
+        COARSE.get_or_init(|| {
+            let base_ns = Coarse::now_ns();
+            let base = Instant::now();
+            let mut ts = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            // SAFETY: `ts` is a valid, writable timespec for the call's duration.
+            let tick = if unsafe { libc::clock_getres(libc::CLOCK_MONOTONIC_COARSE, &mut ts) } == 0
+            {
+                Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+            } else {
+                Duration::from_millis(10)
+            };
+            Coarse {
+                base,
+                base_ns,
+                tick,
+            }
+        })
+    }
+
+    /// A reading of the coarse clock, in nanoseconds.
+    pub(crate) fn now_ns() -> u64 {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid, writable timespec for the call's duration;
+        // CLOCK_MONOTONIC_COARSE exists on every Linux since 2.6.32, and cannot fail then.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+        (ts.tv_sec as u64)
+            .wrapping_mul(1_000_000_000)
+            .wrapping_add(ts.tv_nsec as u64)
+    }
+
+    /// The `Instant` of a reading `ns`, rounded up: never earlier than when it was read.
+    pub(crate) fn instant(&self, ns: u64) -> Instant {
+        self.base + Duration::from_nanos(ns.saturating_sub(self.base_ns)) + self.tick
+    }
+}
+
 /// When a reader last made progress; shared between the reader and its watchdog.
 #[derive(Debug)]
 pub struct Pulse {
-    base: Instant,
-    last_us: AtomicU64,
+    clock: &'static Coarse,
+    /// A [`Coarse`] reading.
+    last_ns: AtomicU64,
 }
 
 impl Pulse {
     /// A pulse that beat just now.
     pub fn new() -> Arc<Pulse> {
         Arc::new(Pulse {
-            base: Instant::now(),
-            last_us: AtomicU64::new(0),
+            clock: Coarse::get(),
+            last_ns: AtomicU64::new(Coarse::now_ns()),
         })
     }
 
-    /// Records progress now.
+    /// Records progress now (to within a few milliseconds, see [`Pulse::last`]).
     pub fn beat(&self) {
-        let us = self.base.elapsed().as_micros() as u64;
-        self.last_us.store(us, Ordering::Relaxed);
+        self.last_ns.store(Coarse::now_ns(), Ordering::Relaxed);
     }
 
-    /// When progress was last recorded.
+    /// When progress was last recorded, rounded up to the coarse clock's tick (a few
+    /// milliseconds): never earlier than the beat itself.
     pub fn last(&self) -> Instant {
-        self.base + Duration::from_micros(self.last_us.load(Ordering::Relaxed))
+        self.clock.instant(self.last_ns.load(Ordering::Relaxed))
     }
 }
 
@@ -176,14 +239,15 @@ mod tests {
         let pulse = Pulse::new();
         let first = pulse.last();
         let mut r = Stamped::new(b, pulse.clone());
-        std::thread::sleep(Duration::from_millis(5));
+        // Longer than the coarse clock's tick.
+        std::thread::sleep(Duration::from_millis(25));
         a.write_all(b"hi").await.unwrap();
         let mut got = [0u8; 2];
         r.read_exact(&mut got).await.unwrap();
         assert_eq!(&got, b"hi");
         let second = pulse.last();
         assert!(second > first);
-        std::thread::sleep(Duration::from_millis(5));
+        std::thread::sleep(Duration::from_millis(25));
         drop(a);
         assert_eq!(r.read(&mut got).await.unwrap(), 0);
         assert_eq!(pulse.last(), second, "end of stream is not a sign of life");

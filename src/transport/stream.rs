@@ -25,7 +25,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Sleep;
 
-use super::liveness::{silence, Heartbeat, Pulse, Stamped};
+use super::liveness::{silence, Coarse, Heartbeat, Pulse, Stamped};
 use super::{BoxRead, BoxWrite};
 use crate::error::{Error, Origin};
 use crate::message::{Descriptor, Payload};
@@ -474,8 +474,8 @@ struct Parked {
     w: Option<BoxWrite>,
     /// The loop's next ticket, advanced by each message written here.
     next: u64,
-    /// The last write made here (the loop's heartbeat counts it).
-    last_write: Option<Instant>,
+    /// The last write made here, a [`Coarse`] reading (the loop's heartbeat counts it).
+    last_write: Option<u64>,
     /// A message written here only in part (ticket, bytes written): the loop writes the rest.
     torn: Option<(u64, usize)>,
     /// The connection is stopping: write nothing more here.
@@ -540,12 +540,12 @@ impl Parking {
         match Pin::new(&mut **w).poll_write_vectored(&mut cx, &iov[..n]) {
             std::task::Poll::Ready(Ok(k)) if k == total => {
                 p.next += 1;
-                p.last_write = Some(Instant::now());
+                p.last_write = Some(Coarse::now_ns());
                 Ok(op)
             }
             std::task::Poll::Ready(Ok(k)) if k > 0 => {
                 p.torn = Some((*ticket, k));
-                p.last_write = Some(Instant::now());
+                p.last_write = Some(Coarse::now_ns());
                 Err(op)
             }
             // Not ready, or an error the loop will meet again and report.
@@ -560,7 +560,8 @@ struct Pen<'a> {
     parking: &'a Parking,
     /// Taken over from the parking: a message partly written by the owner.
     torn: Option<(u64, usize)>,
-    last_write: Instant,
+    /// The last write, a [`Coarse`] reading: a ping only needs to be about on time.
+    last_write: u64,
 }
 
 impl Pen<'_> {
@@ -835,7 +836,8 @@ async fn next_write(
         }
         // Interrupted while parked: take the write half back (and what was written meanwhile).
         pen.unpark(seq);
-        if Instant::now() >= pen.last_write + hb.interval && pen.torn.is_none() {
+        let clock = Coarse::get();
+        if Instant::now() >= clock.instant(pen.last_write) + hb.interval && pen.torn.is_none() {
             let w = pen.w.as_mut().expect("the write loop holds its write half");
             let sent = tokio::select! {
                 biased;
@@ -845,9 +847,11 @@ async fn next_write(
             if sent.is_err() {
                 return Idle::Ping(sent);
             }
-            pen.last_write = Instant::now();
+            pen.last_write = Coarse::now_ns();
         }
-        alarm.as_mut().reset((pen.last_write + hb.interval).into());
+        alarm
+            .as_mut()
+            .reset((clock.instant(pen.last_write) + hb.interval).into());
     }
 }
 
@@ -874,7 +878,7 @@ pub async fn write_loop(
         w: Some(w),
         parking: &parking,
         torn: None,
-        last_write: Instant::now(),
+        last_write: Coarse::now_ns(),
     };
     let failure = loop {
         let beat = heartbeat.as_ref().map(|h| (h, alarm.as_mut()));
@@ -927,7 +931,7 @@ pub async fn write_loop(
             }
             r = write_op(pen.w.as_mut().expect("in hand"), &op, &mut scratch, skip) => r,
         };
-        pen.last_write = Instant::now();
+        pen.last_write = Coarse::now_ns();
         match result {
             Ok(()) => op.complete(Ok(())),
             Err(e) => {
