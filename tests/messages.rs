@@ -174,14 +174,23 @@ async fn fired_reads_complete_in_order() {
         );
     }
     for i in 0..3 {
-        let d = within(10, "descriptor", descs.recv()).await.unwrap();
-        assert_eq!(d.id, 2 * i);
-        d.descriptor.unwrap();
-        let r = within(10, "read", reads.recv()).await.unwrap();
-        assert_eq!(r.id, 2 * i + 1);
-        r.result.unwrap();
-        assert_eq!(verify(&r.message), i);
+        expect_read(i, &mut descs, &mut reads).await;
     }
+}
+
+/// The `i`-th message's descriptor and read, fired with ids `2i` and `2i + 1`, arrive intact.
+async fn expect_read(
+    i: u64,
+    descs: &mut tokio::sync::mpsc::UnboundedReceiver<DescriptorReady>,
+    reads: &mut tokio::sync::mpsc::UnboundedReceiver<ReadDone>,
+) {
+    let d = within(10, "descriptor", descs.recv()).await.unwrap();
+    assert_eq!(d.id, 2 * i);
+    d.descriptor.unwrap();
+    let r = within(10, "read", reads.recv()).await.unwrap();
+    assert_eq!(r.id, 2 * i + 1);
+    r.result.unwrap();
+    assert_eq!(verify(&r.message), i);
 }
 
 /// Operations fired with `notify_shared` (one recipient made once) and with `notify`, mixed,
@@ -222,13 +231,7 @@ async fn shared_recipients_complete_in_order() {
         let w = within(10, "write", wrote.recv()).await.unwrap();
         assert_eq!(w.id, i);
         w.result.unwrap();
-        let d = within(10, "descriptor", descs.recv()).await.unwrap();
-        assert_eq!(d.id, 2 * i);
-        d.descriptor.unwrap();
-        let r = within(10, "read", reads.recv()).await.unwrap();
-        assert_eq!(r.id, 2 * i + 1);
-        r.result.unwrap();
-        assert_eq!(verify(&r.message), i);
+        expect_read(i, &mut descs, &mut reads).await;
     }
 }
 
