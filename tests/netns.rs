@@ -484,7 +484,8 @@ async fn echo_fixed(pipe: &Addr<Pipe>, n: u64, size: usize) -> Duration {
 /// pipe over the first link alone, the same bytes on each.
 async fn two_nics(url: &str) {
     const N: u64 = 4;
-    const SIZE: usize = 8 << 20;
+    // Small enough for a lossy netem link (about 1 MB/s per flow at 1 % loss and 10 ms).
+    const SIZE: usize = 4 << 20;
     let b = builder().lane_addresses([CLIENT_IP, CLIENT_IP2].map(|a| a.parse().unwrap()));
     let mpt = connect(url, b, "mpt").await;
     let lanes = mpt.send(GetInfo).await.unwrap().connections;
@@ -753,14 +754,14 @@ fn netns_mpt_lanes_use_both_nics_or_skip() {
         hosts.tx_bytes(&b, &first) - before.0,
         hosts.tx_bytes(&b, &second) - before.1,
     );
-    // mpt's 32 MiB went half over each link; basic's 32 MiB over the first only.
+    // mpt's 16 MiB went half over each link; basic's 16 MiB over the first only.
     assert!(
-        sent.1 >= 12 << 20,
-        "the second link carried {} bytes; a lane should have sent about 16 MiB over it",
+        sent.1 >= 6 << 20,
+        "the second link carried {} bytes; a lane should have sent about 8 MiB over it",
         sent.1
     );
     assert!(
-        sent.0 >= 40 << 20,
+        sent.0 >= 20 << 20,
         "the first link carried {} bytes",
         sent.0
     );
