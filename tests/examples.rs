@@ -146,12 +146,27 @@ fn bench_command_runs_end_to_end() {
         "1",
     ]);
     assert_eq!(v["rows"][0]["round_trips"], 5, "{v}");
+    // Heartbeats off on both sides still measures.
+    let v = bench_json(&[
+        "bench",
+        "transport",
+        "--no-keepalive",
+        "--sizes",
+        "64",
+        "--iters",
+        "5",
+        "--rounds",
+        "1",
+    ]);
+    assert_eq!(v["rows"][0]["round_trips"], 5, "{v}");
     let v = bench_json(&["bench", "idle", "--pipes", "5", "--hold", "1"]);
     let rows = v["rows"].as_array().expect("rows");
     assert_eq!(rows.len(), 2, "{v}");
     for r in rows {
         assert_eq!(r["pipes"], 5);
-        assert!(r["client_idle_cpu_percent"].as_f64().unwrap() >= 0.0, "{r}");
+        let cpu = r["client_idle_cpu_percent"].as_f64();
+        assert!(cpu.is_some_and(|c| c.is_finite() && c >= 0.0), "{r}");
+        assert_eq!(r["idle_hold_s"].as_f64(), Some(1.0), "{r}");
     }
     let out = Command::new(env!("CARGO_BIN_EXE_actorpipe"))
         .args(["bench", "transport", "--sizes", "nonsense"])

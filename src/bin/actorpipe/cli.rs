@@ -113,6 +113,11 @@ pub struct RunArgs {
     #[arg(long)]
     pub pin: bool,
 
+    /// Turn heartbeats and TCP keepalive off on both sides (`ContextBuilder::no_keepalive`),
+    /// to measure what they cost.
+    #[arg(long)]
+    pub no_keepalive: bool,
+
     /// Print the results as JSON on stdout (no progress bar).
     #[arg(long)]
     pub json: bool,

@@ -75,12 +75,14 @@ fn setup(name: &str) -> Result<Setup, Failure> {
             channel: Some("basic"),
             lanes: None,
             spin: None,
+            no_keepalive: false,
         }),
         "default" => Ok(Setup {
             transports: Transports::Both,
             channel: None,
             lanes: None,
             spin: None,
+            no_keepalive: false,
         }),
         _ => Err(bad(format!(
             "unknown configuration {name:?} for bench idle: use tcp+basic or default"

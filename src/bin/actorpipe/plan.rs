@@ -72,6 +72,8 @@ pub struct Setup {
     pub lanes: Option<u32>,
     /// shm spin time, when set.
     pub spin: Option<Duration>,
+    /// Heartbeats and TCP keepalive off.
+    pub no_keepalive: bool,
 }
 
 impl Setup {
@@ -91,6 +93,9 @@ impl Setup {
         };
         if let Some(c) = self.channel {
             b = b.only_channels(&[c]);
+        }
+        if self.no_keepalive {
+            b = b.no_keepalive();
         }
         b
     }
@@ -223,6 +228,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                 channel: Some("basic"),
                 lanes: None,
                 spin: None,
+                no_keepalive: false,
             };
             (
                 setup,
@@ -242,6 +248,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                 channel: Some(channel),
                 lanes: None,
                 spin: None,
+                no_keepalive: false,
             };
             let on = if setup.transports == Transports::Tcp {
                 "tcp"
@@ -259,6 +266,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                     channel: None,
                     lanes: None,
                     spin: None,
+                    no_keepalive: false,
                 }
             } else {
                 let (t, c) = name.split_once('+').ok_or_else(|| {
@@ -280,12 +288,14 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                     channel: Some(channel_name(c)?),
                     lanes: None,
                     spin: None,
+                    no_keepalive: false,
                 }
             };
             (setup, None, format!("pipe {name}"))
         }
     };
     let mut setup = setup;
+    setup.no_keepalive = args.no_keepalive;
     if let Some(n) = args.lanes {
         let mpt_possible = setup.channel.is_none() || setup.channel == Some("mpt");
         if !mpt_possible {

@@ -251,6 +251,9 @@ fn server_args(plan: &Plan, args: &RunArgs, shm_fds: Option<String>) -> Vec<Stri
     if args.pin {
         a.push("--pin".into());
     }
+    if args.no_keepalive {
+        a.push("--no-keepalive".into());
+    }
     a
 }
 
