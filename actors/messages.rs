@@ -299,6 +299,60 @@ impl Op for Read {
     }
 }
 
+/// Receive the next message whole, into buffers the pipe allocates: [`ReadDescriptor`] and
+/// [`Read`] in one operation, with one completion ([`ReadDone`], whose message carries the
+/// metadata). Use it when whatever arrives goes to plain host memory; use `ReadDescriptor` and
+/// `Read` when you choose the memory from the descriptor (a tensor on a device, a buffer of your
+/// own).
+///
+/// With [`Receive::reusing`], the pipe fits the spare buffers to the message
+/// ([`Allocation::refit`]): in steady state, with the `message` of the last `ReadDone` handed
+/// back, nothing is allocated. `Receive` saves the application two messages per read (the
+/// descriptor's delivery and the `Read`), which is most of what a small message costs.
+///
+/// A `Receive` issued while a delivered descriptor has not been read yet (a `ReadDescriptor`
+/// without its `Read`) completes with [`Error::InvalidArgument`](crate::Error): send the `Read`
+/// first.
+#[derive(Debug, Default)]
+pub struct Receive {
+    /// Buffers to reuse, fitted to the message.
+    pub spare: Option<Allocation>,
+    /// As [`Read::deadline`].
+    pub deadline: Option<std::time::Duration>,
+}
+
+impl Receive {
+    /// Receive into newly allocated buffers.
+    pub fn new() -> Self {
+        Receive::default()
+    }
+
+    /// Receive into `spare`'s buffers, fitted to the message.
+    pub fn reusing(spare: Allocation) -> Self {
+        Receive {
+            spare: Some(spare),
+            deadline: None,
+        }
+    }
+
+    /// Sets a deadline (see [`Read::deadline`]).
+    pub fn within(mut self, d: std::time::Duration) -> Self {
+        self.deadline = Some(d);
+        self
+    }
+}
+
+impl ActixMessage for Receive {
+    type Result = ReadDone;
+}
+
+impl Op for Receive {
+    type Done = ReadDone;
+    fn lost(id: u64) -> ReadDone {
+        Read::lost(id)
+    }
+}
+
 /// Close the pipe now: pending operations complete with [`Error::Closed`], the peer is told, and
 /// subscribers get [`Closed`]. Resolves once every pending operation has completed.
 #[derive(Debug, Clone, Default)]

@@ -173,6 +173,9 @@ struct PendingWrite {
 enum ReadState {
     /// Not started: waiting for its descriptor.
     Waiting(Allocation),
+    /// A [`Receive`] not started: waiting for the next descriptor, to fit these spare buffers
+    /// (or new ones) to it.
+    Receiving(Option<Allocation>),
     /// Buffers handed to the connection and channels.
     Running {
         seq: u64,
@@ -206,7 +209,7 @@ impl PendingRead {
         match self {
             PendingRead::Descriptor { result, .. } => result.is_some(),
             PendingRead::Read { state, .. } => match state {
-                ReadState::Waiting(_) => false,
+                ReadState::Waiting(_) | ReadState::Receiving(_) => false,
                 ReadState::Running {
                     payloads_out,
                     tensors_out,
@@ -865,6 +868,43 @@ impl Pipe {
                     None => false,
                 }
             }
+            PendingRead::Read { message, state, .. }
+                if matches!(state, ReadState::Receiving(_)) =>
+            {
+                let refusal = match (&self.error, &self.current) {
+                    (Some(e), _) => Some(e.clone()),
+                    (None, Some(_)) => Some(Error::invalid(
+                        "Receive issued while a delivered descriptor is unread: send its Read first",
+                    )),
+                    (None, None) if self.prefetch.ready.is_empty() => return false,
+                    (None, None) => None,
+                };
+                let ReadState::Receiving(spare) = mem::replace(state, ReadState::Finished(Ok(())))
+                else {
+                    unreachable!("matched above")
+                };
+                if let Some(e) = refusal {
+                    *message = spare.map(hand_back).unwrap_or_default();
+                    *state = ReadState::Finished(Err(Box::new(e)));
+                    return true;
+                }
+                let d = &self
+                    .prefetch
+                    .ready
+                    .front()
+                    .expect("checked above")
+                    .wd
+                    .descriptor;
+                match spare.map_or_else(|| Allocation::for_descriptor(d), |a| a.refit(d)) {
+                    Ok(alloc) => {
+                        let incoming = self.prefetch.ready.pop_front().expect("checked above");
+                        (*message, *state) = self.start_read(incoming, alloc);
+                    }
+                    // Sizes that fit no address space: the message stays first in line.
+                    Err(e) => *state = ReadState::Finished(Err(Box::new(e))),
+                }
+                true
+            }
             PendingRead::Read { message, state, .. } => {
                 let ReadState::Waiting(alloc) = mem::replace(state, ReadState::Finished(Ok(())))
                 else {
@@ -1006,7 +1046,9 @@ impl Pipe {
                     let result = match state {
                         ReadState::Finished(r) => r.map_err(|e| *e),
                         ReadState::Running { error, .. } => error.map_or(Ok(()), |e| Err(*e)),
-                        ReadState::Waiting(_) => unreachable!("not finished"),
+                        ReadState::Waiting(_) | ReadState::Receiving(_) => {
+                            unreachable!("not finished")
+                        }
                     };
                     let result = self.after_failure(result, true);
                     let bytes = result.as_ref().map(|_| message.total_bytes());
@@ -1289,7 +1331,7 @@ impl Pipe {
                 });
                 self.advance_reads();
             }
-            PendingOp::Read(alloc, deadline, completer) => {
+            PendingOp::Read(state, deadline, completer) => {
                 let id = self.next_read_id;
                 if let Some(d) = deadline {
                     self.watch_deadline(false, id, d, ctx);
@@ -1301,7 +1343,7 @@ impl Pipe {
                     since: self.metrics.start(),
                     completer,
                     message: Message::default(),
-                    state: ReadState::Waiting(alloc),
+                    state,
                 });
                 self.advance_reads();
             }
@@ -1357,7 +1399,8 @@ fn hand_back(alloc: Allocation) -> Message {
 enum PendingOp {
     Write(Message, Option<Duration>, Completer<WriteDone>),
     ReadDescriptor(Completer<DescriptorReady>),
-    Read(Allocation, Option<Duration>, Completer<ReadDone>),
+    /// A `Read` (waiting) or a `Receive` (receiving).
+    Read(ReadState, Option<Duration>, Completer<ReadDone>),
     Close(String, bool, Completer<Closed>),
 }
 
@@ -1379,7 +1422,13 @@ impl IntoPending for ReadDescriptor {
 
 impl IntoPending for Read {
     fn into_pending(self, c: Completer<ReadDone>) -> PendingOp {
-        PendingOp::Read(self.allocation, self.deadline, c)
+        PendingOp::Read(ReadState::Waiting(self.allocation), self.deadline, c)
+    }
+}
+
+impl IntoPending for Receive {
+    fn into_pending(self, c: Completer<ReadDone>) -> PendingOp {
+        PendingOp::Read(ReadState::Receiving(self.spare), self.deadline, c)
     }
 }
 
@@ -1423,6 +1472,7 @@ macro_rules! pipe_op {
 pipe_op!(Write, next_write_id);
 pipe_op!(ReadDescriptor, next_read_id);
 pipe_op!(Read, next_read_id);
+pipe_op!(Receive, next_read_id);
 pipe_op!(Close, next_read_id);
 
 impl Handler<Subscribe> for Pipe {

@@ -23,41 +23,39 @@ impl Handler<Accepted> for Server {
 
     fn handle(&mut self, a: Accepted, _: &mut Self::Context) {
         println!("pipe from {}", a.peer);
-        Echo { pipe: a.pipe }.start();
+        Echo {
+            pipe: a.pipe,
+            spare: None,
+        }
+        .start();
     }
 }
 
-/// Echoes one pipe: read a descriptor, read the message, write it back, repeat.
+/// Echoes one pipe: receive a message, write it back, repeat. `Receive` reads each message whole
+/// into buffers the pipe fits to it; handing back the buffers of the last echo that completed
+/// means nothing is allocated once the sizes settle. (`examples/app_actor.rs` shows the two-step
+/// read, `ReadDescriptor` then `Read`, for when the descriptor decides where bytes go.)
 struct Echo {
     pipe: Addr<Pipe>,
+    spare: Option<Allocation>,
+}
+
+impl Echo {
+    fn receive(&mut self, ctx: &mut actix::Context<Self>) {
+        let op = match self.spare.take() {
+            Some(spare) => Receive::reusing(spare),
+            None => Receive::new(),
+        };
+        self.pipe.do_send(op.notify(ctx.address().recipient()));
+    }
 }
 
 impl Actor for Echo {
     type Context = actix::Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
-        let me = ctx.address();
-        self.pipe.do_send(Subscribe(me.clone().recipient()));
-        self.pipe.do_send(ReadDescriptor.notify(me.recipient()));
-    }
-}
-
-impl Handler<DescriptorReady> for Echo {
-    type Result = ();
-
-    fn handle(&mut self, d: DescriptorReady, ctx: &mut Self::Context) {
-        // An error here means the pipe closed; `Closed` will say why.
-        let Ok(descriptor) = d.descriptor else { return };
-        match Allocation::for_descriptor(&descriptor) {
-            Ok(alloc) => self
-                .pipe
-                .do_send(Read::new(alloc).notify(ctx.address().recipient())),
-            Err(e) => {
-                eprintln!("cannot allocate: {e}");
-                self.pipe
-                    .do_send(Close::because("echo peer cannot allocate"));
-            }
-        }
+        self.pipe.do_send(Subscribe(ctx.address().recipient()));
+        self.receive(ctx);
     }
 }
 
@@ -65,21 +63,23 @@ impl Handler<ReadDone> for Echo {
     type Result = ();
 
     fn handle(&mut self, r: ReadDone, ctx: &mut Self::Context) {
+        // An error here means the pipe closed; `Closed` will say why.
         if r.result.is_err() {
             return;
         }
-        let me = ctx.address();
         self.pipe
-            .do_send(Write::new(r.message).notify(me.clone().recipient()));
+            .do_send(Write::new(r.message).notify(ctx.address().recipient()));
         // Reads and writes are independent: ask for the next message right away.
-        self.pipe.do_send(ReadDescriptor.notify(me.recipient()));
+        self.receive(ctx);
     }
 }
 
 impl Handler<WriteDone> for Echo {
     type Result = ();
 
-    fn handle(&mut self, _: WriteDone, _: &mut Self::Context) {}
+    fn handle(&mut self, w: WriteDone, _: &mut Self::Context) {
+        self.spare = Some(Allocation::from(w.message));
+    }
 }
 
 impl Handler<Closed> for Echo {

@@ -261,6 +261,17 @@ pub struct Allocation {
     pub tensors: Vec<Buffer>,
 }
 
+/// A received (or sent) message's buffers, for the next read: what
+/// [`Receive::reusing`](crate::Receive::reusing) takes. Metadata is dropped.
+impl From<Message> for Allocation {
+    fn from(m: Message) -> Self {
+        Allocation {
+            payloads: m.payloads.into_iter().map(|p| p.data).collect(),
+            tensors: m.tensors.into_iter().map(|t| t.buffer).collect(),
+        }
+    }
+}
+
 impl Allocation {
     /// Allocates zeroed host buffers matching a descriptor (tensors on the CPU regardless of
     /// their target device).
@@ -281,6 +292,38 @@ impl Allocation {
             tensors.push(Buffer::Cpu(vec![0u8; size(t.length)?]));
         }
         Ok(Allocation { payloads, tensors })
+    }
+
+    /// Turns these buffers into an allocation for `d`, reusing them in order: each buffer is
+    /// truncated or grown (with zeros) to its announced size, so no memory is allocated when
+    /// every buffer's capacity suffices. Missing buffers are allocated and extra ones dropped.
+    /// This is what [`Receive::reusing`](crate::Receive::reusing) does with its spare buffers.
+    ///
+    /// Returns an error instead of aborting when a size does not fit this machine's address
+    /// space.
+    pub fn refit(self, d: &Descriptor) -> crate::Result<Self> {
+        let size = |n: u64| {
+            usize::try_from(n)
+                .map_err(|_| crate::Error::invalid(format!("{n} bytes do not fit in memory")))
+        };
+        let mut a = self;
+        a.payloads.truncate(d.payloads.len());
+        for (i, p) in d.payloads.iter().enumerate() {
+            let n = size(p.length)?;
+            match a.payloads.get_mut(i) {
+                Some(b) => b.resize(n, 0),
+                None => a.payloads.push(vec![0; n]),
+            }
+        }
+        a.tensors.truncate(d.tensors.len());
+        for (i, t) in d.tensors.iter().enumerate() {
+            let n = size(t.length)?;
+            match a.tensors.get_mut(i) {
+                Some(Buffer::Cpu(b)) => b.resize(n, 0),
+                None => a.tensors.push(Buffer::Cpu(vec![0; n])),
+            }
+        }
+        Ok(a)
     }
 
     /// Checks that these buffers match a descriptor exactly.
@@ -334,6 +377,35 @@ mod tests {
         assert_eq!(m.total_bytes(), 13);
         let a = Allocation::for_descriptor(&d).unwrap();
         a.check(&d).unwrap();
+    }
+
+    #[test]
+    fn refit_reuses_grows_shrinks_and_fills_in() {
+        let d = Message::new()
+            .with_payload(Payload::new(vec![0; 5]))
+            .with_payload(Payload::new(vec![0; 300]))
+            .with_tensor(Tensor::cpu(vec![0; 2]))
+            .descriptor();
+        let spare = Allocation {
+            payloads: vec![Vec::with_capacity(64), vec![7; 3]],
+            tensors: vec![Buffer::Cpu(vec![1; 10]), Buffer::Cpu(vec![2; 10])],
+        };
+        let kept = spare.payloads[0].as_ptr();
+        let a = spare.refit(&d).unwrap();
+        a.check(&d).unwrap();
+        assert_eq!(
+            a.payloads[0].as_ptr(),
+            kept,
+            "capacity sufficed: same buffer"
+        );
+        assert_eq!(&a.payloads[1][..4], &[7, 7, 7, 0], "grown with zeros");
+        assert_eq!(
+            a.tensors,
+            vec![Buffer::Cpu(vec![1, 1])],
+            "shrunk, extra dropped"
+        );
+        let none = Allocation::default().refit(&d).unwrap();
+        none.check(&d).unwrap();
     }
 
     #[test]

@@ -28,8 +28,11 @@ const ROUND_TRIP_LIMIT: Duration = Duration::from_secs(60);
 pub enum Api {
     /// Plain async code awaiting each operation (`pipe.send(op).await`).
     Awaited,
-    /// Actors firing operations with `notify` and handling completion messages.
+    /// Actors firing operations with `notify` and handling completion messages, reading with
+    /// `ReadDescriptor` then `Read`.
     Fired,
+    /// As `fired`, reading with `Receive` (descriptor and read in one operation).
+    Receive,
 }
 
 impl Api {
@@ -38,16 +41,14 @@ impl Api {
         match self {
             Api::Awaited => "awaited",
             Api::Fired => "fired",
+            Api::Receive => "receive",
         }
     }
 }
 
 /// The buffers of a received message, as an allocation for the next read.
 pub(crate) fn recycle(m: Message) -> Allocation {
-    Allocation {
-        payloads: m.payloads.into_iter().map(|p| p.data).collect(),
-        tensors: m.tensors.into_iter().map(|t| t.buffer).collect(),
-    }
+    Allocation::from(m)
 }
 
 /// Starts a context from `builder` listening at `url`; every pipe it accepts is echoed. Keep
@@ -62,8 +63,8 @@ pub async fn listen(builder: ContextBuilder, url: &str, api: Api) -> Result<List
                 Api::Awaited => {
                     actix::spawn(echo(a.pipe));
                 }
-                Api::Fired => {
-                    actix::Actor::start(crate::fired::Echo::new(a.pipe));
+                Api::Fired | Api::Receive => {
+                    actix::Actor::start(crate::fired::Echo::new(a.pipe, api == Api::Receive));
                 }
             }
         }
@@ -201,9 +202,10 @@ impl Client {
             },
         };
         let (samples, buffers) = match self.api {
-            Api::Fired => {
+            Api::Fired | Api::Receive => {
                 let pipe = self.pipe.clone();
-                crate::fired::Pinger::measure(pipe, buffers, counts, progress).await?
+                let receive = self.api == Api::Receive;
+                crate::fired::Pinger::measure(pipe, buffers, counts, progress, receive).await?
             }
             Api::Awaited => self.measure_awaited(buffers, counts, progress).await?,
         };

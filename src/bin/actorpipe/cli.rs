@@ -99,9 +99,11 @@ pub struct RunArgs {
     #[arg(long, value_name = "MICROS", value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
     pub spin: Option<u64>,
 
-    /// How the benchmark drives pipes: fired (actors that send operations with `notify` and
-    /// handle the completions) or awaited (async code that awaits `pipe.send(op)`).
-    #[arg(long, value_enum, default_value = "fired")]
+    /// How the benchmark drives pipes: receive (actors that send operations with `notify`,
+    /// handle the completions and read with `Receive`), fired (the same, reading with
+    /// `ReadDescriptor` then `Read`) or awaited (async code that awaits `pipe.send(op)`, two-step
+    /// reads).
+    #[arg(long, value_enum, default_value = "receive")]
     pub api: Api,
 
     /// Measure actorpipe only (for profiling: `perf record` then sees no baseline code).

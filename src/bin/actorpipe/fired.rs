@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use actorpipe::{
-    Allocation, Close, Closed, DescriptorReady, Op, Pipe, Read, ReadDescriptor, ReadDone,
+    Allocation, Close, Closed, DescriptorReady, Op, Pipe, Read, ReadDescriptor, ReadDone, Receive,
     Subscribe, Write, WriteDone,
 };
 use tokio::sync::oneshot;
@@ -50,20 +50,38 @@ pub struct Echo {
     pipe: Addr<Pipe>,
     spare: Option<Allocation>,
     to: Option<Recipients>,
+    /// Read with `Receive` instead of `ReadDescriptor` and `Read`.
+    receive: bool,
 }
 
 impl Echo {
     /// An echo of `pipe`, not started.
-    pub fn new(pipe: Addr<Pipe>) -> Echo {
+    pub fn new(pipe: Addr<Pipe>, receive: bool) -> Echo {
         Echo {
             pipe,
             spare: None,
             to: None,
+            receive,
         }
     }
 
     fn to(&self) -> &Recipients {
         self.to.as_ref().expect("made when started")
+    }
+
+    /// Asks for the next message.
+    fn next(&mut self) {
+        let to = self.to.as_ref().expect("made when started");
+        if self.receive {
+            let op = Receive {
+                spare: self.spare.take(),
+                deadline: None,
+            };
+            self.pipe.do_send(op.notify_shared(&to.read));
+        } else {
+            self.pipe
+                .do_send(ReadDescriptor.notify_shared(&to.described));
+        }
     }
 }
 
@@ -73,10 +91,8 @@ impl Actor for Echo {
     fn started(&mut self, ctx: &mut Self::Context) {
         let me = ctx.address();
         self.pipe.do_send(Subscribe(me.clone().recipient()));
-        let to = Recipients::of(&me);
-        self.pipe
-            .do_send(ReadDescriptor.notify_shared(&to.described));
-        self.to = Some(to);
+        self.to = Some(Recipients::of(&me));
+        self.next();
     }
 }
 
@@ -110,11 +126,9 @@ impl Handler<ReadDone> for Echo {
         if r.result.is_err() {
             return;
         }
-        let to = self.to();
         self.pipe
-            .do_send(Write::new(r.message).notify_shared(&to.wrote));
-        self.pipe
-            .do_send(ReadDescriptor.notify_shared(&to.described));
+            .do_send(Write::new(r.message).notify_shared(&self.to().wrote));
+        self.next();
     }
 }
 
@@ -154,6 +168,8 @@ pub struct Pinger {
     samples: Samples,
     finish: Option<oneshot::Sender<Result<(Samples, Buffers), Failure>>>,
     to: Option<Recipients>,
+    /// Read with `Receive` instead of `ReadDescriptor` and `Read`.
+    receive: bool,
 }
 
 impl Pinger {
@@ -163,6 +179,7 @@ impl Pinger {
         buffers: Buffers,
         counts: Counts,
         progress: &Progress,
+        receive: bool,
     ) -> Result<(Samples, Buffers), Failure> {
         let size = buffers.size;
         let (tx, mut rx) = oneshot::channel();
@@ -182,6 +199,7 @@ impl Pinger {
             samples: Samples::with_capacity(counts.iters as usize),
             finish: Some(tx),
             to: None,
+            receive,
         }
         .start();
         // A round trip that never ends must end the run, not hang it. The watchdog is a task of
@@ -215,8 +233,16 @@ impl Pinger {
         self.start = Instant::now();
         self.pipe
             .do_send(Write::new(message).notify_shared(&to.wrote));
-        self.pipe
-            .do_send(ReadDescriptor.notify_shared(&to.described));
+        if self.receive {
+            let op = Receive {
+                spare: self.spare.take(),
+                deadline: None,
+            };
+            self.pipe.do_send(op.notify_shared(&to.read));
+        } else {
+            self.pipe
+                .do_send(ReadDescriptor.notify_shared(&to.described));
+        }
     }
 
     fn fail(&mut self, e: Failure, ctx: &mut Context<Self>) {

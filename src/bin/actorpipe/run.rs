@@ -173,7 +173,12 @@ pub fn run(plan: &Plan, args: &RunArgs) -> Result<(), Failure> {
         "api {}: {}",
         args.api.name(),
         match args.api {
-            bench::Api::Fired => "actors fire operations with notify and handle the completions",
+            bench::Api::Fired => {
+                "actors fire operations with notify and handle the completions; reads are ReadDescriptor then Read"
+            }
+            bench::Api::Receive => {
+                "actors fire operations with notify and handle the completions; reads are Receive"
+            }
             bench::Api::Awaited => "async code awaits each operation",
         }
     ));

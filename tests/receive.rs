@@ -1,0 +1,192 @@
+//! `Receive`: the next message whole, in one operation, into buffers the pipe fits.
+
+mod common;
+
+use actorpipe::*;
+use common::*;
+
+/// Messages of every shape arrive intact through `Receive`, mixed with `ReadDescriptor` + `Read`
+/// on the same pipe, each `Receive` reusing the buffers of the message before it (whatever its
+/// shape), over the default pipe (shm + cma), tcp + basic and mpt.
+#[actix::test]
+async fn receive_reads_every_shape_mixed_with_two_step_reads() {
+    let mpt = || {
+        Context::builder()
+            .without("shm")
+            .only_channels(&["mpt"])
+            .chunk_size(64 << 10)
+    };
+    type Config = (&'static str, fn() -> ContextBuilder);
+    let configs: [Config; 3] = [
+        ("default", Context::builder),
+        ("tcp+basic", tcp_basic),
+        ("tcp+mpt", mpt),
+    ];
+    for (name, builder) in configs {
+        let (tx, rx, _s) = pair(builder(), builder()).await;
+        let mut rng = Rng(0xbeef);
+        let mut spare = Allocation::default();
+        for i in 0..120u64 {
+            // Payloads above 16 KiB travel after their descriptor, not with it.
+            let payloads: Vec<usize> = (0..rng.below(3))
+                .map(|_| draw_size(&mut rng).min(1 << 20))
+                .collect();
+            let tensors: Vec<usize> = (0..rng.below(3))
+                .map(|_| draw_size(&mut rng).min(4 << 20))
+                .collect();
+            let sent = checked_message(i, &payloads, &tensors);
+            let w = tx.send(Write::new(sent));
+            let got = if i % 3 == 2 {
+                read_one(&rx).await.expect("two-step read")
+            } else {
+                let done = within(30, "a Receive", rx.send(Receive::reusing(spare))).await;
+                let done = done.unwrap();
+                done.result.unwrap_or_else(|e| panic!("{name}: {e}"));
+                done.message
+            };
+            assert_eq!(verify(&got), i, "{name}: message {i}");
+            spare = Allocation::from(got);
+            w.await.unwrap().result.unwrap();
+        }
+    }
+}
+
+/// Spare buffers whose capacity suffices are used as they are: the message comes back in the
+/// very same memory, and its metadata and target devices are those of the descriptor.
+#[actix::test]
+async fn receive_fills_the_spare_buffers_it_is_given() {
+    let (tx, rx, _s) = pair(tcp_basic(), tcp_basic()).await;
+    let mut t = Tensor::cpu(pattern(2, 70_000));
+    t.target_device = Some(Device::Cuda(0));
+    t.metadata = b"t".to_vec();
+    let m = Message::new()
+        .with_metadata(b"whole".to_vec())
+        .with_payload(Payload::new(pattern(1, 100)))
+        .with_payload(Payload::new(pattern(3, 40_000)))
+        .with_tensor(t);
+    // Larger buffers than needed, one more of each than the message has.
+    let spare = Allocation {
+        payloads: vec![vec![9; 200], vec![9; 50_000], vec![9; 10]],
+        tensors: vec![Buffer::Cpu(vec![9; 100_000]), Buffer::Cpu(vec![9; 5])],
+    };
+    let at: Vec<*const u8> = spare.payloads[..2]
+        .iter()
+        .map(|b| b.as_ptr())
+        .chain(
+            spare.tensors[..1]
+                .iter()
+                .map(|b| b.as_cpu().unwrap().as_ptr()),
+        )
+        .collect();
+    let _w = tx.send(Write::new(m.clone()));
+    let done = within(10, "a Receive", rx.send(Receive::reusing(spare)))
+        .await
+        .unwrap();
+    done.result.unwrap();
+    assert_eq!(done.message, m);
+    let now: Vec<*const u8> = done
+        .message
+        .payloads
+        .iter()
+        .map(|p| p.data.as_ptr())
+        .chain(
+            done.message
+                .tensors
+                .iter()
+                .map(|t| t.buffer.as_cpu().unwrap().as_ptr()),
+        )
+        .collect();
+    assert_eq!(now, at, "the message landed in the spare buffers");
+}
+
+/// A `Receive` while a delivered descriptor is unread is refused with its buffers handed back;
+/// the pipe goes on: the `Read` and later `Receive`s work.
+#[actix::test]
+async fn receive_with_an_unread_descriptor_is_refused() {
+    let (tx, rx, _s) = pair(tcp_basic(), tcp_basic()).await;
+    for i in 0..2 {
+        tx.do_send(Write::new(checked_message(i, &[10], &[20])));
+    }
+    let d = rx.send(ReadDescriptor).await.unwrap().descriptor.unwrap();
+    let spare = Allocation {
+        payloads: vec![vec![0; 3]],
+        tensors: vec![],
+    };
+    let done = rx.send(Receive::reusing(spare)).await.unwrap();
+    match done.result {
+        Err(Error::InvalidArgument { detail }) => assert!(detail.contains("Read"), "{detail}"),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    assert_eq!(
+        done.message.payloads[0].data.len(),
+        3,
+        "buffers handed back"
+    );
+    let read = rx
+        .send(Read::new(Allocation::for_descriptor(&d).unwrap()))
+        .await
+        .unwrap();
+    read.result.unwrap();
+    assert_eq!(verify(&read.message), 0);
+    let done = rx.send(Receive::new()).await.unwrap();
+    done.result.unwrap();
+    assert_eq!(verify(&done.message), 1);
+}
+
+/// Fired `Receive`s share the read numbering with `ReadDescriptor` and `Read`, complete in
+/// issue order, and those still pending when the peer goes complete with its error, buffers
+/// handed back.
+#[actix::test]
+async fn fired_receives_complete_in_order_and_fail_with_the_pipe() {
+    let (tx, rx, _s) = pair(tcp_basic(), tcp_basic()).await;
+    let (to, mut reads) = inbox::<ReadDone>();
+    let to = std::sync::Arc::new(to);
+    for _ in 0..5 {
+        rx.do_send(Receive::new().notify_shared(&to));
+    }
+    let spare = Allocation {
+        payloads: vec![vec![7; 64]],
+        tensors: vec![],
+    };
+    rx.do_send(Receive::reusing(spare).notify_shared(&to));
+    for i in 0..5u64 {
+        tx.do_send(Write::new(checked_message(i, &[64], &[i as usize * 1000])));
+    }
+    for i in 0..5u64 {
+        let done = within(10, "a fired Receive", reads.recv()).await.unwrap();
+        assert_eq!(done.id, i, "read numbers in issue order");
+        done.result.unwrap();
+        assert_eq!(verify(&done.message), i);
+    }
+    tx.send(Close::because("test over")).await.unwrap();
+    let done = within(10, "the last Receive", reads.recv()).await.unwrap();
+    assert_eq!(done.id, 5);
+    assert!(
+        matches!(done.result, Err(Error::PeerClosed { .. })),
+        "{:?}",
+        done.result
+    );
+    assert_eq!(done.message.payloads[0].data, vec![7; 64], "buffers back");
+    // After the failure, a new Receive fails at once with the same error.
+    let late = rx.send(Receive::new()).await.unwrap();
+    assert!(matches!(late.result, Err(Error::PeerClosed { .. })));
+}
+
+/// A `Receive` with a deadline that passes closes the pipe with `Timeout`, like a `Read`.
+#[actix::test]
+async fn receive_deadline_closes_the_pipe() {
+    let (_tx, rx, _s) = pair(tcp_basic(), tcp_basic()).await;
+    let done = within(
+        10,
+        "a Receive with a deadline",
+        rx.send(Receive::new().within(std::time::Duration::from_millis(100))),
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(done.result, Err(Error::Timeout { .. })),
+        "{:?}",
+        done.result
+    );
+    assert!(rx.send(GetInfo).await.unwrap().closed);
+}
