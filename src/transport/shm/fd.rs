@@ -184,13 +184,6 @@ impl EventFd {
         // SAFETY: writes 8 bytes from a valid buffer to a descriptor we hold.
         let _ = unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr().cast(), 8) };
     }
-
-    /// Resets the counter; `WouldBlock` when nothing was pending.
-    pub(crate) fn drain(&self) -> io::Result<()> {
-        let mut v = [0u8; 8];
-        // SAFETY: reads at most 8 bytes into a valid 8-byte buffer.
-        cvt_size(unsafe { libc::read(self.0.as_raw_fd(), v.as_mut_ptr().cast(), 8) }).map(|_| ())
-    }
 }
 
 impl AsRawFd for EventFd {
