@@ -29,5 +29,9 @@ run bench channel --backend xth
 run bench pipe
 run bench pipe --backend tcp+basic
 run bench transport --backend tcp --sizes 64 --iters 20000
+run bench transport --backend tcp --sizes 64 --iters 20000 --api fired
+run bench transport --backend shm --sizes 64 --iters 20000
+run bench transport --backend shm --spin 20 --pin --sizes 64 --iters 20000 --api fired
+run bench pipe --sizes 1M,64M --iters 1000
 run bench channel --backend basic --sizes 64M --iters 40
 run bench idle --pipes 1000

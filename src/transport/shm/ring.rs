@@ -46,8 +46,10 @@ pub const NT_READ_MIN: usize = (1 << 20) + 1;
 
 /// Large reads and writes publish their progress every this many bytes (and wake a parked
 /// peer), so that the producer's copy into the ring and the consumer's copy out of it overlap
-/// instead of taking turns a ring at a time.
-pub const PIECE: usize = 256 << 10;
+/// instead of taking turns a ring at a time. The consumer starts one piece behind the producer,
+/// so the smaller the piece, the closer a message's time is to one copy's; publishing is one
+/// atomic store. 64 KiB measured best here (docs/performance.md, "Same-host large messages").
+pub const PIECE: usize = 64 << 10;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"APSHMRG1");
 
