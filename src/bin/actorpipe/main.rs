@@ -17,6 +17,7 @@ mod idle;
 mod info;
 mod measure;
 mod plan;
+mod probe;
 mod report;
 mod run;
 mod server;

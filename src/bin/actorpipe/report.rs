@@ -106,6 +106,9 @@ pub struct Report {
     pub notes: Vec<String>,
     /// The rows, in `--sizes` order.
     pub rows: Vec<Row>,
+    /// How the machine's first two cores reached each other at the start and at the end of
+    /// the run ([`crate::probe`]).
+    pub cores: [Option<crate::probe::CrossCore>; 2],
     /// Machine, date and command.
     pub provenance: Provenance,
 }
@@ -133,6 +136,10 @@ impl Report {
             out += &format!("  note:        {n}\n");
         }
         out += &format!("  machine:     {}\n", p.machine);
+        for (when, c) in ["at start", "at end"].iter().zip(&self.cores) {
+            let seen = c.map_or("not measured (fewer than 2 CPUs)".into(), |c| c.describe());
+            out += &format!("  cores {when:<8} {seen}\n");
+        }
         out += &format!("  date:        {}\n", p.date);
         out += &format!("  command:     {}\n\n", p.command);
         out += "| size | round trips | p50 | p99 | GB/s | baseline p50 | baseline GB/s | ratio | memcpy GB/s |\n";
@@ -190,6 +197,11 @@ impl Report {
             "baseline_description": self.baseline,
             "notes": self.notes,
             "machine": self.provenance.machine,
+            "cores": self.cores.iter().map(|c| c.map(|c| json!({
+                "cpus": [c.cpus.0, c.cpus.1],
+                "cache_line_round_trip_us": c.line_round_trip.as_secs_f64() * 1e6,
+                "handover_1mib_gb_per_s": c.handover_gbps,
+            }))).collect::<Vec<_>>(),
             "date": self.provenance.date,
             "command": self.provenance.command,
             "rows": rows,

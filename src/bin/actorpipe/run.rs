@@ -43,6 +43,8 @@ pub fn run(plan: &Plan, args: &RunArgs) -> Result<(), Failure> {
         }
         return server::serve(plan, args, url, largest);
     }
+    // How the two cores reach each other now, and again at the end (see `probe`).
+    let cores_before = crate::probe::measure();
     if args.pin {
         // Before any thread starts, so that every thread of this side inherits it.
         pin_to(0)?;
@@ -159,6 +161,7 @@ pub fn run(plan: &Plan, args: &RunArgs) -> Result<(), Failure> {
         });
     }
     progress.finish();
+    let cores = [cores_before, crate::probe::measure()];
     let negotiated = format!(
         "transport {}, channels {}",
         client.info.transport,
@@ -209,6 +212,7 @@ pub fn run(plan: &Plan, args: &RunArgs) -> Result<(), Failure> {
         baseline_name: baseline_client.is_some().then(|| baseline.name()),
         notes,
         rows,
+        cores,
         provenance: Provenance::here(),
     };
     if args.json {
