@@ -1,7 +1,9 @@
 //! The `Channel` actor: owns one negotiated channel of one pipe and moves its tensors.
 //!
-//! - `basic`: chunks over the pipe's control connection, at the tickets the pipe reserved, so
-//!   they land exactly where the pipe ordered them. Completions go straight to the pipe.
+//! - `basic` (and `cma`'s inline tensors): chunks over the pipe's control connection, at the
+//!   tickets the pipe reserved, so they land exactly where the pipe ordered them. The pipe
+//!   queues these on its connection itself and gets their completions directly: they never
+//!   reach this actor, which for `basic` has nothing to do.
 //! - `xth`: one copy through the process-wide table of [`crate::channel::xth`].
 //! - `cma`: the receiver reads the sender's memory with `process_vm_readv` (on a blocking thread)
 //!   and acknowledges on the channel's side connection; the sender hands the buffer back on the
@@ -73,7 +75,7 @@ impl ChannelKind {
     }
 
     /// The chunk size of tensors on the pipe's connection.
-    fn control_chunk(&self) -> usize {
+    pub(crate) fn control_chunk(&self) -> usize {
         match *self {
             ChannelKind::Basic { chunk_size }
             | ChannelKind::Cma { chunk_size, .. }
@@ -131,7 +133,6 @@ impl Message for CmaRead {
 /// One negotiated channel of one pipe.
 pub struct Channel {
     kind: ChannelKind,
-    link: Link,
     lanes: Vec<Lane>,
     reply: Reply,
     /// The channel's own completion queue (cma's side connections, mpt's lanes, xth's table).
@@ -154,7 +155,6 @@ pub struct Channel {
 /// Send one tensor.
 #[derive(Debug)]
 pub(crate) struct SendTensor {
-    pub ticket: u64,
     pub seq: u64,
     pub index: u32,
     pub buffer: Vec<u8>,
@@ -167,7 +167,6 @@ impl Message for SendTensor {
 /// Receive one tensor into `buffer`; `data` is the channel's bytes from the descriptor.
 #[derive(Debug)]
 pub(crate) struct RecvTensor {
-    pub ticket: u64,
     pub seq: u64,
     pub index: u32,
     pub buffer: Vec<u8>,
@@ -189,7 +188,6 @@ impl Message for StopChannel {
 impl Channel {
     pub(crate) fn new(
         kind: ChannelKind,
-        link: Link,
         lanes: Vec<(Addr<Connection>, Link)>,
         reply: Reply,
         origin: Origin,
@@ -197,7 +195,6 @@ impl Channel {
     ) -> Self {
         Channel {
             kind,
-            link,
             lanes: lanes
                 .into_iter()
                 .map(|(conn, link)| Lane {
@@ -217,13 +214,6 @@ impl Channel {
             reading: 0,
             stopping: false,
             fallbacks,
-        }
-    }
-
-    fn gone(&self) -> impl FnOnce() -> Error + '_ {
-        || Error::Closed {
-            reason: "connection already stopped".into(),
-            origin: self.origin.clone(),
         }
     }
 
@@ -251,6 +241,14 @@ impl Channel {
 
     fn to_pipe(&self, d: Done) {
         let _ = self.reply.send(d);
+    }
+
+    /// The error for a tensor the pipe should have moved on its own connection.
+    fn misrouted(&self) -> Error {
+        Error::protocol(
+            "internal: a tensor for the control connection reached the channel actor",
+            &self.origin,
+        )
     }
 
     /// Hands a held tensor back to the pipe once nothing of it is out any more.
@@ -307,40 +305,6 @@ impl Channel {
         for l in &self.lanes {
             l.conn.do_send(Shutdown::default());
         }
-    }
-
-    // ----- on the pipe's connection (basic, and small cma tensors) --------------------------
-
-    /// Writes the tensor's bytes on the pipe's connection at the ticket the pipe reserved; the
-    /// completion goes straight to the pipe.
-    fn send_on_control(&mut self, m: SendTensor) {
-        self.link.write(
-            OutOp::Tensor {
-                ticket: m.ticket,
-                seq: m.seq,
-                index: m.index,
-                memory: Memory::Owned(m.buffer),
-                offset: 0,
-                chunk_size: self.kind.control_chunk(),
-                reply: self.reply.clone(),
-            },
-            self.gone(),
-        )
-    }
-
-    /// Reads the tensor's bytes from the pipe's connection at the ticket the pipe reserved.
-    fn recv_on_control(&mut self, m: RecvTensor) {
-        self.link.read(
-            InOp::Tensor {
-                ticket: m.ticket,
-                seq: m.seq,
-                index: m.index,
-                memory: Memory::Owned(m.buffer),
-                offset: 0,
-                reply: self.reply.clone(),
-            },
-            self.gone(),
-        )
     }
 
     // ----- mpt ----------------------------------------------------------------------------
@@ -690,10 +654,17 @@ impl Handler<SendTensor> for Channel {
 
     fn handle(&mut self, m: SendTensor, ctx: &mut Self::Context) {
         if self.kind.sends_on_control(m.buffer.len() as u64) {
-            return self.send_on_control(m);
+            // The pipe queues these on its connection itself; one here is a bug: fail it
+            // rather than lose the buffer or the order.
+            return self.to_pipe(Done::WroteTensor {
+                seq: m.seq,
+                index: m.index,
+                memory: Memory::Owned(m.buffer),
+                result: Err(self.misrouted()),
+            });
         }
         match self.kind {
-            ChannelKind::Basic { .. } => self.send_on_control(m),
+            ChannelKind::Basic { .. } => unreachable!("basic sends everything on control"),
             ChannelKind::Xth { pipe } => {
                 let key = xth::Key {
                     sender: pipe,
@@ -736,10 +707,16 @@ impl Handler<RecvTensor> for Channel {
 
     fn handle(&mut self, m: RecvTensor, ctx: &mut Self::Context) {
         if self.kind.recvs_on_control(&m.data) {
-            return self.recv_on_control(m);
+            // As for `SendTensor`: the pipe reads these itself.
+            return self.to_pipe(Done::Tensor {
+                seq: m.seq,
+                index: m.index,
+                memory: Memory::Owned(m.buffer),
+                result: Err(self.misrouted()),
+            });
         }
         match self.kind {
-            ChannelKind::Basic { .. } => self.recv_on_control(m),
+            ChannelKind::Basic { .. } => unreachable!("basic receives everything on control"),
             ChannelKind::Xth { .. } => {
                 let sender = match <[u8; 8]>::try_from(m.data.as_slice()) {
                     Ok(b) => u64::from_le_bytes(b),

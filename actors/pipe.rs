@@ -38,7 +38,7 @@ use crate::message::{Allocation, Buffer, Descriptor, Message, Payload, Tensor};
 use crate::metrics::{OpKind, PipeMetrics};
 use crate::negotiate::{Choice, DeviceKind, DevicePair};
 use crate::transport::stream::{
-    inline_payloads, self_contained, unexpected, Done, Farewell, InOp, OutOp, Reply,
+    inline_payloads, self_contained, unexpected, Done, Farewell, InOp, Memory, OutOp, Reply,
 };
 use crate::wire::{self, encode_frame, Frame, FrameKind, Limits, WireDescriptor};
 
@@ -384,7 +384,6 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                 .collect();
             Channel::new(
                 kind,
-                link.clone(),
                 lanes,
                 reply.clone(),
                 origin.clone(),
@@ -690,18 +689,29 @@ impl Pipe {
         let mut next = ticket + 1;
         for (i, t) in message.tensors.iter_mut().enumerate() {
             let Buffer::Cpu(buffer) = mem::take(&mut t.buffer);
-            let tensor_ticket = if kind.sends_on_control(buffer.len() as u64) {
+            if kind.sends_on_control(buffer.len() as u64) {
+                // Bytes on the control connection (basic, inline cma): queued on it here, at
+                // their ticket, with no trip through the channel actor.
+                link.write(
+                    OutOp::Tensor {
+                        ticket: next,
+                        seq,
+                        index: i as u32,
+                        memory: Memory::Owned(buffer),
+                        offset: 0,
+                        chunk_size: kind.control_chunk(),
+                        reply: self.reply.clone().expect("checked above"),
+                    },
+                    self.link_gone(),
+                );
                 next += 1;
-                next - 1
             } else {
-                0
-            };
-            self.channels[self.cpu_channel].do_send(SendTensor {
-                ticket: tensor_ticket,
-                seq,
-                index: i as u32,
-                buffer,
-            });
+                self.channels[self.cpu_channel].do_send(SendTensor {
+                    seq,
+                    index: i as u32,
+                    buffer,
+                });
+            }
         }
         w.seq = seq;
         w.ticket = ticket;
@@ -990,16 +1000,27 @@ impl Pipe {
         let tensors_out = alloc.tensors.len();
         for (i, (buffer, (ch, data))) in alloc.tensors.into_iter().zip(routes).enumerate() {
             let Buffer::Cpu(buffer) = buffer;
-            let on_control = self.cpu_kind.recvs_on_control(&data);
-            self.channels[ch as usize].do_send(RecvTensor {
-                ticket: if on_control { ticket } else { 0 },
-                seq,
-                index: i as u32,
-                buffer,
-                data,
-            });
-            if on_control {
+            if self.cpu_kind.recvs_on_control(&data) {
+                // As for writes: read at its ticket on the control connection, directly.
+                link.read(
+                    InOp::Tensor {
+                        ticket,
+                        seq,
+                        index: i as u32,
+                        memory: Memory::Owned(buffer),
+                        offset: 0,
+                        reply: reply.clone(),
+                    },
+                    self.link_gone(),
+                );
                 ticket += 1;
+            } else {
+                self.channels[ch as usize].do_send(RecvTensor {
+                    seq,
+                    index: i as u32,
+                    buffer,
+                    data,
+                });
             }
         }
         self.in_ticket = ticket;
