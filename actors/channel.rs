@@ -29,7 +29,7 @@ use super::connection::{Connection, Link, Shutdown};
 use crate::channel::cma::{self, CmaError, RemoteBuffer};
 use crate::channel::{mpt, xth};
 use crate::error::{Error, Origin};
-use crate::transport::stream::{Done, InOp, Memory, OutOp, Region, Reply};
+use crate::transport::stream::{Carried, Done, InOp, Memory, OutOp, Region, Reply};
 use crate::wire::{self, Ack, Frame, FrameKind};
 
 /// Which channel backend this actor runs.
@@ -388,6 +388,7 @@ impl Channel {
                 ticket,
                 reply,
                 more: 0,
+                carried: Carried::Nothing,
             },
             lane_gone,
         );

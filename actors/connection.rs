@@ -256,7 +256,7 @@ mod tests {
     use tokio::io::AsyncWriteExt;
 
     use super::*;
-    use crate::transport::stream::Done;
+    use crate::transport::stream::{Carried, Done};
     use crate::wire::{self, Ack, Frame, FrameKind};
     use actix::Addr;
 
@@ -289,6 +289,7 @@ mod tests {
                 ticket: 0,
                 reply,
                 more: 0,
+                carried: Carried::Nothing,
             },
             gone,
         );

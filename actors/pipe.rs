@@ -38,7 +38,7 @@ use crate::message::{Allocation, Buffer, Descriptor, Message, Payload, Tensor};
 use crate::metrics::{OpKind, PipeMetrics};
 use crate::negotiate::{Choice, DeviceKind, DevicePair};
 use crate::transport::stream::{
-    inline_payloads, self_contained, unexpected, Done, Farewell, InOp, Memory, OutOp, Reply,
+    inline_len, self_contained, unexpected, Carried, Done, Farewell, InOp, Memory, OutOp, Reply,
 };
 use crate::wire::{self, encode_frame, Frame, FrameKind, Limits, WireDescriptor};
 
@@ -277,8 +277,8 @@ pub struct Pipe {
     current: Option<Incoming>,
 }
 
-/// A descriptor read ahead, with its payloads' bytes if they were read with it (see
-/// [`inline_payloads`]).
+/// A descriptor read ahead, with its payloads' bytes (and its small tensors') if they were read
+/// with it (see [`inline_len`]).
 struct Incoming {
     wd: WireDescriptor,
     payloads: Vec<u8>,
@@ -783,12 +783,13 @@ impl Pipe {
 
     // ----- reads --------------------------------------------------------------------------
 
-    /// Whether reading message `d` takes reads on the control connection (payload bytes not
-    /// read with the descriptor, or tensors that travel there, given each tensor's channel
-    /// data).
-    fn in_band<'a>(&self, d: &Descriptor, mut routes: impl Iterator<Item = &'a [u8]>) -> bool {
-        (!d.payloads.is_empty() && inline_payloads(d).is_none())
-            || routes.any(|data| self.cpu_kind.recvs_on_control(data))
+    /// Which tensors travel on the control connection after their descriptor.
+    fn carried(&self) -> Carried {
+        match self.cpu_kind {
+            ChannelKind::Basic { .. } => Carried::All,
+            ChannelKind::Cma { .. } => Carried::NoData,
+            ChannelKind::Xth { .. } | ChannelKind::Mpt { .. } => Carried::Nothing,
+        }
     }
 
     fn arm_prefetch(&mut self) {
@@ -810,6 +811,7 @@ impl Pipe {
                 ticket,
                 reply: reply.clone(),
                 more,
+                carried: self.carried(),
             },
             self.link_gone(),
         );
@@ -940,6 +942,8 @@ impl Pipe {
     }
 
     fn start_read(&mut self, incoming: Incoming, alloc: Allocation) -> (Message, ReadState) {
+        let carried = self.carried();
+        let read_with_frame = inline_len(&incoming.wd, carried);
         let Incoming {
             wd:
                 WireDescriptor {
@@ -949,8 +953,12 @@ impl Pipe {
                 },
             payloads: inline,
         } = incoming;
-        let in_band = self.in_band(&descriptor, routes.iter().map(|(_, data)| data.as_slice()));
-        let inline = inline_payloads(&descriptor).map(|_| inline);
+        let in_band = !read_with_frame.is_some_and(|i| i.total.is_some());
+        let inline = read_with_frame.map(|_| inline);
+        // Past the payloads, the carried tensors' bytes if they came with the frame too.
+        let mut tensor_bytes = read_with_frame
+            .filter(|i| i.total.is_some())
+            .map(|i| i.payloads);
         let mut message = Message {
             metadata: descriptor.metadata,
             payloads: descriptor
@@ -976,7 +984,7 @@ impl Pipe {
         };
         let mut ticket = self.in_ticket;
         let payload_ticket = (!alloc.payloads.is_empty() && inline.is_none()).then_some(ticket);
-        if let Some(bytes) = inline {
+        if let Some(bytes) = &inline {
             // Read with the descriptor: copy them into the caller's buffers (the sizes match,
             // `Allocation::check` saw to that).
             let mut at = 0;
@@ -997,10 +1005,20 @@ impl Pipe {
             );
             ticket += 1;
         }
-        let tensors_out = alloc.tensors.len();
+        let mut tensors_out = 0;
         for (i, (buffer, (ch, data))) in alloc.tensors.into_iter().zip(routes).enumerate() {
-            let Buffer::Cpu(buffer) = buffer;
-            if self.cpu_kind.recvs_on_control(&data) {
+            let Buffer::Cpu(mut buffer) = buffer;
+            let on_control = carried.carries(&data);
+            if let (true, Some(at), Some(bytes)) = (on_control, tensor_bytes.as_mut(), &inline) {
+                // Read with the descriptor, like inline payloads.
+                let n = buffer.len();
+                buffer.copy_from_slice(&bytes[*at..*at + n]);
+                *at += n;
+                message.tensors[i].buffer = Buffer::Cpu(buffer);
+                continue;
+            }
+            tensors_out += 1;
+            if on_control {
                 // As for writes: read at its ticket on the control connection, directly.
                 link.read(
                     InOp::Tensor {
@@ -1155,7 +1173,8 @@ impl Pipe {
                 match outcome {
                     Ok(wd) => {
                         self.expect_seq += 1;
-                        if self.prefetch.more > 0 && self_contained(&wd.descriptor) {
+                        let whole = self_contained(&wd, self.carried());
+                        if self.prefetch.more > 0 && whole {
                             // The read loop went on to the next frame by itself, at the next
                             // ticket.
                             self.prefetch.more -= 1;
@@ -1163,10 +1182,9 @@ impl Pipe {
                         } else {
                             self.prefetch.in_flight = false;
                         }
-                        self.prefetch.blocked = self.in_band(
-                            &wd.descriptor,
-                            wd.routes.iter().map(|(_, data)| data.as_slice()),
-                        );
+                        // More of this message is on the stream: nothing can be read ahead
+                        // before its `Read` has queued those reads.
+                        self.prefetch.blocked = !whole;
                         self.prefetch.ready.push_back(Incoming { wd, payloads });
                         debug_assert!(self.prefetch.ready.len() <= MAX_PREFETCH);
                         self.advance_reads();

@@ -310,3 +310,44 @@ async fn payloads_around_the_inline_boundary() {
         .await;
     }
 }
+
+/// Small tensors on the control connection (basic, and cma's inline ones) are read together
+/// with their descriptor, chunked or not, while the pipe reads descriptors ahead: 200 messages
+/// written before any is read, each with payloads and small tensors (several chunks each with a
+/// 1000-byte chunk size), some just over the 16 KiB that can go with the descriptor.
+#[actix::test]
+async fn small_tensors_arrive_with_their_descriptor_while_reading_ahead() {
+    let configs: [(&str, fn() -> ContextBuilder); 2] = [
+        ("tcp+basic", || tcp_basic().chunk_size(1000)),
+        ("default", || Context::builder().chunk_size(1000)),
+    ];
+    for (name, builder) in configs {
+        let (tx, rx, _s) = pair(builder(), builder()).await;
+        let (done_to, mut done) = inbox::<WriteDone>();
+        let shapes: [(&[usize], &[usize]); 5] = [
+            (&[10], &[64]),
+            (&[], &[5000, 0, 3000]),
+            (&[100, 200], &[16 << 10]),
+            (&[1], &[(16 << 10) - 1, 1]),
+            (&[], &[]),
+        ];
+        for i in 0..200u64 {
+            let (p, t) = shapes[i as usize % shapes.len()];
+            tx.do_send(Write::new(checked_message(i, p, t)).notify(done_to.clone()));
+        }
+        for i in 0..200u64 {
+            let m = if i % 2 == 0 {
+                within(10, "a Receive", rx.send(Receive::new()))
+                    .await
+                    .unwrap()
+                    .message
+            } else {
+                within(10, "a two-step read", read_one(&rx)).await.unwrap()
+            };
+            assert_eq!(verify(&m), i, "{name}: message {i}");
+        }
+        for _ in 0..200 {
+            done.recv().await.unwrap().result.unwrap();
+        }
+    }
+}

@@ -29,7 +29,7 @@ use super::liveness::{silence, Coarse, Heartbeat, Pulse, Stamped};
 use super::{BoxRead, BoxWrite};
 use crate::error::{Error, Origin};
 use crate::message::{Descriptor, Payload};
-use crate::wire::{self, ChunkHeader, Frame, FrameKind, Limits, LEN_PREFIX};
+use crate::wire::{self, ChunkHeader, Frame, FrameKind, Limits, WireDescriptor, LEN_PREFIX};
 
 /// Where a loop sends completions.
 pub type Reply = mpsc::UnboundedSender<Done>;
@@ -57,10 +57,61 @@ pub fn inline_payloads(d: &Descriptor) -> Option<usize> {
     (total <= INLINE_PAYLOADS).then_some(total as usize)
 }
 
-/// Whether a message takes nothing from its stream after its descriptor frame but its inline
-/// payloads: no tensors, small payloads. The next thing on the stream is then the next frame.
-pub fn self_contained(d: &Descriptor) -> bool {
-    d.tensors.is_empty() && inline_payloads(d).is_some()
+/// Which of a message's tensors follow its descriptor on the same stream, as chunk frames,
+/// judged from each tensor's channel data. The pipe knows from its channel; the read loop is told
+/// with each [`InOp::Frame`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Carried {
+    /// None (xth, mpt, cma's reads, and a channel's own connections).
+    Nothing,
+    /// All of them (basic).
+    All,
+    /// Those whose channel data is empty (cma's inline tensors).
+    NoData,
+}
+
+impl Carried {
+    /// Whether a tensor with this channel data follows on the stream.
+    pub fn carries(self, data: &[u8]) -> bool {
+        match self {
+            Carried::Nothing => false,
+            Carried::All => true,
+            Carried::NoData => data.is_empty(),
+        }
+    }
+}
+
+/// The bytes of a message that follow its descriptor on the stream and are read with it: its
+/// payloads, when [inline](inline_payloads), and then the tensors the stream carries, when the
+/// whole lot totals at most [`INLINE_PAYLOADS`] (otherwise the tensors are read by their own
+/// operations). `None` when the payloads are not inline.
+pub fn inline_len(wd: &WireDescriptor, carried: Carried) -> Option<Inline> {
+    let payloads = inline_payloads(&wd.descriptor)?;
+    let mut total = payloads as u64;
+    for (t, (_, data)) in wd.descriptor.tensors.iter().zip(&wd.routes) {
+        if carried.carries(data) {
+            total = total.saturating_add(t.length);
+        }
+    }
+    Some(Inline {
+        payloads,
+        total: (total <= INLINE_PAYLOADS).then_some(total as usize),
+    })
+}
+
+/// What [`inline_len`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Inline {
+    /// The payloads' bytes.
+    pub payloads: usize,
+    /// The payloads' and the carried tensors' bytes, if the tensors are read with the frame too.
+    pub total: Option<usize>,
+}
+
+/// Whether a message takes nothing from its stream after its descriptor frame but what is read
+/// with it ([`inline_len`]). The next thing on the stream is then the next frame.
+pub fn self_contained(wd: &WireDescriptor, carried: Carried) -> bool {
+    inline_len(wd, carried).is_some_and(|i| i.total.is_some())
 }
 
 /// Memory a tensor operation reads from or writes into.
@@ -167,6 +218,8 @@ pub enum InOp {
         /// the owner, seeing the same descriptors, counts those tickets as used. This saves a
         /// round through the queue (and a wake of the loop) per small message.
         more: u32,
+        /// Which tensors of a descriptor follow it on this stream (see [`inline_len`]).
+        carried: Carried,
     },
     /// Raw bytes exactly filling each buffer, in order.
     Payloads {
@@ -226,7 +279,8 @@ pub enum Done {
         /// The frame, or why none came.
         result: Result<Frame, Error>,
         /// For a descriptor whose payloads are [inline](inline_payloads): their bytes, one after
-        /// the other. Empty otherwise.
+        /// the other, then those of the carried tensors if they were read too
+        /// ([`inline_len`]). Empty otherwise.
         payloads: Vec<u8>,
     },
     /// [`InOp::Payloads`] finished.
@@ -1090,15 +1144,28 @@ async fn read_op(
     origin: &Origin,
 ) -> Result<Option<(Frame, Vec<u8>)>, Error> {
     match op {
-        InOp::Frame { .. } => {
+        InOp::Frame { carried, .. } => {
             let frame = read_frame(r, buf, limits, origin).await?;
             let mut payloads = Vec::new();
             if let Frame::Descriptor(wd) = &frame {
-                if let Some(n @ 1..) = inline_payloads(&wd.descriptor) {
-                    payloads.resize(n, 0);
-                    r.read_exact(&mut payloads)
+                if let Some(inline) = inline_len(wd, *carried) {
+                    payloads.resize(inline.total.unwrap_or(inline.payloads), 0);
+                    let (mine, mut rest) = payloads.split_at_mut(inline.payloads);
+                    r.read_exact(mine)
                         .await
                         .map_err(|e| io_error("reading a payload", e, origin))?;
+                    if inline.total.is_some() {
+                        let tensors = wd.descriptor.tensors.iter().zip(&wd.routes);
+                        for (i, (t, (_, data))) in tensors.enumerate() {
+                            if !carried.carries(data) {
+                                continue;
+                            }
+                            let (tensor, after) = rest.split_at_mut(t.length as usize);
+                            read_tensor(r, wd.seq, i as u32, tensor, 0, buf, limits, origin)
+                                .await?;
+                            rest = after;
+                        }
+                    }
                 }
             }
             Ok(Some((frame, payloads)))
@@ -1181,14 +1248,16 @@ pub async fn read_loop(
                     ticket,
                     reply,
                     more,
+                    carried,
                 },
             ) => {
                 let go_on = more > 0
-                    && matches!(&frame, Frame::Descriptor(wd) if self_contained(&wd.descriptor));
+                    && matches!(&frame, Frame::Descriptor(wd) if self_contained(wd, carried));
                 let next = go_on.then(|| InOp::Frame {
                     ticket: ticket + 1,
                     reply: reply.clone(),
                     more: more - 1,
+                    carried,
                 });
                 send(
                     &reply,
@@ -1218,6 +1287,44 @@ pub async fn read_loop(
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    fn wire(payloads: &[u64], tensors: &[(u64, &[u8])]) -> WireDescriptor {
+        let mut m = crate::message::Message::new();
+        for &n in payloads {
+            m = m.with_payload(Payload::new(vec![0; n as usize]));
+        }
+        for &(n, _) in tensors {
+            m = m.with_tensor(crate::message::Tensor::cpu(vec![0; n as usize]));
+        }
+        WireDescriptor {
+            seq: 0,
+            descriptor: m.descriptor(),
+            routes: tensors.iter().map(|&(_, d)| (0, d.to_vec())).collect(),
+        }
+    }
+
+    #[test]
+    fn what_is_read_with_the_frame() {
+        let k16 = INLINE_PAYLOADS;
+        let inline = |payloads, total| Some(Inline { payloads, total });
+        // Payloads alone, at and over the limit.
+        let wd = wire(&[k16], &[]);
+        assert_eq!(inline_len(&wd, Carried::All), inline(16384, Some(16384)));
+        assert!(self_contained(&wd, Carried::All));
+        assert_eq!(inline_len(&wire(&[k16 + 1], &[]), Carried::All), None);
+        // Carried tensors join them while everything fits in 16 KiB.
+        let wd = wire(&[100], &[(5000, b""), (0, b""), (3000, b"")]);
+        assert_eq!(inline_len(&wd, Carried::All), inline(100, Some(8100)));
+        assert!(self_contained(&wd, Carried::All));
+        let wd = wire(&[1], &[(k16 - 1, b""), (1, b"")]);
+        assert_eq!(inline_len(&wd, Carried::All), inline(1, None));
+        assert!(!self_contained(&wd, Carried::All));
+        // cma: only tensors without channel data are on the stream; xth and mpt: none.
+        let wd = wire(&[10], &[(1 << 20, b"remote"), (64, b"")]);
+        assert_eq!(inline_len(&wd, Carried::NoData), inline(10, Some(74)));
+        assert_eq!(inline_len(&wd, Carried::Nothing), inline(10, Some(10)));
+        assert_eq!(inline_len(&wd, Carried::All), inline(10, None));
+    }
 
     fn message(ticket: u64, bytes: &[u8], reply: &Reply) -> OutOp {
         OutOp::Message {
