@@ -687,12 +687,15 @@ impl Pipe {
             self.link_gone(),
         );
         let mut next = ticket + 1;
+        let mut tensors_out = 0;
         for (i, t) in message.tensors.iter_mut().enumerate() {
             let Buffer::Cpu(buffer) = mem::take(&mut t.buffer);
             if kind.sends_on_control(buffer.len() as u64) {
-                // Bytes on the control connection (basic, inline cma): queued on it here, at
-                // their ticket, with no trip through the channel actor.
-                link.write(
+                // Bytes on the control connection (basic, inline cma): written here at once if
+                // small and the loop is idle (right after the message, as one more vectored
+                // write), else queued on the connection at their ticket; never through the
+                // channel actor.
+                let written = link.write_now(
                     OutOp::Tensor {
                         ticket: next,
                         seq,
@@ -704,6 +707,12 @@ impl Pipe {
                     },
                     self.link_gone(),
                 );
+                match written {
+                    Some(OutOp::Tensor { memory, .. }) => {
+                        t.buffer = Buffer::Cpu(memory.into_vec().unwrap_or_default())
+                    }
+                    _ => tensors_out += 1,
+                }
                 next += 1;
             } else {
                 self.channels[self.cpu_channel].do_send(SendTensor {
@@ -711,11 +720,12 @@ impl Pipe {
                     index: i as u32,
                     buffer,
                 });
+                tensors_out += 1;
             }
         }
         w.seq = seq;
         w.ticket = ticket;
-        w.tensors_out = message.tensors.len();
+        w.tensors_out = tensors_out;
         w.message = message;
         if let Some(OutOp::Message {
             frame, payloads, ..
@@ -953,7 +963,7 @@ impl Pipe {
                 },
             payloads: inline,
         } = incoming;
-        let in_band = !read_with_frame.is_some_and(|i| i.total.is_some());
+        let in_band = read_with_frame.is_none_or(|i| i.total.is_none());
         let inline = read_with_frame.map(|_| inline);
         // Past the payloads, the carried tensors' bytes if they came with the frame too.
         let mut tensor_bytes = read_with_frame

@@ -317,7 +317,7 @@ async fn payloads_around_the_inline_boundary() {
 /// 1000-byte chunk size), some just over the 16 KiB that can go with the descriptor.
 #[actix::test]
 async fn small_tensors_arrive_with_their_descriptor_while_reading_ahead() {
-    let configs: [(&str, fn() -> ContextBuilder); 2] = [
+    let configs: [Setup; 2] = [
         ("tcp+basic", || tcp_basic().chunk_size(1000)),
         ("default", || Context::builder().chunk_size(1000)),
     ];

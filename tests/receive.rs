@@ -16,8 +16,7 @@ async fn receive_reads_every_shape_mixed_with_two_step_reads() {
             .only_channels(&["mpt"])
             .chunk_size(64 << 10)
     };
-    type Config = (&'static str, fn() -> ContextBuilder);
-    let configs: [Config; 3] = [
+    let configs: [Setup; 3] = [
         ("default", Context::builder),
         ("tcp+basic", tcp_basic),
         ("tcp+mpt", mpt),

@@ -46,6 +46,10 @@ const FRAME_BUFFER: usize = 64 << 10;
 /// descriptor frame (see [`inline_payloads`]).
 pub const INLINE_PAYLOADS: u64 = 16 << 10;
 
+/// The largest tensor the owner of a connection writes itself when the write loop is idle
+/// ([`Parking::try_write`]), in one chunk; larger ones go through the loop.
+pub const DIRECT_TENSOR_MAX: usize = INLINE_PAYLOADS as usize;
+
 /// The total size of a message's payloads, if small enough to be read with its descriptor: the
 /// read loop then reads them right after the frame and hands them over in [`Done::Frame`], which
 /// saves the receiver a round through the loop's queue per message.
@@ -534,6 +538,8 @@ struct Parked {
     torn: Option<(u64, usize)>,
     /// The connection is stopping: write nothing more here.
     halted: bool,
+    /// A chunk header being written here.
+    header: Vec<u8>,
 }
 
 impl std::fmt::Debug for Parking {
@@ -553,43 +559,68 @@ impl Parking {
         self.lock().halted = true;
     }
 
-    /// Writes an [`OutOp::Message`] at once, with one non-blocking vectored write, if the write
-    /// loop is idle and the message is the next in ticket order. `Ok(op)`: it is written, and
-    /// the caller completes it. `Err(op)`: submit it to the loop as usual; if part of it was
-    /// written here, the loop writes the rest (and nothing goes in between).
+    /// Writes an [`OutOp::Message`], or an [`OutOp::Tensor`] of at most [`DIRECT_TENSOR_MAX`]
+    /// bytes in one chunk, at once, with one non-blocking vectored write, if the write loop is
+    /// idle and the op is the next in ticket order. `Ok(op)`: it is written, and the caller
+    /// completes it. `Err(op)`: submit it to the loop as usual; if part of it was written here,
+    /// the loop writes the rest (and nothing goes in between).
     pub fn try_write(&self, op: OutOp) -> Result<OutOp, OutOp> {
-        let OutOp::Message {
-            ticket,
-            frame,
-            payloads,
-            ..
-        } = &op
-        else {
-            return Err(op);
-        };
-        if payloads.len() >= IOV_BATCH {
-            return Err(op);
+        match &op {
+            OutOp::Message { payloads, .. } if payloads.len() < IOV_BATCH => {}
+            OutOp::Tensor {
+                memory,
+                offset: 0,
+                chunk_size,
+                ..
+            } if (1..=DIRECT_TENSOR_MAX.min(*chunk_size)).contains(&memory.as_slice().len()) => {}
+            _ => return Err(op),
         }
+        let ticket = op.ticket();
         // Only the loop, on this same thread, ever holds the lock, and never across a poll.
         let Ok(mut p) = self.0.try_lock() else {
             return Err(op);
         };
-        if p.halted || p.torn.is_some() || p.next != *ticket {
+        let p = &mut *p;
+        if p.halted || p.torn.is_some() || p.next != ticket {
             return Err(op);
         }
         let Some(w) = p.w.as_mut() else {
             return Err(op);
         };
         let mut iov = [IoSlice::new(&[]); IOV_BATCH];
-        iov[0] = IoSlice::new(frame);
-        let mut total = frame.len();
-        for (slot, pl) in iov[1..].iter_mut().zip(payloads) {
-            *slot = IoSlice::new(&pl.data);
-            total += pl.data.len();
-        }
-        let n = 1 + payloads.len();
-        // A waker that does nothing: if the stream is not ready, the loop takes the message
-        // over and polls with its own.
+        let n = match &op {
+            OutOp::Message {
+                frame, payloads, ..
+            } => {
+                iov[0] = IoSlice::new(frame);
+                for (slot, pl) in iov[1..].iter_mut().zip(payloads) {
+                    *slot = IoSlice::new(&pl.data);
+                }
+                1 + payloads.len()
+            }
+            OutOp::Tensor {
+                seq, index, memory, ..
+            } => {
+                // The same bytes as the loop's `write_op` would write: one chunk.
+                let body = memory.as_slice();
+                p.header.clear();
+                let h = ChunkHeader {
+                    seq: *seq,
+                    tensor: *index,
+                    offset: 0,
+                    length: body.len() as u64,
+                };
+                wire::encode_frame(&mut p.header, FrameKind::Chunk, |b| {
+                    wire::encode_chunk(b, &h)
+                });
+                iov[0] = IoSlice::new(&p.header);
+                iov[1] = IoSlice::new(body);
+                2
+            }
+        };
+        let total: usize = iov[..n].iter().map(|b| b.len()).sum();
+        // A waker that does nothing: if the stream is not ready, the loop takes the op over
+        // and polls with its own.
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         match Pin::new(&mut **w).poll_write_vectored(&mut cx, &iov[..n]) {
             std::task::Poll::Ready(Ok(k)) if k == total => {
@@ -598,7 +629,7 @@ impl Parking {
                 Ok(op)
             }
             std::task::Poll::Ready(Ok(k)) if k > 0 => {
-                p.torn = Some((*ticket, k));
+                p.torn = Some((ticket, k));
                 p.last_write = Some(Coarse::now_ns());
                 Err(op)
             }
@@ -819,7 +850,10 @@ async fn write_op(
                 };
                 wire::encode_frame(scratch, FrameKind::Chunk, |b| wire::encode_chunk(b, &h));
                 let body = &buffer[offset as usize..(offset + len) as usize];
-                write_all_vectored(w, &mut [IoSlice::new(scratch), IoSlice::new(body)], 0).await?;
+                // A first chunk the owner wrote in part ([`Parking::try_write`]): the rest.
+                let skip = mem::take(&mut skip);
+                write_all_vectored(w, &mut [IoSlice::new(scratch), IoSlice::new(body)], skip)
+                    .await?;
             }
             Ok(())
         }

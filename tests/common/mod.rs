@@ -55,6 +55,9 @@ pub fn tcp_basic() -> ContextBuilder {
     Context::builder().without("shm").only_channels(&["basic"])
 }
 
+/// A named way to build a context, for tests that run over several configurations.
+pub type Setup = (&'static str, fn() -> ContextBuilder);
+
 /// A listening context: its address, its URL, and the queue of accepted pipes.
 pub struct Server {
     pub ctx: Addr<Context>,
