@@ -97,17 +97,17 @@ impl Link {
         }
     }
 
-    /// Writes a message at once when the write loop is idle and the message is next in ticket
-    /// order (see [`Parking::try_write`]): `Some(op)` is written, and the caller completes it
-    /// itself. Otherwise it is submitted as [`Link::write`] does, and `None` comes back.
-    pub fn write_now(&self, op: OutOp, err: impl FnOnce() -> Error) -> Option<OutOp> {
-        match self.parking.try_write(op) {
-            Ok(op) => Some(op),
-            Err(op) => {
-                self.write(op, err);
-                None
-            }
+    /// Writes a run of ops with consecutive tickets (a message and its small tensors) at once
+    /// when the write loop is idle and the first is next in ticket order (see
+    /// [`Parking::try_write_batch`]): those written stay at the front of `ops`, for the caller
+    /// to complete itself, and their count is returned; the others are submitted as
+    /// [`Link::write`] does, and removed.
+    pub fn write_batch(&self, ops: &mut Vec<OutOp>, err: impl Fn() -> Error) -> usize {
+        let n = self.parking.try_write_batch(ops);
+        for op in ops.drain(n..) {
+            self.write(op, &err);
         }
+        n
     }
 
     /// Submits a read (the first one starts the read loop); if the loop is gone, or the

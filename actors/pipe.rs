@@ -267,6 +267,8 @@ pub struct Pipe {
     next_wire_seq: u64,
     out_ticket: u64,
     frames: Vec<Vec<u8>>,
+    /// The ops of the message being written, kept for its allocation.
+    batch: Vec<OutOp>,
 
     reads: VecDeque<PendingRead>,
     read_cursor: usize,
@@ -430,6 +432,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         next_wire_seq: 0,
         out_ticket: 0,
         frames: Vec::new(),
+        batch: Vec::new(),
         reads: VecDeque::new(),
         read_cursor: 0,
         next_read_id: 0,
@@ -513,7 +516,7 @@ impl StreamHandler<Done> for Pipe {
 }
 
 impl Pipe {
-    fn link_gone(&self) -> impl FnOnce() -> Error + '_ {
+    fn link_gone(&self) -> impl Fn() -> Error + '_ {
         || Error::Closed {
             reason: "connection already stopped".into(),
             origin: self.origin.clone(),
@@ -675,44 +678,33 @@ impl Pipe {
             .reply
             .clone()
             .expect("reply queue lives while the connection does");
-        // Written at once if the write loop is idle (the usual case for a small message):
-        // then it completes below, with no trip through the loop and the completion queue.
-        let written = link.write_now(
-            OutOp::Message {
-                ticket,
-                frame,
-                payloads: mem::take(&mut message.payloads),
-                reply,
-            },
-            self.link_gone(),
-        );
+        // The message, then each tensor that travels on the control connection (basic, inline
+        // cma), at consecutive tickets: written at once, in one vectored write, if the write
+        // loop is idle (the usual case for a small message), and completed below with no trip
+        // through the loop and the completion queue; whatever is not is queued on the
+        // connection. Never through the channel actor.
+        let mut batch = mem::take(&mut self.batch);
+        batch.clear();
+        batch.push(OutOp::Message {
+            ticket,
+            frame,
+            payloads: mem::take(&mut message.payloads),
+            reply,
+        });
         let mut next = ticket + 1;
         let mut tensors_out = 0;
         for (i, t) in message.tensors.iter_mut().enumerate() {
             let Buffer::Cpu(buffer) = mem::take(&mut t.buffer);
             if kind.sends_on_control(buffer.len() as u64) {
-                // Bytes on the control connection (basic, inline cma): written here at once if
-                // small and the loop is idle (right after the message, as one more vectored
-                // write), else queued on the connection at their ticket; never through the
-                // channel actor.
-                let written = link.write_now(
-                    OutOp::Tensor {
-                        ticket: next,
-                        seq,
-                        index: i as u32,
-                        memory: Memory::Owned(buffer),
-                        offset: 0,
-                        chunk_size: kind.control_chunk(),
-                        reply: self.reply.clone().expect("checked above"),
-                    },
-                    self.link_gone(),
-                );
-                match written {
-                    Some(OutOp::Tensor { memory, .. }) => {
-                        t.buffer = Buffer::Cpu(memory.into_vec().unwrap_or_default())
-                    }
-                    _ => tensors_out += 1,
-                }
+                batch.push(OutOp::Tensor {
+                    ticket: next,
+                    seq,
+                    index: i as u32,
+                    memory: Memory::Owned(buffer),
+                    offset: 0,
+                    chunk_size: kind.control_chunk(),
+                    reply: self.reply.clone().expect("checked above"),
+                });
                 next += 1;
             } else {
                 self.channels[self.cpu_channel].do_send(SendTensor {
@@ -723,24 +715,38 @@ impl Pipe {
                 tensors_out += 1;
             }
         }
+        let queued = batch.len();
+        let written = link.write_batch(&mut batch, self.link_gone());
+        // Tensors still out: those on other channels, and those queued on the connection.
+        tensors_out += queued - written.max(1);
+        w.payloads_out = written == 0;
+        for op in batch.drain(..) {
+            // What `Done::Wrote` / `Done::WroteTensor` would do, without building one and
+            // finding the write again.
+            match op {
+                OutOp::Message {
+                    frame, payloads, ..
+                } => {
+                    if self.frames.len() < 4 {
+                        self.frames.push(frame);
+                    }
+                    message.payloads = payloads;
+                }
+                OutOp::Tensor { index, memory, .. } => {
+                    message.tensors[index as usize].buffer =
+                        Buffer::Cpu(memory.into_vec().unwrap_or_default());
+                }
+            }
+        }
+        self.batch = batch;
         w.seq = seq;
         w.ticket = ticket;
         w.tensors_out = tensors_out;
         w.message = message;
-        if let Some(OutOp::Message {
-            frame, payloads, ..
-        }) = written
-        {
-            // What `Done::Wrote` would do, without building one and finding the write again.
-            if self.frames.len() < 4 {
-                self.frames.push(frame);
-            }
-            w.message.payloads = payloads;
-            self.writes.push_back(w);
+        let done = !w.payloads_out && w.tensors_out == 0;
+        self.writes.push_back(w);
+        if done {
             self.pump_writes();
-        } else {
-            w.payloads_out = true;
-            self.writes.push_back(w);
         }
     }
 

@@ -565,77 +565,127 @@ impl Parking {
     /// completes it. `Err(op)`: submit it to the loop as usual; if part of it was written here,
     /// the loop writes the rest (and nothing goes in between).
     pub fn try_write(&self, op: OutOp) -> Result<OutOp, OutOp> {
-        match &op {
-            OutOp::Message { payloads, .. } if payloads.len() < IOV_BATCH => {}
-            OutOp::Tensor {
-                memory,
-                offset: 0,
-                chunk_size,
-                ..
-            } if (1..=DIRECT_TENSOR_MAX.min(*chunk_size)).contains(&memory.as_slice().len()) => {}
-            _ => return Err(op),
-        }
-        let ticket = op.ticket();
-        // Only the loop, on this same thread, ever holds the lock, and never across a poll.
-        let Ok(mut p) = self.0.try_lock() else {
-            return Err(op);
-        };
-        let p = &mut *p;
-        if p.halted || p.torn.is_some() || p.next != ticket {
-            return Err(op);
-        }
-        let Some(w) = p.w.as_mut() else {
-            return Err(op);
-        };
-        let mut iov = [IoSlice::new(&[]); IOV_BATCH];
-        let n = match &op {
-            OutOp::Message {
-                frame, payloads, ..
-            } => {
-                iov[0] = IoSlice::new(frame);
-                for (slot, pl) in iov[1..].iter_mut().zip(payloads) {
-                    *slot = IoSlice::new(&pl.data);
-                }
-                1 + payloads.len()
-            }
-            OutOp::Tensor {
-                seq, index, memory, ..
-            } => {
-                // The same bytes as the loop's `write_op` would write: one chunk.
-                let body = memory.as_slice();
-                p.header.clear();
-                let h = ChunkHeader {
-                    seq: *seq,
-                    tensor: *index,
-                    offset: 0,
-                    length: body.len() as u64,
-                };
-                wire::encode_frame(&mut p.header, FrameKind::Chunk, |b| {
-                    wire::encode_chunk(b, &h)
-                });
-                iov[0] = IoSlice::new(&p.header);
-                iov[1] = IoSlice::new(body);
-                2
-            }
-        };
-        let total: usize = iov[..n].iter().map(|b| b.len()).sum();
-        // A waker that does nothing: if the stream is not ready, the loop takes the op over
-        // and polls with its own.
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        match Pin::new(&mut **w).poll_write_vectored(&mut cx, &iov[..n]) {
-            std::task::Poll::Ready(Ok(k)) if k == total => {
-                p.next += 1;
-                p.last_write = Some(Coarse::now_ns());
-                Ok(op)
-            }
-            std::task::Poll::Ready(Ok(k)) if k > 0 => {
-                p.torn = Some((ticket, k));
-                p.last_write = Some(Coarse::now_ns());
-                Err(op)
-            }
-            // Not ready, or an error the loop will meet again and report.
+        match self.try_write_batch(std::slice::from_ref(&op)) {
+            1 => Ok(op),
             _ => Err(op),
         }
+    }
+
+    /// [`Parking::try_write`] for several ops of consecutive tickets (a message and its small
+    /// tensors), in one vectored write: writes the longest run from the front that qualifies
+    /// and fits one system call, and returns how many ops of it were written whole. The caller
+    /// completes those and submits the rest to the loop; if the write stopped inside an op, the
+    /// loop writes the rest of that one first.
+    pub fn try_write_batch(&self, ops: &[OutOp]) -> usize {
+        /// Up to this many chunk headers in one write.
+        const HEADERS: usize = IOV_BATCH / 2;
+        // Only the loop, on this same thread, ever holds the lock, and never across a poll.
+        let Ok(mut p) = self.0.try_lock() else {
+            return 0;
+        };
+        let p = &mut *p;
+        if p.halted || p.torn.is_some() || p.w.is_none() {
+            return 0;
+        }
+        // The run: each op next in ticket order, qualified, and with room for its slices.
+        let mut slices = 0;
+        let mut run = 0;
+        let mut headers = [(0usize, 0usize); HEADERS];
+        let mut nh = 0;
+        p.header.clear();
+        for (i, op) in ops.iter().enumerate() {
+            if op.ticket() != p.next + i as u64 {
+                break;
+            }
+            match op {
+                OutOp::Message { payloads, .. } if slices + 1 + payloads.len() <= IOV_BATCH => {
+                    slices += 1 + payloads.len();
+                }
+                OutOp::Tensor {
+                    seq,
+                    index,
+                    memory,
+                    offset: 0,
+                    chunk_size,
+                    ..
+                } if slices + 2 <= IOV_BATCH
+                    && nh < HEADERS
+                    && (1..=DIRECT_TENSOR_MAX.min(*chunk_size))
+                        .contains(&memory.as_slice().len()) =>
+                {
+                    // The same bytes as the loop's `write_op` would write: one chunk.
+                    let at = p.header.len();
+                    let h = ChunkHeader {
+                        seq: *seq,
+                        tensor: *index,
+                        offset: 0,
+                        length: memory.as_slice().len() as u64,
+                    };
+                    wire::encode_frame(&mut p.header, FrameKind::Chunk, |b| {
+                        wire::encode_chunk(b, &h)
+                    });
+                    headers[nh] = (at, p.header.len());
+                    nh += 1;
+                    slices += 2;
+                }
+                _ => break,
+            }
+            run += 1;
+        }
+        if run == 0 {
+            return 0;
+        }
+        let mut iov = [IoSlice::new(&[]); IOV_BATCH];
+        let mut lens = [0usize; IOV_BATCH];
+        let mut n = 0;
+        let mut h = 0;
+        for (i, op) in ops[..run].iter().enumerate() {
+            let first = n;
+            match op {
+                OutOp::Message {
+                    frame, payloads, ..
+                } => {
+                    iov[n] = IoSlice::new(frame);
+                    n += 1;
+                    for pl in payloads {
+                        iov[n] = IoSlice::new(&pl.data);
+                        n += 1;
+                    }
+                }
+                OutOp::Tensor { memory, .. } => {
+                    let (a, b) = headers[h];
+                    h += 1;
+                    iov[n] = IoSlice::new(&p.header[a..b]);
+                    iov[n + 1] = IoSlice::new(memory.as_slice());
+                    n += 2;
+                }
+            }
+            lens[i] = iov[first..n].iter().map(|b| b.len()).sum();
+        }
+        let w = p.w.as_mut().expect("checked above");
+        // A waker that does nothing: if the stream is not ready, the loop takes the ops over
+        // and polls with its own.
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut k = match Pin::new(&mut **w).poll_write_vectored(&mut cx, &iov[..n]) {
+            std::task::Poll::Ready(Ok(k)) if k > 0 => k,
+            // Not ready, or an error the loop will meet again and report.
+            _ => return 0,
+        };
+        p.last_write = Some(Coarse::now_ns());
+        let mut whole = 0;
+        for (i, &len) in lens[..run].iter().enumerate() {
+            if k >= len {
+                k -= len;
+                whole += 1;
+            } else {
+                if k > 0 {
+                    p.torn = Some((ops[i].ticket(), k));
+                }
+                break;
+            }
+        }
+        p.next += whole as u64;
+        whole
     }
 }
 
@@ -1367,6 +1417,127 @@ mod tests {
             payloads: vec![Payload::new(bytes[2..].to_vec())],
             reply: reply.clone(),
         }
+    }
+
+    fn tensor(ticket: u64, index: u32, len: usize, reply: &Reply) -> OutOp {
+        OutOp::Tensor {
+            ticket,
+            seq: 7,
+            index,
+            memory: Memory::Owned(vec![index as u8 + 1; len]),
+            offset: 0,
+            chunk_size: 1 << 20,
+            reply: reply.clone(),
+        }
+    }
+
+    /// A message and its small tensors go out in one write while the loop is idle. One that
+    /// tears inside a tensor: the whole ops written stay with the owner, the loop writes the
+    /// rest of the torn one first, then the others; the stream carries exactly what the loop
+    /// alone would have written.
+    #[tokio::test]
+    async fn owner_writes_a_message_and_its_tensors_in_one_go() {
+        tokio::task::LocalSet::new()
+            .run_until(owner_writes_batches())
+            .await;
+    }
+
+    async fn owner_writes_batches() {
+        // What the loop writes for these ops: the frame and payloads, then each tensor as one
+        // chunk frame (header, body).
+        fn reference(ops: Vec<OutOp>) -> Vec<u8> {
+            let mut out = Vec::new();
+            for op in ops {
+                match op {
+                    OutOp::Message {
+                        frame, payloads, ..
+                    } => {
+                        out.extend_from_slice(&frame);
+                        for p in payloads {
+                            out.extend_from_slice(&p.data);
+                        }
+                    }
+                    OutOp::Tensor {
+                        seq, index, memory, ..
+                    } => {
+                        let body = memory.as_slice();
+                        let h = ChunkHeader {
+                            seq,
+                            tensor: index,
+                            offset: 0,
+                            length: body.len() as u64,
+                        };
+                        wire::encode_frame(&mut out, FrameKind::Chunk, |b| {
+                            wire::encode_chunk(b, &h)
+                        });
+                        out.extend_from_slice(body);
+                    }
+                }
+            }
+            out
+        }
+        let (reply, mut done) = mpsc::unbounded_channel();
+        let ops = || {
+            vec![
+                message(0, b"hd-payload", &reply),
+                tensor(1, 0, 100, &reply),
+                tensor(2, 1, 50, &reply),
+            ]
+        };
+        let want = reference(ops());
+        // The stream takes 40 bytes at once: the message and part of the first tensor.
+        let (w, mut r) = tokio::io::duplex(40);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (_stop_tx, stop) = watch::channel(None);
+        let parking = Arc::new(Parking::default());
+        let origin = Origin::new("test", "test");
+        let lp = tokio::task::spawn_local(write_loop(
+            Box::new(w),
+            rx,
+            stop,
+            origin,
+            None,
+            parking.clone(),
+        ));
+        tokio::task::yield_now().await;
+        let batch = ops();
+        let whole = parking.try_write_batch(&batch);
+        assert_eq!(whole, 1, "the message went whole, the first tensor in part");
+        for op in batch.into_iter().skip(whole) {
+            tx.send(op).unwrap();
+        }
+        let mut got = vec![0u8; want.len()];
+        r.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, want);
+        for ticket in [1, 2] {
+            let d = done.recv().await.unwrap();
+            assert!(
+                matches!(d, Done::WroteTensor { result: Ok(()), .. }),
+                "ticket {ticket}: {d:?}"
+            );
+        }
+        // Idle again, with room: all three in one write, nothing for the loop.
+        let (w2, mut r2) = tokio::io::duplex(4096);
+        drop(tx);
+        let _ = lp.await;
+        let (tx, rx) = mpsc::unbounded_channel::<OutOp>();
+        let (_stop_tx, stop) = watch::channel(None);
+        let parking = Arc::new(Parking::default());
+        let lp = tokio::task::spawn_local(write_loop(
+            Box::new(w2),
+            rx,
+            stop,
+            Origin::new("test", "test"),
+            None,
+            parking.clone(),
+        ));
+        tokio::task::yield_now().await;
+        assert_eq!(parking.try_write_batch(&ops()), 3);
+        let mut got = vec![0u8; want.len()];
+        r2.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, want);
+        drop(tx);
+        let _ = lp.await;
     }
 
     /// The owner writes while the loop is idle: whole, in part (the loop finishes it, and no
