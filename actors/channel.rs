@@ -63,14 +63,14 @@ impl ChannelKind {
         }
     }
 
-    /// Whether a tensor we receive, with this channel data from its descriptor, travels on the
-    /// pipe's control connection. The sender decides ([`Self::sends_on_control`]); an inline cma
-    /// tensor is the one whose channel data is empty (a [`RemoteBuffer`] never is).
-    pub fn recvs_on_control(&self, data: &[u8]) -> bool {
+    /// Which tensors we receive travel on the pipe's control connection, after their
+    /// descriptor. The sender decides ([`Self::sends_on_control`]); an inline cma tensor is the
+    /// one whose channel data is empty (a [`RemoteBuffer`] never is).
+    pub fn carried(&self) -> Carried {
         match self {
-            ChannelKind::Basic { .. } => true,
-            ChannelKind::Cma { .. } => data.is_empty(),
-            _ => false,
+            ChannelKind::Basic { .. } => Carried::All,
+            ChannelKind::Cma { .. } => Carried::NoData,
+            ChannelKind::Xth { .. } | ChannelKind::Mpt { .. } => Carried::Nothing,
         }
     }
 
@@ -707,7 +707,7 @@ impl Handler<RecvTensor> for Channel {
     type Result = ();
 
     fn handle(&mut self, m: RecvTensor, ctx: &mut Self::Context) {
-        if self.kind.recvs_on_control(&m.data) {
+        if self.kind.carried().carries(&m.data) {
             // As for `SendTensor`: the pipe reads these itself.
             return self.to_pipe(Done::Tensor {
                 seq: m.seq,

@@ -38,7 +38,7 @@ use crate::message::{Allocation, Buffer, Descriptor, Message, Payload, Tensor};
 use crate::metrics::{OpKind, PipeMetrics};
 use crate::negotiate::{Choice, DeviceKind, DevicePair};
 use crate::transport::stream::{
-    inline_len, self_contained, unexpected, Carried, Done, Farewell, InOp, Memory, OutOp, Reply,
+    inline_len, unexpected, Done, Farewell, InOp, Inline, Memory, OutOp, Reply,
 };
 use crate::wire::{self, encode_frame, Frame, FrameKind, Limits, WireDescriptor};
 
@@ -284,6 +284,8 @@ pub struct Pipe {
 struct Incoming {
     wd: WireDescriptor,
     payloads: Vec<u8>,
+    /// What of it the read loop read with the frame (`payloads` holds those bytes).
+    inline: Option<Inline>,
 }
 
 /// Everything a pipe is built from: its control connection, what was negotiated, and each
@@ -799,15 +801,6 @@ impl Pipe {
 
     // ----- reads --------------------------------------------------------------------------
 
-    /// Which tensors travel on the control connection after their descriptor.
-    fn carried(&self) -> Carried {
-        match self.cpu_kind {
-            ChannelKind::Basic { .. } => Carried::All,
-            ChannelKind::Cma { .. } => Carried::NoData,
-            ChannelKind::Xth { .. } | ChannelKind::Mpt { .. } => Carried::Nothing,
-        }
-    }
-
     fn arm_prefetch(&mut self) {
         let p = &self.prefetch;
         if self.error.is_some() || p.in_flight || p.blocked || p.ready.len() >= MAX_PREFETCH {
@@ -827,7 +820,7 @@ impl Pipe {
                 ticket,
                 reply: reply.clone(),
                 more,
-                carried: self.carried(),
+                carried: self.cpu_kind.carried(),
             },
             self.link_gone(),
         );
@@ -958,8 +951,7 @@ impl Pipe {
     }
 
     fn start_read(&mut self, incoming: Incoming, alloc: Allocation) -> (Message, ReadState) {
-        let carried = self.carried();
-        let read_with_frame = inline_len(&incoming.wd, carried);
+        let carried = self.cpu_kind.carried();
         let Incoming {
             wd:
                 WireDescriptor {
@@ -967,14 +959,14 @@ impl Pipe {
                     descriptor,
                     routes,
                 },
-            payloads: inline,
+            payloads: bytes,
+            inline: read_with_frame,
         } = incoming;
-        let in_band = read_with_frame.is_none_or(|i| i.total.is_none());
-        let inline = read_with_frame.map(|_| inline);
-        // Past the payloads, the carried tensors' bytes if they came with the frame too.
-        let mut tensor_bytes = read_with_frame
-            .filter(|i| i.total.is_some())
-            .map(|i| i.payloads);
+        let inline = read_with_frame.map(|_| bytes);
+        // Past the payloads, the carried tensors' bytes if they came with the frame too;
+        // otherwise some of this message is still on the stream.
+        let mut tensor_bytes = read_with_frame.filter(Inline::whole).map(|i| i.payloads);
+        let in_band = tensor_bytes.is_none();
         let mut message = Message {
             metadata: descriptor.metadata,
             payloads: descriptor
@@ -1189,7 +1181,9 @@ impl Pipe {
                 match outcome {
                     Ok(wd) => {
                         self.expect_seq += 1;
-                        let whole = self_contained(&wd, self.carried());
+                        let inline = inline_len(&wd, self.cpu_kind.carried());
+                        // Nothing of it is left on the stream (see `stream::self_contained`).
+                        let whole = inline.is_some_and(|i| i.whole());
                         if self.prefetch.more > 0 && whole {
                             // The read loop went on to the next frame by itself, at the next
                             // ticket.
@@ -1201,7 +1195,11 @@ impl Pipe {
                         // More of this message is on the stream: nothing can be read ahead
                         // before its `Read` has queued those reads.
                         self.prefetch.blocked = !whole;
-                        self.prefetch.ready.push_back(Incoming { wd, payloads });
+                        self.prefetch.ready.push_back(Incoming {
+                            wd,
+                            payloads,
+                            inline,
+                        });
                         debug_assert!(self.prefetch.ready.len() <= MAX_PREFETCH);
                         self.advance_reads();
                         self.arm_prefetch();

@@ -279,19 +279,7 @@ impl Allocation {
     /// Returns an error instead of aborting when a size does not fit this machine's address
     /// space.
     pub fn for_descriptor(d: &Descriptor) -> crate::Result<Self> {
-        let size = |n: u64| {
-            usize::try_from(n)
-                .map_err(|_| crate::Error::invalid(format!("{n} bytes do not fit in memory")))
-        };
-        let mut payloads = Vec::with_capacity(d.payloads.len());
-        for p in &d.payloads {
-            payloads.push(vec![0u8; size(p.length)?]);
-        }
-        let mut tensors = Vec::with_capacity(d.tensors.len());
-        for t in &d.tensors {
-            tensors.push(Buffer::Cpu(vec![0u8; size(t.length)?]));
-        }
-        Ok(Allocation { payloads, tensors })
+        Allocation::default().refit(d)
     }
 
     /// Turns these buffers into an allocation for `d`, reusing them in order: each buffer is
@@ -307,6 +295,10 @@ impl Allocation {
                 .map_err(|_| crate::Error::invalid(format!("{n} bytes do not fit in memory")))
         };
         let mut a = self;
+        a.payloads
+            .reserve_exact(d.payloads.len().saturating_sub(a.payloads.len()));
+        a.tensors
+            .reserve_exact(d.tensors.len().saturating_sub(a.tensors.len()));
         a.payloads.truncate(d.payloads.len());
         for (i, p) in d.payloads.iter().enumerate() {
             let n = size(p.length)?;

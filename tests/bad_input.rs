@@ -9,7 +9,7 @@ use std::time::Duration;
 use actorpipe::handshake;
 use actorpipe::negotiate::{Brochure, ChannelOffer, DevicePair, Offer};
 use actorpipe::transport::tcp::into_stream;
-use actorpipe::wire::{encode_frame, FrameKind, Preamble, MAGIC};
+use actorpipe::wire::{self, encode_frame, FrameKind, Preamble, MAGIC};
 use actorpipe::*;
 use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -231,6 +231,27 @@ async fn garbage_after_the_handshake_closes_only_that_pipe() {
                 b
             },
             "limit",
+        ),
+        // A good descriptor with an 8-byte tensor, read together with its chunks, but the
+        // chunk that follows names another tensor.
+        (
+            {
+                let m = Message::new().with_tensor(Tensor::cpu(vec![1; 8]));
+                let mut b = Vec::new();
+                encode_frame(&mut b, FrameKind::Descriptor, |b| {
+                    wire::encode_descriptor(b, 0, &m, |_, _| 0)
+                });
+                let h = wire::ChunkHeader {
+                    seq: 0,
+                    tensor: 1,
+                    offset: 0,
+                    length: 8,
+                };
+                encode_frame(&mut b, FrameKind::Chunk, |b| wire::encode_chunk(b, &h));
+                b.extend([1; 8]);
+                b
+            },
+            "protocol",
         ),
         // A descriptor with the wrong sequence number.
         (

@@ -112,10 +112,7 @@ async fn receive_with_an_unread_descriptor_is_refused() {
         tensors: vec![],
     };
     let done = rx.send(Receive::reusing(spare)).await.unwrap();
-    match done.result {
-        Err(Error::InvalidArgument { detail }) => assert!(detail.contains("Read"), "{detail}"),
-        other => panic!("expected InvalidArgument, got {other:?}"),
-    }
+    assert_invalid(&done.result, "Read");
     assert_eq!(
         done.message.payloads[0].data.len(),
         3,

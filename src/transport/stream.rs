@@ -47,7 +47,7 @@ const FRAME_BUFFER: usize = 64 << 10;
 pub const INLINE_PAYLOADS: u64 = 16 << 10;
 
 /// The largest tensor the owner of a connection writes itself when the write loop is idle
-/// ([`Parking::try_write`]), in one chunk; larger ones go through the loop.
+/// ([`Parking::try_write_batch`]), in one chunk; larger ones go through the loop.
 pub const DIRECT_TENSOR_MAX: usize = INLINE_PAYLOADS as usize;
 
 /// The total size of a message's payloads, if small enough to be read with its descriptor: the
@@ -112,10 +112,30 @@ pub struct Inline {
     pub total: Option<usize>,
 }
 
+impl Inline {
+    /// Whether everything of the message on the stream is read with its frame.
+    pub fn whole(&self) -> bool {
+        self.total.is_some()
+    }
+}
+
 /// Whether a message takes nothing from its stream after its descriptor frame but what is read
 /// with it ([`inline_len`]). The next thing on the stream is then the next frame.
 pub fn self_contained(wd: &WireDescriptor, carried: Carried) -> bool {
-    inline_len(wd, carried).is_some_and(|i| i.total.is_some())
+    inline_len(wd, carried).is_some_and(|i| i.whole())
+}
+
+/// Appends the frame that heads one chunk of tensor `index` of message `seq`: `length` bytes
+/// at `offset`, which follow it on the stream. The write loop and the owner's direct writes
+/// ([`Parking::try_write_batch`]) both write chunks with it.
+fn encode_chunk_header(out: &mut Vec<u8>, seq: u64, index: u32, offset: u64, length: u64) {
+    let h = ChunkHeader {
+        seq,
+        tensor: index,
+        offset,
+        length,
+    };
+    wire::encode_frame(out, FrameKind::Chunk, |b| wire::encode_chunk(b, &h));
 }
 
 /// Memory a tensor operation reads from or writes into.
@@ -521,7 +541,7 @@ pub struct Farewell {
 }
 
 /// A connection's write half, parked here while its write loop is idle, so that the owner can
-/// write a message itself ([`Parking::try_write`]) instead of queueing it and waking the loop:
+/// write a message itself ([`Parking::try_write_batch`]) instead of queueing it and waking the loop:
 /// a small message then goes out in the owner's own poll.
 #[derive(Default)]
 pub struct Parking(std::sync::Mutex<Parked>);
@@ -559,23 +579,13 @@ impl Parking {
         self.lock().halted = true;
     }
 
-    /// Writes an [`OutOp::Message`], or an [`OutOp::Tensor`] of at most [`DIRECT_TENSOR_MAX`]
-    /// bytes in one chunk, at once, with one non-blocking vectored write, if the write loop is
-    /// idle and the op is the next in ticket order. `Ok(op)`: it is written, and the caller
-    /// completes it. `Err(op)`: submit it to the loop as usual; if part of it was written here,
-    /// the loop writes the rest (and nothing goes in between).
-    pub fn try_write(&self, op: OutOp) -> Result<OutOp, OutOp> {
-        match self.try_write_batch(std::slice::from_ref(&op)) {
-            1 => Ok(op),
-            _ => Err(op),
-        }
-    }
-
-    /// [`Parking::try_write`] for several ops of consecutive tickets (a message and its small
-    /// tensors), in one vectored write: writes the longest run from the front that qualifies
-    /// and fits one system call, and returns how many ops of it were written whole. The caller
-    /// completes those and submits the rest to the loop; if the write stopped inside an op, the
-    /// loop writes the rest of that one first.
+    /// Writes ops of consecutive tickets (a message and its small tensors) at once, with one
+    /// non-blocking vectored write, if the write loop is idle and the first op is the next in
+    /// ticket order. It takes the longest run from the front that qualifies (an
+    /// [`OutOp::Message`], an [`OutOp::Tensor`] of at most [`DIRECT_TENSOR_MAX`] bytes in one
+    /// chunk) and fits one system call, and returns how many ops of it were written whole. The
+    /// caller completes those and submits the rest to the loop as usual; if the write stopped
+    /// inside an op, the loop writes the rest of that one first (and nothing goes in between).
     pub fn try_write_batch(&self, ops: &[OutOp]) -> usize {
         /// Up to this many chunk headers in one write.
         const HEADERS: usize = IOV_BATCH / 2;
@@ -615,15 +625,8 @@ impl Parking {
                 {
                     // The same bytes as the loop's `write_op` would write: one chunk.
                     let at = p.header.len();
-                    let h = ChunkHeader {
-                        seq: *seq,
-                        tensor: *index,
-                        offset: 0,
-                        length: memory.as_slice().len() as u64,
-                    };
-                    wire::encode_frame(&mut p.header, FrameKind::Chunk, |b| {
-                        wire::encode_chunk(b, &h)
-                    });
+                    let len = memory.as_slice().len() as u64;
+                    encode_chunk_header(&mut p.header, *seq, *index, 0, len);
                     headers[nh] = (at, p.header.len());
                     nh += 1;
                     slices += 2;
@@ -892,15 +895,9 @@ async fn write_op(
                 crate::channel::basic::chunks(buffer.len() as u64, *chunk_size as u64)
             {
                 scratch.clear();
-                let h = ChunkHeader {
-                    seq: *seq,
-                    tensor: *index,
-                    offset: base + offset,
-                    length: len,
-                };
-                wire::encode_frame(scratch, FrameKind::Chunk, |b| wire::encode_chunk(b, &h));
+                encode_chunk_header(scratch, *seq, *index, base + offset, len);
                 let body = &buffer[offset as usize..(offset + len) as usize];
-                // A first chunk the owner wrote in part ([`Parking::try_write`]): the rest.
+                // A first chunk the owner wrote in part ([`Parking::try_write_batch`]): the rest.
                 let skip = mem::take(&mut skip);
                 write_all_vectored(w, &mut [IoSlice::new(scratch), IoSlice::new(body)], skip)
                     .await?;
@@ -996,7 +993,7 @@ async fn next_write(
 /// Runs a connection's write side until every sender is gone. With a `heartbeat`, an idle
 /// writer sends a ping after each `interval` without writing. While it waits for work with
 /// nothing held, its write half is parked in `parking`, where the owner may write a message
-/// itself ([`Parking::try_write`]).
+/// itself ([`Parking::try_write_batch`]).
 pub async fn write_loop(
     w: BoxWrite,
     mut rx: mpsc::UnboundedReceiver<OutOp>,
@@ -1238,7 +1235,7 @@ async fn read_op(
                     r.read_exact(mine)
                         .await
                         .map_err(|e| io_error("reading a payload", e, origin))?;
-                    if inline.total.is_some() {
+                    if inline.whole() {
                         let tensors = wd.descriptor.tensors.iter().zip(&wd.routes);
                         for (i, (t, (_, data))) in tensors.enumerate() {
                             if !carried.carries(data) {
@@ -1410,6 +1407,48 @@ mod tests {
         assert_eq!(inline_len(&wd, Carried::All), inline(10, None));
     }
 
+    /// A write loop over an in-memory stream that takes `room` bytes at a time, started on the
+    /// current `LocalSet` and idle: its queue, its stop signal, its parking, the loop's task
+    /// and the stream's other end.
+    struct Writer {
+        tx: mpsc::UnboundedSender<OutOp>,
+        stop: watch::Sender<Option<Farewell>>,
+        parking: Arc<Parking>,
+        task: tokio::task::JoinHandle<()>,
+        r: tokio::io::DuplexStream,
+    }
+
+    async fn writer(room: usize) -> Writer {
+        let (w, r) = tokio::io::duplex(room);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (stop, stopped) = watch::channel(None);
+        let parking = Arc::new(Parking::default());
+        let task = tokio::task::spawn_local(write_loop(
+            Box::new(w),
+            rx,
+            stopped,
+            Origin::new("test", "test"),
+            None,
+            parking.clone(),
+        ));
+        tokio::task::yield_now().await;
+        Writer {
+            tx,
+            stop,
+            parking,
+            task,
+            r,
+        }
+    }
+
+    /// One op through [`Parking::try_write_batch`]: `Ok` if written whole.
+    fn try_write(parking: &Parking, op: OutOp) -> Result<OutOp, OutOp> {
+        match parking.try_write_batch(std::slice::from_ref(&op)) {
+            1 => Ok(op),
+            _ => Err(op),
+        }
+    }
+
     fn message(ticket: u64, bytes: &[u8], reply: &Reply) -> OutOp {
         OutOp::Message {
             ticket,
@@ -1486,28 +1525,15 @@ mod tests {
         };
         let want = reference(ops());
         // The stream takes 40 bytes at once: the message and part of the first tensor.
-        let (w, mut r) = tokio::io::duplex(40);
-        let (tx, rx) = mpsc::unbounded_channel();
-        let (_stop_tx, stop) = watch::channel(None);
-        let parking = Arc::new(Parking::default());
-        let origin = Origin::new("test", "test");
-        let lp = tokio::task::spawn_local(write_loop(
-            Box::new(w),
-            rx,
-            stop,
-            origin,
-            None,
-            parking.clone(),
-        ));
-        tokio::task::yield_now().await;
+        let mut w = writer(40).await;
         let batch = ops();
-        let whole = parking.try_write_batch(&batch);
+        let whole = w.parking.try_write_batch(&batch);
         assert_eq!(whole, 1, "the message went whole, the first tensor in part");
         for op in batch.into_iter().skip(whole) {
-            tx.send(op).unwrap();
+            w.tx.send(op).unwrap();
         }
         let mut got = vec![0u8; want.len()];
-        r.read_exact(&mut got).await.unwrap();
+        w.r.read_exact(&mut got).await.unwrap();
         assert_eq!(got, want);
         for ticket in [1, 2] {
             let d = done.recv().await.unwrap();
@@ -1516,28 +1542,12 @@ mod tests {
                 "ticket {ticket}: {d:?}"
             );
         }
-        // Idle again, with room: all three in one write, nothing for the loop.
-        let (w2, mut r2) = tokio::io::duplex(4096);
-        drop(tx);
-        let _ = lp.await;
-        let (tx, rx) = mpsc::unbounded_channel::<OutOp>();
-        let (_stop_tx, stop) = watch::channel(None);
-        let parking = Arc::new(Parking::default());
-        let lp = tokio::task::spawn_local(write_loop(
-            Box::new(w2),
-            rx,
-            stop,
-            Origin::new("test", "test"),
-            None,
-            parking.clone(),
-        ));
-        tokio::task::yield_now().await;
-        assert_eq!(parking.try_write_batch(&ops()), 3);
+        // With room: all three in one write, nothing for the loop.
+        let mut w = writer(4096).await;
+        assert_eq!(w.parking.try_write_batch(&ops()), 3);
         let mut got = vec![0u8; want.len()];
-        r2.read_exact(&mut got).await.unwrap();
+        w.r.read_exact(&mut got).await.unwrap();
         assert_eq!(got, want);
-        drop(tx);
-        let _ = lp.await;
     }
 
     /// The owner writes while the loop is idle: whole, in part (the loop finishes it, and no
@@ -1551,31 +1561,23 @@ mod tests {
     }
 
     async fn owner_writes_while_idle() {
-        let (w, mut r) = tokio::io::duplex(8);
-        let (tx, rx) = mpsc::unbounded_channel();
-        let (stop_tx, stop) = watch::channel(None);
-        let parking = Arc::new(Parking::default());
+        let Writer {
+            tx,
+            stop: stop_tx,
+            parking,
+            task: lp,
+            mut r,
+        } = writer(8).await;
         let (reply, mut done) = mpsc::unbounded_channel();
-        let origin = Origin::new("test", "test");
-        let lp = tokio::task::spawn_local(write_loop(
-            Box::new(w),
-            rx,
-            stop,
-            origin,
-            None,
-            parking.clone(),
-        ));
-        tokio::task::yield_now().await;
         // Not next in ticket order: refused.
-        assert!(parking.try_write(message(1, b"zzzz", &reply)).is_err());
+        assert!(try_write(&parking, message(1, b"zzzz", &reply)).is_err());
         // Ticket 0 fits the stream's 8 bytes: written here.
-        assert!(parking.try_write(message(0, b"abcdef", &reply)).is_ok());
+        assert!(try_write(&parking, message(0, b"abcdef", &reply)).is_ok());
         // Ticket 1 does not fit: 2 bytes go now, the loop writes the rest.
-        let op = parking
-            .try_write(message(1, b"0123456789", &reply))
-            .expect_err("only part fits");
+        let op =
+            try_write(&parking, message(1, b"0123456789", &reply)).expect_err("only part fits");
         // While torn, nothing more is written here.
-        assert!(parking.try_write(message(2, b"xy", &reply)).is_err());
+        assert!(try_write(&parking, message(2, b"xy", &reply)).is_err());
         tx.send(op).unwrap();
         let mut got = vec![0u8; 16];
         r.read_exact(&mut got).await.unwrap();
@@ -1590,7 +1592,7 @@ mod tests {
         ));
         // Idle again: ticket 2 goes out here, ticket 3 through the loop.
         tokio::task::yield_now().await;
-        assert!(parking.try_write(message(2, b"ghij", &reply)).is_ok());
+        assert!(try_write(&parking, message(2, b"ghij", &reply)).is_ok());
         tx.send(message(3, b"klmn", &reply)).unwrap();
         let mut got = vec![0u8; 8];
         r.read_exact(&mut got).await.unwrap();
@@ -1606,7 +1608,7 @@ mod tests {
         // Stopped: nothing more is written here, and the farewell goes out.
         tokio::task::yield_now().await;
         parking.halt();
-        assert!(parking.try_write(message(4, b"nope", &reply)).is_err());
+        assert!(try_write(&parking, message(4, b"nope", &reply)).is_err());
         stop_tx
             .send(Some(Farewell {
                 frame: b"bye".to_vec(),

@@ -55,6 +55,14 @@ pub fn tcp_basic() -> ContextBuilder {
     Context::builder().without("shm").only_channels(&["basic"])
 }
 
+/// Asserts that an operation was refused with `InvalidArgument` saying `what`.
+pub fn assert_invalid(result: &Result<()>, what: &str) {
+    match result {
+        Err(Error::InvalidArgument { detail }) => assert!(detail.contains(what), "{detail}"),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}
+
 /// A named way to build a context, for tests that run over several configurations.
 pub type Setup = (&'static str, fn() -> ContextBuilder);
 

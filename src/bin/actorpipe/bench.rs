@@ -46,11 +46,6 @@ impl Api {
     }
 }
 
-/// The buffers of a received message, as an allocation for the next read.
-pub(crate) fn recycle(m: Message) -> Allocation {
-    Allocation::from(m)
-}
-
 /// Starts a context from `builder` listening at `url`; every pipe it accepts is echoed. Keep
 /// the returned value: the listener runs while it is held.
 pub async fn listen(builder: ContextBuilder, url: &str, api: Api) -> Result<Listening, Failure> {
@@ -106,7 +101,7 @@ async fn echo(pipe: Addr<Pipe>) {
         if written.result.is_err() {
             return;
         }
-        spare = Some(recycle(written.message));
+        spare = Some(Allocation::from(written.message));
     }
 }
 
@@ -247,7 +242,7 @@ impl Client {
                 )));
             }
             message = sent;
-            spare = Some(recycle(back));
+            spare = Some(Allocation::from(back));
         }
         let buffers = Buffers {
             size,

@@ -14,7 +14,7 @@ use actorpipe::{
 };
 use tokio::sync::oneshot;
 
-use crate::bench::{recycle, same_bytes, Buffers};
+use crate::bench::{same_bytes, Buffers};
 use crate::failure::Failure;
 use crate::measure::{Counts, Samples};
 use crate::report::Progress;
@@ -30,6 +30,20 @@ struct Recipients {
 }
 
 impl Recipients {
+    /// Asks `pipe` for the next message: with `Receive` (into `spare`'s buffers), or with
+    /// `ReadDescriptor`, whose handler then sends the `Read`.
+    fn read_next(&self, pipe: &Addr<Pipe>, receive: bool, spare: Option<Allocation>) {
+        if receive {
+            let op = Receive {
+                spare,
+                deadline: None,
+            };
+            pipe.do_send(op.notify_shared(&self.read));
+        } else {
+            pipe.do_send(ReadDescriptor.notify_shared(&self.described));
+        }
+    }
+
     fn of<A>(me: &Addr<A>) -> Recipients
     where
         A: Actor<Context = Context<A>>
@@ -71,17 +85,8 @@ impl Echo {
 
     /// Asks for the next message.
     fn next(&mut self) {
-        let to = self.to.as_ref().expect("made when started");
-        if self.receive {
-            let op = Receive {
-                spare: self.spare.take(),
-                deadline: None,
-            };
-            self.pipe.do_send(op.notify_shared(&to.read));
-        } else {
-            self.pipe
-                .do_send(ReadDescriptor.notify_shared(&to.described));
-        }
+        let spare = self.spare.take();
+        self.to().read_next(&self.pipe, self.receive, spare);
     }
 }
 
@@ -137,7 +142,7 @@ impl Handler<WriteDone> for Echo {
 
     fn handle(&mut self, w: WriteDone, _: &mut Self::Context) {
         if w.result.is_ok() {
-            self.spare = Some(recycle(w.message));
+            self.spare = Some(Allocation::from(w.message));
         }
     }
 }
@@ -233,16 +238,7 @@ impl Pinger {
         self.start = Instant::now();
         self.pipe
             .do_send(Write::new(message).notify_shared(&to.wrote));
-        if self.receive {
-            let op = Receive {
-                spare: self.spare.take(),
-                deadline: None,
-            };
-            self.pipe.do_send(op.notify_shared(&to.read));
-        } else {
-            self.pipe
-                .do_send(ReadDescriptor.notify_shared(&to.described));
-        }
+        to.read_next(&self.pipe, self.receive, self.spare.take());
     }
 
     fn fail(&mut self, e: Failure, ctx: &mut Context<Self>) {
@@ -273,7 +269,7 @@ impl Pinger {
                 let buffers = Buffers {
                     size: self.size,
                     message: sent,
-                    spare: Some(recycle(back)),
+                    spare: Some(Allocation::from(back)),
                 };
                 Ok((std::mem::take(&mut self.samples), buffers))
             } else {
@@ -289,7 +285,7 @@ impl Pinger {
             return;
         }
         self.message = Some(sent);
-        self.spare = Some(recycle(back));
+        self.spare = Some(Allocation::from(back));
         self.fire(ctx);
     }
 }
