@@ -181,22 +181,23 @@ impl<R: AsyncRead + Unpin> AsyncRead for Stamped<R> {
 /// `alarm` is a timer owned by the caller for the life of the loop: it is only reset when it
 /// fires, so an operation that completes in time costs no timer work.
 pub async fn silence(mut alarm: Pin<&mut Sleep>, pulse: &Pulse, timeout: Duration) {
+    let mut overdue = false;
     loop {
         alarm.as_mut().await;
         let due = pulse.last() + timeout;
         if Instant::now() < due {
             alarm.as_mut().reset(due.into());
+            overdue = false;
             continue;
+        }
+        if overdue {
+            return;
         }
         // Overdue. If this thread was busy, bytes may be waiting that the reactor has not
-        // reported yet: let it run once, and let the reader have them, before judging.
+        // reported yet: let it run once, and let the reader have them, before judging again
+        // (the alarm has fired, so the next await returns at once).
+        overdue = true;
         tokio::task::yield_now().await;
-        let due = pulse.last() + timeout;
-        if Instant::now() < due {
-            alarm.as_mut().reset(due.into());
-            continue;
-        }
-        return;
     }
 }
 
