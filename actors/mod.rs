@@ -8,12 +8,14 @@
 mod channel;
 mod connection;
 mod context;
+mod ext;
 mod inbox;
 mod listener;
 mod messages;
 mod pipe;
 
 pub use context::{Config, Context, ContextBuilder};
+pub use ext::{Call, ContextExt, PipeExt};
 pub use inbox::{inbox, Inbox};
 pub use listener::Listener;
 pub use messages::*;

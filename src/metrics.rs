@@ -45,6 +45,8 @@ pub const NEGOTIATIONS: &str = "actorpipe_negotiations_total";
 pub const BACKLOG: &str = "actorpipe_backlog_operations";
 /// Tensors that fell back from their channel's fast path, by channel (counter).
 pub const FALLBACKS: &str = "actorpipe_fallbacks_total";
+/// Pipes a listener turned away, by reason (counter): see [`Refusal`].
+pub const REFUSALS: &str = "actorpipe_listener_refusals_total";
 
 /// Histogram buckets for operation latencies: 1 µs to 10 s.
 pub const LATENCY_BUCKETS: [f64; 22] = [
@@ -82,6 +84,7 @@ fn describe() {
         FALLBACKS,
         "Tensors that fell back from their channel's fast path."
     );
+    describe_counter!(REFUSALS, "Pipes a listener turned away, by reason.");
 }
 
 struct Exporter {
@@ -326,6 +329,42 @@ fn recording() -> bool {
 /// A handshake failed (either side), with this error.
 pub fn negotiation_failed(e: &Error) {
     counter!(NEGOTIATIONS, "outcome" => e.class()).increment(1);
+}
+
+/// Why a listener turned a pipe away (the `reason` label of [`REFUSALS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    /// As many pipes as `ContextBuilder::max_pending_pipes` are being set up already.
+    PendingHandshakes,
+    /// The listener's process lacks the file descriptors the pipe's connections need.
+    Descriptors,
+    /// The pipe's extra connections did not all join within the handshake timeout.
+    JoinTimeout,
+}
+
+impl Refusal {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::PendingHandshakes => "pending_handshakes",
+            Refusal::Descriptors => "descriptors",
+            Refusal::JoinTimeout => "join_timeout",
+        }
+    }
+
+    /// What the connecting side is told.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Refusal::PendingHandshakes => "too many pending handshakes",
+            Refusal::Descriptors => "listener out of file descriptors",
+            Refusal::JoinTimeout => "the pipe's connections did not all join in time",
+        }
+    }
+}
+
+/// A listener turned a pipe away.
+pub fn refused(why: Refusal) {
+    counter!(REFUSALS, "reason" => why.label()).increment(1);
 }
 
 /// A tensor fell back from `channel`'s fast path.
