@@ -28,6 +28,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tokio::io::AsyncBufReadExt;
+
 use actix::prelude::*;
 
 use super::context::Config;
@@ -40,7 +42,13 @@ use crate::transport::{Acceptor, Stream};
 
 /// A pipe whose extra connections have not all arrived.
 struct Pending {
-    hs: Handshaken,
+    choice: Choice,
+    listener_nonce: Vec<u8>,
+    /// Tells the watcher of the bootstrap connection to hand it back (every join is in, or
+    /// the pipe timed out).
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    /// The joins did not all come in within the handshake timeout.
+    timed_out: bool,
     control: Option<Halves>,
     lanes: Vec<Vec<Option<Halves>>>,
     missing: usize,
@@ -82,7 +90,14 @@ pub struct Listener {
     greeting: usize,
     /// Descriptors reserved for the joins of admitted pipes (handshaking or pending).
     reserved: usize,
+    /// Joins that came in before their pipe's handshake was over (a peer dials its joins as
+    /// soon as it has sent its choice, and under load a join can be greeted before the choice
+    /// is read), by token; they are attached when the pipe becomes pending.
+    early: HashMap<u64, Vec<(Halves, Join)>>,
 }
+
+/// The most early joins kept per pending pipe the listener may have.
+const EARLY_JOINS_PER_PIPE: usize = 4;
 
 impl std::fmt::Debug for Listener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -130,6 +145,7 @@ impl Listener {
             handshaking: 0,
             greeting: 0,
             reserved: 0,
+            early: HashMap::new(),
         }
     }
 
@@ -246,10 +262,14 @@ impl Listener {
             .iter()
             .map(|c| (0..c.connections).map(|_| None).collect())
             .collect();
+        let (stop, stopped) = tokio::sync::oneshot::channel();
         self.pending.insert(
             token,
             Pending {
-                hs,
+                choice: hs.choice,
+                listener_nonce: hs.listener_nonce,
+                stop: Some(stop),
+                timed_out: false,
                 control: None,
                 lanes,
                 missing: joins.len(),
@@ -257,26 +277,88 @@ impl Listener {
                 reserved: cost,
             },
         );
+        // Watch the bootstrap connection while the joins come in: the peer sends nothing on it
+        // until `Ready`, so bytes or its end mean the peer gave up (a join failed, it timed
+        // out): the pipe is dropped at once and its descriptors go back to the others.
+        let mut bootstrap = hs.halves;
+        let watch = async move {
+            let gone = tokio::select! {
+                r = bootstrap.read.fill_buf() => Some(match r {
+                    Ok([]) => "it hung up".to_string(),
+                    Ok(b) => format!("it sent {} unexpected bytes", b.len()),
+                    Err(e) => e.to_string(),
+                }),
+                _ = stopped => None,
+            };
+            (bootstrap, gone)
+        };
+        ctx.spawn(
+            watch
+                .into_actor(self)
+                .map(move |(h, gone), act, ctx| act.settle(token, h, gone, ctx)),
+        );
+        for (h, join) in self.early.remove(&token).unwrap_or_default() {
+            self.on_join(h, join, ctx);
+        }
         let timeout = self.config.handshake_timeout;
-        ctx.run_later(timeout, move |act, ctx| {
-            if let Some(p) = act.pending.remove(&token) {
-                act.reserved -= p.reserved;
-                let why = Refusal::JoinTimeout;
-                crate::metrics::refused(why);
-                tracing::info!("dropped a pipe whose connections did not all join in time");
-                let refuse = handshake::refuse_pending(p.hs.halves, why.reason(), REFUSAL_TIMEOUT);
-                ctx.spawn(refuse.into_actor(act));
+        ctx.run_later(timeout, move |act, _| {
+            if let Some(p) = act.pending.get_mut(&token) {
+                p.timed_out = true;
+                if let Some(stop) = p.stop.take() {
+                    let _ = stop.send(());
+                }
             }
         });
     }
 
+    /// The watch of pending pipe `token`'s bootstrap connection `h` ended: the peer left
+    /// (`gone`), every join is in, or the joins timed out.
+    fn settle(&mut self, token: u64, h: Halves, gone: Option<String>, ctx: &mut Context<Self>) {
+        let Some(p) = self.pending.remove(&token) else {
+            return;
+        };
+        self.reserved -= p.reserved;
+        if let Some(why) = gone {
+            tracing::info!(peer = %h.peer, %why, "dropped a pipe whose peer left before it was set up");
+        } else if p.timed_out || p.missing > 0 {
+            let why = Refusal::JoinTimeout;
+            crate::metrics::refused(why);
+            tracing::info!(peer = %h.peer, "dropped a pipe whose connections did not all join in time");
+            let refuse = handshake::refuse_pending(h, why.reason(), REFUSAL_TIMEOUT);
+            ctx.spawn(refuse.into_actor(self));
+        } else {
+            let lanes = p
+                .lanes
+                .into_iter()
+                .map(|l| l.into_iter().flatten().collect())
+                .collect();
+            self.confirm(h, p.control, p.choice, lanes, ctx);
+        }
+    }
+
     fn on_join(&mut self, h: Halves, join: Join, ctx: &mut Context<Self>) {
         let Some(p) = self.pending.get_mut(&join.token) else {
-            tracing::info!(peer = %h.peer, "refused a join for no pending pipe");
+            // Its pipe may still be handshaking: keep it for as long as a handshake may take.
+            let held: usize = self.early.values().map(Vec::len).sum();
+            if self.handshaking == 0 || held >= self.config.max_pending_pipes * EARLY_JOINS_PER_PIPE
+            {
+                tracing::info!(peer = %h.peer, "refused a join for no pending pipe");
+                return;
+            }
+            let token = join.token;
+            let first = !self.early.contains_key(&token);
+            self.early.entry(token).or_default().push((h, join));
+            if first {
+                ctx.run_later(self.config.handshake_timeout, move |act, _| {
+                    if act.early.remove(&token).is_some() {
+                        tracing::info!("refused joins for no pending pipe");
+                    }
+                });
+            }
             return;
         };
         if let Some(k) = self.config.secret.as_deref() {
-            let (nonce, token) = (&p.hs.listener_nonce, join.token);
+            let (nonce, token) = (&p.listener_nonce, join.token);
             let ok = join
                 .proof
                 .as_ref()
@@ -290,7 +372,7 @@ impl Listener {
         let slot = match join.purpose {
             Purpose::Control => &mut p.control,
             Purpose::Channel { channel, lane } => {
-                if let Some(c) = p.hs.choice.channels.get(channel as usize) {
+                if let Some(c) = p.choice.channels.get(channel as usize) {
                     h = h.with_read_buffer(self.config.lane_read_buffer(&c.name));
                 }
                 match p
@@ -312,21 +394,15 @@ impl Listener {
         }
         *slot = Some(h);
         p.missing -= 1;
-        let cost =
-            join_cost(&self.config, &p.hs.choice, &p.bootstrap, join.purpose).min(p.reserved);
+        let cost = join_cost(&self.config, &p.choice, &p.bootstrap, join.purpose).min(p.reserved);
         p.reserved -= cost;
         self.reserved -= cost;
-        if p.missing > 0 {
-            return;
+        if p.missing == 0 {
+            // The watcher hands the bootstrap connection back and `settle` confirms the pipe.
+            if let Some(stop) = p.stop.take() {
+                let _ = stop.send(());
+            }
         }
-        let p = self.pending.remove(&join.token).expect("present");
-        self.reserved -= p.reserved;
-        let lanes = p
-            .lanes
-            .into_iter()
-            .map(|l| l.into_iter().flatten().collect())
-            .collect();
-        self.confirm(p.hs.halves, p.control, p.hs.choice, lanes, ctx);
     }
 }
 

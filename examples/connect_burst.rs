@@ -43,6 +43,7 @@ fn main() -> std::io::Result<()> {
                 Err(e) => {
                     let key = match &e {
                         Error::Refused { reason, .. } => format!("refused: {reason}"),
+                        Error::Timeout { what, .. } => format!("timeout while {what}"),
                         e => e.class().to_string(),
                     };
                     let slot = failed.entry(key).or_default();

@@ -93,6 +93,11 @@ impl Handler<Closed> for Echo {
 }
 
 fn main() -> std::io::Result<()> {
+    // `RUST_LOG=actorpipe=info` shows what the listener refuses and why (on stderr).
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
     let url = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "tcp://127.0.0.1:0".into());
