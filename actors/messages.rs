@@ -470,8 +470,17 @@ pub struct PipeInfo {
     pub local: String,
     /// The transport of the control stream.
     pub transport: String,
-    /// The channel per device pair, as `name (cpu->cpu)`.
-    pub channels: Vec<String>,
+    /// The channel per device pair.
+    pub channels: Vec<ChannelInfo>,
+    /// The backend as one `transport/channel` string (`shm/cma`; channels of several device
+    /// pairs joined by `+`): the same string as in error origins and the `pipe` log span.
+    /// Metrics label the same names separately (`transport="shm"`, `channel="cma"`).
+    pub backend: String,
+    /// Tensors this side sent through the control connection (the `basic` channel's, and the
+    /// ones `cma` sends inline because they are small).
+    pub tensors_on_control: u64,
+    /// Tensors this side handed to the channel itself (`xth`, `cma`, `mpt`).
+    pub tensors_by_channel: u64,
     /// Whether the pipe is closed.
     pub closed: bool,
     /// Tensors that had to fall back from their channel's fast path (cma reads refused by the
@@ -480,6 +489,32 @@ pub struct PipeInfo {
     /// The channels' own connections (mpt lanes, the cma side connection), with their
     /// addresses: which NIC each lane took.
     pub connections: Vec<LaneInfo>,
+}
+
+impl PipeInfo {
+    /// The negotiated channels as one line: `cma (cpu->cpu), cuda_ipc (cuda->cuda)`.
+    pub fn channel_list(&self) -> String {
+        self.channels
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// A negotiated channel, in [`PipeInfo::channels`]. It prints as `cma (cpu->cpu)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChannelInfo {
+    /// The channel's name (`cma`), as in metrics labels.
+    pub name: String,
+    /// The source and target memory it moves between.
+    pub devices: crate::negotiate::DevicePair,
+}
+
+impl std::fmt::Display for ChannelInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.name, self.devices)
+    }
 }
 
 /// One connection of a channel, in [`PipeInfo::connections`].

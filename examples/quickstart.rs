@@ -37,7 +37,7 @@ async fn main() -> actorpipe::Result<()> {
         info.id,
         info.peer,
         info.transport,
-        info.channels.join(", ")
+        info.channel_list()
     );
     println!();
     println!(

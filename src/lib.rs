@@ -61,9 +61,10 @@ pub use wire::Limits;
 /// need none of them but the first two.
 pub mod prelude {
     pub use crate::actors::{
-        inbox, Accepted, Call, Close, Closed, Connect, ContextBuilder, ContextExt, DescriptorReady,
-        Endpoint, GetInfo, GetMetricsAddr, Inbox, LaneInfo, Listen, Listener, Listening, Op, Pipe,
-        PipeExt, PipeInfo, ReadDescriptor, ReadDone, Receive, StopListening, Subscribe, WriteDone,
+        inbox, Accepted, Call, ChannelInfo, Close, Closed, Connect, ContextBuilder, ContextExt,
+        DescriptorReady, Endpoint, GetInfo, GetMetricsAddr, Inbox, LaneInfo, Listen, Listener,
+        Listening, Op, Pipe, PipeExt, PipeInfo, ReadDescriptor, ReadDone, Receive, StopListening,
+        Subscribe, WriteDone,
     };
     pub use crate::error::{Error, ErrorClass, Origin};
     pub use crate::message::{

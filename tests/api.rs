@@ -69,6 +69,13 @@ async fn one_step_calls_give_one_result() {
 
     let info = tx.info().await.expect("info");
     assert_eq!(info.transport, "tcp");
+    assert_eq!(info.backend, "tcp/basic");
+    assert_eq!(info.channel_list(), "basic (cpu->cpu)");
+    assert_eq!(
+        (info.tensors_on_control, info.tensors_by_channel),
+        (1, 0),
+        "basic sends its one tensor on the control connection"
+    );
     assert!(!info.closed);
 
     // Errors come out as one `Error`, matched by class.
@@ -91,7 +98,7 @@ async fn a_listener_can_require_its_backends() {
     // The client prefers xth and mpt to basic; the listener requires basic, and gets it.
     let (tx, _rx, _l) = pair(both(), both(), &["basic"]).await;
     let info = tx.info().await.expect("info");
-    assert!(info.channels[0].starts_with("basic"), "{:?}", info.channels);
+    assert_eq!(info.channels[0].name, "basic", "{:?}", info.channels);
     // A client without the required channel is refused, with the reason.
     let server = both().start();
     let (accepted, _incoming) = inbox::<Accepted>();
@@ -167,4 +174,33 @@ fn a_context_runs_on_another_arbiter() {
         w.await.expect("write");
         arbiter.stop();
     });
+}
+
+#[actix::test]
+async fn info_says_how_tensors_travelled() {
+    // xth moves tensors between two contexts of one process: through the channel, not the
+    // control connection.
+    let builder = || {
+        actorpipe::Context::builder()
+            .only_transports(&["tcp"])
+            .only_channels(&["xth"])
+    };
+    let (tx, rx, _l) = pair(builder(), builder(), &[]).await;
+    for _ in 0..3 {
+        let m = actorpipe::Message::new().with_tensor(Tensor::cpu(vec![7; 1 << 20]));
+        let w = tx.write(m);
+        within("receive", rx.receive()).await.expect("receive");
+        w.await.expect("write");
+    }
+    let info = tx.info().await.expect("info");
+    assert_eq!(info.backend, "tcp/xth");
+    assert_eq!(info.channels[0].name, "xth");
+    assert_eq!(
+        info.channels[0].devices,
+        actorpipe::negotiate::DevicePair::CPU
+    );
+    assert_eq!((info.tensors_on_control, info.tensors_by_channel), (0, 3));
+    // The receiving side counts what it sent: nothing.
+    let back = rx.info().await.expect("info");
+    assert_eq!((back.tensors_on_control, back.tensors_by_channel), (0, 0));
 }

@@ -155,6 +155,8 @@ impl Pipe {
             .filter(|t| kind.sends_on_control(t.buffer.len()))
             .count() as u64;
         self.out_ticket += 1 + on_control;
+        self.sent_on_control += on_control;
+        self.sent_by_channel += message.tensors.len() as u64 - on_control;
         let reply = self
             .reply
             .clone()
