@@ -46,6 +46,8 @@ pub mod wire;
 pub mod actors;
 
 pub use actors::*;
+/// Shared, read-only bytes, for [`Buffer::Shared`] (the `bytes` crate's type).
+pub use bytes::Bytes;
 pub use error::{Error, ErrorClass, Origin, Result};
 pub use message::{
     Allocation, Buffer, Descriptor, Device, Message, Payload, PayloadDescriptor, Tensor,
@@ -72,4 +74,5 @@ pub mod prelude {
         TensorDescriptor,
     };
     pub use crate::wire::Limits;
+    pub use bytes::Bytes;
 }

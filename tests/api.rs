@@ -204,3 +204,82 @@ async fn info_says_how_tensors_travelled() {
     let back = rx.info().await.expect("info");
     assert_eq!((back.tensors_on_control, back.tensors_by_channel), (0, 0));
 }
+
+/// One shared, read-only buffer written to several pipes at once, over every CPU channel: no
+/// copy on the sending side (the very same bytes come back in each `WriteDone`), the right bytes
+/// on each receiving side, and a read into shared bytes refused with a clear error.
+#[actix::test]
+async fn one_shared_buffer_goes_to_many_pipes() {
+    let data = Bytes::from(
+        (0..(3 << 20) + 5)
+            .map(|i| (i % 251) as u8)
+            .collect::<Vec<u8>>(),
+    );
+    for (transport, channel) in [
+        ("tcp", "basic"),
+        ("tcp", "xth"),
+        ("tcp", "mpt"),
+        ("shm", "cma"),
+        ("shm", "basic"),
+    ] {
+        let builder = || {
+            actorpipe::Context::builder()
+                .only_transports(&[transport])
+                .only_channels(&[channel])
+        };
+        let server = builder().start();
+        let (accepted, mut incoming) = inbox::<Accepted>();
+        let url = if transport == "tcp" {
+            "tcp://127.0.0.1:0"
+        } else {
+            "shm://"
+        };
+        let l = server.listen([url], accepted).await.expect("listen");
+        let client = builder().start();
+        let mut pipes = Vec::new();
+        for _ in 0..3 {
+            let tx = within("connect", client.connect(&l.urls[0]))
+                .await
+                .expect("connect");
+            let rx = within("accept", incoming.recv()).await.expect("pipe").pipe;
+            pipes.push((tx, rx));
+        }
+        let info = pipes[0].0.info().await.expect("info");
+        assert_eq!(info.backend, format!("{transport}/{channel}"));
+        // Small and empty shared tensors too (cma sends small ones inline).
+        let message = || {
+            actorpipe::Message::new()
+                .with_tensor(Tensor::shared(data.clone()))
+                .with_tensor(Tensor::shared(data.slice(..100)))
+                .with_tensor(Tensor::shared(Bytes::new()))
+        };
+        let writes: Vec<_> = pipes.iter().map(|(tx, _)| tx.write(message())).collect();
+        for (_, rx) in &pipes {
+            let got = within("receive", rx.receive()).await.expect("receive");
+            assert_eq!(got.tensors[0].buffer.as_cpu(), Some(&data[..]), "{channel}");
+            assert_eq!(got.tensors[1].buffer.as_cpu(), Some(&data[..100]));
+            assert!(got.tensors[2].buffer.is_empty());
+        }
+        for w in writes {
+            let done = within("write", w).await.expect("write");
+            let back = done.message.tensors[0].buffer.as_shared().expect("shared");
+            assert_eq!(back.as_ptr(), data.as_ptr(), "the same bytes, not a copy");
+            assert_eq!(back.len(), data.len());
+        }
+        // A read needs memory it can write into.
+        let (tx, rx) = &pipes[0];
+        let w = tx.write(actorpipe::Message::new().with_tensor(Tensor::cpu(vec![1; 10])));
+        let d = rx.read_descriptor().await.expect("descriptor");
+        let mut alloc = Allocation::for_descriptor(&d).expect("alloc");
+        alloc.tensors[0] = Buffer::Shared(Bytes::from(vec![0; 10]));
+        let e = rx.read(alloc).await.expect_err("read into shared bytes");
+        assert_eq!(e.kind(), ErrorClass::InvalidArgument, "{e}");
+        assert!(e.to_string().contains("read-only"), "{e}");
+        // The refused read did not consume the message.
+        let mut alloc = Allocation::for_descriptor(&d).expect("alloc");
+        alloc.tensors[0] = Buffer::Cpu(vec![0; 10]);
+        let m = rx.read(alloc).await.expect("read");
+        assert_eq!(m.tensors[0].buffer.as_cpu(), Some(&[1u8; 10][..]));
+        w.await.expect("write");
+    }
+}

@@ -55,7 +55,7 @@ fn parse_example(line: &str) -> Vec<u8> {
             let end = s
                 .find('"')
                 .unwrap_or_else(|| panic!("unclosed string in {line:?}"));
-            out.extend_from_slice(s[..end].as_bytes());
+            out.extend_from_slice(&s.as_bytes()[..end]);
             rest = &s[end + 1..];
         } else {
             let tok = rest.get(..2).unwrap_or(rest);

@@ -479,11 +479,10 @@ impl Pipe {
                 memory,
                 result,
             } => {
-                let buffer = memory.into_vec().unwrap_or_default();
                 let err = result.err().map(|e| self.op_failed(e));
                 if let Some(w) = self.writes.iter_mut().find(|w| w.seq == seq) {
                     if let Some(t) = w.message.tensors.get_mut(index as usize) {
-                        t.buffer = Buffer::Cpu(buffer);
+                        t.buffer = memory.into_buffer();
                     }
                     w.tensors_out -= 1;
                     if err.is_some() {
