@@ -8,6 +8,7 @@
 mod channel;
 mod connection;
 mod context;
+pub mod hardware;
 mod inbox;
 mod listener;
 mod messages;

@@ -143,6 +143,16 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A device (a GPU) or its driver refused an operation: an allocation that does not fit, a
+    /// copy the driver failed, a handle from the peer that does not open. The message names the
+    /// driver call and its error code.
+    #[error("device error: {detail} {origin}")]
+    Device {
+        /// The call and what the driver said.
+        detail: String,
+        /// Where.
+        origin: Origin,
+    },
     /// Something did not happen in time.
     #[error("timed out after {after:?} while {what} {origin}")]
     Timeout {
@@ -225,6 +235,7 @@ impl Error {
             Error::Unauthenticated { .. } => "auth",
             Error::LimitExceeded { .. } => "limit",
             Error::Unavailable { .. } => "unavailable",
+            Error::Device { .. } => "device",
             Error::Timeout { .. } => "timeout",
             Error::Connect { .. } => "connect",
             Error::Listen { .. } => "listen",
@@ -243,6 +254,7 @@ impl Error {
             | Error::Unauthenticated { origin, .. }
             | Error::LimitExceeded { origin, .. }
             | Error::Timeout { origin, .. }
+            | Error::Device { origin, .. }
             | Error::Io { origin, .. } => origin.pipe = Some(pipe),
             _ => {}
         }

@@ -11,10 +11,36 @@
 
 pub mod basic;
 pub mod cma;
+#[cfg(feature = "cuda")]
+pub mod cuda_basic;
+#[cfg(feature = "cuda")]
+pub mod cuda_ipc;
+#[cfg(feature = "cuda")]
+pub mod cuda_xth;
 pub mod mpt;
 pub mod xth;
 
 use crate::negotiate::{ChannelOffer, DevicePair};
+
+/// The device pairs a CUDA channel can serve: cuda->cuda, cpu->cuda, cuda->cpu.
+#[cfg(feature = "cuda")]
+pub fn cuda_pairs() -> [DevicePair; 3] {
+    use crate::negotiate::DeviceKind::{Cpu, Cuda};
+    [
+        DevicePair {
+            source: Cuda,
+            target: Cuda,
+        },
+        DevicePair {
+            source: Cpu,
+            target: Cuda,
+        },
+        DevicePair {
+            source: Cuda,
+            target: Cpu,
+        },
+    ]
+}
 
 /// A channel backend, as a context offers it.
 pub trait ChannelBackend: Send + Sync + 'static {
