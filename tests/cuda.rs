@@ -54,6 +54,11 @@ fn main() {
     add("ipc_handle_opens_in_another_process", 1, ipc_other_process);
     add("ipc_export_names_the_allocation", 1, ipc_export_offsets);
     add("peer_copy_between_two_gpus", 2, peer_copy);
+    add("cuda_xth_moves_every_pair_in_order", 1, xth_pairs);
+    add("cuda_xth_across_two_gpus", 2, xth_two_gpus);
+    add("cuda_ipc_moves_tensors_between_processes", 1, ipc_pairs);
+    add("cuda_ipc_measure_against_raw_copies", 1, ipc_measure);
+    add("cuda_basic_pipeline_moves_and_measures", 1, basic_pipeline);
     libtest_mimic::run(&args, trials).exit();
 }
 
@@ -260,6 +265,7 @@ fn ipc_other_process() -> Outcome {
 
 fn child(role: &str) -> Outcome {
     match role {
+        "ipc_recv" => ipc_receiver(),
         "ipc_open" => {
             let mut line = String::new();
             std::io::stdin().read_line(&mut line).map_err(fail)?;
@@ -323,5 +329,612 @@ fn peer_copy() -> Outcome {
     if dst.to_vec().map_err(fail)? != data {
         return Err(fail("peer copy changed the bytes"));
     }
+    Ok(())
+}
+
+// ----- channel engines ---------------------------------------------------------------------
+
+use actorpipe::channel::cuda_ipc::{self, IpcTensor, Staging};
+use actorpipe::channel::cuda_xth::{self, End, Key, Sent, Wanted};
+use std::sync::mpsc;
+
+type XthResult = (
+    mpsc::Receiver<Result<(), actorpipe::Error>>,
+    mpsc::Receiver<Result<Option<cuda::Event>, actorpipe::Error>>,
+);
+
+/// Parks a send and a receive (in the given order) and returns where their completions land.
+fn xth_once(
+    key: Key,
+    src: End,
+    dst: End,
+    len: usize,
+    ready: Option<cuda::Event>,
+    stream: Arc<cuda::CudaStream>,
+    recv_first: bool,
+) -> XthResult {
+    let (ftx, frx) = mpsc::channel();
+    let (dtx, drx) = mpsc::channel();
+    let sent = Sent {
+        src,
+        len,
+        ready,
+        on_free: Box::new(move |r| {
+            let _ = ftx.send(r);
+        }),
+    };
+    let wanted = Wanted {
+        dst,
+        len,
+        stream,
+        on_done: Box::new(move |r| {
+            let _ = dtx.send(r);
+        }),
+    };
+    if recv_first {
+        cuda_xth::recv(key, wanted);
+        cuda_xth::send(key, sent);
+    } else {
+        cuda_xth::send(key, sent);
+        cuda_xth::recv(key, wanted);
+    }
+    (frx, drx)
+}
+
+fn wait<T>(rx: &mpsc::Receiver<T>, what: &str) -> Result<T, Failed> {
+    rx.recv_timeout(std::time::Duration::from_secs(20))
+        .map_err(|_| fail(format!("{what}: no completion within 20 s")))
+}
+
+fn dev(b: &CudaBuffer) -> End {
+    End::Device {
+        ptr: b.device_ptr(),
+        gpu: b.gpu().clone(),
+    }
+}
+
+/// cuda->cuda, cpu->cuda, cuda->cpu through the in-process engine; the sender's stream is still
+/// writing the source when the transfer is queued, so data is only right if the ready event
+/// orders the copy.
+fn xth_pairs() -> Outcome {
+    let g = gpu0()?;
+    let mut seq = 0;
+    for len in [1usize, 4097, (3 << 20) + 5, 64 << 20] {
+        for recv_first in [false, true] {
+            seq += 1;
+            let key = Key {
+                sender: 1,
+                seq,
+                index: 0,
+            };
+            // cuda -> cuda, the source filled asynchronously right before the send.
+            let data = common::pattern(seq, len);
+            let pinned = cuda::PinnedPool::new(len, 1);
+            let mut host = pinned.take().map_err(fail)?;
+            host.as_mut_slice().copy_from_slice(&data);
+            let src = CudaBuffer::alloc(0, len).map_err(fail)?;
+            g.bind().map_err(fail)?;
+            // SAFETY: pinned source and device destination of `len` bytes, alive until synced.
+            let r = unsafe {
+                cuda::sys::cuMemcpyHtoDAsync_v2(
+                    src.device_ptr(),
+                    host.as_ptr().cast(),
+                    len,
+                    src.stream().cu_stream(),
+                )
+            };
+            r.result().map_err(fail)?;
+            let ready = g.event(false).map_err(fail)?;
+            ready.record(src.stream()).map_err(fail)?;
+            let dst = CudaBuffer::alloc(0, len).map_err(fail)?;
+            let (free, done) = xth_once(
+                key,
+                dev(&src),
+                dev(&dst),
+                len,
+                Some(ready),
+                dst.stream().clone(),
+                recv_first,
+            );
+            let ev = wait(&done, "receive")?
+                .map_err(fail)?
+                .ok_or_else(|| fail("no event"))?;
+            ev.wait_on(dst.stream()).map_err(fail)?;
+            wait(&free, "sender free")?.map_err(fail)?;
+            if dst.to_vec().map_err(fail)? != data {
+                return Err(fail(format!("cuda->cuda {len} bytes: wrong data")));
+            }
+            // cpu -> cuda
+            seq += 1;
+            let key = Key {
+                sender: 1,
+                seq,
+                index: 0,
+            };
+            let data2 = common::pattern(seq, len);
+            let dst2 = CudaBuffer::alloc(0, len).map_err(fail)?;
+            let (free, done) = xth_once(
+                key,
+                End::Host {
+                    ptr: data2.as_ptr() as usize,
+                },
+                dev(&dst2),
+                len,
+                None,
+                dst2.stream().clone(),
+                recv_first,
+            );
+            let ev = wait(&done, "receive")?
+                .map_err(fail)?
+                .ok_or_else(|| fail("no event"))?;
+            ev.synchronize().map_err(fail)?;
+            wait(&free, "sender free")?.map_err(fail)?;
+            if dst2.to_vec().map_err(fail)? != data2 {
+                return Err(fail(format!("cpu->cuda {len} bytes: wrong data")));
+            }
+            // cuda -> cpu
+            seq += 1;
+            let key = Key {
+                sender: 1,
+                seq,
+                index: 0,
+            };
+            let mut out = vec![0u8; len];
+            let ready = g.event(false).map_err(fail)?;
+            ready.record(dst2.stream()).map_err(fail)?;
+            let (free, done) = xth_once(
+                key,
+                dev(&dst2),
+                End::Host {
+                    ptr: out.as_mut_ptr() as usize,
+                },
+                len,
+                Some(ready),
+                g.lease_stream().map_err(fail)?.arc().clone(),
+                recv_first,
+            );
+            if wait(&done, "receive")?.map_err(fail)?.is_some() {
+                return Err(fail("a host destination has no event"));
+            }
+            wait(&free, "sender free")?.map_err(fail)?;
+            if out != data2 {
+                return Err(fail(format!("cuda->cpu {len} bytes: wrong data")));
+            }
+        }
+    }
+    // A withdrawn send completes with the error, once.
+    let key = Key {
+        sender: 2,
+        seq: 0,
+        index: 0,
+    };
+    let (ftx, frx) = mpsc::channel();
+    cuda_xth::send(
+        key,
+        Sent {
+            src: End::Host { ptr: 0 },
+            len: 0,
+            ready: None,
+            on_free: Box::new(move |r| {
+                let _ = ftx.send(r);
+            }),
+        },
+    );
+    cuda_xth::withdraw(key, &actorpipe::Error::invalid("closing"));
+    if wait(&frx, "withdraw")?.is_ok() {
+        return Err(fail("a withdrawn send succeeded"));
+    }
+    Ok(())
+}
+
+fn xth_two_gpus() -> Outcome {
+    let len = 256 << 20;
+    let (src, data) = filled(0, 41, len)?;
+    let dst = CudaBuffer::alloc(1, len).map_err(fail)?;
+    let ready = src.gpu().event(false).map_err(fail)?;
+    ready.record(src.stream()).map_err(fail)?;
+    let key = Key {
+        sender: 3,
+        seq: 0,
+        index: 0,
+    };
+    let (free, done) = xth_once(
+        key,
+        dev(&src),
+        dev(&dst),
+        len,
+        Some(ready),
+        dst.stream().clone(),
+        false,
+    );
+    let ev = wait(&done, "receive")?
+        .map_err(fail)?
+        .ok_or_else(|| fail("no event"))?;
+    ev.wait_on(dst.stream()).map_err(fail)?;
+    wait(&free, "sender free")?.map_err(fail)?;
+    if dst.to_vec().map_err(fail)? != data {
+        return Err(fail("cross-GPU data differs"));
+    }
+    Ok(())
+}
+
+/// The receiving process of the IPC cases: reads commands on stdin, answers on stdout.
+///
+/// - `T <hex tensor> <len> <seed> <host>`: receive (into device memory, or host memory if
+///   `host` is 1), wait for the copy, check against `pattern(seed)` (seed 0: no check), answer
+///   `A ok|bad`.
+/// - `S`: answer `S <open hits> <open misses> <stale> <entries>`.
+fn ipc_receiver() -> Outcome {
+    let g = gpu0()?;
+    let mut cache = actorpipe::actors::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    let stream = g.lease_stream().map_err(fail)?;
+    let stream = stream.arc().clone();
+    let mut dsts: std::collections::HashMap<usize, CudaBuffer> = Default::default();
+    let out = std::io::stdout();
+    for line in std::io::stdin().lock().lines() {
+        let line = line.map_err(fail)?;
+        let f: Vec<&str> = line.split_whitespace().collect();
+        match f.first().copied() {
+            Some("T") => {
+                let bytes: Vec<u8> = (0..f[1].len() / 2)
+                    .map(|i| u8::from_str_radix(&f[1][2 * i..2 * i + 2], 16).unwrap_or(0))
+                    .collect();
+                let len: usize = f[2].parse().map_err(fail)?;
+                let seed: u64 = f[3].parse().map_err(fail)?;
+                let host = f[4] == "1";
+                let t =
+                    IpcTensor::decode(&bytes, len as u64).ok_or_else(|| fail("bad tensor data"))?;
+                let (tx, rx) = mpsc::channel();
+                let mut hbuf = vec![0u8; if host { len } else { 0 }];
+                let dst = if host {
+                    End::Host {
+                        ptr: hbuf.as_mut_ptr() as usize,
+                    }
+                } else {
+                    if let std::collections::hash_map::Entry::Vacant(e) = dsts.entry(len) {
+                        e.insert(CudaBuffer::alloc(0, len).map_err(fail)?);
+                    }
+                    dev(&dsts[&len])
+                };
+                let ev = cuda_ipc::receive(&mut cache, 1, &t, dst, len, &stream, move || {
+                    let _ = tx.send(());
+                })
+                .map_err(fail)?;
+                rx.recv().map_err(fail)?;
+                let ok = if seed == 0 {
+                    true
+                } else if host {
+                    hbuf == common::pattern(seed, len)
+                } else {
+                    ev.as_ref()
+                        .map(|e| e.synchronize())
+                        .transpose()
+                        .map_err(fail)?;
+                    let mut b = dsts.remove(&len).expect("present");
+                    b.set_stream(stream.clone()).map_err(fail)?;
+                    let ok = b.to_vec().map_err(fail)? == common::pattern(seed, len);
+                    dsts.insert(len, b);
+                    ok
+                };
+                let mut o = out.lock();
+                writeln!(o, "A {}", if ok { "ok" } else { "bad" }).map_err(fail)?;
+                o.flush().map_err(fail)?;
+            }
+            Some("S") => {
+                let (_, open, _) = cache.stats();
+                let mut o = out.lock();
+                writeln!(
+                    o,
+                    "S {} {} {} {}",
+                    open.hits, open.misses, open.stale, open.entries
+                )
+                .map_err(fail)?;
+                o.flush().map_err(fail)?;
+            }
+            _ => return Ok(()),
+        }
+    }
+    Ok(())
+}
+
+struct Receiver {
+    child: std::process::Child,
+    input: std::process::ChildStdin,
+    output: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Receiver {
+    fn start() -> Result<Receiver, Failed> {
+        let mut child = Command::new(std::env::current_exe().map_err(fail)?)
+            .env("ACTORPIPE_CUDA_CHILD", "ipc_recv")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(fail)?;
+        let input = child.stdin.take().expect("piped");
+        let output = std::io::BufReader::new(child.stdout.take().expect("piped"));
+        Ok(Receiver {
+            child,
+            input,
+            output,
+        })
+    }
+
+    fn ask(&mut self, line: &str) -> Result<String, Failed> {
+        writeln!(self.input, "{line}").map_err(fail)?;
+        self.input.flush().map_err(fail)?;
+        let mut a = String::new();
+        self.output.read_line(&mut a).map_err(fail)?;
+        if a.is_empty() {
+            return Err(fail("the receiving process died"));
+        }
+        Ok(a.trim().to_string())
+    }
+
+    fn send(&mut self, t: &IpcTensor, len: usize, seed: u64, host: bool) -> Result<(), Failed> {
+        let a = self.ask(&format!(
+            "T {} {len} {seed} {}",
+            hex(&t.encode()),
+            u8::from(host)
+        ))?;
+        if a != "A ok" {
+            return Err(fail(format!(
+                "receiver answered {a:?} for {len} bytes (seed {seed})"
+            )));
+        }
+        Ok(())
+    }
+
+    fn stats(&mut self) -> Result<Vec<u64>, Failed> {
+        let a = self.ask("S")?;
+        Ok(a.split_whitespace()
+            .skip(1)
+            .filter_map(|x| x.parse().ok())
+            .collect())
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        let _ = writeln!(self.input, "Q");
+        let _ = self.child.wait();
+    }
+}
+
+fn ipc_pairs() -> Outcome {
+    let mut cache = actorpipe::actors::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    let mut staging = Staging::default();
+    let mut rx = Receiver::start()?;
+    let mut seed = 100;
+    for len in [1usize, 4097, (3 << 20) + 5] {
+        for host in [false, true] {
+            seed += 1;
+            let (b, _) = filled(0, seed, len)?;
+            let out = cuda_ipc::send(&mut cache, &mut staging, 1, &b).map_err(fail)?;
+            rx.send(&out.data, len, seed, host)?;
+        }
+    }
+    // The same buffer again: both caches hit.
+    let (b, _) = filled(0, 7, 1 << 20)?;
+    for _ in 0..3 {
+        let out = cuda_ipc::send(&mut cache, &mut staging, 1, &b).map_err(fail)?;
+        rx.send(&out.data, 1 << 20, 7, false)?;
+    }
+    let s = rx.stats()?;
+    let (export, _, _) = cache.stats();
+    println!("export cache {export:?}; open cache hits/misses/stale/entries {s:?}");
+    if export.hits < 2 || s[0] < 2 {
+        return Err(fail("a resent buffer did not hit the caches"));
+    }
+    // Stale: free the buffer, allocate again (often at the same address), new data.
+    let addr = b.device_ptr();
+    drop(b);
+    let (b2, _) = filled(0, 8, 1 << 20)?;
+    let out = cuda_ipc::send(&mut cache, &mut staging, 1, &b2).map_err(fail)?;
+    rx.send(&out.data, 1 << 20, 8, false)?;
+    println!(
+        "reallocated at the same address: {}; open cache now {:?}",
+        b2.device_ptr() == addr,
+        rx.stats()?
+    );
+    // Pool memory (cudarc's default allocator) goes through a staging copy.
+    let g = gpu0()?;
+    let stream = g.context().new_stream().map_err(fail)?;
+    let data = common::pattern(9, 1 << 16);
+    let slice = stream.clone_htod(&data).map_err(fail)?;
+    let b3 = CudaBuffer::from_slice(slice, stream).map_err(fail)?;
+    let out = cuda_ipc::send(&mut cache, &mut staging, 1, &b3).map_err(fail)?;
+    if out.staging.is_none() {
+        println!("note: the cudarc slice was exportable as is");
+    }
+    rx.send(&out.data, 1 << 16, 9, false)?;
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Prints the engine's figures next to the raw driver copy (nothing asserted on time).
+fn ipc_measure() -> Outcome {
+    let g = gpu0()?;
+    let mut cache = actorpipe::actors::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    let mut staging = Staging::default();
+    let mut rx = Receiver::start()?;
+    let s = g.lease_stream().map_err(fail)?;
+    for len in [4usize << 10, 1 << 30] {
+        let src = CudaBuffer::alloc(0, len).map_err(fail)?;
+        let dst = CudaBuffer::alloc(0, len).map_err(fail)?;
+        let reps = if len > 1 << 20 { 5 } else { 200 };
+        let mut raw = Vec::new();
+        for _ in 0..reps {
+            let t = std::time::Instant::now();
+            // SAFETY: both buffers hold `len` bytes and are alive.
+            unsafe { cuda::copy_async((dst.device_ptr(), &g), (src.device_ptr(), &g), len, &s) }
+                .map_err(fail)?;
+            s.synchronize().map_err(fail)?;
+            raw.push(t.elapsed().as_secs_f64());
+        }
+        let mut ipc = Vec::new();
+        for i in 0..reps + 1 {
+            let t = std::time::Instant::now();
+            let out = cuda_ipc::send(&mut cache, &mut staging, 1, &src).map_err(fail)?;
+            rx.send(&out.data, len, 0, false)?;
+            if i > 0 {
+                ipc.push(t.elapsed().as_secs_f64());
+            }
+        }
+        let (r, p) = (median(raw), median(ipc));
+        println!(
+            "MEASURE size {len}: raw D2D copy+sync {:.1} us ({:.1} GB/s); cuda_ipc send+remote copy+ack (stdin/stdout control) {:.1} us ({:.1} GB/s), {:.0}% of raw",
+            r * 1e6,
+            len as f64 / r / 1e9,
+            p * 1e6,
+            len as f64 / p / 1e9,
+            100.0 * r / p
+        );
+    }
+    Ok(())
+}
+
+/// cuda_basic's two legs with a host copy between them standing in for the CPU channel, chunk
+/// n + 1's device-to-host copy overlapping chunk n's host hop and host-to-device copy; data
+/// checked, then the pipeline's rate printed next to each leg alone.
+fn basic_pipeline() -> Outcome {
+    use actorpipe::channel::cuda_basic::{stage_in, stage_out, CHUNK, DEPTH};
+    let g = gpu0()?;
+    let len = 256 << 20;
+    let (src, data) = filled(0, 55, len)?;
+    let dst = CudaBuffer::alloc(0, len).map_err(fail)?;
+    let out_stream = g.lease_stream().map_err(fail)?;
+    let in_stream = g.lease_stream().map_err(fail)?;
+    let (pool_out, pool_in) = (
+        cuda::PinnedPool::new(CHUNK, DEPTH),
+        cuda::PinnedPool::new(CHUNK, DEPTH),
+    );
+    let run = |check: bool| -> Result<f64, Failed> {
+        let (free_out_tx, free_out) = mpsc::channel::<cuda::PinnedBuf>();
+        let (free_in_tx, free_in) = mpsc::channel::<cuda::PinnedBuf>();
+        let (wire_tx, wire) = mpsc::channel::<(usize, usize, cuda::PinnedBuf)>();
+        for _ in 0..DEPTH {
+            free_out_tx
+                .send(pool_out.take().map_err(fail)?)
+                .map_err(fail)?;
+            free_in_tx
+                .send(pool_in.take().map_err(fail)?)
+                .map_err(fail)?;
+        }
+        let t = std::time::Instant::now();
+        let chunks: Vec<(usize, usize)> = (0..len)
+            .step_by(CHUNK)
+            .map(|o| (o, CHUNK.min(len - o)))
+            .collect();
+        let n_chunks = chunks.len();
+        std::thread::scope(|sc| -> Outcome {
+            let (g2, dptr, ins, fo) = (
+                g.clone(),
+                dst.device_ptr(),
+                in_stream.arc().clone(),
+                free_out_tx.clone(),
+            );
+            let hop = sc.spawn(move || -> Outcome {
+                for _ in 0..n_chunks {
+                    let (off, n, a) = wire.recv().map_err(fail)?;
+                    let mut b = free_in.recv().map_err(fail)?;
+                    b.as_mut_slice()[..n].copy_from_slice(&a.as_slice()[..n]);
+                    fo.send(a).map_err(fail)?;
+                    let back = free_in_tx.clone();
+                    // SAFETY: `dst` holds `len` bytes and outlives the final synchronize.
+                    unsafe {
+                        stage_in(&g2, dptr + off as u64, n, b, &ins, move |b| {
+                            let _ = back.send(b);
+                        })
+                    }
+                    .map_err(fail)?;
+                }
+                Ok(())
+            });
+            for (off, n) in chunks {
+                let a = free_out.recv().map_err(fail)?;
+                let w = wire_tx.clone();
+                // SAFETY: `src` holds `len` bytes and outlives the pipeline.
+                unsafe {
+                    stage_out(
+                        &g,
+                        src.device_ptr() + off as u64,
+                        n,
+                        a,
+                        &out_stream,
+                        move |a| {
+                            let _ = w.send((off, n, a));
+                        },
+                    )
+                }
+                .map_err(fail)?;
+            }
+            hop.join().map_err(|_| fail("hop thread panicked"))??;
+            Ok(())
+        })?;
+        in_stream.synchronize().map_err(fail)?;
+        let secs = t.elapsed().as_secs_f64();
+        if check {
+            let mut d = dst.to_vec().map_err(fail)?;
+            if d != data {
+                let at = d.iter().zip(&data).position(|(a, b)| a != b);
+                d.clear();
+                return Err(fail(format!("pipeline data differs at {at:?}")));
+            }
+        }
+        Ok(secs)
+    };
+    run(true)?;
+    let pipe = median((0..5).map(|_| run(false)).collect::<Result<Vec<_>, _>>()?);
+    // Each leg alone, whole tensor, through one pinned buffer of `len` bytes.
+    let big = cuda::PinnedPool::new(len, 1);
+    let host = big.take().map_err(fail)?;
+    let leg = |d2h: bool| -> Result<f64, Failed> {
+        let mut v = Vec::new();
+        for _ in 0..5 {
+            g.bind().map_err(fail)?;
+            let t = std::time::Instant::now();
+            // SAFETY: both sides hold `len` bytes; synchronized before the next use.
+            let r = unsafe {
+                if d2h {
+                    cuda::sys::cuMemcpyDtoHAsync_v2(
+                        host.as_ptr().cast(),
+                        src.device_ptr(),
+                        len,
+                        out_stream.cu_stream(),
+                    )
+                } else {
+                    cuda::sys::cuMemcpyHtoDAsync_v2(
+                        dst.device_ptr(),
+                        host.as_ptr().cast(),
+                        len,
+                        out_stream.cu_stream(),
+                    )
+                }
+            };
+            r.result().map_err(fail)?;
+            out_stream.synchronize().map_err(fail)?;
+            v.push(t.elapsed().as_secs_f64());
+        }
+        Ok(median(v))
+    };
+    let (d2h, h2d) = (leg(true)?, leg(false)?);
+    let mut a = vec![0u8; CHUNK];
+    let b = vec![1u8; CHUNK];
+    let t = std::time::Instant::now();
+    for _ in 0..len / CHUNK {
+        a.copy_from_slice(&b);
+    }
+    let hop = t.elapsed().as_secs_f64();
+    let gbs = |s: f64| len as f64 / s / 1e9;
+    let slowest = d2h.max(h2d).max(hop);
+    println!(
+        "MEASURE cuda_basic 256 MiB: pipeline {:.1} GB/s; pinned D2H {:.1} GB/s, H2D {:.1} GB/s, host hop (4 MiB memcpy) {:.1} GB/s; pipeline = {:.0}% of the slowest leg",
+        gbs(pipe), gbs(d2h), gbs(h2d), gbs(hop), 100.0 * slowest / pipe
+    );
     Ok(())
 }

@@ -67,3 +67,56 @@ pub fn legs(pair: DevicePair) -> (bool, bool) {
         pair.target == DeviceKind::Cuda,
     )
 }
+
+// ----- the two legs through host memory ---------------------------------------------------------
+
+use crate::cuda::{check, sys, CudaStream, Gpu, PinnedBuf};
+
+/// Sender's leg for one chunk: queues the device-to-host copy of `n` bytes at `src` into the
+/// pinned buffer `chunk` on `stream`; `landed` gets the buffer back on a driver thread once the
+/// bytes are in it (or never, if the stream fails: the caller's own error path then returns
+/// it). `landed` must not call the CUDA API (nor drop the buffer there: hand it to a thread
+/// that may).
+///
+/// # Safety
+/// `src` must be `n` bytes of `gpu`'s memory, alive until `landed` runs; `n <= chunk.len()`.
+pub unsafe fn stage_out(
+    gpu: &Gpu,
+    src: sys::CUdeviceptr,
+    n: usize,
+    chunk: PinnedBuf,
+    stream: &CudaStream,
+    landed: impl FnOnce(PinnedBuf) + Send + 'static,
+) -> crate::Result<()> {
+    debug_assert!(n <= chunk.len());
+    gpu.bind()?;
+    // SAFETY: the caller's contract; the pinned buffer travels with the callback, so it lives
+    // until the copy has run.
+    check("cuMemcpyDtoHAsync", unsafe {
+        sys::cuMemcpyDtoHAsync_v2(chunk.as_ptr().cast(), src, n, stream.cu_stream())
+    })?;
+    crate::cuda::on_stream_done(stream, move || landed(chunk))
+}
+
+/// Receiver's leg for one chunk: queues the host-to-device copy of `n` bytes from the pinned
+/// buffer `chunk` to `dst` on `stream`; `free` gets the buffer back on a driver thread once the
+/// copy has read it (same rules as [`stage_out`]).
+///
+/// # Safety
+/// `dst` must be `n` bytes of `gpu`'s memory, alive until the copy has run; `n <= chunk.len()`.
+pub unsafe fn stage_in(
+    gpu: &Gpu,
+    dst: sys::CUdeviceptr,
+    n: usize,
+    chunk: PinnedBuf,
+    stream: &CudaStream,
+    free: impl FnOnce(PinnedBuf) + Send + 'static,
+) -> crate::Result<()> {
+    debug_assert!(n <= chunk.len());
+    gpu.bind()?;
+    // SAFETY: as in `stage_out`.
+    check("cuMemcpyHtoDAsync", unsafe {
+        sys::cuMemcpyHtoDAsync_v2(dst, chunk.as_ptr().cast(), n, stream.cu_stream())
+    })?;
+    crate::cuda::on_stream_done(stream, move || free(chunk))
+}

@@ -116,14 +116,15 @@ impl<V> Lru<V> {
         Ok(&self.map.get(&key).expect("present").value)
     }
 
-    /// The entry for `key`, if cached: (its handle, its value), marked used.
+    /// The entry for `key`, if cached (a hit): (its handle, its value), marked used. A caller
+    /// that finds nothing makes the value and [`Self::insert`]s it (the miss).
     pub fn get(&mut self, key: &Key) -> Option<(&[u8; HANDLE_LEN], &V)> {
         self.clock += 1;
         let clock = self.clock;
-        self.map.get_mut(key).map(|e| {
-            e.used = clock;
-            (&e.handle, &e.value)
-        })
+        let e = self.map.get_mut(key)?;
+        e.used = clock;
+        self.stats.hits += 1;
+        Some((&e.handle, &e.value))
     }
 
     /// Stores a value made elsewhere (a miss answered by the caller).
