@@ -59,6 +59,12 @@ fn main() {
     add("cuda_ipc_moves_tensors_between_processes", 1, ipc_pairs);
     add("cuda_ipc_measure_against_raw_copies", 1, ipc_measure);
     add("cuda_basic_pipeline_moves_and_measures", 1, basic_pipeline);
+    add(
+        "cuda_ipc_peer_killed_mid_transfer_leaks_nothing",
+        1,
+        ipc_peer_killed,
+    );
+    add("cuda_ipc_across_two_gpus_measure", 2, ipc_two_gpus);
     libtest_mimic::run(&args, trials).exit();
 }
 
@@ -266,6 +272,7 @@ fn ipc_other_process() -> Outcome {
 fn child(role: &str) -> Outcome {
     match role {
         "ipc_recv" => ipc_receiver(),
+        "ipc_send" => ipc_sender(),
         "ipc_open" => {
             let mut line = String::new();
             std::io::stdin().read_line(&mut line).map_err(fail)?;
@@ -565,8 +572,13 @@ fn xth_two_gpus() -> Outcome {
 ///   `A ok|bad`.
 /// - `S`: answer `S <open hits> <open misses> <stale> <entries>`.
 fn ipc_receiver() -> Outcome {
-    let g = gpu0()?;
-    let mut cache = actorpipe::actors::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    let device: u32 = std::env::var("ACTORPIPE_CUDA_DEVICE")
+        .ok()
+        .and_then(|d| d.parse().ok())
+        .unwrap_or(0);
+    let g = cuda::gpu(device).map_err(fail)?;
+    let mut cache =
+        actorpipe::actors::hardware::cuda_ipc::IpcCache::new(device, 64).map_err(fail)?;
     let stream = g.lease_stream().map_err(fail)?;
     let stream = stream.arc().clone();
     let mut dsts: std::collections::HashMap<usize, CudaBuffer> = Default::default();
@@ -592,7 +604,7 @@ fn ipc_receiver() -> Outcome {
                     }
                 } else {
                     if let std::collections::hash_map::Entry::Vacant(e) = dsts.entry(len) {
-                        e.insert(CudaBuffer::alloc(0, len).map_err(fail)?);
+                        e.insert(CudaBuffer::alloc(device, len).map_err(fail)?);
                     }
                     dev(&dsts[&len])
                 };
@@ -645,8 +657,14 @@ struct Receiver {
 
 impl Receiver {
     fn start() -> Result<Receiver, Failed> {
+        Self::on(0)
+    }
+
+    /// A receiving process whose buffers live on `device`.
+    fn on(device: u32) -> Result<Receiver, Failed> {
         let mut child = Command::new(std::env::current_exe().map_err(fail)?)
             .env("ACTORPIPE_CUDA_CHILD", "ipc_recv")
+            .env("ACTORPIPE_CUDA_DEVICE", device.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -935,6 +953,145 @@ fn basic_pipeline() -> Outcome {
     println!(
         "MEASURE cuda_basic 256 MiB: pipeline {:.1} GB/s; pinned D2H {:.1} GB/s, H2D {:.1} GB/s, host hop (4 MiB memcpy) {:.1} GB/s; pipeline = {:.0}% of the slowest leg",
         gbs(pipe), gbs(d2h), gbs(h2d), gbs(hop), 100.0 * slowest / pipe
+    );
+    Ok(())
+}
+
+/// The sending process of the kill case: exports four 256 MiB tensors, prints their channel
+/// data, then waits to be killed.
+fn ipc_sender() -> Outcome {
+    let mut cache = actorpipe::actors::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    let mut staging = Staging::default();
+    let mut keep = Vec::new();
+    let out = std::io::stdout();
+    for i in 0..4 {
+        let (b, _) = filled(0, 200 + i, 256 << 20)?;
+        let o = cuda_ipc::send(&mut cache, &mut staging, 1, &b).map_err(fail)?;
+        let mut w = out.lock();
+        writeln!(w, "{}", hex(&o.data.encode())).map_err(fail)?;
+        w.flush().map_err(fail)?;
+        keep.push((b, o));
+    }
+    std::thread::sleep(std::time::Duration::from_secs(60));
+    Ok(())
+}
+
+/// A sending process killed (SIGKILL) while the receiver's copies from its memory are queued:
+/// the receiver's copies end (the mapping keeps the memory alive until unmapped), closing the
+/// peer unmaps everything, and the device's free memory comes back to what it was.
+fn ipc_peer_killed() -> Outcome {
+    let g = gpu0()?;
+    let len = 256 << 20;
+    // Our own working set first, so the measurement sees only the peer's share come and go.
+    let dsts: Vec<CudaBuffer> = (0..4)
+        .map(|_| CudaBuffer::alloc(0, len))
+        .collect::<Result<_, _>>()
+        .map_err(fail)?;
+    let stream = g.lease_stream().map_err(fail)?;
+    let mut cache = actorpipe::actors::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    g.synchronize().map_err(fail)?;
+    let (free_before, _) = g.memory().map_err(fail)?;
+    let mut child = Command::new(std::env::current_exe().map_err(fail)?)
+        .env("ACTORPIPE_CUDA_CHILD", "ipc_send")
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(fail)?;
+    let mut lines = std::io::BufReader::new(child.stdout.take().expect("piped")).lines();
+    let mut copied = Vec::new();
+    for d in &dsts {
+        let line = lines
+            .next()
+            .ok_or_else(|| fail("sender died early"))?
+            .map_err(fail)?;
+        let bytes: Vec<u8> = (0..line.len() / 2)
+            .map(|i| u8::from_str_radix(&line[2 * i..2 * i + 2], 16).unwrap_or(0))
+            .collect();
+        let t = IpcTensor::decode(&bytes, len as u64).ok_or_else(|| fail("bad tensor data"))?;
+        let (tx, rx) = mpsc::channel();
+        let ev = cuda_ipc::receive(&mut cache, 7, &t, dev(d), len, stream.arc(), move || {
+            let _ = tx.send(());
+        })
+        .map_err(fail)?;
+        copied.push((rx, ev));
+    }
+    let (free_during, _) = g.memory().map_err(fail)?;
+    // Kill the sender with the copies queued.
+    child.kill().map_err(fail)?;
+    child.wait().map_err(fail)?;
+    for (rx, ev) in &copied {
+        rx.recv_timeout(std::time::Duration::from_secs(20))
+            .map_err(|_| fail("a queued copy never ran"))?;
+        if let Some(e) = ev {
+            e.synchronize().map_err(fail)?;
+        }
+    }
+    cache.close_peer(7);
+    let (_, open, _) = cache.stats();
+    let mut free_after = 0;
+    for _ in 0..50 {
+        free_after = g.memory().map_err(fail)?.0;
+        if free_after + (64 << 20) >= free_before {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    println!(
+        "free GPU memory: before {} MiB, with the peer's tensors mapped {} MiB, after the kill and close {} MiB; open cache {open:?}",
+        free_before >> 20,
+        free_during >> 20,
+        free_after >> 20
+    );
+    if free_after + (64 << 20) < free_before {
+        return Err(fail("GPU memory of the dead peer is still held"));
+    }
+    if open.entries != 0 {
+        return Err(fail("mappings left open after the peer closed"));
+    }
+    Ok(())
+}
+
+/// cuda_ipc from GPU 0 to a process whose buffers are on GPU 1, data checked, then timed next to
+/// the raw peer copy.
+fn ipc_two_gpus() -> Outcome {
+    let g0 = gpu0()?;
+    let g1 = cuda::gpu(1).map_err(fail)?;
+    let mut cache = actorpipe::actors::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    let mut staging = Staging::default();
+    let mut rx = Receiver::on(1)?;
+    let (b, _) = filled(0, 61, (16 << 20) + 3)?;
+    let out = cuda_ipc::send(&mut cache, &mut staging, 1, &b).map_err(fail)?;
+    rx.send(&out.data, b.len(), 61, false)?;
+    drop(out);
+    g1.enable_peer_access(&g0).map_err(fail)?;
+    let len = 1 << 30;
+    let src = CudaBuffer::alloc(0, len).map_err(fail)?;
+    let dst = CudaBuffer::alloc(1, len).map_err(fail)?;
+    let s = g1.lease_stream().map_err(fail)?;
+    let mut raw = Vec::new();
+    for _ in 0..5 {
+        let t = std::time::Instant::now();
+        // SAFETY: both buffers hold `len` bytes and are alive.
+        unsafe { cuda::copy_async((dst.device_ptr(), &g1), (src.device_ptr(), &g0), len, &s) }
+            .map_err(fail)?;
+        s.synchronize().map_err(fail)?;
+        raw.push(t.elapsed().as_secs_f64());
+    }
+    let mut ipc = Vec::new();
+    for i in 0..6 {
+        let t = std::time::Instant::now();
+        let out = cuda_ipc::send(&mut cache, &mut staging, 1, &src).map_err(fail)?;
+        rx.send(&out.data, len, 0, false)?;
+        if i > 0 {
+            ipc.push(t.elapsed().as_secs_f64());
+        }
+    }
+    let (r, p) = (median(raw), median(ipc));
+    println!(
+        "MEASURE cross-GPU 1 GiB: raw peer copy {:.1} GB/s; cuda_ipc {:.1} GB/s = {:.0}% of raw (peer access 0->1: {})",
+        len as f64 / r / 1e9,
+        len as f64 / p / 1e9,
+        100.0 * r / p,
+        g1.can_access_peer(&g0)
     );
     Ok(())
 }
