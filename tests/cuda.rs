@@ -744,17 +744,21 @@ fn ipc_pairs() -> Outcome {
     if export.hits < 2 || s[0] < 2 {
         return Err(fail("a resent buffer did not hit the caches"));
     }
-    // Stale: free the buffer, allocate again (often at the same address), new data.
+    // Stale: free the buffer, allocate again (often at the same address), new data. The new
+    // allocation overlaps the freed one in the sender's address space, so the receiver drops the
+    // old mapping (which would otherwise keep the freed memory allocated).
+    let before = rx.stats()?;
     let addr = b.device_ptr();
     drop(b);
     let (b2, _) = filled(0, 8, 1 << 20)?;
     let out = cuda_ipc::send(&mut cache, &mut staging, 1, &b2).map_err(fail)?;
     rx.send(&out.data, 1 << 20, 8, false)?;
-    println!(
-        "reallocated at the same address: {}; open cache now {:?}",
-        b2.device_ptr() == addr,
-        rx.stats()?
-    );
+    let after = rx.stats()?;
+    let same = b2.device_ptr() == addr;
+    println!("reallocated at the same address: {same}; open cache {before:?} -> {after:?}");
+    if same && after[3] != before[3] {
+        return Err(fail("the mapping of the freed allocation is still open"));
+    }
     // Pool memory (cudarc's default allocator) goes through a staging copy.
     let g = gpu0()?;
     let stream = g.context().new_stream().map_err(fail)?;

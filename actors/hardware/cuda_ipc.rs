@@ -26,11 +26,18 @@ use crate::cuda::{gpu, sys, Gpu};
 /// Entries each map of a cache keeps by default.
 pub const DEFAULT_BOUND: usize = 256;
 
+/// An opened allocation and where it lives in the exporting process.
+struct Mapped {
+    mapping: Arc<Opened>,
+    base: u64,
+    size: u64,
+}
+
 /// The cache of one device.
 pub struct IpcCache {
     gpu: Arc<Gpu>,
     exported: Lru<Exported>,
-    opened: Lru<Arc<Opened>>,
+    opened: Lru<Mapped>,
     events: Lru<Arc<RemoteEvent>>,
 }
 
@@ -69,12 +76,8 @@ impl Message for Export {
 pub struct Open {
     /// The pipe the peer is on.
     pub peer: u64,
-    /// The peer's buffer id of the allocation.
-    pub allocation: u64,
-    /// The peer's handle for it.
-    pub handle: [u8; HANDLE_LEN],
-    /// The allocation's size.
-    pub size: u64,
+    /// What the peer exported.
+    pub exported: Exported,
 }
 
 impl Message for Open {
@@ -142,26 +145,36 @@ impl IpcCache {
     }
 
     /// [`Open`], callable without a message.
-    pub fn open(
-        &mut self,
-        peer: u64,
-        allocation: u64,
-        handle: &[u8; HANDLE_LEN],
-        size: u64,
-    ) -> crate::Result<Arc<Opened>> {
+    ///
+    /// On a miss, the entries of the same peer whose allocations overlap the new one in the
+    /// peer's address space are dropped first: the peer freed them (two live allocations never
+    /// overlap), and their mappings would otherwise keep that memory allocated.
+    pub fn open(&mut self, peer: u64, e: &Exported) -> crate::Result<Arc<Opened>> {
         let key = Key {
             peer,
-            allocation,
+            allocation: e.buffer_id,
             op: Operation::Recv,
         };
-        let gpu = &self.gpu;
-        let before = self.opened.stats().misses;
-        let o = self
-            .opened
-            .get_or_try(key, handle, || ipc::open(gpu, handle, size).map(Arc::new))?
-            .clone();
-        crate::metrics::cuda_ipc_lookup("open", self.opened.stats().misses == before);
-        Ok(o)
+        if let Some(m) = self.opened.lookup(&key, &e.handle) {
+            crate::metrics::cuda_ipc_lookup("open", true);
+            return Ok(m.mapping.clone());
+        }
+        crate::metrics::cuda_ipc_lookup("open", false);
+        let (start, end) = (e.base, e.base.saturating_add(e.size));
+        self.opened.evict_where(|k, m| {
+            k.peer == peer && m.base < end && start < m.base.saturating_add(m.size)
+        });
+        let mapping = Arc::new(ipc::open(&self.gpu, &e.handle, e.size)?);
+        self.opened.insert(
+            key,
+            e.handle,
+            Mapped {
+                mapping: mapping.clone(),
+                base: e.base,
+                size: e.size,
+            },
+        );
+        Ok(mapping)
     }
 
     /// [`OpenEvent`], callable without a message.
@@ -215,7 +228,7 @@ impl Handler<Export> for IpcCache {
 impl Handler<Open> for IpcCache {
     type Result = crate::Result<Arc<Opened>>;
     fn handle(&mut self, m: Open, _: &mut Context<Self>) -> Self::Result {
-        self.open(m.peer, m.allocation, &m.handle, m.size)
+        self.open(m.peer, &m.exported)
     }
 }
 

@@ -32,7 +32,7 @@ use crate::cuda::ipc::{Exported, HANDLE_LEN};
 use crate::negotiate::{DeviceKind, DevicePair};
 
 /// Bytes of [`IpcTensor`] on the wire.
-pub const IPC_TENSOR_LEN: usize = 2 * HANDLE_LEN + 3 * 8 + 4;
+pub const IPC_TENSOR_LEN: usize = 2 * HANDLE_LEN + 4 * 8 + 4;
 
 /// The channel, for one device pair (cuda->cuda, cuda->cpu: the receiver reads the sender's
 /// device memory; a host buffer on the sender has no CUDA handle, so cpu->cuda is left to
@@ -116,7 +116,12 @@ impl IpcTensor {
         let mut b = [0u8; IPC_TENSOR_LEN];
         b[..HANDLE_LEN].copy_from_slice(&self.memory.handle);
         let mut at = HANDLE_LEN;
-        for v in [self.memory.buffer_id, self.memory.offset, self.memory.size] {
+        for v in [
+            self.memory.buffer_id,
+            self.memory.offset,
+            self.memory.size,
+            self.memory.base,
+        ] {
             b[at..at + 8].copy_from_slice(&v.to_le_bytes());
             at += 8;
         }
@@ -138,8 +143,9 @@ impl IpcTensor {
             buffer_id: u64_at(HANDLE_LEN),
             offset: u64_at(HANDLE_LEN + 8),
             size: u64_at(HANDLE_LEN + 16),
+            base: u64_at(HANDLE_LEN + 24),
         };
-        let at = HANDLE_LEN + 24;
+        let at = HANDLE_LEN + 32;
         let t = IpcTensor {
             memory,
             ready: b[at..at + HANDLE_LEN].try_into().ok()?,
@@ -257,7 +263,7 @@ pub fn receive(
     copied: impl FnOnce() + Send + 'static,
 ) -> crate::Result<Option<Event>> {
     use crate::cuda::{check, sys};
-    let mapping = cache.open(peer, t.memory.buffer_id, &t.memory.handle, t.memory.size)?;
+    let mapping = cache.open(peer, &t.memory)?;
     let ready = cache.open_event(peer, &t.ready)?;
     ready.wait_on(stream)?;
     let src = mapping.base() + t.memory.offset;
@@ -304,6 +310,7 @@ mod tests {
                 buffer_id: 42,
                 offset: 4096,
                 size: 1 << 20,
+                base: 0x7f00_0000_0000,
             },
             ready: [9; HANDLE_LEN],
             device: 1,

@@ -127,6 +127,23 @@ impl<V> Lru<V> {
         Some((&e.handle, &e.value))
     }
 
+    /// The value for `key` if it was made for `handle` (a hit). An entry made for another
+    /// handle is stale: it is dropped and counted, and `None` returned, as for an absent key.
+    pub fn lookup(&mut self, key: &Key, handle: &[u8; HANDLE_LEN]) -> Option<&V> {
+        self.clock += 1;
+        let stale = self.map.get(key).is_some_and(|e| &e.handle != handle);
+        if stale {
+            self.map.remove(key);
+            self.stats.stale += 1;
+            self.stats.entries = self.map.len();
+            return None;
+        }
+        let e = self.map.get_mut(key)?;
+        e.used = self.clock;
+        self.stats.hits += 1;
+        Some(&e.value)
+    }
+
     /// Stores a value made elsewhere (a miss answered by the caller).
     pub fn insert(&mut self, key: Key, handle: [u8; HANDLE_LEN], value: V) {
         self.clock += 1;
@@ -150,6 +167,15 @@ impl<V> Lru<V> {
             self.map.remove(&k);
             self.stats.evicted += 1;
         }
+    }
+
+    /// Drops the entries for which `drop` says so; returns how many.
+    pub fn evict_where(&mut self, mut drop: impl FnMut(&Key, &V) -> bool) -> usize {
+        let before = self.map.len();
+        self.map.retain(|k, e| !drop(k, &e.value));
+        self.stats.evicted += (before - self.map.len()) as u64;
+        self.stats.entries = self.map.len();
+        before - self.map.len()
     }
 
     /// Drops every entry of `peer` (its pipe closed); returns how many.
@@ -221,6 +247,10 @@ mod tests {
         );
         let s = c.stats();
         assert_eq!((s.hits, s.misses, s.stale, s.entries), (1, 3, 1, 2));
+        assert_eq!(c.lookup(&key(2, 10), &h2), Some(&3));
+        assert_eq!(c.lookup(&key(2, 10), &h1), None, "stale: dropped");
+        assert_eq!(c.evict_where(|k, _| k.peer == 1), 1);
+        assert!(c.is_empty());
     }
 
     #[test]

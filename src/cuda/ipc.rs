@@ -29,6 +29,10 @@ pub struct Exported {
     pub offset: u64,
     /// The allocation's size.
     pub size: u64,
+    /// The allocation's base address in the exporting process. Two live allocations of a
+    /// process never overlap, so a new one overlapping an older one's range means the older one
+    /// was freed: the receiver drops its mapping (see the handle cache).
+    pub base: u64,
 }
 
 /// Why a pointer cannot be exported: not `cuMemAlloc` memory (a pool allocation, managed or
@@ -84,6 +88,7 @@ pub fn export(gpu: &Gpu, ptr: sys::CUdeviceptr) -> crate::Result<Result<Exported
         buffer_id,
         offset: ptr - base,
         size,
+        base,
     }))
 }
 
