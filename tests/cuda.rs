@@ -608,11 +608,13 @@ fn ipc_receiver() -> Outcome {
                     }
                     dev(&dsts[&len])
                 };
+                let t0 = std::time::Instant::now();
                 let ev = cuda_ipc::receive(&mut cache, 1, &t, dst, len, &stream, move || {
-                    let _ = tx.send(());
+                    let _ = tx.send(std::time::Instant::now());
                 })
                 .map_err(fail)?;
-                rx.recv().map_err(fail)?;
+                let queued = t0.elapsed();
+                let copied = rx.recv().map_err(fail)? - t0;
                 let ok = if seed == 0 {
                     true
                 } else if host {
@@ -629,7 +631,14 @@ fn ipc_receiver() -> Outcome {
                     ok
                 };
                 let mut o = out.lock();
-                writeln!(o, "A {}", if ok { "ok" } else { "bad" }).map_err(fail)?;
+                writeln!(
+                    o,
+                    "A {} {:.2} {:.2}",
+                    if ok { "ok" } else { "bad" },
+                    queued.as_secs_f64() * 1e6,
+                    copied.as_secs_f64() * 1e6
+                )
+                .map_err(fail)?;
                 o.flush().map_err(fail)?;
             }
             Some("S") => {
@@ -689,18 +698,28 @@ impl Receiver {
         Ok(a.trim().to_string())
     }
 
-    fn send(&mut self, t: &IpcTensor, len: usize, seed: u64, host: bool) -> Result<(), Failed> {
+    /// Sends one tensor; returns the receiver's time to queue the copy and until its
+    /// acknowledgement callback ran, in µs.
+    fn send(
+        &mut self,
+        t: &IpcTensor,
+        len: usize,
+        seed: u64,
+        host: bool,
+    ) -> Result<(f64, f64), Failed> {
         let a = self.ask(&format!(
             "T {} {len} {seed} {}",
             hex(&t.encode()),
             u8::from(host)
         ))?;
-        if a != "A ok" {
+        let f: Vec<&str> = a.split_whitespace().collect();
+        if f.get(..2) != Some(&["A", "ok"][..]) {
             return Err(fail(format!(
                 "receiver answered {a:?} for {len} bytes (seed {seed})"
             )));
         }
-        Ok(())
+        let num = |i: usize| f.get(i).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN);
+        Ok((num(2), num(3)))
     }
 
     fn stats(&mut self) -> Result<Vec<u64>, Failed> {
@@ -798,15 +817,26 @@ fn ipc_measure() -> Outcome {
             s.synchronize().map_err(fail)?;
             raw.push(t.elapsed().as_secs_f64());
         }
-        let mut ipc = Vec::new();
+        let (mut ipc, mut send_us, mut queue_us, mut ack_us) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for i in 0..reps + 1 {
             let t = std::time::Instant::now();
             let out = cuda_ipc::send(&mut cache, &mut staging, 1, &src).map_err(fail)?;
-            rx.send(&out.data, len, 0, false)?;
+            let sent = t.elapsed().as_secs_f64() * 1e6;
+            let (q, a) = rx.send(&out.data, len, 0, false)?;
             if i > 0 {
                 ipc.push(t.elapsed().as_secs_f64());
+                send_us.push(sent);
+                queue_us.push(q);
+                ack_us.push(a);
             }
         }
+        println!(
+            "MEASURE size {len}: cached handles, medians: sender half {:.2} us, receiver half (open hits, wait, copy queued) {:.2} us, until the copy-done callback {:.2} us",
+            median(send_us),
+            median(queue_us),
+            median(ack_us)
+        );
         let (r, p) = (median(raw), median(ipc));
         println!(
             "MEASURE size {len}: raw D2D copy+sync {:.1} us ({:.1} GB/s); cuda_ipc send+remote copy+ack (stdin/stdout control) {:.1} us ({:.1} GB/s), {:.0}% of raw",
