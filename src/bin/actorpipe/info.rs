@@ -16,7 +16,7 @@ pub fn run(json: bool) {
         out.push('\n');
     } else {
         out.push_str(&format!(
-            "{:<10} {:<6} {:>8}  {:<10} {:<12} domain\n",
+            "{:<10} {:<10} {:>8}  {:<10} {:<12} domain\n",
             "kind", "name", "priority", "available", "devices"
         ));
         for b in &r {
@@ -38,7 +38,7 @@ fn line(b: &BackendReport) -> String {
         &b.domain
     };
     format!(
-        "{:<10} {:<6} {:>8}  {:<10} {:<12} {}",
+        "{:<10} {:<10} {:>8}  {:<10} {:<12} {}",
         b.kind,
         b.name,
         b.priority,
