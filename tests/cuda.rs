@@ -431,26 +431,8 @@ fn xth_pairs() -> Outcome {
                 )
             };
             r.result().map_err(fail)?;
-            let ready = g.event(false).map_err(fail)?;
-            ready.record(src.stream()).map_err(fail)?;
             let dst = CudaBuffer::alloc(0, len).map_err(fail)?;
-            let (free, done) = xth_once(
-                key,
-                dev(&src),
-                dev(&dst),
-                len,
-                Some(ready),
-                dst.stream().clone(),
-                recv_first,
-            );
-            let ev = wait(&done, "receive")?
-                .map_err(fail)?
-                .ok_or_else(|| fail("no event"))?;
-            ev.wait_on(dst.stream()).map_err(fail)?;
-            wait(&free, "sender free")?.map_err(fail)?;
-            if dst.to_vec().map_err(fail)? != data {
-                return Err(fail(format!("cuda->cuda {len} bytes: wrong data")));
-            }
+            xth_device_pair(key, &src, &dst, &data, recv_first)?;
             // cpu -> cuda
             seq += 1;
             let key = Key {
@@ -538,21 +520,33 @@ fn xth_two_gpus() -> Outcome {
     let len = 256 << 20;
     let (src, data) = filled(0, 41, len)?;
     let dst = CudaBuffer::alloc(1, len).map_err(fail)?;
-    let ready = src.gpu().event(false).map_err(fail)?;
-    ready.record(src.stream()).map_err(fail)?;
     let key = Key {
         sender: 3,
         seq: 0,
         index: 0,
     };
+    xth_device_pair(key, &src, &dst, &data, false)
+}
+
+/// One device-to-device cuda_xth transfer, ordered after the source stream's work so far: the
+/// receiver waits on its completion event without blocking, then the data is checked.
+fn xth_device_pair(
+    key: Key,
+    src: &CudaBuffer,
+    dst: &CudaBuffer,
+    data: &[u8],
+    recv_first: bool,
+) -> Outcome {
+    let ready = src.gpu().event(false).map_err(fail)?;
+    ready.record(src.stream()).map_err(fail)?;
     let (free, done) = xth_once(
         key,
-        dev(&src),
-        dev(&dst),
-        len,
+        dev(src),
+        dev(dst),
+        src.len(),
         Some(ready),
         dst.stream().clone(),
-        false,
+        recv_first,
     );
     let ev = wait(&done, "receive")?
         .map_err(fail)?
@@ -560,7 +554,12 @@ fn xth_two_gpus() -> Outcome {
     ev.wait_on(dst.stream()).map_err(fail)?;
     wait(&free, "sender free")?.map_err(fail)?;
     if dst.to_vec().map_err(fail)? != data {
-        return Err(fail("cross-GPU data differs"));
+        return Err(fail(format!(
+            "cuda:{} -> cuda:{}, {} bytes: wrong data",
+            src.device(),
+            dst.device(),
+            src.len()
+        )));
     }
     Ok(())
 }
