@@ -106,12 +106,17 @@ mod tests {
         assert_eq!(names[..6], ["tcp", "shm", "basic", "xth", "cma", "mpt"]);
         #[cfg(feature = "cuda")]
         {
-            // Each CUDA channel once per device pair; available exactly where CUDA is.
+            // Each CUDA channel once per device pair; none is offered while the pipe does not
+            // carry CUDA tensors, and the reason says why: no CUDA here, or not carried yet.
             let cuda = &r[6..];
             assert_eq!(cuda.len(), 3 + 2 + 3, "{cuda:?}");
+            let why = match crate::cuda::available() {
+                Ok(_) => crate::channel::CUDA_NOT_CARRIED.to_string(),
+                Err(e) => e,
+            };
             for b in cuda {
-                assert_eq!(b.available, crate::cuda::available().is_ok(), "{b:?}");
-                assert_eq!(b.reason.is_some(), !b.available, "{b:?}");
+                assert!(!b.available, "{b:?}");
+                assert_eq!(b.reason.as_deref(), Some(why.as_str()), "{b:?}");
             }
         }
         for b in &r[..6] {

@@ -55,7 +55,8 @@ impl ChannelBackend for CudaBasic {
     }
 
     fn viable(&self) -> Result<(), String> {
-        crate::cuda::available().map(drop)
+        crate::cuda::available()?;
+        Err(super::CUDA_NOT_CARRIED.into())
     }
 }
 

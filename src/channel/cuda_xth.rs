@@ -44,7 +44,8 @@ impl ChannelBackend for CudaXth {
     }
 
     fn viable(&self) -> Result<(), String> {
-        crate::cuda::available().map(drop)
+        crate::cuda::available()?;
+        Err(super::CUDA_NOT_CARRIED.into())
     }
 }
 
