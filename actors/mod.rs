@@ -9,6 +9,7 @@ mod channel;
 mod connection;
 mod context;
 mod ext;
+pub mod hardware;
 mod inbox;
 mod listener;
 mod messages;

@@ -143,6 +143,16 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A device (a GPU) or its driver refused an operation: an allocation that does not fit, a
+    /// copy the driver failed, a handle from the peer that does not open. The message names the
+    /// driver call and its error code.
+    #[error("device error: {detail} {origin}")]
+    Device {
+        /// The call and what the driver said.
+        detail: String,
+        /// Where.
+        origin: Origin,
+    },
     /// Something did not happen in time.
     #[error("timed out after {after:?} while {what} {origin}")]
     Timeout {
@@ -237,6 +247,7 @@ impl Error {
             Error::Unauthenticated { .. } => ErrorClass::Auth,
             Error::LimitExceeded { .. } => ErrorClass::Limit,
             Error::Unavailable { .. } => ErrorClass::Unavailable,
+            Error::Device { .. } => ErrorClass::Device,
             Error::Timeout { .. } => ErrorClass::Timeout,
             Error::Connect { .. } => ErrorClass::Connect,
             Error::Refused { .. } => ErrorClass::Refused,
@@ -263,6 +274,7 @@ impl Error {
             | Error::LimitExceeded { origin, .. }
             | Error::Timeout { origin, .. }
             | Error::Refused { origin, .. }
+            | Error::Device { origin, .. }
             | Error::Io { origin, .. } => origin.pipe = Some(pipe),
             _ => {}
         }
@@ -290,6 +302,8 @@ pub enum ErrorClass {
     Limit,
     /// [`Error::Unavailable`] (`unavailable`).
     Unavailable,
+    /// [`Error::Device`] (`device`).
+    Device,
     /// [`Error::Timeout`] (`timeout`).
     Timeout,
     /// [`Error::Connect`] (`connect`).
@@ -315,6 +329,7 @@ impl ErrorClass {
             ErrorClass::Auth => "auth",
             ErrorClass::Limit => "limit",
             ErrorClass::Unavailable => "unavailable",
+            ErrorClass::Device => "device",
             ErrorClass::Timeout => "timeout",
             ErrorClass::Connect => "connect",
             ErrorClass::Refused => "refused",

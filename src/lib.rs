@@ -33,6 +33,8 @@ pub mod auth;
 pub mod backends;
 pub mod channel;
 pub mod copy;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod fds;
 pub mod handshake;

@@ -48,6 +48,15 @@ pub const FALLBACKS: &str = "actorpipe_fallbacks_total";
 /// Pipes a listener turned away, by reason (counter): see [`Refusal`].
 pub const REFUSALS: &str = "actorpipe_listener_refusals_total";
 
+/// CUDA events, streams and pinned buffers created (not taken from a pool), by kind (counter).
+/// Flat in steady state.
+pub const CUDA_CREATED: &str = "actorpipe_cuda_created_total";
+/// CUDA IPC handle cache lookups, by side (`export`, `open`) and outcome (`hit`, `miss`)
+/// (counter).
+pub const CUDA_IPC_LOOKUPS: &str = "actorpipe_cuda_ipc_lookups_total";
+/// CUDA IPC memory handles currently opened from peers (gauge).
+pub const CUDA_IPC_OPEN: &str = "actorpipe_cuda_ipc_open_handles";
+
 /// Histogram buckets for operation latencies: 1 µs to 10 s.
 pub const LATENCY_BUCKETS: [f64; 22] = [
     1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
@@ -85,6 +94,12 @@ fn describe() {
         "Tensors that fell back from their channel's fast path."
     );
     describe_counter!(REFUSALS, "Pipes a listener turned away, by reason.");
+    describe_counter!(
+        CUDA_CREATED,
+        "CUDA events, streams and pinned buffers created rather than reused."
+    );
+    describe_counter!(CUDA_IPC_LOOKUPS, "CUDA IPC handle cache lookups.");
+    describe_gauge!(CUDA_IPC_OPEN, "CUDA IPC memory handles opened from peers.");
 }
 
 struct Exporter {
@@ -370,6 +385,22 @@ pub fn refused(why: Refusal) {
 /// A tensor fell back from `channel`'s fast path.
 pub fn fallback(channel: &'static str) {
     counter!(FALLBACKS, "channel" => channel).increment(1);
+}
+
+/// A CUDA resource of `kind` (`event`, `stream`, `pinned`) was created rather than reused.
+pub fn cuda_created(kind: &'static str) {
+    counter!(CUDA_CREATED, "kind" => kind).increment(1);
+}
+
+/// A CUDA IPC handle cache lookup on `side` (`export`, `open`): a hit or a miss.
+pub fn cuda_ipc_lookup(side: &'static str, hit: bool) {
+    let outcome = if hit { "hit" } else { "miss" };
+    counter!(CUDA_IPC_LOOKUPS, "side" => side, "outcome" => outcome).increment(1);
+}
+
+/// The number of CUDA IPC memory handles this process holds open changed by `delta`.
+pub fn cuda_ipc_open(delta: f64) {
+    gauge!(CUDA_IPC_OPEN).increment(delta);
 }
 
 #[cfg(test)]

@@ -85,7 +85,9 @@ fn info_lists_every_backend_and_why() {
         .output()
         .expect("run actorpipe info --json");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
-    assert_eq!(v.as_array().map(|a| a.len()), Some(6));
+    // Six CPU backends, and with the cuda feature each CUDA channel once per device pair.
+    let cuda = if cfg!(feature = "cuda") { 8 } else { 0 };
+    assert_eq!(v.as_array().map(|a| a.len()), Some(6 + cuda));
     assert_eq!(v[1]["name"], "shm");
     assert!(v[1]["domain"].as_str().unwrap().contains(':'));
 }
