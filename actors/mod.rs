@@ -8,6 +8,8 @@
 mod channel;
 mod connection;
 mod context;
+#[cfg(feature = "efa")]
+pub mod fabric;
 mod inbox;
 mod listener;
 mod messages;

@@ -30,6 +30,8 @@ pub mod backends;
 pub mod channel;
 pub mod copy;
 pub mod error;
+#[cfg(feature = "efa")]
+pub mod fabric;
 pub mod handshake;
 pub mod message;
 pub mod metrics;
