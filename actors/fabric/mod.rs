@@ -57,6 +57,9 @@ impl Default for EndpointConfig {
     }
 }
 
+/// How often an endpoint checks whether anyone still uses it.
+const ORPHAN_CHECK: Duration = Duration::from_secs(2);
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Driver {
     Idle,
@@ -166,6 +169,20 @@ impl FabricEndpoint {
         }
     }
 
+    /// Stops the actor once nobody holds its address and every pipe is detached: the
+    /// endpoint, its CQ and AV close with it. Ops of detached pipes that the provider still
+    /// holds (a send to a dead peer that `fi_cancel` cannot take back) wait for the next orphan
+    /// check (`late`): closing the endpoint is what frees them, and only then are their buffers
+    /// dropped (the engine closes the endpoint first).
+    fn maybe_stop(&mut self, ctx: &mut Context<Self>, late: bool) {
+        if ctx.connected() || self.engine.live_pipes() > 0 {
+            return;
+        }
+        if self.engine.stats().pipes == 0 || late {
+            ctx.stop();
+        }
+    }
+
     fn deliver(&mut self, f: Finished) {
         if let Some(s) = self.sinks.get(&f.pipe) {
             // A pipe that dropped its queue no longer wants its buffers back.
@@ -187,6 +204,7 @@ impl FabricEndpoint {
         self.forget();
         self.publish();
         self.schedule(ctx);
+        self.maybe_stop(ctx, false);
     }
 
     fn activity(&mut self) {
@@ -284,6 +302,12 @@ impl FabricEndpoint {
 impl Actor for FabricEndpoint {
     type Context = Context<Self>;
 
+    fn started(&mut self, ctx: &mut Self::Context) {
+        // An endpoint opened and never used (a bootstrap that failed before attaching) has no
+        // message left to notice that it is unused: look every 2 s.
+        ctx.run_interval(ORPHAN_CHECK, |act, ctx| act.maybe_stop(ctx, true));
+    }
+
     fn stopped(&mut self, ctx: &mut Self::Context) {
         self.cancel(ctx);
     }
@@ -363,6 +387,7 @@ impl Handler<FabricDetach> for FabricEndpoint {
         }
         self.forget();
         self.schedule(ctx);
+        self.maybe_stop(ctx, false);
     }
 }
 

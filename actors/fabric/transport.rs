@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use actix::Addr;
+use actix::{Addr, WeakAddr};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::stream::{FabricRead, FabricWrite, Shared, Wiring, BOUNCE};
@@ -139,17 +139,23 @@ impl Efa {
     /// This thread's endpoint actor for this transport, opened on first use.
     fn endpoint(&self) -> Result<Addr<FabricEndpoint>, Error> {
         thread_local! {
-            static ENDPOINTS: RefCell<HashMap<(u64, String, Option<String>), Addr<FabricEndpoint>>> =
+            // Weak: an endpoint lives as long as pipes use it (and stops by itself after).
+            static ENDPOINTS: RefCell<HashMap<(u64, String, Option<String>), WeakAddr<FabricEndpoint>>> =
                 RefCell::new(HashMap::new());
         }
         let key = (self.id, self.provider.clone(), self.domain.clone());
         ENDPOINTS.with(|m| {
             let mut m = m.borrow_mut();
-            if let Some(a) = m.get(&key).filter(|a| a.connected()) {
-                return Ok(a.clone());
+            if let Some(a) = m
+                .get(&key)
+                .and_then(|a| a.upgrade())
+                .filter(|a| a.connected())
+            {
+                return Ok(a);
             }
+            m.retain(|_, a| a.upgrade().is_some());
             let a = FabricEndpoint::open(&self.provider, self.domain.as_deref(), self.config)?;
-            m.insert(key, a.clone());
+            m.insert(key, a.downgrade());
             Ok(a)
         })
     }
@@ -247,7 +253,7 @@ impl Efa {
         let (stop, stopped) = tokio::sync::oneshot::channel();
         let shared = Shared::new(stop);
         // The watcher: the bootstrap connection ends when the peer closes or dies.
-        let watcher_ep = ep.clone();
+        let watcher_ep = ep.downgrade();
         actix::spawn(async move {
             let mut byte = [0u8; 1];
             let _write = write; // kept open until the stream is dropped
@@ -259,8 +265,10 @@ impl Efa {
                         Err(e) => format!("the peer's endpoint connection failed: {e}"),
                     };
                     tokio::time::sleep(GRACE).await;
-                    for pipe in [wiring.read, wiring.write] {
-                        watcher_ep.do_send(FabricDetach { pipe, reason: why.clone() });
+                    if let Some(ep) = watcher_ep.upgrade() {
+                        for pipe in [wiring.read, wiring.write] {
+                            ep.do_send(FabricDetach { pipe, reason: why.clone() });
+                        }
                     }
                 }
             }

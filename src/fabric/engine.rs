@@ -202,6 +202,11 @@ impl Engine {
         self.pipes.contains_key(&pipe)
     }
 
+    /// Pipes attached and not detached.
+    pub fn live_pipes(&self) -> usize {
+        self.pipes.values().filter(|p| !p.detached).count()
+    }
+
     /// Whether the backlog holds ops (they need retries, not just completions).
     pub fn backlogged(&self) -> bool {
         !self.backlog.is_empty()

@@ -141,3 +141,62 @@ fn cancelled_receive_completes_with_ecanceled() {
         assert_eq!(e.code, ecanceled(), "{provider}: {e}");
     }
 }
+
+fn fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
+}
+
+#[test]
+fn closing_releases_every_descriptor() {
+    for provider in PROVIDERS {
+        // The first open loads the provider (its own lasting descriptors, if any).
+        drop(open(provider));
+        let before = fds();
+        for _ in 0..3 {
+            let mut a = open(provider);
+            let mut b = open(provider);
+            let at = a.insert(b.name()).expect("insert");
+            b.insert(a.name()).expect("insert");
+            let mut ctx = [0u64; 8];
+            let msg = [1u8; 8];
+            loop {
+                // SAFETY: buffer and context outlive the completion read below.
+                let r = unsafe {
+                    a.tsend(
+                        msg.as_ptr(),
+                        8,
+                        std::ptr::null_mut(),
+                        at,
+                        1,
+                        ctx.as_mut_ptr().cast(),
+                    )
+                };
+                match r {
+                    Ok(()) => break,
+                    Err(PostError::Again) => {
+                        a.poll(|_| {}).expect("cq");
+                        b.poll(|_| {}).expect("cq");
+                    }
+                    Err(e) => panic!("{e:?}"),
+                }
+            }
+            let mut ctx_b = [0u64; 8];
+            let mut inb = [0u8; 8];
+            // SAFETY: as above.
+            unsafe {
+                b.trecv(
+                    inb.as_mut_ptr(),
+                    8,
+                    std::ptr::null_mut(),
+                    Endpoint::any_source(),
+                    1,
+                    0,
+                    ctx_b.as_mut_ptr().cast(),
+                )
+                .expect("recv");
+            }
+            reap(&mut a, 1, &mut b, 1);
+        }
+        assert_eq!(fds(), before, "{provider}: descriptors left open");
+    }
+}
