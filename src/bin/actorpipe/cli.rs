@@ -84,6 +84,11 @@ pub struct EfaArgs {
     #[arg(long, value_name = "N", default_value_t = 3,
           value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub rounds: u32,
+
+    /// Instead: hold an endpoint with a receive posted for SECS seconds, per provider and
+    /// progress mode (wait fd, polling), and print the CPU it used.
+    #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub idle: Option<u64>,
 }
 
 /// Options of `bench transport|channel|pipe`.

@@ -15,7 +15,7 @@ use actorpipe::actors::fabric::{
 };
 use actorpipe::fabric::engine::{Kind, Op};
 use actorpipe::fabric::tag::{self, Stream};
-use actorpipe::fabric::{Domain, Endpoint, InfoList};
+use actorpipe::fabric::{Domain, Endpoint, InfoList, PostError};
 
 use crate::cli::EfaArgs;
 use crate::failure::Failure;
@@ -24,6 +24,9 @@ use crate::units::{gb_per_s, human_duration, human_size};
 
 /// Runs the benchmark and prints one row per (provider, size).
 pub fn run(args: &EfaArgs) -> Result<(), Failure> {
+    if let Some(secs) = args.idle {
+        return idle(args, Duration::from_secs(secs));
+    }
     println!(
         "{:<12} {:>6} {:>11} {:>11} {:>6} {:>10} {:>10}",
         "provider", "size", "raw p50", "actor p50", "ratio", "raw GB/s", "actor GB/s"
@@ -90,6 +93,24 @@ fn reap(ep: &mut Endpoint, mut n: usize) -> Result<(), Failure> {
     Ok(())
 }
 
+/// Posts with `f`, progressing the CQ and retrying while the provider answers `-FI_EAGAIN`
+/// (rxm does while it connects to a new peer). Returns the completions read meanwhile.
+fn post(
+    ep: &mut Endpoint,
+    mut f: impl FnMut(&Endpoint) -> Result<(), PostError>,
+) -> Result<usize, Failure> {
+    let mut read = 0;
+    loop {
+        match f(ep) {
+            Ok(()) => return Ok(read),
+            Err(PostError::Again) => {
+                read += ep.poll(|_| {}).map_err(|e| failed("fi_cq_read", e))?;
+            }
+            Err(PostError::Failed(e)) => return Err(failed("post", e)),
+        }
+    }
+}
+
 /// One side of the raw ping-pong: `total` exchanges; the client times each after the warm-up.
 fn raw_side(
     mut ep: Endpoint,
@@ -106,35 +127,21 @@ fn raw_side(
     let mut samples = Samples::with_capacity(counts.iters as usize);
     for i in 0..counts.total() {
         let start = Instant::now();
+        let (pin, pout) = (inb.as_mut_ptr(), out.as_ptr());
+        let (x1, x2) = (c1.as_mut_ptr().cast(), c2.as_mut_ptr().cast());
         // SAFETY: buffers and contexts live across `reap`, which reads both completions.
-        unsafe {
-            ep.trecv(
-                inb.as_mut_ptr(),
-                size,
-                std::ptr::null_mut(),
-                to,
-                t,
-                0,
-                c1.as_mut_ptr().cast(),
-            )
-            .map_err(|e| failed("fi_trecv", format!("{e:?}")))?;
-        }
+        let mut early = post(&mut ep, |ep| unsafe {
+            ep.trecv(pin, size, std::ptr::null_mut(), to, t, 0, x1)
+        })?;
         if !client {
-            reap(&mut ep, 1)?;
+            reap(&mut ep, 1 - early)?;
+            early = 0;
         }
         // SAFETY: as above.
-        unsafe {
-            ep.tsend(
-                out.as_ptr(),
-                size,
-                std::ptr::null_mut(),
-                to,
-                t,
-                c2.as_mut_ptr().cast(),
-            )
-            .map_err(|e| failed("fi_tsend", format!("{e:?}")))?;
-        }
-        reap(&mut ep, if client { 2 } else { 1 })?;
+        early += post(&mut ep, |ep| unsafe {
+            ep.tsend(pout, size, std::ptr::null_mut(), to, t, x2)
+        })?;
+        reap(&mut ep, if client { 2 } else { 1 } - early)?;
         if client && i >= counts.warmup {
             samples.push(start.elapsed());
         }
@@ -259,4 +266,71 @@ fn actor_round(provider: &str, size: usize, counts: Counts) -> Result<Samples, F
     let samples = actor_side(provider.to_string(), a_tx, a_rx, size, counts, true)?;
     server.join().map_err(|_| failed("server", "panicked"))??;
     Ok(samples)
+}
+
+/// CPU time this process has used (user + system).
+fn cpu_time() -> Duration {
+    // SAFETY: getrusage fills the struct we pass; RUSAGE_SELF is always valid.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let t = |v: libc::timeval| Duration::new(v.tv_sec as u64, v.tv_usec as u32 * 1000);
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
+/// Idle cost: one endpoint actor with a receive posted (a pipe waiting for its peer), held for
+/// `hold`, per provider and progress mode; prints the CPU share of one core it used.
+fn idle(args: &EfaArgs, hold: Duration) -> Result<(), Failure> {
+    println!("{:<12} {:<22} {:>14}", "provider", "progress", "idle CPU");
+    for provider in &args.providers {
+        for force_polling in [false, true] {
+            let config = EndpointConfig {
+                force_polling,
+                ..EndpointConfig::default()
+            };
+            let p = provider.clone();
+            let (share, wait_fd) = actix::System::new().block_on(async move {
+                let a = FabricEndpoint::open(&p, None, config)?;
+                let b = FabricEndpoint::open(&p, None, config)?;
+                let name_b = b.send(FabricDescribe).await?.name;
+                let info = a.send(FabricDescribe).await?;
+                let (sink, _done) = tokio::sync::mpsc::unbounded_channel();
+                let pipe = a.send(FabricAttach { peer: name_b, sink }).await??;
+                let t = tag::make(Stream::Raw, pipe, 0);
+                a.do_send(FabricPost {
+                    pipe,
+                    ops: vec![Op {
+                        kind: Kind::Recv,
+                        tag: t,
+                        mem: vec![0; 64],
+                        id: 0,
+                    }],
+                });
+                // Let the spin phase end first.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let (c0, w0) = (cpu_time(), Instant::now());
+                tokio::time::sleep(hold).await;
+                let share = (cpu_time() - c0).as_secs_f64() / w0.elapsed().as_secs_f64();
+                drop(b);
+                Ok::<_, Failure>((share, info.wait_fd))
+            })?;
+            let mode = if wait_fd {
+                "wait fd"
+            } else {
+                "polling (1 ms back-off)"
+            };
+            if force_polling && !wait_fd && provider_has_no_fd_anyway(provider) {
+                continue;
+            }
+            println!("{:<12} {:<22} {:>13.2}%", provider, mode, share * 100.0);
+        }
+    }
+    Ok(())
+}
+
+/// Whether forcing polling changes nothing (the provider has no wait fd).
+fn provider_has_no_fd_anyway(provider: &str) -> bool {
+    open_raw(provider)
+        .map(|ep| ep.wait_fd().is_none())
+        .unwrap_or(true)
 }
