@@ -42,6 +42,12 @@ const GRACE: Duration = Duration::from_millis(200);
 /// time (each is two small messages on a TCP connection).
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// What `fi_getinfo` found for one provider: its (fabric, domain) pairs, or why none.
+type Probe = Result<Vec<(String, String)>, String>;
+
+/// Which endpoint actor serves a transport: (transport instance, provider, domain).
+type EndpointKey = (u64, String, Option<String>);
+
 /// The `efa` transport. See the module docs.
 #[derive(Debug)]
 pub struct Efa {
@@ -103,9 +109,7 @@ impl Efa {
 
     /// The (provider, fabric, domain) this transport would open, or why it cannot.
     fn probe(&self) -> Result<(String, String), String> {
-        static CACHE: OnceLock<
-            std::sync::Mutex<HashMap<String, Result<Vec<(String, String)>, String>>>,
-        > = OnceLock::new();
+        static CACHE: OnceLock<std::sync::Mutex<HashMap<String, Probe>>> = OnceLock::new();
         let cache = CACHE.get_or_init(Default::default);
         let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
         let found = cache
@@ -140,7 +144,7 @@ impl Efa {
     fn endpoint(&self) -> Result<Addr<FabricEndpoint>, Error> {
         thread_local! {
             // Weak: an endpoint lives as long as pipes use it (and stops by itself after).
-            static ENDPOINTS: RefCell<HashMap<(u64, String, Option<String>), WeakAddr<FabricEndpoint>>> =
+            static ENDPOINTS: RefCell<HashMap<EndpointKey, WeakAddr<FabricEndpoint>>> =
                 RefCell::new(HashMap::new());
         }
         let key = (self.id, self.provider.clone(), self.domain.clone());

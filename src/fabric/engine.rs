@@ -305,11 +305,11 @@ impl Engine {
             _mr: None,
         });
         if queue_behind {
-            self.to_backlog(index);
+            self.push_backlog(index);
         } else if !failed {
             match self.try_post(index) {
                 Ok(()) => {}
-                Err(PostError::Again) => self.to_backlog(index),
+                Err(PostError::Again) => self.push_backlog(index),
                 Err(PostError::Failed(e)) => {
                     self.set_state(index, State::Done(Err(e.clone())));
                     self.fail_pipe(pipe, e);
@@ -381,7 +381,7 @@ impl Engine {
         }
     }
 
-    fn to_backlog(&mut self, index: usize) {
+    fn push_backlog(&mut self, index: usize) {
         let Some(l) = self.slots[index].live.as_mut() else {
             return;
         };
@@ -523,7 +523,8 @@ impl Engine {
             };
             match l.state {
                 State::Backlog => l.state = State::Done(Err(e.clone())),
-                State::Posted => self.ep.cancel((&mut *slot.ctx as *mut Ctx).cast()),
+                // SAFETY: the op is posted and its completion not read yet: its context is live.
+                State::Posted => unsafe { self.ep.cancel((&mut *slot.ctx as *mut Ctx).cast()) },
                 State::Done(_) => {}
             }
         }

@@ -624,8 +624,13 @@ impl Endpoint {
 
     /// Asks the provider to cancel the operation posted with `context`; its completion then
     /// comes with `FI_ECANCELED` (or normally, if it finished first).
-    pub fn cancel(&self, context: *mut c_void) {
-        // SAFETY: cancelling an unknown or finished context is harmless (-FI_ENOENT).
+    ///
+    /// # Safety
+    /// `context` is the context of an operation posted on this endpoint whose completion has
+    /// not been read, or a pointer the provider will not find (then nothing happens); the
+    /// provider may compare it with its own and, for some providers, read the op's scratch.
+    pub unsafe fn cancel(&self, context: *mut c_void) {
+        // SAFETY: the caller's contract above; an unknown context is answered -FI_ENOENT.
         unsafe { ffi::ap_cancel(self.ep.ptr, context) };
     }
 

@@ -111,7 +111,7 @@ fn tagged_ping_pong_on_each_provider() {
 #[test]
 fn short_or_foreign_addresses_are_refused() {
     let a = open("shm");
-    let e = a.insert(b"short").err().expect("refused");
+    let e = a.insert(b"short").expect_err("refused");
     assert!(e.to_string().contains("shm: fi_av_insert failed"), "{e}");
 }
 
@@ -135,9 +135,10 @@ fn cancelled_receive_completes_with_ecanceled() {
             )
             .expect("recv");
         }
-        a.cancel(ctx.as_mut_ptr().cast());
+        // SAFETY: the receive above is posted and its completion not read yet.
+        unsafe { a.cancel(ctx.as_mut_ptr().cast()) };
         let (mut c, _) = reap(&mut a, 1, &mut b, 0);
-        let e = c.remove(0).result.err().expect("cancelled");
+        let e = c.remove(0).result.expect_err("cancelled");
         assert_eq!(e.code, ecanceled(), "{provider}: {e}");
     }
 }
