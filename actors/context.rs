@@ -165,6 +165,14 @@ impl Default for ContextBuilder {
         b = b
             .transport(Arc::new(Tcp::default()))
             .transport(Arc::new(Shm::new()));
+        #[cfg(feature = "efa")]
+        {
+            // Offered only where its provider runs (efa, or ACTORPIPE_EFA_PROVIDER).
+            let efa = crate::actors::fabric::transport::Efa::from_env();
+            if efa.viable().is_ok() {
+                b = b.transport(Arc::new(efa));
+            }
+        }
         b = b
             .channel(Arc::new(Basic))
             .channel(Arc::new(Xth))
@@ -301,6 +309,16 @@ impl ContextBuilder {
             }
         }
         self
+    }
+
+    /// Enables the `efa` transport over libfabric's `provider` (`efa`, `tcp;ofi_rxm`, `shm`),
+    /// replacing the default one (which uses `efa`, or `ACTORPIPE_EFA_PROVIDER`). See
+    /// docs/efa.md.
+    #[cfg(feature = "efa")]
+    pub fn efa(self, provider: &str) -> Self {
+        self.transport(Arc::new(crate::actors::fabric::transport::Efa::new(
+            provider,
+        )))
     }
 
     /// Adds a transport at its default priority, replacing one of the same name.

@@ -9,6 +9,8 @@ mod channel;
 mod connection;
 mod context;
 mod ext;
+#[cfg(feature = "efa")]
+pub mod fabric;
 pub mod hardware;
 mod inbox;
 mod listener;

@@ -36,6 +36,8 @@ pub mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
+#[cfg(feature = "efa")]
+pub mod fabric;
 pub mod fds;
 pub mod handshake;
 pub mod message;

@@ -57,6 +57,18 @@ pub const CUDA_IPC_LOOKUPS: &str = "actorpipe_cuda_ipc_lookups_total";
 /// CUDA IPC memory handles currently opened from peers (gauge).
 pub const CUDA_IPC_OPEN: &str = "actorpipe_cuda_ipc_open_handles";
 
+/// libfabric posts the provider accepted, by provider (counter; feature `efa`).
+pub const EFA_POSTS: &str = "actorpipe_efa_posts_total";
+/// libfabric posts refused with `-FI_EAGAIN` (and retried from the backlog), by provider
+/// (counter; feature `efa`).
+pub const EFA_EAGAIN: &str = "actorpipe_efa_eagain_total";
+/// Completions read from libfabric completion queues, by provider (counter; feature `efa`).
+pub const EFA_COMPLETIONS: &str = "actorpipe_efa_completions_total";
+/// Failed libfabric posts and error completions, by provider (counter; feature `efa`).
+pub const EFA_ERRORS: &str = "actorpipe_efa_errors_total";
+/// Operations waiting in an endpoint's `-FI_EAGAIN` backlog, by provider (gauge; feature `efa`).
+pub const EFA_BACKLOG: &str = "actorpipe_efa_backlog_operations";
+
 /// Histogram buckets for operation latencies: 1 µs to 10 s.
 pub const LATENCY_BUCKETS: [f64; 22] = [
     1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
@@ -100,6 +112,11 @@ fn describe() {
     );
     describe_counter!(CUDA_IPC_LOOKUPS, "CUDA IPC handle cache lookups.");
     describe_gauge!(CUDA_IPC_OPEN, "CUDA IPC memory handles opened from peers.");
+    describe_counter!(EFA_POSTS, "libfabric posts accepted, by provider.");
+    describe_counter!(EFA_EAGAIN, "libfabric posts refused with -FI_EAGAIN.");
+    describe_counter!(EFA_COMPLETIONS, "libfabric completions read.");
+    describe_counter!(EFA_ERRORS, "libfabric failed posts and error completions.");
+    describe_gauge!(EFA_BACKLOG, "Operations in libfabric -FI_EAGAIN backlogs.");
 }
 
 struct Exporter {

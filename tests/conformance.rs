@@ -348,6 +348,17 @@ fn base() -> ContextBuilder {
 transport_suite!(tcp, "tcp", || base()
     .without("shm")
     .only_channels(&["basic"]));
+// The efa transport over libfabric's tcp and shm providers (no EFA device here).
+#[cfg(feature = "efa")]
+transport_suite!(efa_tcp, "efa", || base()
+    .without("shm")
+    .efa("tcp;ofi_rxm")
+    .only_channels(&["basic"]));
+#[cfg(feature = "efa")]
+transport_suite!(efa_shm, "efa", || base()
+    .without("shm")
+    .efa("shm")
+    .only_channels(&["basic"]));
 transport_suite!(shm, "shm", || {
     base()
         .transport(Arc::new(Shm::new().with_capacity(RING)))
