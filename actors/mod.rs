@@ -12,6 +12,8 @@ mod inbox;
 mod listener;
 mod messages;
 mod pipe;
+#[cfg(feature = "ibv")]
+pub(crate) mod queue_pair;
 
 pub use context::{Config, Context, ContextBuilder};
 pub use inbox::{inbox, Inbox};

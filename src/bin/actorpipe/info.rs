@@ -26,6 +26,7 @@ pub fn run(json: bool) {
                 out.push_str(&format!("{:>19}why not: {why}\n", ""));
             }
         }
+        out.push_str(&rdma_devices());
     }
     let _ = std::io::stdout().lock().write_all(out.as_bytes());
 }
@@ -45,4 +46,28 @@ fn line(b: &BackendReport) -> String {
         b.devices.as_deref().unwrap_or("-"),
         domain
     )
+}
+
+/// The RDMA devices found (real HCAs; the simulated device is never listed), or why none.
+fn rdma_devices() -> String {
+    match actorpipe::backends::rdma_devices() {
+        Err(why) => format!("\nRDMA devices: none ({why})\n"),
+        Ok(devs) => {
+            let mut s = String::from("\nRDMA devices:\n");
+            for d in devs {
+                for p in &d.ports {
+                    s.push_str(&format!(
+                        "  {} port {} {} {} lid {} pci {}\n",
+                        d.name,
+                        p.port,
+                        p.link_layer,
+                        if p.active { "active" } else { "down" },
+                        p.lid,
+                        d.pci.as_deref().unwrap_or("-")
+                    ));
+                }
+            }
+            s
+        }
+    }
 }
