@@ -176,6 +176,63 @@ impl Topology {
     }
 }
 
+impl Topology {
+    /// A plain-text account of the tree: GPUs, RDMA NICs, network controllers, and each GPU's
+    /// NIC with its distance to every NIC. With no RDMA NIC, the GPUs are also matched to the
+    /// network controllers (class `02xxxx`), to show the assignment on a real tree.
+    pub fn report(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        let gpus = self.gpus();
+        let _ = writeln!(
+            out,
+            "{} PCI functions, {} GPUs",
+            self.devices.len(),
+            gpus.len()
+        );
+        for g in &gpus {
+            let _ = writeln!(out, "gpu {} at {}", g.address, g.path.join("/"));
+        }
+        let rdma: Vec<(String, &PciDevice)> = self
+            .nics()
+            .into_iter()
+            .map(|(n, d)| (n.to_string(), d))
+            .collect();
+        let net: Vec<(String, &PciDevice)> = self
+            .devices
+            .values()
+            .filter(|d| d.class >> 16 == 0x02)
+            .map(|d| {
+                (
+                    format!("{} ({:06x} {:04x})", d.address, d.class, d.vendor),
+                    d,
+                )
+            })
+            .collect();
+        for (label, nics) in [("rdma", &rdma), ("net", &net)] {
+            for (n, d) in nics.iter() {
+                let _ = writeln!(out, "{label} {n} at {}", d.path.join("/"));
+            }
+            if nics.is_empty() || gpus.is_empty() {
+                let _ = writeln!(out, "{label}: nothing to match");
+                continue;
+            }
+            let devs: Vec<&PciDevice> = nics.iter().map(|(_, d)| *d).collect();
+            for (g, n) in gpus.iter().zip(assign(&gpus, &devs)) {
+                let dist: Vec<String> = devs.iter().map(|d| distance(g, d).to_string()).collect();
+                let chosen = n.map_or("-", |i| nics[i].0.as_str());
+                let _ = writeln!(
+                    out,
+                    "{label}: gpu {} -> {chosen} (distances {})",
+                    g.address,
+                    dist.join(" ")
+                );
+            }
+        }
+        out
+    }
+}
+
 /// Assigns each GPU a NIC: nearest first, and no NIC takes more than `⌈gpus / nics⌉` GPUs, so
 /// that GPUs spread over every NIC. Pairs are taken in order of distance (ties: the GPU and NIC
 /// that come first); a GPU whose nearest NICs are full gets the nearest with room. Returns, per

@@ -112,10 +112,28 @@ fn this_machine_tree_reads() {
     // Whatever this host has (no GPU and no RDMA NIC on CI): reading must work and every GPU
     // found must get a NIC when there is one.
     let t = Topology::live().expect("/sys/bus/pci/devices");
+    // Shown with --nocapture: how this machine's GPUs would be matched.
+    eprint!("{}", t.report());
     let pairs = t.gpu_nics();
     if t.nics().is_empty() {
         assert!(pairs.is_empty());
     } else {
         assert_eq!(pairs.len(), t.gpus().len());
     }
+}
+
+#[test]
+fn the_gpu_machine_two_h200_no_rdma_nic() {
+    // Recorded on the GPU machine (docs/ibv.md): a flat VM bus, so every device is two links
+    // from every other, and no RDMA NIC to assign.
+    let tree = Tree::new("gpu_vm_2xh200");
+    let t = tree.topology();
+    let gpus = t.gpus();
+    assert_eq!(gpus.len(), 2);
+    assert_eq!(gpus[0].address, "0000:00:06.0");
+    assert!(t.nics().is_empty());
+    assert!(t.gpu_nics().is_empty());
+    let net = &t.devices["0000:00:03.0"];
+    assert_eq!(distance(gpus[0], net), 2);
+    assert!(t.report().contains("net: gpu 0000:00:07.0 -> 0000:00:03.0"));
 }
