@@ -84,7 +84,7 @@ impl Slot {
     }
 
     /// To the error state: every waiting send and posted receive is flushed, in order.
-    fn to_error(&mut self) {
+    fn enter_error(&mut self) {
         self.state = QpState::Error;
         while let Some(wr) = self.waiting.pop_front() {
             self.complete(flushed(wr.wr_id, opcode_of(&wr.op)));
@@ -230,7 +230,7 @@ impl Fabric {
                         byte_len: 0,
                         imm: None,
                     });
-                    peer_slot.to_error();
+                    peer_slot.enter_error();
                     return Outcome::Done(Status::Other(9)); // IBV_WC_REM_INV_REQ_ERR
                 }
                 (wr.local.addr, recv.local.addr)
@@ -283,7 +283,7 @@ impl Fabric {
                         imm: None,
                     });
                     if status != Status::Success {
-                        slot.to_error();
+                        slot.enter_error();
                         return;
                     }
                 }
@@ -504,7 +504,7 @@ impl QueuePair for SimQp {
     }
 
     fn set_error(&mut self) {
-        self.with(|f, q| f.qps.get_mut(&q).expect("live").to_error());
+        self.with(|f, q| f.qps.get_mut(&q).expect("live").enter_error());
     }
 
     fn post_send(&mut self, wr: &SendWr) -> Result<(), VerbsError> {
@@ -625,7 +625,7 @@ pub fn inject_error(qpn: u32) -> bool {
     let mut f = fabric();
     match f.qps.get_mut(&qpn) {
         Some(s) => {
-            s.to_error();
+            s.enter_error();
             // `complete` rang the owner if it was armed and anything was flushed; with nothing
             // to flush, ring anyway so the owner looks at the state now.
             if s.cq.is_empty() {
