@@ -7,7 +7,7 @@
 //! the receiver asks for is the n-th tensor the sender sent through that channel.
 //!
 //! This module holds what is plain data and arithmetic (offers, chunk planning); the `Channel`
-//! actor in `actors/channel.rs` drives it.
+//! actor in `actors/channel/` drives it.
 
 pub mod basic;
 pub mod cma;

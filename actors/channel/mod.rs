@@ -26,8 +26,6 @@ use actix::prelude::*;
 use tokio::sync::mpsc;
 
 use super::connection::{Connection, Link, Shutdown};
-use crate::channel::cma::{self, CmaError, RemoteBuffer};
-use crate::channel::{mpt, xth};
 use crate::error::{Error, Origin};
 use crate::transport::stream::{Carried, Done, InOp, Memory, OutOp, Region, Reply};
 use crate::wire::{self, Ack, Frame, FrameKind};
@@ -118,18 +116,6 @@ struct Held {
 /// number their messages from 0, so the direction is part of the key.
 type HeldKey = (bool, u64, u32);
 
-/// The outcome of a cma read on a blocking thread.
-struct CmaRead {
-    seq: u64,
-    index: u32,
-    dst: Vec<u8>,
-    result: Result<(), CmaError>,
-}
-
-impl Message for CmaRead {
-    type Result = ();
-}
-
 /// One negotiated channel of one pipe.
 pub struct Channel {
     kind: ChannelKind,
@@ -144,7 +130,7 @@ pub struct Channel {
     origin: Origin,
     held: HashMap<HeldKey, Held>,
     /// Parked xth tensors, with their direction (`true` when sending).
-    xth_keys: Vec<(bool, xth::Key)>,
+    xth_keys: Vec<(bool, crate::channel::xth::Key)>,
     ack_armed: bool,
     /// cma reads running on blocking threads.
     reading: usize,
@@ -287,242 +273,10 @@ impl Channel {
         }
     }
 
-    /// A stopping cma channel whose reads are over half-closes its acknowledgement connection:
-    /// the acks already queued still go out, then the peer reads end-of-stream and knows it may
-    /// hand back the buffers it was keeping for us. Our read side stays open for its acks.
-    fn close_acks(&mut self) {
-        if !matches!(self.kind, ChannelKind::Cma { .. }) {
-            return;
-        }
-        if let Some(l) = self.lanes.get_mut(CMA_ACKS) {
-            // Dropping the only sender ends the write loop, which then shuts the stream down.
-            let (closed, _) = mpsc::unbounded_channel();
-            l.link.out = closed;
-        }
-    }
-
     fn shutdown_lanes(&mut self) {
         for l in &self.lanes {
             l.conn.do_send(Shutdown::default());
         }
-    }
-
-    // ----- mpt ----------------------------------------------------------------------------
-
-    fn stripe(&mut self, seq: u64, index: u32, mut buffer: Vec<u8>, sending: bool, chunk: usize) {
-        let len = buffer.len() as u64;
-        let lanes = self.lanes.len() as u32;
-        let base = buffer.as_mut_ptr();
-        let mut out = 0;
-        for (lane, offset, n) in mpt::stripes(len, lanes) {
-            // SAFETY: the stripes are disjoint ranges inside `buffer`, whose heap memory stays
-            // in `self.held` untouched until every stripe's operation has completed (`release`
-            // waits for `out == 0`, and a stopping channel waits for `held` to empty).
-            let region = unsafe { Region::new(base.add(offset as usize), n as usize) };
-            let reply = self.own();
-            let l = &mut self.lanes[lane as usize];
-            let origin = &self.origin;
-            let gone = || Error::Closed {
-                reason: "lane already stopped".into(),
-                origin: origin.clone(),
-            };
-            if sending {
-                let ticket = l.out_ticket;
-                l.out_ticket += 1;
-                l.link.write(
-                    OutOp::Tensor {
-                        ticket,
-                        seq,
-                        index,
-                        memory: Memory::Region(region),
-                        offset,
-                        chunk_size: chunk,
-                        reply,
-                    },
-                    gone,
-                );
-            } else {
-                let ticket = l.in_ticket;
-                l.in_ticket += 1;
-                l.link.read(
-                    InOp::Tensor {
-                        ticket,
-                        seq,
-                        index,
-                        memory: Memory::Region(region),
-                        offset,
-                        reply,
-                    },
-                    gone,
-                );
-            }
-            out += 1;
-        }
-        let key = (sending, seq, index);
-        self.held.insert(
-            key,
-            Held {
-                buffer,
-                out,
-                error: None,
-                sending,
-                awaiting_ack: false,
-            },
-        );
-        self.release(key);
-    }
-
-    // ----- cma ----------------------------------------------------------------------------
-
-    fn arm_ack(&mut self) {
-        if self.ack_armed || self.lanes.is_empty() {
-            return;
-        }
-        self.ack_armed = true;
-        let reply = self.own();
-        let l = &mut self.lanes[CMA_ACKS];
-        let ticket = l.in_ticket;
-        l.in_ticket += 1;
-        l.link.read(
-            InOp::Frame {
-                ticket,
-                reply,
-                more: 0,
-                carried: Carried::Nothing,
-            },
-            lane_gone,
-        );
-    }
-
-    fn send_ack(&mut self, ack: Ack) {
-        if self.lanes.get(CMA_ACKS).is_none() {
-            return;
-        }
-        let reply = self.own();
-        let l = &mut self.lanes[CMA_ACKS];
-        let mut frame = Vec::with_capacity(24);
-        wire::encode_frame(&mut frame, FrameKind::Ack, |b| wire::encode_ack(b, &ack));
-        let ticket = l.out_ticket;
-        l.out_ticket += 1;
-        l.link.write(
-            OutOp::Message {
-                ticket,
-                frame,
-                payloads: Vec::new(),
-                reply,
-            },
-            lane_gone,
-        );
-    }
-
-    fn on_ack(&mut self, ack: Ack, chunk_size: usize) {
-        let key = (true, ack.seq, ack.tensor);
-        let Some(h) = self.held.get_mut(&key).filter(|h| h.awaiting_ack) else {
-            return self.fail_held(Error::protocol(
-                format!(
-                    "cma acknowledgement for message {} tensor {}, which is not waiting for one",
-                    ack.seq, ack.tensor
-                ),
-                &self.origin,
-            ));
-        };
-        h.awaiting_ack = false;
-        if ack.ok {
-            h.out -= 1;
-            self.release(key);
-            return;
-        }
-        // The receiver cannot read our memory: stream the bytes over the data connection.
-        let n = h.buffer.len();
-        let ptr = h.buffer.as_mut_ptr();
-        // SAFETY: the buffer stays in `self.held`, untouched, until this operation completes
-        // (its `Done` decrements `out`, which is still 1 for the ack we were waiting for).
-        let region = unsafe { Region::new(ptr, n) };
-        let reply = self.own();
-        let l = &mut self.lanes[CMA_DATA];
-        let ticket = l.out_ticket;
-        l.out_ticket += 1;
-        l.link.write(
-            OutOp::Tensor {
-                ticket,
-                seq: ack.seq,
-                index: ack.tensor,
-                memory: Memory::Region(region),
-                offset: 0,
-                chunk_size,
-                reply,
-            },
-            lane_gone,
-        );
-    }
-
-    fn on_cma_read(&mut self, r: CmaRead, ctx: &mut Context<Self>) {
-        self.reading -= 1;
-        let key = (false, r.seq, r.index);
-        match r.result {
-            Ok(()) => {
-                self.send_ack(Ack {
-                    seq: r.seq,
-                    tensor: r.index,
-                    ok: true,
-                });
-                self.to_pipe(Done::Tensor {
-                    seq: r.seq,
-                    index: r.index,
-                    memory: Memory::Owned(r.dst),
-                    result: Ok(()),
-                });
-            }
-            Err(CmaError::NotPermitted { .. }) if self.lanes.len() > CMA_DATA => {
-                crate::metrics::fallback("cma");
-                let n = self.fallbacks.fetch_add(1, Ordering::Relaxed);
-                if n == 0 {
-                    tracing::warn!(pipe = ?self.origin.pipe, "cma read refused by the kernel; falling back to the side connection");
-                }
-                self.send_ack(Ack {
-                    seq: r.seq,
-                    tensor: r.index,
-                    ok: false,
-                });
-                let mut dst = r.dst;
-                let n = dst.len();
-                let ptr = dst.as_mut_ptr();
-                self.held.insert(
-                    key,
-                    Held {
-                        buffer: dst,
-                        out: 1,
-                        error: None,
-                        sending: false,
-                        awaiting_ack: false,
-                    },
-                );
-                // SAFETY: as in `stripe`: `dst` stays in `self.held` until this read completes.
-                let region = unsafe { Region::new(ptr, n) };
-                let reply = self.own();
-                let l = &mut self.lanes[CMA_DATA];
-                let ticket = l.in_ticket;
-                l.in_ticket += 1;
-                l.link.read(
-                    InOp::Tensor {
-                        ticket,
-                        seq: r.seq,
-                        index: r.index,
-                        memory: Memory::Region(region),
-                        offset: 0,
-                        reply,
-                    },
-                    lane_gone,
-                );
-            }
-            Err(e) => self.to_pipe(Done::Tensor {
-                seq: r.seq,
-                index: r.index,
-                memory: Memory::Owned(r.dst),
-                result: Err(e.into_error(&self.origin)),
-            }),
-        }
-        self.maybe_stop(ctx);
     }
 
     fn on_own(&mut self, d: Done, ctx: &mut Context<Self>) {
@@ -666,35 +420,8 @@ impl Handler<SendTensor> for Channel {
         }
         match self.kind {
             ChannelKind::Basic { .. } => unreachable!("basic sends everything on control"),
-            ChannelKind::Xth { pipe } => {
-                let key = xth::Key {
-                    sender: pipe,
-                    seq: m.seq,
-                    index: m.index,
-                };
-                self.xth_keys.push((true, key));
-                let reply = self.own();
-                xth::send(key, m.buffer, reply);
-            }
-            ChannelKind::Cma { .. } => {
-                let key = (true, m.seq, m.index);
-                let empty = m.buffer.is_empty();
-                self.held.insert(
-                    key,
-                    Held {
-                        buffer: m.buffer,
-                        out: usize::from(!empty),
-                        error: None,
-                        sending: true,
-                        awaiting_ack: !empty,
-                    },
-                );
-                if empty {
-                    self.release(key);
-                } else {
-                    self.arm_ack();
-                }
-            }
+            ChannelKind::Xth { pipe } => self.send_xth(pipe, m),
+            ChannelKind::Cma { .. } => self.send_cma(m),
             ChannelKind::Mpt { chunk_size } => {
                 self.stripe(m.seq, m.index, m.buffer, true, chunk_size)
             }
@@ -718,95 +445,12 @@ impl Handler<RecvTensor> for Channel {
         }
         match self.kind {
             ChannelKind::Basic { .. } => unreachable!("basic receives everything on control"),
-            ChannelKind::Xth { .. } => {
-                let sender = match <[u8; 8]>::try_from(m.data.as_slice()) {
-                    Ok(b) => u64::from_le_bytes(b),
-                    Err(_) => {
-                        return self.to_pipe(Done::Tensor {
-                            seq: m.seq,
-                            index: m.index,
-                            memory: Memory::Owned(m.buffer),
-                            result: Err(Error::protocol(
-                                "xth channel data is not a pipe id",
-                                &self.origin,
-                            )),
-                        })
-                    }
-                };
-                let key = xth::Key {
-                    sender,
-                    seq: m.seq,
-                    index: m.index,
-                };
-                self.xth_keys.push((false, key));
-                let reply = self.own();
-                xth::recv(key, m.buffer, reply, &self.origin);
-            }
-            ChannelKind::Cma { threads, .. } => {
-                let remote = match RemoteBuffer::decode(&m.data) {
-                    Some(r) if r.len == m.buffer.len() as u64 => r,
-                    _ => {
-                        return self.to_pipe(Done::Tensor {
-                            seq: m.seq,
-                            index: m.index,
-                            memory: Memory::Owned(m.buffer),
-                            result: Err(Error::protocol(
-                                "cma channel data does not describe this tensor",
-                                &self.origin,
-                            )),
-                        })
-                    }
-                };
-                let (seq, index, mut dst) = (m.seq, m.index, m.buffer);
-                if dst.is_empty() {
-                    // Nothing to read, and the sender expects no acknowledgement for it.
-                    return self.to_pipe(Done::Tensor {
-                        seq,
-                        index,
-                        memory: Memory::Owned(dst),
-                        result: Ok(()),
-                    });
-                }
-                let me = ctx.address();
-                self.reading += 1;
-                actix::spawn(async move {
-                    let read = tokio::task::spawn_blocking(move || {
-                        let result = cma::read_remote(&remote, &mut dst, threads);
-                        (dst, result)
-                    })
-                    .await;
-                    // The blocking task cannot panic short of a bug in the read loop; if it
-                    // did, its buffer is lost and the pipe reports the tensor as failed.
-                    let (dst, result) = read.unwrap_or_else(|e| {
-                        (
-                            Vec::new(),
-                            Err(CmaError::Other {
-                                pid: remote.pid,
-                                source: std::io::Error::other(e.to_string()),
-                            }),
-                        )
-                    });
-                    me.do_send(CmaRead {
-                        seq,
-                        index,
-                        dst,
-                        result,
-                    });
-                });
-            }
+            ChannelKind::Xth { .. } => self.recv_xth(m),
+            ChannelKind::Cma { threads, .. } => self.recv_cma(m, threads, ctx),
             ChannelKind::Mpt { chunk_size } => {
                 self.stripe(m.seq, m.index, m.buffer, false, chunk_size)
             }
         }
-        self.poll_own(ctx);
-    }
-}
-
-impl Handler<CmaRead> for Channel {
-    type Result = ();
-
-    fn handle(&mut self, r: CmaRead, ctx: &mut Self::Context) {
-        self.on_cma_read(r, ctx);
         self.poll_own(ctx);
     }
 }
@@ -823,7 +467,7 @@ impl Handler<StopChannel> for Channel {
         for (_, k) in &self.xth_keys {
             // Every key gets exactly one completion through our queue: from the withdrawal,
             // or from the other side if it got there first. Either way `on_own` removes the key.
-            xth::withdraw(*k, &e);
+            crate::channel::xth::withdraw(*k, &e);
         }
         if let ChannelKind::Cma { .. } = self.kind {
             // A peer may be reading our buffers right now: they go back to the user only once
@@ -847,10 +491,8 @@ fn lane_gone() -> Error {
     }
 }
 
-/// The cma lane carrying acknowledgements (each side's, for the other's sends).
-const CMA_ACKS: usize = 0;
-/// The cma lane carrying fallback bytes (each side's, for the other's refused reads).
-const CMA_DATA: usize = 1;
+mod cma;
+mod mpt;
+mod xth;
 
-/// How long a stopping cma sender waits for its peer to finish reading its buffers.
-const CMA_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+use cma::CMA_GRACE;

@@ -1,0 +1,199 @@
+//! The write half parked while the write loop idles, so the owner can write a message itself.
+
+use super::*;
+
+/// A connection's write half, parked here while its write loop is idle, so that the owner can
+/// write a message itself ([`Parking::try_write_batch`]) instead of queueing it and waking the loop:
+/// a small message then goes out in the owner's own poll.
+#[derive(Default)]
+pub struct Parking(std::sync::Mutex<Parked>);
+
+#[derive(Default)]
+struct Parked {
+    /// The write half, while the loop waits for work with nothing held.
+    w: Option<BoxWrite>,
+    /// The loop's next ticket, advanced by each message written here.
+    next: u64,
+    /// The last write made here, a [`Coarse`] reading (the loop's heartbeat counts it).
+    last_write: Option<u64>,
+    /// A message written here only in part (ticket, bytes written): the loop writes the rest.
+    torn: Option<(u64, usize)>,
+    /// The connection is stopping: write nothing more here.
+    halted: bool,
+    /// A chunk header being written here.
+    header: Vec<u8>,
+}
+
+impl std::fmt::Debug for Parking {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Parking").finish_non_exhaustive()
+    }
+}
+
+impl Parking {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Parked> {
+        // Nothing panics while holding it; a poisoned lock still holds consistent state.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// From now on, nothing is written here: everything goes through the loop, which stops.
+    pub fn halt(&self) {
+        self.lock().halted = true;
+    }
+
+    /// Writes ops of consecutive tickets (a message and its small tensors) at once, with one
+    /// non-blocking vectored write, if the write loop is idle and the first op is the next in
+    /// ticket order. It takes the longest run from the front that qualifies (an
+    /// [`OutOp::Message`], an [`OutOp::Tensor`] of at most [`DIRECT_TENSOR_MAX`] bytes in one
+    /// chunk) and fits one system call, and returns how many ops of it were written whole. The
+    /// caller completes those and submits the rest to the loop as usual; if the write stopped
+    /// inside an op, the loop writes the rest of that one first (and nothing goes in between).
+    pub fn try_write_batch(&self, ops: &[OutOp]) -> usize {
+        /// Up to this many chunk headers in one write.
+        const HEADERS: usize = IOV_BATCH / 2;
+        // Only the loop, on this same thread, ever holds the lock, and never across a poll.
+        let Ok(mut p) = self.0.try_lock() else {
+            return 0;
+        };
+        let p = &mut *p;
+        if p.halted || p.torn.is_some() || p.w.is_none() {
+            return 0;
+        }
+        // The run: each op next in ticket order, qualified, and with room for its slices.
+        let mut slices = 0;
+        let mut run = 0;
+        let mut headers = [(0usize, 0usize); HEADERS];
+        let mut nh = 0;
+        p.header.clear();
+        for (i, op) in ops.iter().enumerate() {
+            if op.ticket() != p.next + i as u64 {
+                break;
+            }
+            match op {
+                OutOp::Message { payloads, .. } if slices + 1 + payloads.len() <= IOV_BATCH => {
+                    slices += 1 + payloads.len();
+                }
+                OutOp::Tensor {
+                    seq,
+                    index,
+                    memory,
+                    offset: 0,
+                    chunk_size,
+                    ..
+                } if slices + 2 <= IOV_BATCH
+                    && nh < HEADERS
+                    && (1..=DIRECT_TENSOR_MAX.min(*chunk_size))
+                        .contains(&memory.as_slice().len()) =>
+                {
+                    // The same bytes as the loop's `write_op` would write: one chunk.
+                    let at = p.header.len();
+                    let len = memory.as_slice().len() as u64;
+                    encode_chunk_header(&mut p.header, *seq, *index, 0, len);
+                    headers[nh] = (at, p.header.len());
+                    nh += 1;
+                    slices += 2;
+                }
+                _ => break,
+            }
+            run += 1;
+        }
+        if run == 0 {
+            return 0;
+        }
+        let mut iov = [IoSlice::new(&[]); IOV_BATCH];
+        let mut lens = [0usize; IOV_BATCH];
+        let mut n = 0;
+        let mut h = 0;
+        for (i, op) in ops[..run].iter().enumerate() {
+            let first = n;
+            match op {
+                OutOp::Message {
+                    frame, payloads, ..
+                } => {
+                    iov[n] = IoSlice::new(frame);
+                    n += 1;
+                    for pl in payloads {
+                        iov[n] = IoSlice::new(&pl.data);
+                        n += 1;
+                    }
+                }
+                OutOp::Tensor { memory, .. } => {
+                    let (a, b) = headers[h];
+                    h += 1;
+                    iov[n] = IoSlice::new(&p.header[a..b]);
+                    iov[n + 1] = IoSlice::new(memory.as_slice());
+                    n += 2;
+                }
+            }
+            lens[i] = iov[first..n].iter().map(|b| b.len()).sum();
+        }
+        let w = p.w.as_mut().expect("checked above");
+        // A waker that does nothing: if the stream is not ready, the loop takes the ops over
+        // and polls with its own.
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut k = match Pin::new(&mut **w).poll_write_vectored(&mut cx, &iov[..n]) {
+            std::task::Poll::Ready(Ok(k)) if k > 0 => k,
+            // Not ready, or an error the loop will meet again and report.
+            _ => return 0,
+        };
+        p.last_write = Some(Coarse::now_ns());
+        let mut whole = 0;
+        for (i, &len) in lens[..run].iter().enumerate() {
+            if k >= len {
+                k -= len;
+                whole += 1;
+            } else {
+                if k > 0 {
+                    p.torn = Some((ops[i].ticket(), k));
+                }
+                break;
+            }
+        }
+        p.next += whole as u64;
+        whole
+    }
+}
+
+/// The write loop's hold on its write half: in hand while working, parked while idle.
+pub(super) struct Pen<'a> {
+    pub(super) w: Option<BoxWrite>,
+    pub(super) parking: &'a Parking,
+    /// Taken over from the parking: a message partly written by the owner.
+    pub(super) torn: Option<(u64, usize)>,
+    /// The last write, a [`Coarse`] reading: a ping only needs to be about on time.
+    pub(super) last_write: u64,
+}
+
+impl Pen<'_> {
+    /// Parks the write half while the loop waits with nothing held.
+    pub(super) fn park(&mut self, next: u64) {
+        if self.torn.is_some() {
+            return;
+        }
+        if let Some(w) = self.w.take() {
+            let mut p = self.parking.lock();
+            p.w = Some(w);
+            p.next = next;
+        }
+    }
+
+    /// Takes the write half back, with what was written meanwhile.
+    pub(super) fn unpark(&mut self, seq: &mut Sequencer<OutOp>) {
+        if self.w.is_some() {
+            return;
+        }
+        let mut p = self.parking.lock();
+        self.w = p.w.take();
+        seq.skip_to(p.next);
+        self.torn = p.torn.take();
+        if let Some(t) = p.last_write.take() {
+            self.last_write = self.last_write.max(t);
+        }
+    }
+
+    pub(super) fn get(&mut self) -> &mut BoxWrite {
+        self.w
+            .as_mut()
+            .expect("the write loop holds its write half")
+    }
+}

@@ -1,0 +1,252 @@
+//! The read loop: frames, inline payloads and tensor chunks in ticket order, into the caller's
+//! buffers.
+
+use super::*;
+
+/// Reads one frame's bytes (after the prefix) into `buf`. End of stream before the first byte
+/// is a clean close by the peer.
+pub async fn read_frame_bytes<R: AsyncRead + Unpin + ?Sized>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+    limits: &Limits,
+    origin: &Origin,
+) -> Result<(), Error> {
+    let mut prefix = [0u8; LEN_PREFIX];
+    let mut got = 0;
+    while got < LEN_PREFIX {
+        let n = r
+            .read(&mut prefix[got..])
+            .await
+            .map_err(|e| io_error("reading a frame", e, origin))?;
+        if n == 0 {
+            let reason = if got == 0 {
+                "the peer closed the connection".to_string()
+            } else {
+                "connection lost in the middle of a frame".to_string()
+            };
+            return Err(Error::PeerClosed {
+                reason,
+                graceful: false,
+                origin: origin.clone(),
+            });
+        }
+        got += n;
+    }
+    let len =
+        wire::check_frame_len(u32::from_le_bytes(prefix), limits).map_err(|e| e.at(origin))?;
+    buf.clear();
+    buf.resize(len, 0);
+    r.read_exact(buf)
+        .await
+        .map_err(|e| io_error("reading a frame", e, origin))?;
+    Ok(())
+}
+
+/// Reads and decodes one frame, skipping heartbeats.
+pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+    limits: &Limits,
+    origin: &Origin,
+) -> Result<Frame, Error> {
+    let frame = loop {
+        read_frame_bytes(r, buf, limits, origin).await?;
+        match wire::decode_frame(buf, limits) {
+            Ok(Frame::Ping) => continue,
+            f => break f.map_err(|e| e.at(origin)),
+        }
+    };
+    if buf.capacity() > 4 * FRAME_BUFFER {
+        // One large frame should not pin its buffer for the life of the pipe.
+        buf.clear();
+        buf.shrink_to(FRAME_BUFFER);
+    }
+    frame
+}
+#[allow(clippy::too_many_arguments)]
+async fn read_tensor(
+    r: &mut BufReader<BoxRead>,
+    seq: u64,
+    index: u32,
+    buffer: &mut [u8],
+    base: u64,
+    buf: &mut Vec<u8>,
+    limits: &Limits,
+    origin: &Origin,
+) -> Result<(), Error> {
+    let total = buffer.len() as u64;
+    let mut done = 0u64;
+    while done < total {
+        let h = match read_frame(r, buf, limits, origin).await? {
+            Frame::Chunk(h) => h,
+            f => return Err(unexpected(f, "a tensor chunk", origin)),
+        };
+        if h.seq != seq
+            || h.tensor != index
+            || h.offset != base + done
+            || h.length == 0
+            || h.length > total - done
+        {
+            return Err(Error::protocol(
+                format!(
+                    "chunk for message {} tensor {} at offset {} of {} bytes does not fit: expected message {seq} tensor {index} at offset {}, {} bytes left",
+                    h.seq, h.tensor, h.offset, h.length, base + done, total - done
+                ),
+                origin,
+            ));
+        }
+        let piece = &mut buffer[done as usize..(done + h.length) as usize];
+        r.read_exact(piece)
+            .await
+            .map_err(|e| io_error("reading a tensor", e, origin))?;
+        done += h.length;
+    }
+    Ok(())
+}
+
+async fn read_op(
+    r: &mut BufReader<BoxRead>,
+    op: &mut InOp,
+    buf: &mut Vec<u8>,
+    limits: &Limits,
+    origin: &Origin,
+) -> Result<Option<(Frame, Vec<u8>)>, Error> {
+    match op {
+        InOp::Frame { carried, .. } => {
+            let frame = read_frame(r, buf, limits, origin).await?;
+            let mut payloads = Vec::new();
+            if let Frame::Descriptor(wd) = &frame {
+                if let Some(inline) = inline_len(wd, *carried) {
+                    payloads.resize(inline.total.unwrap_or(inline.payloads), 0);
+                    let (mine, mut rest) = payloads.split_at_mut(inline.payloads);
+                    r.read_exact(mine)
+                        .await
+                        .map_err(|e| io_error("reading a payload", e, origin))?;
+                    if inline.whole() {
+                        let tensors = wd.descriptor.tensors.iter().zip(&wd.routes);
+                        for (i, (t, (_, data))) in tensors.enumerate() {
+                            if !carried.carries(data) {
+                                continue;
+                            }
+                            let (tensor, after) = rest.split_at_mut(t.length as usize);
+                            read_tensor(r, wd.seq, i as u32, tensor, 0, buf, limits, origin)
+                                .await?;
+                            rest = after;
+                        }
+                    }
+                }
+            }
+            Ok(Some((frame, payloads)))
+        }
+        InOp::Payloads { buffers, .. } => {
+            for b in buffers.iter_mut() {
+                r.read_exact(b)
+                    .await
+                    .map_err(|e| io_error("reading a payload", e, origin))?;
+            }
+            Ok(None)
+        }
+        InOp::Tensor {
+            seq,
+            index,
+            memory,
+            offset,
+            ..
+        } => {
+            let buffer = memory.as_mut_slice();
+            read_tensor(r, *seq, *index, buffer, *offset, buf, limits, origin).await?;
+            Ok(None)
+        }
+    }
+}
+
+/// Runs a connection's read side until every sender is gone. With a `heartbeat`, a read that
+/// waits `timeout` without receiving a byte fails with [`Error::Timeout`].
+pub async fn read_loop(
+    mut r: BufReader<BoxRead>,
+    mut rx: mpsc::UnboundedReceiver<InOp>,
+    stop: Stop,
+    limits: Limits,
+    origin: Origin,
+    heartbeat: Option<Heartbeat>,
+) {
+    let mut seq = Sequencer::default();
+    let mut buf = Vec::with_capacity(256);
+    let mut halted = false;
+    let mut halt = Halt::new(stop);
+    let pulse = Pulse::new();
+    if heartbeat.is_some() {
+        // Count every byte the stream delivers from now on as a sign of life (bytes already
+        // buffered by the handshake are not, but they were received just now anyway).
+        let inner = std::mem::replace(r.get_mut(), Box::new(tokio::io::empty()));
+        *r.get_mut() = Box::new(Stamped::new(inner, pulse.clone()));
+    }
+    let timeout = heartbeat.map_or(Duration::MAX, |h| h.timeout);
+    let mut alarm = std::pin::pin!(tokio::time::sleep(
+        timeout.min(Duration::from_secs(1 << 30))
+    ));
+    let failure = loop {
+        let Some(mut op) = next_op(&mut seq, &mut rx, &mut halt, &mut halted).await else {
+            if !halted {
+                return;
+            }
+            break cancelled(&origin);
+        };
+        // Silence counts from the start of a wait, not from the last message.
+        pulse.beat();
+        let result = tokio::select! {
+            biased;
+            _ = &mut halt => {
+                op.fail(cancelled(&origin));
+                break cancelled(&origin);
+            }
+            r = read_op(&mut r, &mut op, &mut buf, &limits, &origin) => r,
+            () = silence(alarm.as_mut(), &pulse, timeout), if heartbeat.is_some() => {
+                Err(Error::Timeout {
+                    what: "waiting for the peer (no heartbeat or data)",
+                    after: timeout,
+                    origin: origin.clone(),
+                })
+            }
+        };
+        match (result, op) {
+            (
+                Ok(Some((frame, payloads))),
+                InOp::Frame {
+                    ticket,
+                    reply,
+                    more,
+                    carried,
+                },
+            ) => {
+                let go_on = more > 0
+                    && matches!(&frame, Frame::Descriptor(wd) if self_contained(wd, carried));
+                let next = go_on.then(|| InOp::Frame {
+                    ticket: ticket + 1,
+                    reply: reply.clone(),
+                    more: more - 1,
+                    carried,
+                });
+                send(
+                    &reply,
+                    Done::Frame {
+                        ticket,
+                        result: Ok(frame),
+                        payloads,
+                    },
+                );
+                if let Some(Err(op)) = next.map(|op| seq.push(ticket + 1, op)) {
+                    // The owner sent that ticket itself: a bug on its side.
+                    op.fail(Error::invalid("duplicate or stale connection ticket"));
+                }
+            }
+            (Ok(_), op) => op.complete(Ok(())),
+            (Err(e), op) => {
+                op.fail(e.clone());
+                break e;
+            }
+        }
+    };
+    drop(r);
+    fail_all(&mut seq, &mut rx, failure, |op, e| op.fail(e)).await;
+}

@@ -1,0 +1,272 @@
+use super::*;
+use std::sync::Arc;
+
+fn wire(payloads: &[u64], tensors: &[(u64, &[u8])]) -> WireDescriptor {
+    let mut m = crate::message::Message::new();
+    for &n in payloads {
+        m = m.with_payload(Payload::new(vec![0; n as usize]));
+    }
+    for &(n, _) in tensors {
+        m = m.with_tensor(crate::message::Tensor::cpu(vec![0; n as usize]));
+    }
+    WireDescriptor {
+        seq: 0,
+        descriptor: m.descriptor(),
+        routes: tensors.iter().map(|&(_, d)| (0, d.to_vec())).collect(),
+    }
+}
+
+#[test]
+fn what_is_read_with_the_frame() {
+    let k16 = INLINE_PAYLOADS;
+    let inline = |payloads, total| Some(Inline { payloads, total });
+    // Payloads alone, at and over the limit.
+    let wd = wire(&[k16], &[]);
+    assert_eq!(inline_len(&wd, Carried::All), inline(16384, Some(16384)));
+    assert!(self_contained(&wd, Carried::All));
+    assert_eq!(inline_len(&wire(&[k16 + 1], &[]), Carried::All), None);
+    // Carried tensors join them while everything fits in 16 KiB.
+    let wd = wire(&[100], &[(5000, b""), (0, b""), (3000, b"")]);
+    assert_eq!(inline_len(&wd, Carried::All), inline(100, Some(8100)));
+    assert!(self_contained(&wd, Carried::All));
+    let wd = wire(&[1], &[(k16 - 1, b""), (1, b"")]);
+    assert_eq!(inline_len(&wd, Carried::All), inline(1, None));
+    assert!(!self_contained(&wd, Carried::All));
+    // cma: only tensors without channel data are on the stream; xth and mpt: none.
+    let wd = wire(&[10], &[(1 << 20, b"remote"), (64, b"")]);
+    assert_eq!(inline_len(&wd, Carried::NoData), inline(10, Some(74)));
+    assert_eq!(inline_len(&wd, Carried::Nothing), inline(10, Some(10)));
+    assert_eq!(inline_len(&wd, Carried::All), inline(10, None));
+}
+
+/// A write loop over an in-memory stream that takes `room` bytes at a time, started on the
+/// current `LocalSet` and idle: its queue, its stop signal, its parking, the loop's task
+/// and the stream's other end.
+struct Writer {
+    tx: mpsc::UnboundedSender<OutOp>,
+    stop: watch::Sender<Option<Farewell>>,
+    parking: Arc<Parking>,
+    task: tokio::task::JoinHandle<()>,
+    r: tokio::io::DuplexStream,
+}
+
+async fn writer(room: usize) -> Writer {
+    let (w, r) = tokio::io::duplex(room);
+    let (tx, rx) = mpsc::unbounded_channel();
+    let (stop, stopped) = watch::channel(None);
+    let parking = Arc::new(Parking::default());
+    let task = tokio::task::spawn_local(write_loop(
+        Box::new(w),
+        rx,
+        stopped,
+        Origin::new("test", "test"),
+        None,
+        parking.clone(),
+    ));
+    tokio::task::yield_now().await;
+    Writer {
+        tx,
+        stop,
+        parking,
+        task,
+        r,
+    }
+}
+
+/// One op through [`Parking::try_write_batch`]: `Ok` if written whole.
+fn try_write(parking: &Parking, op: OutOp) -> Result<OutOp, OutOp> {
+    match parking.try_write_batch(std::slice::from_ref(&op)) {
+        1 => Ok(op),
+        _ => Err(op),
+    }
+}
+
+fn message(ticket: u64, bytes: &[u8], reply: &Reply) -> OutOp {
+    OutOp::Message {
+        ticket,
+        frame: bytes[..2].to_vec(),
+        payloads: vec![Payload::new(bytes[2..].to_vec())],
+        reply: reply.clone(),
+    }
+}
+
+fn tensor(ticket: u64, index: u32, len: usize, reply: &Reply) -> OutOp {
+    OutOp::Tensor {
+        ticket,
+        seq: 7,
+        index,
+        memory: Memory::Owned(vec![index as u8 + 1; len]),
+        offset: 0,
+        chunk_size: 1 << 20,
+        reply: reply.clone(),
+    }
+}
+
+/// A message and its small tensors go out in one write while the loop is idle. One that
+/// tears inside a tensor: the whole ops written stay with the owner, the loop writes the
+/// rest of the torn one first, then the others; the stream carries exactly what the loop
+/// alone would have written.
+#[tokio::test]
+async fn owner_writes_a_message_and_its_tensors_in_one_go() {
+    tokio::task::LocalSet::new()
+        .run_until(owner_writes_batches())
+        .await;
+}
+
+async fn owner_writes_batches() {
+    // What the loop writes for these ops: the frame and payloads, then each tensor as one
+    // chunk frame (header, body).
+    fn reference(ops: Vec<OutOp>) -> Vec<u8> {
+        let mut out = Vec::new();
+        for op in ops {
+            match op {
+                OutOp::Message {
+                    frame, payloads, ..
+                } => {
+                    out.extend_from_slice(&frame);
+                    for p in payloads {
+                        out.extend_from_slice(&p.data);
+                    }
+                }
+                OutOp::Tensor {
+                    seq, index, memory, ..
+                } => {
+                    let body = memory.as_slice();
+                    let h = ChunkHeader {
+                        seq,
+                        tensor: index,
+                        offset: 0,
+                        length: body.len() as u64,
+                    };
+                    wire::encode_frame(&mut out, FrameKind::Chunk, |b| wire::encode_chunk(b, &h));
+                    out.extend_from_slice(body);
+                }
+            }
+        }
+        out
+    }
+    let (reply, mut done) = mpsc::unbounded_channel();
+    let ops = || {
+        vec![
+            message(0, b"hd-payload", &reply),
+            tensor(1, 0, 100, &reply),
+            tensor(2, 1, 50, &reply),
+        ]
+    };
+    let want = reference(ops());
+    // The stream takes 40 bytes at once: the message and part of the first tensor.
+    let mut w = writer(40).await;
+    let batch = ops();
+    let whole = w.parking.try_write_batch(&batch);
+    assert_eq!(whole, 1, "the message went whole, the first tensor in part");
+    for op in batch.into_iter().skip(whole) {
+        w.tx.send(op).unwrap();
+    }
+    let mut got = vec![0u8; want.len()];
+    w.r.read_exact(&mut got).await.unwrap();
+    assert_eq!(got, want);
+    for ticket in [1, 2] {
+        let d = done.recv().await.unwrap();
+        assert!(
+            matches!(d, Done::WroteTensor { result: Ok(()), .. }),
+            "ticket {ticket}: {d:?}"
+        );
+    }
+    // With room: all three in one write, nothing for the loop.
+    let mut w = writer(4096).await;
+    assert_eq!(w.parking.try_write_batch(&ops()), 3);
+    let mut got = vec![0u8; want.len()];
+    w.r.read_exact(&mut got).await.unwrap();
+    assert_eq!(got, want);
+}
+
+/// The owner writes while the loop is idle: whole, in part (the loop finishes it, and no
+/// farewell cuts into it), or not at all (the loop is busy, or the ticket is not next).
+#[tokio::test]
+async fn owner_writes_while_the_loop_is_idle() {
+    // The loops run on one thread, as on an arbiter (an `OutOp` is not `Sync`).
+    tokio::task::LocalSet::new()
+        .run_until(owner_writes_while_idle())
+        .await;
+}
+
+async fn owner_writes_while_idle() {
+    let Writer {
+        tx,
+        stop: stop_tx,
+        parking,
+        task: lp,
+        mut r,
+    } = writer(8).await;
+    let (reply, mut done) = mpsc::unbounded_channel();
+    // Not next in ticket order: refused.
+    assert!(try_write(&parking, message(1, b"zzzz", &reply)).is_err());
+    // Ticket 0 fits the stream's 8 bytes: written here.
+    assert!(try_write(&parking, message(0, b"abcdef", &reply)).is_ok());
+    // Ticket 1 does not fit: 2 bytes go now, the loop writes the rest.
+    let op = try_write(&parking, message(1, b"0123456789", &reply)).expect_err("only part fits");
+    // While torn, nothing more is written here.
+    assert!(try_write(&parking, message(2, b"xy", &reply)).is_err());
+    tx.send(op).unwrap();
+    let mut got = vec![0u8; 16];
+    r.read_exact(&mut got).await.unwrap();
+    assert_eq!(&got, b"abcdef0123456789");
+    assert!(matches!(
+        done.recv().await,
+        Some(Done::Wrote {
+            ticket: 1,
+            result: Ok(()),
+            ..
+        })
+    ));
+    // Idle again: ticket 2 goes out here, ticket 3 through the loop.
+    tokio::task::yield_now().await;
+    assert!(try_write(&parking, message(2, b"ghij", &reply)).is_ok());
+    tx.send(message(3, b"klmn", &reply)).unwrap();
+    let mut got = vec![0u8; 8];
+    r.read_exact(&mut got).await.unwrap();
+    assert_eq!(&got, b"ghijklmn");
+    assert!(matches!(
+        done.recv().await,
+        Some(Done::Wrote {
+            ticket: 3,
+            result: Ok(()),
+            ..
+        })
+    ));
+    // Stopped: nothing more is written here, and the farewell goes out.
+    tokio::task::yield_now().await;
+    parking.halt();
+    assert!(try_write(&parking, message(4, b"nope", &reply)).is_err());
+    stop_tx
+        .send(Some(Farewell {
+            frame: b"bye".to_vec(),
+            patience: Duration::from_secs(1),
+        }))
+        .unwrap();
+    let mut rest = Vec::new();
+    r.read_to_end(&mut rest).await.unwrap();
+    assert_eq!(rest, b"bye");
+    drop(tx);
+    lp.await.unwrap();
+}
+
+#[test]
+fn sequencer_restores_ticket_order() {
+    let mut s = Sequencer::default();
+    s.push(2, "c").unwrap();
+    s.push(1, "b").unwrap();
+    assert_eq!(s.pop(), None);
+    s.push(0, "a").unwrap();
+    assert_eq!(s.pop(), Some("a"));
+    assert_eq!(s.pop(), Some("b"));
+    assert_eq!(s.pop(), Some("c"));
+    assert_eq!(s.pop(), None);
+    assert_eq!(s.push(1, "stale"), Err("stale"));
+    s.push(3, "d").unwrap();
+    assert_eq!(s.push(3, "dup"), Err("dup"));
+    s.push(5, "f").unwrap();
+    let mut left: Vec<_> = s.drain().collect();
+    left.sort();
+    assert_eq!(left, vec!["d", "f"]);
+}
