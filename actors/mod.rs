@@ -16,6 +16,8 @@ mod inbox;
 mod listener;
 mod messages;
 mod pipe;
+#[cfg(feature = "ibv")]
+pub(crate) mod queue_pair;
 
 pub use context::{Config, Context, ContextBuilder};
 pub use ext::{Call, ContextExt, PipeExt};

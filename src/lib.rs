@@ -43,7 +43,9 @@ pub mod handshake;
 pub mod message;
 pub mod metrics;
 pub mod negotiate;
+pub mod topology;
 pub mod transport;
+pub mod verbs;
 pub mod wire;
 
 #[path = "../actors/mod.rs"]

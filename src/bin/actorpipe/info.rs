@@ -27,6 +27,7 @@ pub fn run(json: bool) {
             }
         }
         out.push_str(&gpus());
+        out.push_str(&rdma_devices());
     }
     if !json {
         out.push_str(&fabric());
@@ -112,5 +113,29 @@ fn gpus() -> String {
     #[cfg(not(feature = "cuda"))]
     {
         "\ngpu: this build has no CUDA support (build with --features cuda)\n".to_string()
+    }
+}
+
+/// The RDMA devices found (real HCAs; the simulated device is never listed), or why none.
+fn rdma_devices() -> String {
+    match actorpipe::backends::rdma_devices() {
+        Err(why) => format!("\nRDMA devices: none ({why})\n"),
+        Ok(devs) => {
+            let mut s = String::from("\nRDMA devices:\n");
+            for d in devs {
+                for p in &d.ports {
+                    s.push_str(&format!(
+                        "  {} port {} {} {} lid {} pci {}\n",
+                        d.name,
+                        p.port,
+                        p.link_layer,
+                        if p.active { "active" } else { "down" },
+                        p.lid,
+                        d.pci.as_deref().unwrap_or("-")
+                    ));
+                }
+            }
+            s
+        }
     }
 }
