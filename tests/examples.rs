@@ -1,4 +1,5 @@
-//! Every example runs, so none can rot. (The echo_peer example is run by tests/processes.rs.)
+//! Every example runs, so none can rot. (The echo_peer example is run by tests/processes.rs, and
+//! here by the connect_burst test.)
 
 mod common;
 
@@ -175,4 +176,26 @@ fn bench_command_runs_end_to_end() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// `connect_burst` against an `echo_peer`: every connect is accounted for and every pipe echoes.
+#[test]
+fn connect_burst_dials_at_once_and_checks_every_pipe() {
+    let mut peer = common::ChildProcess::spawn({
+        let mut c = Command::new(example("echo_peer"));
+        c.arg("tcp://127.0.0.1:0");
+        c
+    });
+    let (_, url) = peer
+        .line("listening on ", Duration::from_secs(20))
+        .expect("echo_peer starts");
+    let out = Command::new(example("connect_burst"))
+        .args([url.as_str(), "12"])
+        .output()
+        .expect("run connect_burst");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains(&format!("12 connects to {url}")), "{text}");
+    assert!(text.contains(": 12 ok"), "{text}");
+    assert!(text.contains("12 of 12 pipes carried an echo"), "{text}");
 }

@@ -144,9 +144,10 @@ impl Channel {
                     }
                 }
             }
-            Buffer::Cpu(v) => (
+            // Host memory (the cpu->cuda pair), owned or shared: it stays put until `on_free`.
+            host => (
                 End::Host {
-                    ptr: v.as_ptr() as usize,
+                    ptr: host.as_cpu().map_or(0, |b| b.as_ptr() as usize),
                 },
                 None,
             ),
@@ -212,6 +213,17 @@ impl Channel {
                 },
                 None,
             ),
+            // `Allocation::check` refuses read-only buffers before a read starts.
+            _ => {
+                let e = Error::invalid("cuda_xth: a read into read-only (shared) memory");
+                return self.cuda_to_pipe(CudaDone::Read {
+                    seq,
+                    index,
+                    buffer,
+                    event: None,
+                    result: Err(e),
+                });
+            }
         };
         let key = Key { sender, seq, index };
         self.cuda_keys.push((false, key));

@@ -31,8 +31,7 @@ impl Pipe {
                 memory,
                 result,
             } => {
-                let buffer = Buffer::Cpu(memory.into_vec().unwrap_or_default());
-                self.tensor_written(seq, index, buffer, result);
+                self.tensor_written(seq, index, memory.into_buffer(), result);
             }
             Done::Frame {
                 result, payloads, ..

@@ -253,6 +253,7 @@ impl Pipe {
                 tensors_out += 1;
                 continue;
             }
+            // Host memory: `Allocation::check` refused shared (read-only) buffers before.
             let mut buffer = buffer.into_cpu().unwrap_or_default();
             let on_control = carried.carries(&data);
             if let (true, Some(at), Some(bytes)) = (on_control, tensor_bytes.as_mut(), &inline) {

@@ -16,7 +16,7 @@ impl Pipe {
                 reason: format!(
                     "no channel this pipe carries for {} tensors (negotiated: {})",
                     t.device(),
-                    self.info.channels.join(", ")
+                    self.info.channel_list()
                 ),
             })
     }
@@ -175,6 +175,8 @@ impl Pipe {
             .filter(|(t, &ch)| ch == cpu && kind.sends_on_control(t.buffer.len()))
             .count() as u64;
         self.out_ticket += 1 + on_control;
+        self.sent_on_control += on_control;
+        self.sent_by_channel += message.tensors.len() as u64 - on_control;
         let reply = self
             .reply
             .clone()
@@ -202,13 +204,13 @@ impl Pipe {
                 continue;
             }
             // Routed to the CPU channel: host memory (`route` sends nothing else there).
-            let buffer = mem::take(&mut t.buffer).into_cpu().unwrap_or_default();
+            let buffer = Memory::from(mem::take(&mut t.buffer));
             if kind.sends_on_control(buffer.len() as u64) {
                 batch.push(OutOp::Tensor {
                     ticket: next,
                     seq,
                     index: i as u32,
-                    memory: Memory::Owned(buffer),
+                    memory: buffer,
                     offset: 0,
                     chunk_size: kind.control_chunk(),
                     reply: self.reply.clone().expect("checked above"),
@@ -241,8 +243,7 @@ impl Pipe {
                     message.payloads = payloads;
                 }
                 OutOp::Tensor { index, memory, .. } => {
-                    message.tensors[index as usize].buffer =
-                        Buffer::Cpu(memory.into_vec().unwrap_or_default());
+                    message.tensors[index as usize].buffer = memory.into_buffer();
                 }
             }
         }

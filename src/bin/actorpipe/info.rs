@@ -27,8 +27,46 @@ pub fn run(json: bool) {
             }
         }
         out.push_str(&gpus());
+        out.push_str(&rdma_devices());
+    }
+    if !json {
+        out.push_str(&fabric());
     }
     let _ = std::io::stdout().lock().write_all(out.as_bytes());
+}
+
+/// The libfabric section: version, providers and domains, and whether `efa` can run.
+#[cfg(feature = "efa")]
+fn fabric() -> String {
+    let r = actorpipe::fabric::report();
+    let mut out = format!(
+        "\nlibfabric {} (built against {})\n",
+        r.version, r.built_against
+    );
+    for d in &r.domains {
+        out.push_str(&format!(
+            "  provider {:<12} fabric {:<16} domain {:<10} max message {}{}\n",
+            d.provider,
+            d.fabric,
+            d.domain,
+            d.max_msg_size,
+            if d.mr_local {
+                ", registers local memory"
+            } else {
+                ""
+            }
+        ));
+    }
+    match &r.efa {
+        Ok(()) => out.push_str("efa: usable\n"),
+        Err(why) => out.push_str(&format!("efa: not usable: {why}\n")),
+    }
+    out
+}
+
+#[cfg(not(feature = "efa"))]
+fn fabric() -> String {
+    "\nlibfabric: not in this build (cargo feature `efa` is off)\n".into()
 }
 
 fn line(b: &BackendReport) -> String {
@@ -75,5 +113,29 @@ fn gpus() -> String {
     #[cfg(not(feature = "cuda"))]
     {
         "\ngpu: this build has no CUDA support (build with --features cuda)\n".to_string()
+    }
+}
+
+/// The RDMA devices found (real HCAs; the simulated device is never listed), or why none.
+fn rdma_devices() -> String {
+    match actorpipe::backends::rdma_devices() {
+        Err(why) => format!("\nRDMA devices: none ({why})\n"),
+        Ok(devs) => {
+            let mut s = String::from("\nRDMA devices:\n");
+            for d in devs {
+                for p in &d.ports {
+                    s.push_str(&format!(
+                        "  {} port {} {} {} lid {} pci {}\n",
+                        d.name,
+                        p.port,
+                        p.link_layer,
+                        if p.active { "active" } else { "down" },
+                        p.lid,
+                        d.pci.as_deref().unwrap_or("-")
+                    ));
+                }
+            }
+            s
+        }
     }
 }
