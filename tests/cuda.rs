@@ -88,6 +88,7 @@ fn main() {
         pipe::close_mid_transfer,
     );
     add("pipe_cuda_xth_across_two_gpus", 2, pipe::across_two_gpus);
+    add("pipe_cuda_xth_measure_round_trips", 1, pipe::measure);
     libtest_mimic::run(&args, trials).exit();
 }
 

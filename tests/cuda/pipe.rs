@@ -340,3 +340,83 @@ pub fn across_two_gpus() -> Outcome {
         Ok(())
     })
 }
+
+/// Prints round trips of one CUDA tensor through a pipe pair (cuda_xth, both directions, the
+/// receive into the spare buffers of the last one) next to the raw device-to-device copy of the
+/// same size, twice (there and back). Nothing is asserted on time.
+pub fn measure() -> Outcome {
+    run(async {
+        let (tx, rx, _s) = xth_pair().await?;
+        let g = gpu0()?;
+        let s = g.lease_stream().map_err(fail)?;
+        for len in [4usize << 10, 64 << 20, 1 << 30] {
+            let reps = if len >= 1 << 30 { 8 } else { 200 };
+            let a = CudaBuffer::alloc(0, len).map_err(fail)?;
+            let b = CudaBuffer::alloc(0, len).map_err(fail)?;
+            let mut raw = Vec::new();
+            for _ in 0..reps {
+                let t = std::time::Instant::now();
+                for (dst, src) in [(&b, &a), (&a, &b)] {
+                    // SAFETY: both buffers hold `len` bytes of device 0 and are alive.
+                    unsafe {
+                        cuda::copy_async((dst.device_ptr(), &g), (src.device_ptr(), &g), len, &s)
+                    }
+                    .map_err(fail)?;
+                }
+                s.synchronize().map_err(fail)?;
+                raw.push(t.elapsed().as_secs_f64());
+            }
+            drop((a, b));
+            // Spare buffers for each side's receive, reused from one round to the next.
+            let (mut at_rx, mut at_tx) = (None::<Allocation>, None::<Allocation>);
+            let mut m =
+                Message::new().with_tensor(Tensor::cuda(CudaBuffer::alloc(0, len).map_err(fail)?));
+            let mut pipe = Vec::new();
+            for i in 0..reps + 2 {
+                let t = std::time::Instant::now();
+                let w = actix::spawn(tx.send(Write::new(m)));
+                let got = rx
+                    .send(at_rx.take().map_or_else(Receive::new, Receive::reusing))
+                    .await
+                    .map_err(fail)?;
+                got.result.map_err(fail)?;
+                // Echo: the received tensor goes back, ordered after its copy on the GPU.
+                let back = got.message;
+                if let Some(c) = back.tensors[0].buffer.as_cuda() {
+                    got.cuda.wait_on(c.stream()).map_err(fail)?;
+                }
+                let w2 = actix::spawn(rx.send(Write::new(back)));
+                let home = tx
+                    .send(at_tx.take().map_or_else(Receive::new, Receive::reusing))
+                    .await
+                    .map_err(fail)?;
+                home.result.map_err(fail)?;
+                home.cuda.wait().map_err(fail)?;
+                let elapsed = t.elapsed().as_secs_f64();
+                let sent = w.await.map_err(fail)?.map_err(fail)?;
+                sent.result.map_err(fail)?;
+                let echoed = w2.await.map_err(fail)?.map_err(fail)?;
+                echoed.result.map_err(fail)?;
+                at_rx = Some(Allocation::from(echoed.message));
+                at_tx = Some(Allocation::from(sent.message));
+                m = home.message;
+                if i >= 2 {
+                    pipe.push(elapsed);
+                }
+            }
+            let (r, p) = (super::median(raw), super::median(pipe));
+            println!(
+                "MEASURE pipe cuda_xth round trip, {len} B: p50 {:.1} us; raw D2D there and back {:.1} us ({:.0} % of raw{})",
+                p * 1e6,
+                r * 1e6,
+                100.0 * r / p,
+                if len >= 1 << 20 {
+                    format!(", {:.1} GB/s each way", 2.0 * len as f64 / p / 1e9)
+                } else {
+                    String::new()
+                }
+            );
+        }
+        Ok(())
+    })
+}
