@@ -189,15 +189,16 @@ impl Channel {
             data,
             data_complete,
         } = m;
+        let refuse = |buffer, e| CudaDone::Read {
+            seq,
+            index,
+            buffer,
+            event: None,
+            result: Err(e),
+        };
         let Ok(sender) = <[u8; 8]>::try_from(data.as_slice()).map(u64::from_le_bytes) else {
             let e = Error::protocol("cuda_xth channel data is not a pipe id", &self.origin);
-            return self.cuda_to_pipe(CudaDone::Read {
-                seq,
-                index,
-                buffer,
-                event: None,
-                result: Err(e),
-            });
+            return self.cuda_to_pipe(refuse(buffer, e));
         };
         let (dst, stream) = match &mut buffer {
             Buffer::Cuda(b) => (
@@ -216,13 +217,7 @@ impl Channel {
             // `Allocation::check` refuses read-only buffers before a read starts.
             _ => {
                 let e = Error::invalid("cuda_xth: a read into read-only (shared) memory");
-                return self.cuda_to_pipe(CudaDone::Read {
-                    seq,
-                    index,
-                    buffer,
-                    event: None,
-                    result: Err(e),
-                });
+                return self.cuda_to_pipe(refuse(buffer, e));
             }
         };
         let key = Key { sender, seq, index };

@@ -80,6 +80,15 @@ impl CloneHandle for CudaBuffer {
     }
 }
 
+/// The next descriptor.
+async fn descriptor(rx: &Addr<Pipe>) -> Result<actorpipe::Descriptor, Failed> {
+    rx.send(ReadDescriptor)
+        .await
+        .map_err(fail)?
+        .descriptor
+        .map_err(fail)
+}
+
 /// One message of each device pair: host, cuda->cuda, cpu->cuda, cuda->cpu, with a payload.
 fn mixed(i: u64, sizes: [usize; 4]) -> Result<(Message, Vec<Vec<u8>>), Failed> {
     let data: Vec<Vec<u8>> = (0..4)
@@ -219,12 +228,7 @@ pub fn data_complete_reads() -> Outcome {
         for i in 0..4u64 {
             let (m, data) = mixed(i, [1000, 3 << 20, 70_000, 4096])?;
             let w = tx.send(Write::new(m));
-            let d = rx
-                .send(ReadDescriptor)
-                .await
-                .map_err(fail)?
-                .descriptor
-                .map_err(fail)?;
+            let d = descriptor(&rx).await?;
             if i == 0 {
                 // Host memory for a tensor that lands on the GPU: refused, nothing lost.
                 let mut wrong = Allocation::for_descriptor(&d).map_err(fail)?;
@@ -318,12 +322,7 @@ pub fn across_two_gpus() -> Outcome {
         for (i, len) in [4096usize, 64 << 20].into_iter().enumerate() {
             let (b, data) = filled(0, 100 + i as u64, len)?;
             let w = tx.send(Write::new(Message::new().with_tensor(Tensor::cuda(b))));
-            let d = rx
-                .send(ReadDescriptor)
-                .await
-                .map_err(fail)?
-                .descriptor
-                .map_err(fail)?;
+            let d = descriptor(&rx).await?;
             let alloc = Allocation::for_descriptor_on(&d, 1).map_err(fail)?;
             let done = rx.send(Read::new(alloc)).await.map_err(fail)?;
             done.result.map_err(fail)?;
