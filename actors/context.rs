@@ -132,7 +132,8 @@ impl std::fmt::Debug for Config {
 /// Builds a [`Context`].
 ///
 /// With no settings it enables every backend that can run here: transports `tcp` and `shm`,
-/// channels `basic`, `xth`, `cma` (if a trial read of this process succeeds) and `mpt` (2 lanes).
+/// channels `basic`, `xth`, `cma` (if a trial read of this process succeeds) and `mpt` (2 lanes),
+/// and with the `cuda` feature `cuda_xth` (one per device pair) where a CUDA GPU is.
 /// Every backend can be removed ([`without`](Self::without)), re-prioritised
 /// ([`priority`](Self::priority)) or replaced by one configured differently
 /// ([`transport`](Self::transport), [`channel`](Self::channel)).
@@ -177,7 +178,12 @@ impl Default for ContextBuilder {
             .channel(Arc::new(Basic))
             .channel(Arc::new(Xth))
             .channel(Arc::new(Mpt::default()));
-        b.channel(Arc::new(Cma))
+        b = b.channel(Arc::new(Cma));
+        #[cfg(feature = "cuda")]
+        for c in crate::channel::cuda_xth::CudaXth::all() {
+            b = b.channel(c);
+        }
+        b
     }
 }
 
@@ -329,10 +335,12 @@ impl ContextBuilder {
         self
     }
 
-    /// Adds a channel at its default priority, replacing one of the same name.
+    /// Adds a channel at its default priority, replacing one of the same name and device pair.
     pub fn channel(mut self, c: Arc<dyn ChannelBackend>) -> Self {
         let p = c.priority();
-        self.config.channels.retain(|(x, _)| x.name() != c.name());
+        self.config
+            .channels
+            .retain(|(x, _)| (x.name(), x.devices()) != (c.name(), c.devices()));
         self.config.channels.push((c, p));
         self
     }

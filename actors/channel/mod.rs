@@ -48,6 +48,9 @@ pub(crate) enum ChannelKind {
     },
     /// Stripes over several lane connections.
     Mpt { chunk_size: usize },
+    /// CUDA tensors between two contexts of one process (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    CudaXth { pipe: u64 },
 }
 
 impl ChannelKind {
@@ -66,9 +69,12 @@ impl ChannelKind {
     /// one whose channel data is empty (a [`RemoteBuffer`] never is).
     pub fn carried(&self) -> Carried {
         match self {
-            ChannelKind::Basic { .. } => Carried::All,
-            ChannelKind::Cma { .. } => Carried::NoData,
+            // Every basic tensor has empty channel data (the pipe checks it), while a tensor
+            // routed to a CUDA channel never does: it travels elsewhere.
+            ChannelKind::Basic { .. } | ChannelKind::Cma { .. } => Carried::NoData,
             ChannelKind::Xth { .. } | ChannelKind::Mpt { .. } => Carried::Nothing,
+            #[cfg(feature = "cuda")]
+            ChannelKind::CudaXth { .. } => Carried::Nothing,
         }
     }
 
@@ -79,6 +85,18 @@ impl ChannelKind {
             | ChannelKind::Cma { chunk_size, .. }
             | ChannelKind::Mpt { chunk_size } => chunk_size,
             ChannelKind::Xth { .. } => usize::MAX,
+            #[cfg(feature = "cuda")]
+            ChannelKind::CudaXth { .. } => usize::MAX,
+        }
+    }
+
+    /// Whether this kind moves CUDA-routed tensors (those of a device pair other than
+    /// cpu->cpu), with [`SendCuda`] and [`RecvCuda`].
+    pub(crate) fn carries_cuda(&self) -> bool {
+        match self {
+            #[cfg(feature = "cuda")]
+            ChannelKind::CudaXth { .. } => true,
+            _ => false,
         }
     }
 }
@@ -132,6 +150,17 @@ pub struct Channel {
     /// Parked xth tensors, with their direction (`true` when sending).
     xth_keys: Vec<(bool, crate::channel::xth::Key)>,
     ack_armed: bool,
+    /// Where CUDA completions go: the pipe's CUDA queue.
+    #[cfg(feature = "cuda")]
+    cuda_reply: Option<CudaReply>,
+    /// The channel's own CUDA completion queue (the rendezvous's callbacks), made on first use.
+    #[cfg(feature = "cuda")]
+    cuda_own: Option<CudaReply>,
+    #[cfg(feature = "cuda")]
+    cuda_rx: Option<mpsc::UnboundedReceiver<CudaDone>>,
+    /// Parked CUDA tensors, with their direction (`true` when sending).
+    #[cfg(feature = "cuda")]
+    cuda_keys: Vec<(bool, crate::channel::cuda_xth::Key)>,
     /// cma reads running on blocking threads.
     reading: usize,
     stopping: bool,
@@ -198,10 +227,25 @@ impl Channel {
             held: HashMap::new(),
             xth_keys: Vec::new(),
             ack_armed: false,
+            #[cfg(feature = "cuda")]
+            cuda_reply: None,
+            #[cfg(feature = "cuda")]
+            cuda_own: None,
+            #[cfg(feature = "cuda")]
+            cuda_rx: None,
+            #[cfg(feature = "cuda")]
+            cuda_keys: Vec::new(),
             reading: 0,
             stopping: false,
             fallbacks,
         }
+    }
+
+    /// Sends the completions of CUDA-routed tensors to `reply` (the pipe's CUDA queue).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn with_cuda(mut self, reply: CudaReply) -> Self {
+        self.cuda_reply = Some(reply);
+        self
     }
 
     /// A sender into the channel's own completion queue, made on first use. The handler that
@@ -222,6 +266,10 @@ impl Channel {
     /// handler that can call [`Self::own`] ends with this.
     fn poll_own(&mut self, ctx: &mut Context<Self>) {
         if let Some(rx) = self.own_rx.take() {
+            ctx.add_stream(Queue(rx));
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(rx) = self.cuda_rx.take() {
             ctx.add_stream(Queue(rx));
         }
     }
@@ -268,6 +316,10 @@ impl Channel {
         }
         if self.reading == 0 {
             self.close_acks();
+        }
+        #[cfg(feature = "cuda")]
+        if !self.cuda_keys.is_empty() {
+            return;
         }
         if self.held.is_empty() && self.xth_keys.is_empty() && self.reading == 0 {
             ctx.stop();
@@ -427,6 +479,13 @@ impl Handler<SendTensor> for Channel {
             ChannelKind::Mpt { chunk_size } => {
                 self.stripe(m.seq, m.index, m.buffer, true, chunk_size)
             }
+            #[cfg(feature = "cuda")]
+            ChannelKind::CudaXth { .. } => self.to_pipe(Done::WroteTensor {
+                seq: m.seq,
+                index: m.index,
+                memory: m.buffer,
+                result: Err(self.misrouted()),
+            }),
         }
         self.poll_own(ctx);
     }
@@ -452,6 +511,13 @@ impl Handler<RecvTensor> for Channel {
             ChannelKind::Mpt { chunk_size } => {
                 self.stripe(m.seq, m.index, Memory::Owned(m.buffer), false, chunk_size)
             }
+            #[cfg(feature = "cuda")]
+            ChannelKind::CudaXth { .. } => self.to_pipe(Done::Tensor {
+                seq: m.seq,
+                index: m.index,
+                memory: Memory::Owned(m.buffer),
+                result: Err(self.misrouted()),
+            }),
         }
         self.poll_own(ctx);
     }
@@ -471,6 +537,8 @@ impl Handler<StopChannel> for Channel {
             // or from the other side if it got there first. Either way `on_own` removes the key.
             crate::channel::xth::withdraw(*k, &e);
         }
+        #[cfg(feature = "cuda")]
+        self.withdraw_cuda(&e);
         if let ChannelKind::Cma { .. } = self.kind {
             // A peer may be reading our buffers right now: they go back to the user only once
             // it acknowledges or hangs up its side connection (it does when its reads are
@@ -494,7 +562,12 @@ fn lane_gone() -> Error {
 }
 
 mod cma;
+#[cfg(feature = "cuda")]
+mod cuda_xth;
 mod mpt;
 mod xth;
+
+#[cfg(feature = "cuda")]
+pub(crate) use cuda_xth::{CudaDone, CudaReply, RecvCuda, SendCuda};
 
 use cma::CMA_GRACE;
