@@ -48,6 +48,10 @@ pub(crate) enum ChannelKind {
     },
     /// Stripes over several lane connections.
     Mpt { chunk_size: usize },
+    /// RDMA writes into the receiver's registered buffer (feature `ibv`). Tensors of
+    /// 1..=`inline_max` bytes (at least the 31 under the verbs minimum) travel like basic ones.
+    #[cfg(feature = "ibv")]
+    Ibv { chunk_size: usize, inline_max: u64 },
 }
 
 impl ChannelKind {
@@ -57,6 +61,8 @@ impl ChannelKind {
         match *self {
             ChannelKind::Basic { .. } => true,
             ChannelKind::Cma { inline_max, .. } => len > 0 && len <= inline_max,
+            #[cfg(feature = "ibv")]
+            ChannelKind::Ibv { inline_max, .. } => len > 0 && len <= inline_max,
             _ => false,
         }
     }
@@ -68,6 +74,8 @@ impl ChannelKind {
         match self {
             ChannelKind::Basic { .. } => Carried::All,
             ChannelKind::Cma { .. } => Carried::NoData,
+            #[cfg(feature = "ibv")]
+            ChannelKind::Ibv { .. } => Carried::NoData,
             ChannelKind::Xth { .. } | ChannelKind::Mpt { .. } => Carried::Nothing,
         }
     }
@@ -78,6 +86,8 @@ impl ChannelKind {
             ChannelKind::Basic { chunk_size }
             | ChannelKind::Cma { chunk_size, .. }
             | ChannelKind::Mpt { chunk_size } => chunk_size,
+            #[cfg(feature = "ibv")]
+            ChannelKind::Ibv { chunk_size, .. } => chunk_size,
             ChannelKind::Xth { .. } => usize::MAX,
         }
     }
@@ -136,6 +146,9 @@ pub struct Channel {
     reading: usize,
     stopping: bool,
     fallbacks: Arc<AtomicU64>,
+    /// The ibv channel's queue pair.
+    #[cfg(feature = "ibv")]
+    ibv: Option<ibv::IbvSide>,
 }
 
 /// Send one tensor.
@@ -200,7 +213,20 @@ impl Channel {
             reading: 0,
             stopping: false,
             fallbacks,
+            #[cfg(feature = "ibv")]
+            ibv: None,
         }
+    }
+
+    /// The ibv channel's queue pair, bootstrapped over `lanes` once the actor starts.
+    #[cfg(feature = "ibv")]
+    pub(crate) fn with_ibv(
+        mut self,
+        backend: &crate::channel::ibv::IbvChannel,
+        lanes: Vec<crate::handshake::Halves>,
+    ) -> Self {
+        self.ibv = Some(ibv::IbvSide::new(backend, lanes, &self.origin));
+        self
     }
 
     /// A sender into the channel's own completion queue, made on first use. The handler that
@@ -267,6 +293,10 @@ impl Channel {
         }
         if self.reading == 0 {
             self.close_acks();
+        }
+        #[cfg(feature = "ibv")]
+        if !self.ibv_idle() {
+            return;
         }
         if self.held.is_empty() && self.xth_keys.is_empty() && self.reading == 0 {
             ctx.stop();
@@ -383,10 +413,14 @@ impl Actor for Channel {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         self.poll_own(ctx);
+        #[cfg(feature = "ibv")]
+        self.ibv_start(ctx);
     }
 
     fn stopped(&mut self, _: &mut Self::Context) {
         self.shutdown_lanes();
+        #[cfg(feature = "ibv")]
+        self.ibv_forget();
         // A channel torn down with buffers still out (the system shutting down) must not free
         // memory the I/O loops may still touch.
         for (_, h) in self.held.drain() {
@@ -425,6 +459,11 @@ impl Handler<SendTensor> for Channel {
             ChannelKind::Mpt { chunk_size } => {
                 self.stripe(m.seq, m.index, m.buffer, true, chunk_size)
             }
+            #[cfg(feature = "ibv")]
+            ChannelKind::Ibv { .. } => {
+                self.send_ibv(m);
+                return self.ibv_flush(ctx);
+            }
         }
         self.poll_own(ctx);
     }
@@ -449,6 +488,11 @@ impl Handler<RecvTensor> for Channel {
             ChannelKind::Cma { threads, .. } => self.recv_cma(m, threads, ctx),
             ChannelKind::Mpt { chunk_size } => {
                 self.stripe(m.seq, m.index, m.buffer, false, chunk_size)
+            }
+            #[cfg(feature = "ibv")]
+            ChannelKind::Ibv { .. } => {
+                self.recv_ibv(m);
+                return self.ibv_flush(ctx);
             }
         }
         self.poll_own(ctx);
@@ -476,8 +520,12 @@ impl Handler<StopChannel> for Channel {
             ctx.run_later(CMA_GRACE, |act, _| act.shutdown_lanes());
         } else {
             self.shutdown_lanes();
+            #[cfg(feature = "ibv")]
+            self.stop_ibv(e.clone());
             self.fail_held(e);
         }
+        #[cfg(feature = "ibv")]
+        self.ibv_flush(ctx);
         self.maybe_stop(ctx);
         self.poll_own(ctx);
     }
@@ -492,6 +540,8 @@ fn lane_gone() -> Error {
 }
 
 mod cma;
+#[cfg(feature = "ibv")]
+mod ibv;
 mod mpt;
 mod xth;
 

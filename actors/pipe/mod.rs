@@ -260,10 +260,29 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                         .unwrap_or_else(|| crate::channel::cma::inline_max(&choice.transport)),
                 },
                 "mpt" => ChannelKind::Mpt { chunk_size },
+                #[cfg(feature = "ibv")]
+                "ibv" => ChannelKind::Ibv {
+                    chunk_size,
+                    inline_max: ibv_backend(config)
+                        .map_or(crate::channel::ibv::MIN_INLINE, |b| b.inline_max()),
+                },
                 // Negotiation only offers what this build has; everything else is basic.
                 _ => ChannelKind::Basic { chunk_size },
             };
             kinds.push(kind);
+            // The ibv channel bootstraps its queue pair over its lane itself.
+            #[cfg(feature = "ibv")]
+            if let (ChannelKind::Ibv { .. }, Some(backend)) = (kind, ibv_backend(config)) {
+                return Channel::new(
+                    kind,
+                    Vec::new(),
+                    reply.clone(),
+                    origin.clone(),
+                    fallbacks.clone(),
+                )
+                .with_ibv(&backend, lanes)
+                .start();
+            }
             let lanes = lanes
                 .into_iter()
                 .map(|h| {
@@ -868,3 +887,13 @@ mod write;
 use completion::deferred;
 pub(crate) use completion::Completer;
 pub use completion::Deferred;
+
+/// The context's `ibv` channel backend.
+#[cfg(feature = "ibv")]
+fn ibv_backend(config: &Config) -> Option<crate::channel::ibv::IbvChannel> {
+    config
+        .channels
+        .iter()
+        .find(|(c, _)| c.name() == "ibv")
+        .and_then(|(c, _)| c.as_any()?.downcast_ref().cloned())
+}

@@ -26,10 +26,10 @@
 //! - **Close.** A write half that shuts down sends an immediate with [`CLOSE`] set after its
 //!   last bytes: the peer reads to the end, then sees end of stream.
 
-use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::task::Waker;
 
+use crate::verbs::sendq::SendQueue;
 use crate::verbs::{
     Completion, MemoryRegion, Opcode, QueuePair, RecvWr, SendOp, SendWr, Sge, Status, VerbsError,
     MIN_OP_BYTES,
@@ -67,15 +67,10 @@ pub(crate) struct RemoteRing {
     pub(crate) cap: usize,
 }
 
-/// Counters the queue-pair actor reports.
+/// Counters the queue-pair actor reports (the send queue's are in its
+/// [`SendStats`](crate::verbs::sendq::SendStats)).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct QpStats {
-    /// Work requests posted to the send queue.
-    pub posted: u64,
-    /// Work requests that had to wait in the backlog first.
-    pub backlogged: u64,
-    /// The longest the backlog has been.
-    pub backlog_max: usize,
     /// Completions handled.
     pub completions: u64,
     /// Credit returns sent.
@@ -96,9 +91,8 @@ pub(crate) struct Core {
     in_head: u64,
     in_tail: u64,
     to_ack: u64,
-    // Send queue.
-    sq_inflight: u32,
-    backlog: VecDeque<SendWr>,
+    // Send queue and its backlog.
+    pub(crate) sq: SendQueue,
     // Lifecycle.
     pub(crate) failed: Option<String>,
     pub(crate) peer_closed: bool,
@@ -145,8 +139,7 @@ impl Core {
             in_head: 0,
             in_tail: 0,
             to_ack: 0,
-            sq_inflight: 0,
-            backlog: VecDeque::new(),
+            sq: SendQueue::default(),
             failed: None,
             peer_closed: false,
             peer_gone: false,
@@ -176,40 +169,8 @@ impl Core {
 
     /// Posts `wr`, or queues it behind the backlog when the send queue is full.
     fn submit(&mut self, wr: SendWr) {
-        if self.backlog.is_empty() && self.sq_inflight < self.qp.caps().max_send_wr {
-            match self.qp.post_send(&wr) {
-                Ok(()) => {
-                    self.sq_inflight += 1;
-                    self.stats.posted += 1;
-                    return;
-                }
-                Err(VerbsError::QueueFull(_)) => {}
-                Err(e) => {
-                    self.fail(format!("ibv_post_send: {e}"));
-                    return;
-                }
-            }
-        }
-        self.stats.backlogged += 1;
-        self.backlog.push_back(wr);
-        self.stats.backlog_max = self.stats.backlog_max.max(self.backlog.len());
-    }
-
-    /// Posts backlogged requests while the send queue has room.
-    fn drain_backlog(&mut self) {
-        while self.sq_inflight < self.qp.caps().max_send_wr {
-            let Some(wr) = self.backlog.front().copied() else {
-                return;
-            };
-            match self.qp.post_send(&wr) {
-                Ok(()) => {
-                    self.backlog.pop_front();
-                    self.sq_inflight += 1;
-                    self.stats.posted += 1;
-                }
-                Err(VerbsError::QueueFull(_)) => return,
-                Err(e) => return self.fail(format!("ibv_post_send: {e}")),
-            }
+        if let Err(e) = self.sq.submit(&mut *self.qp, wr) {
+            self.fail(format!("ibv_post_send: {e}"));
         }
     }
 
@@ -314,7 +275,7 @@ impl Core {
 
     /// Whether every byte written has been placed in the peer's inbox (and nothing waits).
     pub(crate) fn flushed(&self) -> bool {
-        self.sq_inflight == 0 && self.backlog.is_empty()
+        self.sq.idle()
     }
 
     /// The write half is done: send the close mark after the last bytes.
@@ -368,14 +329,16 @@ impl Core {
         }
         self.scratch = scratch;
         if self.failed.is_none() {
-            self.drain_backlog();
+            if let Err(e) = self.sq.drain(&mut *self.qp) {
+                self.fail(format!("ibv_post_send: {e}"));
+            }
         }
     }
 
     fn complete(&mut self, c: Completion) {
         self.stats.completions += 1;
         if c.opcode != Opcode::Recv {
-            self.sq_inflight = self.sq_inflight.saturating_sub(1);
+            self.sq.completed();
         }
         if c.status != Status::Success {
             if self.failed.is_none() {
