@@ -6,7 +6,7 @@ use std::time::Duration;
 use actix::prelude::*;
 
 use super::listener::Listener;
-use super::messages::{Connect, Listen, Listening};
+use super::messages::{Connect, Endpoint, GetMetricsAddr, Listen, Listening};
 use super::pipe::{spawn_pipe, Pipe, PipeParts};
 use crate::channel::basic::{Basic, DEFAULT_CHUNK_SIZE};
 use crate::channel::cma::Cma;
@@ -22,12 +22,16 @@ use crate::transport::tcp::Tcp;
 use crate::transport::{scheme, Acceptor, Transport};
 use crate::wire::Limits;
 
+/// Default of [`ContextBuilder::max_pending_pipes`].
+pub const DEFAULT_MAX_PENDING_PIPES: usize = 128;
+
 /// Settings shared by every pipe of a context.
 pub struct Config {
     pub(crate) limits: Limits,
     pub(crate) chunk_size: usize,
     pub(crate) connect_timeout: Duration,
     pub(crate) handshake_timeout: Duration,
+    pub(crate) max_pending_pipes: usize,
     pub(crate) cma_threads: usize,
     pub(crate) cma_inline_max: Option<u64>,
     pub(crate) metrics_addr: Option<std::net::SocketAddr>,
@@ -100,6 +104,7 @@ impl std::fmt::Debug for Config {
             .field("chunk_size", &self.chunk_size)
             .field("connect_timeout", &self.connect_timeout)
             .field("handshake_timeout", &self.handshake_timeout)
+            .field("max_pending_pipes", &self.max_pending_pipes)
             .field("cma_threads", &self.cma_threads)
             .field("cma_inline_max", &self.cma_inline_max)
             .field("metrics_addr", &self.metrics_addr)
@@ -147,6 +152,7 @@ impl Default for ContextBuilder {
                 chunk_size: DEFAULT_CHUNK_SIZE,
                 connect_timeout: Duration::from_secs(10),
                 handshake_timeout: Duration::from_secs(10),
+                max_pending_pipes: DEFAULT_MAX_PENDING_PIPES,
                 cma_threads: 2,
                 cma_inline_max: None,
                 metrics_addr: None,
@@ -159,6 +165,14 @@ impl Default for ContextBuilder {
         b = b
             .transport(Arc::new(Tcp::default()))
             .transport(Arc::new(Shm::new()));
+        #[cfg(feature = "efa")]
+        {
+            // Offered only where its provider runs (efa, or ACTORPIPE_EFA_PROVIDER).
+            let efa = crate::actors::fabric::transport::Efa::from_env();
+            if efa.viable().is_ok() {
+                b = b.transport(Arc::new(efa));
+            }
+        }
         b = b
             .channel(Arc::new(Basic))
             .channel(Arc::new(Xth))
@@ -189,6 +203,17 @@ impl ContextBuilder {
     /// How long the handshake of a new pipe may take, on either side.
     pub fn handshake_timeout(mut self, t: Duration) -> Self {
         self.config.handshake_timeout = t;
+        self
+    }
+
+    /// How many pipes a listener of this context sets up at once (handshaking, or waiting for
+    /// their extra connections to join); 128 by default. A `Hello` over the bound is refused at
+    /// once with "too many pending handshakes" ([`Error::Refused`] on the connecting side), so a
+    /// burst of connects cannot make every pipe wait on the others. Independently, a listener
+    /// admits a pipe only if the descriptors its connections need fit under `RLIMIT_NOFILE`
+    /// (docs/operations.md).
+    pub fn max_pending_pipes(mut self, n: usize) -> Self {
+        self.config.max_pending_pipes = n.max(1);
         self
     }
 
@@ -286,6 +311,16 @@ impl ContextBuilder {
         self
     }
 
+    /// Enables the `efa` transport over libfabric's `provider` (`efa`, `tcp;ofi_rxm`, `shm`),
+    /// replacing the default one (which uses `efa`, or `ACTORPIPE_EFA_PROVIDER`). See
+    /// docs/efa.md.
+    #[cfg(feature = "efa")]
+    pub fn efa(self, provider: &str) -> Self {
+        self.transport(Arc::new(crate::actors::fabric::transport::Efa::new(
+            provider,
+        )))
+    }
+
     /// Adds a transport at its default priority, replacing one of the same name.
     pub fn transport(mut self, t: Arc<dyn Transport>) -> Self {
         let p = t.priority();
@@ -306,6 +341,15 @@ impl ContextBuilder {
     pub fn without(mut self, name: &str) -> Self {
         self.config.transports.retain(|(t, _)| t.name() != name);
         self.config.channels.retain(|(c, _)| c.name() != name);
+        self
+    }
+
+    /// Keeps only the transports named; handy to force one. A `Listen` or `Connect` URL must
+    /// still name an enabled transport.
+    pub fn only_transports(mut self, names: &[&str]) -> Self {
+        self.config
+            .transports
+            .retain(|(t, _)| names.contains(&t.name()));
         self
     }
 
@@ -335,6 +379,10 @@ impl ContextBuilder {
     /// Serves this process's metrics (Prometheus text) at `addr` when the context is built.
     /// Without it, `ACTORPIPE_METRICS_ADDR` (an address, or a port on 127.0.0.1) is used if set.
     /// One exporter serves the whole process; see [`crate::metrics::serve`].
+    ///
+    /// The address bound (port 0 picks one) or the bind failure is what
+    /// [`Context::metrics_addr`] returns, and what [`GetMetricsAddr`] answers once the context
+    /// runs.
     pub fn metrics(mut self, addr: std::net::SocketAddr) -> Self {
         self.config.metrics_addr = Some(addr);
         self
@@ -342,8 +390,8 @@ impl ContextBuilder {
 
     /// Builds the context actor (start it with [`Actor::start`]).
     ///
-    /// If metrics were asked for and cannot be served, the context still works and the failure
-    /// is logged at error level; call [`crate::metrics::serve`] yourself to handle it.
+    /// If metrics were asked for and cannot be served, the context still works, the failure is
+    /// logged at error level and [`Context::metrics_addr`] returns it.
     pub fn build(mut self) -> Context {
         // A backend that cannot run here is not offered (`actorpipe info` says why).
         self.config.transports.retain(|(t, _)| match t.viable() {
@@ -364,12 +412,17 @@ impl ContextBuilder {
             Some(a) => Ok(Some(a)),
             None => crate::metrics::addr_from_env(),
         };
-        match addr.and_then(|a| a.map(crate::metrics::serve).transpose()) {
-            Ok(_) => {}
-            Err(e) => tracing::error!(error = %e, "metrics not served"),
+        let metrics = match addr {
+            Ok(None) => None,
+            Ok(Some(a)) => Some(crate::metrics::serve(a)),
+            Err(e) => Some(Err(e)),
+        };
+        if let Some(Err(e)) = &metrics {
+            tracing::error!(error = %e, "metrics not served");
         }
         Context {
             config: Arc::new(self.config),
+            metrics,
         }
     }
 
@@ -377,18 +430,42 @@ impl ContextBuilder {
     pub fn start(self) -> Addr<Context> {
         self.build().start()
     }
+
+    /// Builds the context here and starts it on another arbiter (another thread: see
+    /// `actix::Arbiter`). Its pipes and listeners run there; the returned address works from
+    /// any thread.
+    pub fn start_in(self, arbiter: &actix::ArbiterHandle) -> Addr<Context> {
+        let context = self.build();
+        Context::start_in_arbiter(arbiter, move |_| context)
+    }
 }
 
 /// The registry of backends; send it [`Connect`] and [`Listen`].
 #[derive(Debug)]
 pub struct Context {
     config: Arc<Config>,
+    metrics: Option<Result<std::net::SocketAddr, Error>>,
 }
 
 impl Context {
     /// A builder with every backend that can run here.
     pub fn builder() -> ContextBuilder {
         ContextBuilder::default()
+    }
+
+    /// Where this process's metrics are served, if this context was asked to serve them
+    /// ([`ContextBuilder::metrics`] or `ACTORPIPE_METRICS_ADDR`): the address bound, or why
+    /// binding failed. `None` if it was not asked.
+    pub fn metrics_addr(&self) -> Option<Result<std::net::SocketAddr, Error>> {
+        self.metrics.clone()
+    }
+}
+
+impl Handler<GetMetricsAddr> for Context {
+    type Result = Option<Result<std::net::SocketAddr, Error>>;
+
+    fn handle(&mut self, _: GetMetricsAddr, _: &mut Self::Context) -> Self::Result {
+        self.metrics_addr()
     }
 }
 
@@ -402,7 +479,7 @@ async fn dial(config: Arc<Config>, url: String) -> Result<PipeParts, Error> {
     let t = config.connect_timeout;
     let stream = config.transport(&bootstrap)?.connect(&url, t).await?;
     let secret = config.secret.as_deref();
-    let hs = handshake::connect(
+    let mut hs = handshake::connect(
         stream,
         &config.brochure(&[]),
         secret,
@@ -461,6 +538,8 @@ async fn dial(config: Arc<Config>, url: String) -> Result<PipeParts, Error> {
             }
         }
     }
+    // The pipe exists once the listener says it has every connection.
+    handshake::accepted(&mut hs.halves, &config.limits, config.handshake_timeout).await?;
     Ok(PipeParts {
         peer: hs.halves.peer.clone(),
         control: control.unwrap_or(hs.halves),
@@ -513,13 +592,23 @@ impl Handler<Listen> for Context {
                     }
                 }
             }
-            let urls = acceptors
+            let endpoints: Vec<Endpoint> = acceptors
                 .iter()
                 .filter(|(n, _)| msg.urls.iter().any(|u| scheme(u).ok() == Some(n.as_str())))
-                .flat_map(|(_, a)| a.urls())
+                .flat_map(|(n, a)| {
+                    a.urls().into_iter().map(|url| Endpoint {
+                        transport: n.clone(),
+                        url,
+                    })
+                })
                 .collect();
-            let listener = Listener::new(acceptors, msg.subscriber, config).start();
-            Ok(Listening { listener, urls })
+            let urls = endpoints.iter().map(|e| e.url.clone()).collect();
+            let listener = Listener::new(acceptors, msg.subscriber, config, &msg.require).start();
+            Ok(Listening {
+                listener,
+                urls,
+                endpoints,
+            })
         })
     }
 }

@@ -8,6 +8,10 @@
 mod channel;
 mod connection;
 mod context;
+mod ext;
+#[cfg(feature = "efa")]
+pub mod fabric;
+pub mod hardware;
 mod inbox;
 mod listener;
 mod messages;
@@ -16,6 +20,7 @@ mod pipe;
 pub(crate) mod queue_pair;
 
 pub use context::{Config, Context, ContextBuilder};
+pub use ext::{Call, ContextExt, PipeExt};
 pub use inbox::{inbox, Inbox};
 pub use listener::Listener;
 pub use messages::*;

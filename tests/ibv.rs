@@ -192,10 +192,18 @@ async fn the_channel_negotiates_between_simulated_contexts_and_not_with_tcp_only
     for p in [&tx, &rx] {
         let info = p.send(GetInfo).await.unwrap();
         assert_eq!(info.transport, "ibv");
-        assert_eq!(info.channels, vec!["ibv (cpu->cpu)".to_string()]);
+        assert_eq!(info.channel_list(), "ibv (cpu->cpu)");
     }
     let w = tx.send(Write::new(checked_message(1, &[100], &[31, 32, 5 << 20])));
     assert_eq!(verify(&within(20, "read", read_one(&rx)).await.unwrap()), 1);
+    w.await.unwrap().result.unwrap();
+    // Shared, read-only bytes are written from too (registered for local access only).
+    let bytes = pattern(9, 1 << 20);
+    let w = tx.send(Write::new(
+        Message::new().with_tensor(Tensor::shared(bytes.clone())),
+    ));
+    let m = within(20, "read", read_one(&rx)).await.unwrap();
+    assert_eq!(m.tensors[0].buffer.as_cpu().unwrap(), &bytes[..]);
     w.await.unwrap().result.unwrap();
 
     // A peer without the channel: basic.
@@ -205,7 +213,7 @@ async fn the_channel_negotiates_between_simulated_contexts_and_not_with_tcp_only
     )
     .await;
     let info = tx.send(GetInfo).await.unwrap();
-    assert_eq!(info.channels, vec!["basic (cpu->cpu)".to_string()]);
+    assert_eq!(info.channel_list(), "basic (cpu->cpu)");
 }
 
 // The transport's queue pairs are made during the bootstrap, before either side's channel
@@ -281,7 +289,7 @@ async fn peer_death_fails_writes_waiting_in_the_channel() {
         .expect("connect");
     pipe.await.unwrap();
     let info = tx.send(GetInfo).await.unwrap();
-    assert_eq!(info.channels, vec!["ibv (cpu->cpu)".to_string()]);
+    assert_eq!(info.channel_list(), "ibv (cpu->cpu)");
     let (done_to, mut done) = inbox::<WriteDone>();
     for i in 0..3u64 {
         tx.do_send(Write::new(checked_message(i, &[], &[1 << 20])).notify(done_to.clone()));

@@ -82,7 +82,7 @@ struct Backend {
     builder: fn() -> ContextBuilder,
 }
 
-const BACKENDS: [Backend; 5] = [
+const BACKENDS: &[Backend] = &[
     Backend {
         name: "tcp_basic",
         transport: "tcp",
@@ -122,6 +122,31 @@ const BACKENDS: [Backend; 5] = [
         transport: "shm",
         channel: "cma",
         builder: Context::builder,
+    },
+    // The efa transport over libfabric's providers (no EFA device here); basic tensors ride it.
+    #[cfg(feature = "efa")]
+    Backend {
+        name: "efa_tcp_basic",
+        transport: "efa",
+        channel: "basic",
+        builder: || {
+            Context::builder()
+                .without("shm")
+                .efa("tcp;ofi_rxm")
+                .only_channels(&["basic"])
+        },
+    },
+    #[cfg(feature = "efa")]
+    Backend {
+        name: "efa_shm_basic",
+        transport: "efa",
+        channel: "basic",
+        builder: || {
+            Context::builder()
+                .without("shm")
+                .efa("shm")
+                .only_channels(&["basic"])
+        },
     },
 ];
 
@@ -262,9 +287,7 @@ async fn trial(b: &Backend, death: Death, t: u32) -> Trial {
         "negotiated transport: {info:?}"
     );
     assert!(
-        info.channels
-            .iter()
-            .any(|c| c.starts_with(&format!("{} ", b.channel))),
+        info.channels.iter().any(|c| c.name == b.channel),
         "negotiated channels {:?}, expected {}",
         info.channels,
         b.channel
@@ -495,6 +518,18 @@ fn peer_killed_mid_transfer_tcp_mpt() {
 #[test]
 fn peer_killed_mid_transfer_default_shm_cma() {
     survive("default", Death::Kill)
+}
+
+#[cfg(feature = "efa")]
+#[test]
+fn peer_killed_mid_transfer_efa_tcp_basic() {
+    survive("efa_tcp_basic", Death::Kill)
+}
+
+#[cfg(feature = "efa")]
+#[test]
+fn peer_killed_mid_transfer_efa_shm_basic() {
+    survive("efa_shm_basic", Death::Kill)
 }
 
 // A frozen peer (SIGSTOP: a hung host, as seen from here) closes nothing; the heartbeats find it.

@@ -92,7 +92,7 @@ impl Channel {
         self.to_pipe(Done::WroteTensor {
             seq: m.seq,
             index: m.index,
-            memory: Memory::Owned(m.buffer),
+            memory: m.buffer,
             result,
         });
     }
@@ -153,7 +153,7 @@ impl Channel {
                 }
             }
             for f in r.take_done() {
-                let memory = Memory::Owned(f.buffer);
+                let memory = f.buffer;
                 let _ = self.reply.send(if f.sending {
                     Done::WroteTensor {
                         seq: f.seq,

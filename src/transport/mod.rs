@@ -82,6 +82,11 @@ pub trait Transport: Send + Sync + 'static {
     fn viable(&self) -> Result<(), String> {
         Ok(())
     }
+    /// The most file descriptors one connection of this transport holds on the listening side
+    /// while it is set up (a listener reserves them before admitting a pipe).
+    fn descriptors(&self) -> usize {
+        1
+    }
     /// Connects to `url` (the scheme is this transport's; each transport parses its own URLs).
     fn connect<'a>(
         &'a self,

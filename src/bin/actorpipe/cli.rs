@@ -55,6 +55,42 @@ pub enum BenchCommand {
     Pipe(RunArgs),
     /// Open many pipes on one context and report the memory each costs while idle.
     Idle(IdleArgs),
+    /// libfabric tagged ping-pong through the endpoint actor next to a raw ping-pong written
+    /// with the same binding, on each provider (feature `efa`).
+    #[cfg(feature = "efa")]
+    Efa(EfaArgs),
+}
+
+/// Options of `bench efa`.
+#[cfg(feature = "efa")]
+#[derive(Debug, Clone, Args)]
+pub struct EfaArgs {
+    /// libfabric providers to measure, comma-separated.
+    #[arg(
+        long,
+        value_name = "LIST",
+        value_delimiter = ',',
+        default_value = "tcp;ofi_rxm,shm"
+    )]
+    pub providers: Vec<String>,
+
+    /// Message sizes: K, M and G are binary (KiB, MiB, GiB).
+    #[arg(long, value_name = "LIST", default_value = "64,64K,64M", value_parser = parse_sizes)]
+    pub sizes: Sizes,
+
+    /// Timed round trips per size and round. [default: 256 MiB / size, between 20 and 10000]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    pub iters: Option<u32>,
+
+    /// Rounds per size, alternating the raw baseline and the endpoint actor.
+    #[arg(long, value_name = "N", default_value_t = 3,
+          value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub rounds: u32,
+
+    /// Instead: hold an endpoint with a receive posted for SECS seconds, per provider and
+    /// progress mode (wait fd, polling), and print the CPU it used.
+    #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub idle: Option<u64>,
 }
 
 /// Options of `bench transport|channel|pipe`.

@@ -16,7 +16,7 @@ pub fn run(json: bool) {
         out.push('\n');
     } else {
         out.push_str(&format!(
-            "{:<10} {:<6} {:>8}  {:<10} {:<12} domain\n",
+            "{:<10} {:<10} {:>8}  {:<10} {:<12} domain\n",
             "kind", "name", "priority", "available", "devices"
         ));
         for b in &r {
@@ -26,9 +26,47 @@ pub fn run(json: bool) {
                 out.push_str(&format!("{:>19}why not: {why}\n", ""));
             }
         }
+        out.push_str(&gpus());
         out.push_str(&rdma_devices());
     }
+    if !json {
+        out.push_str(&fabric());
+    }
     let _ = std::io::stdout().lock().write_all(out.as_bytes());
+}
+
+/// The libfabric section: version, providers and domains, and whether `efa` can run.
+#[cfg(feature = "efa")]
+fn fabric() -> String {
+    let r = actorpipe::fabric::report();
+    let mut out = format!(
+        "\nlibfabric {} (built against {})\n",
+        r.version, r.built_against
+    );
+    for d in &r.domains {
+        out.push_str(&format!(
+            "  provider {:<12} fabric {:<16} domain {:<10} max message {}{}\n",
+            d.provider,
+            d.fabric,
+            d.domain,
+            d.max_msg_size,
+            if d.mr_local {
+                ", registers local memory"
+            } else {
+                ""
+            }
+        ));
+    }
+    match &r.efa {
+        Ok(()) => out.push_str("efa: usable\n"),
+        Err(why) => out.push_str(&format!("efa: not usable: {why}\n")),
+    }
+    out
+}
+
+#[cfg(not(feature = "efa"))]
+fn fabric() -> String {
+    "\nlibfabric: not in this build (cargo feature `efa` is off)\n".into()
 }
 
 fn line(b: &BackendReport) -> String {
@@ -38,7 +76,7 @@ fn line(b: &BackendReport) -> String {
         &b.domain
     };
     format!(
-        "{:<10} {:<6} {:>8}  {:<10} {:<12} {}",
+        "{:<10} {:<10} {:>8}  {:<10} {:<12} {}",
         b.kind,
         b.name,
         b.priority,
@@ -46,6 +84,36 @@ fn line(b: &BackendReport) -> String {
         b.devices.as_deref().unwrap_or("-"),
         domain
     )
+}
+
+/// The GPU section of the table: each CUDA device, or why there is none.
+fn gpus() -> String {
+    #[cfg(feature = "cuda")]
+    {
+        match actorpipe::cuda::devices() {
+            Ok(list) => {
+                let mut s = String::from(
+                    "\ngpu      name                             memory  pci bus id    numa\n",
+                );
+                for d in list {
+                    s.push_str(&format!(
+                        "cuda:{:<3} {:<32} {:>6} GiB  {:<13} {}\n",
+                        d.ordinal,
+                        d.name,
+                        d.memory >> 30,
+                        d.pci_bus_id,
+                        d.numa_node.map_or("-".to_string(), |n| n.to_string())
+                    ));
+                }
+                s
+            }
+            Err(why) => format!("\ngpu: none usable: {why}\n"),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        "\ngpu: this build has no CUDA support (build with --features cuda)\n".to_string()
+    }
 }
 
 /// The RDMA devices found (real HCAs; the simulated device is never listed), or why none.

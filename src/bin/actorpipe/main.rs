@@ -11,6 +11,8 @@
 mod baseline;
 mod bench;
 mod cli;
+#[cfg(feature = "efa")]
+mod efa;
 mod failure;
 mod fired;
 mod idle;
@@ -50,6 +52,8 @@ fn bench_command(what: BenchCommand) -> Result<(), Failure> {
         BenchCommand::Channel(a) => (Kind::Channel, a),
         BenchCommand::Pipe(a) => (Kind::Pipe, a),
         BenchCommand::Idle(a) => return idle::run(&a),
+        #[cfg(feature = "efa")]
+        BenchCommand::Efa(a) => return efa::run(&a),
     };
     let plan = plan::plan(kind, &args)?;
     run::run(&plan, &args)

@@ -165,7 +165,7 @@ pub fn run(plan: &Plan, args: &RunArgs) -> Result<(), Failure> {
     let negotiated = format!(
         "transport {}, channels {}",
         client.info.transport,
-        client.info.channels.join(", ")
+        client.info.channel_list()
     );
     let channel = client.channel().to_string();
     system.block_on(client.close());

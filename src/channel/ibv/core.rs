@@ -30,6 +30,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::error::{Error, Origin};
+use crate::transport::stream::Memory;
 use crate::verbs::regcache::{chunks, Lease, RegCache};
 use crate::verbs::sendq::SendQueue;
 use crate::verbs::{
@@ -101,8 +102,8 @@ pub struct Finished {
     pub seq: u64,
     /// Its index.
     pub index: u32,
-    /// The buffer, back.
-    pub buffer: Vec<u8>,
+    /// The buffer, back (what was sent: owned or shared; what was received: owned).
+    pub buffer: Memory,
     /// How it went.
     pub result: Result<(), Error>,
 }
@@ -131,14 +132,14 @@ impl Caches {
 struct Outgoing {
     seq: u64,
     index: u32,
-    buffer: Vec<u8>,
+    buffer: Memory,
 }
 
 struct Writing {
     n: u32,
     seq: u64,
     index: u32,
-    buffer: Vec<u8>,
+    buffer: Memory,
     /// Writes posted or backlogged and not yet completed.
     out: usize,
     _lease: Lease,
@@ -285,8 +286,8 @@ impl Rdma {
         self.done.drain(..)
     }
 
-    /// Sends a tensor of at least 32 bytes once the peer asks for it.
-    pub fn send(&mut self, seq: u64, index: u32, buffer: Vec<u8>) {
+    /// Sends a tensor of at least 32 bytes (owned or shared bytes) once the peer asks for it.
+    pub fn send(&mut self, seq: u64, index: u32, buffer: Memory) {
         if let Some(e) = &self.failed {
             let result = Err(e.clone());
             return self.finish(true, seq, index, buffer, result);
@@ -299,7 +300,7 @@ impl Rdma {
     pub fn recv(&mut self, seq: u64, index: u32, mut buffer: Vec<u8>) {
         if let Some(e) = &self.failed {
             let result = Err(e.clone());
-            return self.finish(false, seq, index, buffer, result);
+            return self.finish(false, seq, index, Memory::Owned(buffer), result);
         }
         if (buffer.len() as u64) < MIN_OP_BYTES {
             let e = Error::protocol(
@@ -309,7 +310,7 @@ impl Rdma {
                 ),
                 &self.origin,
             );
-            self.finish(false, seq, index, buffer, Err(e.clone()));
+            self.finish(false, seq, index, Memory::Owned(buffer), Err(e.clone()));
             return self.fail(e);
         }
         // SAFETY: the buffer stays in `reading` (its heap block never moves) until the lease
@@ -318,7 +319,7 @@ impl Rdma {
             Ok(l) => l,
             Err(e) => {
                 let e = verbs_error("registering a receive buffer", e, &self.origin);
-                self.finish(false, seq, index, buffer, Err(e.clone()));
+                self.finish(false, seq, index, Memory::Owned(buffer), Err(e.clone()));
                 return self.fail(e);
             }
         };
@@ -387,13 +388,12 @@ impl Rdma {
                 self.to_send.push_front(t);
                 return self.fail(e);
             }
-            // SAFETY: the buffer stays in `writing` (its heap block never moves) until its
-            // writes have completed and the lease is dropped with the entry.
-            let lease = match unsafe {
-                self.caches
-                    .send
-                    .lease(t.buffer.as_mut_ptr(), t.buffer.len())
-            } {
+            // SAFETY: the buffer stays in `writing` (its heap block never moves, and shared
+            // bytes stay alive while referenced) until its writes have completed and the lease
+            // is dropped with the entry. Nothing is written through the registration (the
+            // HCA only reads the source of a write).
+            let lease = match unsafe { self.caches.send.lease(t.buffer.base_ptr(), t.buffer.len()) }
+            {
                 Ok(l) => l,
                 Err(e) => {
                     self.to_send.push_front(t);
@@ -404,7 +404,7 @@ impl Rdma {
             let n = self.sent_n;
             self.sent_n = self.sent_n.wrapping_add(1);
             let plan = chunks(r.len);
-            let base = t.buffer.as_ptr() as u64;
+            let base = t.buffer.base_ptr() as u64;
             let local = |off: u64, len: u64| lease.mr.sge(base + off, len).expect("inside");
             let wrs: Vec<SendWr> = plan
                 .iter()
@@ -473,7 +473,7 @@ impl Rdma {
         sending: bool,
         seq: u64,
         index: u32,
-        buffer: Vec<u8>,
+        buffer: Memory,
         result: Result<(), Error>,
     ) {
         self.done.push(Finished {
@@ -506,7 +506,13 @@ impl Rdma {
             // The queue pair is in error (the peer can no longer write here) and the
             // registration goes before the buffer does.
             drop(r.lease.take());
-            self.finish(false, r.seq, r.index, r.buffer, Err(e.clone()));
+            self.finish(
+                false,
+                r.seq,
+                r.index,
+                Memory::Owned(r.buffer),
+                Err(e.clone()),
+            );
         }
     }
 
@@ -591,7 +597,7 @@ impl Rdma {
                 Some(r) if r.n == n => {
                     let mut r = self.reading.pop_front().expect("present");
                     drop(r.lease.take()); // deregistered before the user sees the buffer
-                    self.finish(false, r.seq, r.index, r.buffer, Ok(()));
+                    self.finish(false, r.seq, r.index, Memory::Owned(r.buffer), Ok(()));
                 }
                 _ => {
                     let e = Error::protocol(

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use super::core::{Caches, Finished, Rdma, Request, REQUEST_LEN};
 use crate::error::Origin;
+use crate::transport::stream::Memory;
 use crate::verbs::sim::{self, SimDevice};
 use crate::verbs::{Device, QpCaps, SendOp, SendWr, Status};
 
@@ -78,7 +79,7 @@ fn tensors_land_in_the_receivers_buffer_and_their_registrations_go_first() {
         p.b.recv(i as u64, 0, vec![0u8; n]);
         // While the read is pending its buffer is registered for the peer.
         assert!(!p.caches_b.recv.is_empty());
-        p.a.send(i as u64, 0, pattern(n, i as u8));
+        p.a.send(i as u64, 0, Memory::Owned(pattern(n, i as u8)));
     }
     let (fa, fb) = p.pump();
     assert_eq!(fa.len(), sizes.len());
@@ -88,9 +89,13 @@ fn tensors_land_in_the_receivers_buffer_and_their_registrations_go_first() {
         assert_eq!((a.seq, b.seq), (i as u64, i as u64));
         a.result.as_ref().unwrap();
         b.result.as_ref().unwrap();
-        assert_eq!(b.buffer, pattern(sizes[i], i as u8), "tensor {i}");
         assert_eq!(
-            a.buffer,
+            b.buffer.as_slice(),
+            pattern(sizes[i], i as u8),
+            "tensor {i}"
+        );
+        assert_eq!(
+            a.buffer.as_slice(),
             pattern(sizes[i], i as u8),
             "sent buffer back intact"
         );
@@ -111,10 +116,14 @@ fn a_returned_buffer_is_out_of_the_peers_reach() {
     let (addr, rkey) = (buffer.as_ptr() as u64, lease.mr.rkey());
     p.b.recv(0, 0, buffer);
     drop(lease);
-    p.a.send(0, 0, pattern(64, 1));
+    p.a.send(0, 0, Memory::Owned(pattern(64, 1)));
     let (_, fb) = p.pump();
-    assert_eq!(fb[0].buffer, pattern(64, 1));
-    assert_eq!(fb[0].buffer.as_ptr() as u64, addr, "the same buffer, back");
+    assert_eq!(fb[0].buffer.as_slice(), pattern(64, 1));
+    assert_eq!(
+        fb[0].buffer.as_slice().as_ptr() as u64,
+        addr,
+        "the same buffer, back"
+    );
     // Writing there again with that key is refused: the registration went before the buffer.
     let mut src = pattern(64, 2);
     // SAFETY: `src` outlives the lease and the write, which completes before the test ends.
@@ -131,7 +140,7 @@ fn a_returned_buffer_is_out_of_the_peers_reach() {
     let mut out = Vec::new();
     p.a.qp.poll(&mut out, 8).unwrap();
     assert_eq!(out[0].status, Status::RemoteAccess);
-    assert_eq!(fb[0].buffer, pattern(64, 1), "untouched");
+    assert_eq!(fb[0].buffer.as_slice(), pattern(64, 1), "untouched");
 }
 
 #[test]
@@ -145,14 +154,14 @@ fn a_send_queue_of_depth_one_backlogs_and_keeps_order() {
         p.b.recv(i, 0, vec![0u8; 100 + i as usize]);
     }
     for i in 0..20u64 {
-        p.a.send(i, 0, pattern(100 + i as usize, i as u8));
+        p.a.send(i, 0, Memory::Owned(pattern(100 + i as usize, i as u8)));
     }
     let (fa, fb) = p.pump();
     assert_eq!(fb.len(), 20);
     for (i, f) in fb.iter().enumerate() {
         assert_eq!(f.seq, i as u64, "in order");
         f.result.as_ref().unwrap();
-        assert_eq!(f.buffer, pattern(100 + i, i as u8));
+        assert_eq!(f.buffer.as_slice(), pattern(100 + i, i as u8));
     }
     assert!(fa.iter().all(|f| f.result.is_ok()));
     assert!(p.b.sq.stats.backlogged > 0, "{:?}", p.b.sq.stats);
@@ -162,7 +171,7 @@ fn a_send_queue_of_depth_one_backlogs_and_keeps_order() {
 fn an_errored_queue_pair_fails_every_tensor_and_frees_every_registration() {
     let mut p = pair(QpCaps::default());
     p.b.recv(0, 0, vec![0u8; 64]);
-    p.a.send(0, 0, pattern(64, 0));
+    p.a.send(0, 0, Memory::Owned(pattern(64, 0)));
     let (fa, fb) = p.pump();
     assert!(fa[0].result.is_ok() && fb[0].result.is_ok());
     // Three reads asked for, two sends queued: then a's queue pair breaks.
@@ -171,7 +180,7 @@ fn an_errored_queue_pair_fails_every_tensor_and_frees_every_registration() {
     }
     assert!(sim::inject_error(p.a.qp.endpoint().qpn));
     for i in 1..3 {
-        p.a.send(i, 0, pattern(4096, 0));
+        p.a.send(i, 0, Memory::Owned(pattern(4096, 0)));
     }
     let (fa, fb) = p.pump();
     assert_eq!(fa.len(), 2, "every sent tensor back");
@@ -192,7 +201,7 @@ fn an_errored_queue_pair_fails_every_tensor_and_frees_every_registration() {
     assert!(p.caches_b.recv.is_empty(), "registrations dropped");
     assert!(p.a.is_idle() && p.b.is_idle());
     // Later tensors fail at once.
-    p.a.send(9, 0, pattern(64, 0));
+    p.a.send(9, 0, Memory::Owned(pattern(64, 0)));
     assert!(p.a.take_done().next().unwrap().result.is_err());
 }
 
@@ -200,7 +209,7 @@ fn an_errored_queue_pair_fails_every_tensor_and_frees_every_registration() {
 fn a_request_for_the_wrong_tensor_is_a_protocol_error() {
     let mut p = pair(QpCaps::default());
     p.b.recv(5, 1, vec![0u8; 64]);
-    p.a.send(5, 0, pattern(64, 0));
+    p.a.send(5, 0, Memory::Owned(pattern(64, 0)));
     let (fa, fb) = p.pump();
     let e = fa[0].result.as_ref().unwrap_err();
     assert_eq!(e.class(), "protocol", "{e}");

@@ -1,0 +1,433 @@
+//! The `FabricEndpoint` actor: one libfabric endpoint (with its completion queue and address
+//! vector) per (context, fabric domain), shared by every pipe on that NIC.
+//!
+//! It owns an [`Engine`] (the backlog, ordering and fault injection live there) and decides
+//! when to progress it:
+//!
+//! - **Wait fd** (providers whose CQ has one: `tcp;ofi_rxm`): after each pass the actor asks
+//!   `fi_trywait` and then sleeps on the fd through tokio; idle, it costs nothing.
+//! - **Polling** (no wait fd: `shm`; or any provider while the backlog holds ops, which need
+//!   retries that no completion may announce): while ops are in flight the actor re-polls on
+//!   every turn of its thread (a `yield`) for `spin` after the last completion or post, then
+//!   sleeps 1 ms, doubling up to `max_sleep`. With nothing in flight and no wait fd it does not
+//!   poll at all.
+//!
+//! Operations arrive as [`FabricPost`] (one mailbox hop); their ends go to the pipe's
+//! unbounded queue, given at [`FabricAttach`], in the pipe's post order (no hop back).
+
+use std::collections::HashMap;
+
+pub mod stream;
+pub mod transport;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use actix::fut::wrap_future;
+use actix::prelude::*;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::mpsc;
+
+use crate::error::{Error, Origin};
+use crate::fabric::engine::{Engine, Finished, Op, Stats};
+use crate::fabric::faults::Faults;
+use crate::fabric::{Attributes, Domain, Endpoint, FabricError, InfoList};
+
+/// How a [`FabricEndpoint`] progresses its completion queue.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EndpointConfig {
+    /// How long to keep polling on every turn after the last completion or post (no-fd mode).
+    pub spin: Duration,
+    /// The longest sleep between polls while ops are in flight (no-fd mode).
+    pub max_sleep: Duration,
+    /// Fault injection (tests).
+    pub faults: Faults,
+    /// Poll even where a wait fd exists (to measure both modes on one provider).
+    pub force_polling: bool,
+}
+
+impl Default for EndpointConfig {
+    fn default() -> Self {
+        EndpointConfig {
+            spin: Duration::from_micros(200),
+            max_sleep: Duration::from_millis(1),
+            faults: Faults::from_env(),
+            force_polling: false,
+        }
+    }
+}
+
+/// How often an endpoint checks whether anyone still uses it.
+const ORPHAN_CHECK: Duration = Duration::from_secs(2);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Driver {
+    Idle,
+    Polling,
+    Waiting,
+}
+
+/// One endpoint actor. See the module docs.
+pub struct FabricEndpoint {
+    // Our own duplicate of the CQ's wait fd: it stays valid whenever libfabric closes its own.
+    wait: Option<Rc<AsyncFd<OwnedFd>>>,
+    engine: Engine,
+    config: EndpointConfig,
+    sinks: HashMap<u32, mpsc::UnboundedSender<Finished>>,
+    driver: Driver,
+    handle: Option<SpawnHandle>,
+    last_activity: Instant,
+    sleep: Duration,
+    published: Stats,
+    origin: Origin,
+}
+
+/// What an endpoint is: its address and its domain's attributes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointInfo {
+    /// The endpoint's address, for peers' address vectors.
+    pub name: Vec<u8>,
+    /// Provider, fabric, domain and limits.
+    pub attributes: Attributes,
+    /// Whether the CQ has a wait fd (else the actor polls).
+    pub wait_fd: bool,
+}
+
+/// Converts a libfabric failure into the crate's error (class `io`), naming the provider and
+/// `fi_strerror`'s text.
+pub fn fabric_error(e: FabricError, origin: &Origin) -> Error {
+    let op = e.op;
+    Error::io(op, std::io::Error::other(e), origin)
+}
+
+/// A descriptor of our own for the CQ's wait object (the same open file), so that tokio's
+/// registration never outlives the descriptor it watches, whatever order things drop in.
+fn duplicate(fd: RawFd) -> std::io::Result<OwnedFd> {
+    // SAFETY: F_DUPFD_CLOEXEC on a descriptor libfabric holds open while the endpoint lives
+    // (the caller has the endpoint); the result is a new descriptor that we own.
+    let d = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if d < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `d` is a fresh descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(d) })
+}
+
+impl FabricEndpoint {
+    /// Opens an endpoint of `provider` (`efa`, `tcp;ofi_rxm`, `shm`) on its domain named
+    /// `domain` (`None`: the provider's first), and starts its actor on the current arbiter.
+    pub fn open(
+        provider: &str,
+        domain: Option<&str>,
+        config: EndpointConfig,
+    ) -> Result<Addr<FabricEndpoint>, Error> {
+        let origin = Origin::new("", format!("efa[{provider}]"));
+        let list = InfoList::get(Some(provider)).map_err(|e| fabric_error(e, &origin))?;
+        let info = list
+            .iter()
+            .find(|i| domain.is_none_or(|d| i.attributes().domain == d))
+            .ok_or_else(|| Error::Unavailable {
+                backend: "efa".into(),
+                reason: format!(
+                    "provider {provider} has no domain {:?} here",
+                    domain.unwrap_or_default()
+                ),
+            })?;
+        let dom = Domain::open(info).map_err(|e| fabric_error(e, &origin))?;
+        let ep = Endpoint::open(&dom, info).map_err(|e| fabric_error(e, &origin))?;
+        let wait = match (ep.wait_fd(), config.force_polling) {
+            (Some(fd), false) => {
+                let fd =
+                    duplicate(fd).map_err(|e| Error::io("duplicating the CQ fd", e, &origin))?;
+                let afd = crate::transport::shm::fd::watch(fd)
+                    .map_err(|e| Error::io("registering the CQ fd", e, &origin))?;
+                Some(Rc::new(afd))
+            }
+            _ => None,
+        };
+        let engine = Engine::new(ep, config.faults);
+        Ok(FabricEndpoint {
+            wait,
+            engine,
+            config,
+            sinks: HashMap::new(),
+            driver: Driver::Idle,
+            handle: None,
+            last_activity: Instant::now(),
+            sleep: Duration::from_millis(1),
+            published: Stats::default(),
+            origin,
+        }
+        .start())
+    }
+
+    /// Drops the queues of pipes the engine has forgotten (detached, nothing left in flight).
+    fn forget(&mut self) {
+        if self.engine.stats().pipes < self.sinks.len() {
+            let engine = &self.engine;
+            self.sinks.retain(|p, _| engine.attached(*p));
+        }
+    }
+
+    /// Stops the actor once nobody holds its address and every pipe is detached: the
+    /// endpoint, its CQ and AV close with it. Ops of detached pipes that the provider still
+    /// holds (a send to a dead peer that `fi_cancel` cannot take back) wait for the next orphan
+    /// check (`late`): closing the endpoint is what frees them, and only then are their buffers
+    /// dropped (the engine closes the endpoint first).
+    fn maybe_stop(&mut self, ctx: &mut Context<Self>, late: bool) {
+        if ctx.connected() || self.engine.live_pipes() > 0 {
+            return;
+        }
+        if self.engine.stats().pipes == 0 || late {
+            ctx.stop();
+        }
+    }
+
+    fn deliver(&mut self, f: Finished) {
+        if let Some(s) = self.sinks.get(&f.pipe) {
+            // A pipe that dropped its queue no longer wants its buffers back.
+            let _ = s.send(f);
+        }
+    }
+
+    /// One progress pass, then the next wake-up.
+    fn tick(&mut self, ctx: &mut Context<Self>) {
+        let mut out = Vec::new();
+        match self.engine.progress(&mut |f| out.push(f)) {
+            Ok(n) if n > 0 => self.activity(),
+            Ok(_) => {}
+            Err(e) => tracing::warn!("{e}: every pipe on this endpoint failed"),
+        }
+        for f in out {
+            self.deliver(f);
+        }
+        self.forget();
+        self.publish();
+        self.schedule(ctx);
+        self.maybe_stop(ctx, false);
+    }
+
+    fn activity(&mut self) {
+        self.last_activity = Instant::now();
+        self.sleep = Duration::from_millis(1);
+    }
+
+    fn cancel(&mut self, ctx: &mut Context<Self>) {
+        if let Some(h) = self.handle.take() {
+            ctx.cancel_future(h);
+        }
+        self.driver = Driver::Idle;
+    }
+
+    /// Arms the next progress: the wait fd, a poll, or nothing.
+    fn schedule(&mut self, ctx: &mut Context<Self>) {
+        let fd_mode = self.wait.is_some() && !self.engine.backlogged();
+        if fd_mode {
+            if !self.engine.endpoint().trywait() {
+                // Completions (or provider work) are pending: go round once more.
+                return self.poll_soon(ctx, Duration::ZERO);
+            }
+            if self.driver == Driver::Waiting {
+                return;
+            }
+            self.cancel(ctx);
+            let Some(afd) = self.wait.clone() else {
+                return;
+            };
+            let fut = async move {
+                if let Ok(mut guard) = afd.readable().await {
+                    guard.clear_ready();
+                }
+            };
+            self.driver = Driver::Waiting;
+            self.handle = Some(ctx.spawn(wrap_future(fut).map(|(), act: &mut Self, ctx| {
+                act.driver = Driver::Idle;
+                act.handle = None;
+                act.tick(ctx);
+            })));
+            return;
+        }
+        if !self.engine.busy() {
+            return self.cancel(ctx);
+        }
+        let delay = if self.last_activity.elapsed() < self.config.spin {
+            Duration::ZERO
+        } else {
+            let d = self.sleep;
+            self.sleep = (self.sleep * 2).min(self.config.max_sleep.max(Duration::from_millis(1)));
+            d
+        };
+        self.poll_soon(ctx, delay);
+    }
+
+    fn poll_soon(&mut self, ctx: &mut Context<Self>, delay: Duration) {
+        if self.driver == Driver::Polling {
+            return;
+        }
+        self.cancel(ctx);
+        self.driver = Driver::Polling;
+        let fut = async move {
+            if delay.is_zero() {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(delay).await;
+            }
+        };
+        self.handle = Some(ctx.spawn(wrap_future(fut).map(|(), act: &mut Self, ctx| {
+            act.driver = Driver::Idle;
+            act.handle = None;
+            act.tick(ctx);
+        })));
+    }
+
+    /// Publishes the counters' increments since the last call.
+    fn publish(&mut self) {
+        let s = self.engine.stats();
+        let p = &self.published;
+        if s == *p {
+            return;
+        }
+        let provider = self.engine.attributes().provider.clone();
+        let labels = [("provider", provider)];
+        metrics::counter!(crate::metrics::EFA_POSTS, &labels).increment(s.posted - p.posted);
+        metrics::counter!(crate::metrics::EFA_EAGAIN, &labels).increment(s.eagain - p.eagain);
+        metrics::counter!(crate::metrics::EFA_COMPLETIONS, &labels)
+            .increment(s.completions - p.completions);
+        metrics::counter!(crate::metrics::EFA_ERRORS, &labels).increment(s.errors - p.errors);
+        metrics::gauge!(crate::metrics::EFA_BACKLOG, &labels).set(s.backlog as f64);
+        self.published = s;
+    }
+}
+
+impl Actor for FabricEndpoint {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        // An endpoint opened and never used (a bootstrap that failed before attaching) has no
+        // message left to notice that it is unused: look every 2 s.
+        ctx.run_interval(ORPHAN_CHECK, |act, ctx| act.maybe_stop(ctx, true));
+    }
+
+    fn stopped(&mut self, ctx: &mut Self::Context) {
+        self.cancel(ctx);
+    }
+}
+
+/// Attaches a pipe to the peer at endpoint address `peer`: answers the pipe's number (the
+/// peer uses it in the tags it sends to this pipe). Ends go to `sink`.
+#[derive(Message)]
+#[rtype(result = "Result<u32, Error>")]
+pub struct FabricAttach {
+    /// The peer endpoint's address.
+    pub peer: Vec<u8>,
+    /// Where this pipe's [`Finished`] ops go, in post order.
+    pub sink: mpsc::UnboundedSender<Finished>,
+}
+
+/// Ends a pipe: its pending ops fail with `reason`, in order, and it is forgotten.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct FabricDetach {
+    /// The pipe.
+    pub pipe: u32,
+    /// Why (in the ops' errors).
+    pub reason: String,
+}
+
+/// Posts ops for a pipe, in order.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct FabricPost {
+    /// The pipe.
+    pub pipe: u32,
+    /// The ops, in order.
+    pub ops: Vec<Op>,
+}
+
+/// Asks for the endpoint's address and attributes.
+#[derive(Message)]
+#[rtype(result = "EndpointInfo")]
+pub struct FabricDescribe;
+
+/// Asks for the counters.
+#[derive(Message)]
+#[rtype(result = "Stats")]
+pub struct FabricStats;
+
+/// Replaces the fault-injection settings.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct FabricFaults(pub Faults);
+
+impl Handler<FabricAttach> for FabricEndpoint {
+    type Result = Result<u32, Error>;
+    fn handle(&mut self, m: FabricAttach, _: &mut Context<Self>) -> Self::Result {
+        let pipe = self
+            .engine
+            .attach(&m.peer)
+            .map_err(|e| fabric_error(e, &self.origin))?;
+        self.sinks.insert(pipe, m.sink);
+        Ok(pipe)
+    }
+}
+
+impl Handler<FabricDetach> for FabricEndpoint {
+    type Result = ();
+    fn handle(&mut self, m: FabricDetach, ctx: &mut Context<Self>) {
+        let e = FabricError {
+            op: "pipe",
+            provider: self.engine.attributes().provider.clone(),
+            code: crate::fabric::ecanceled(),
+            text: m.reason,
+        };
+        let mut out = Vec::new();
+        self.engine.detach(m.pipe, e, &mut |f| out.push(f));
+        for f in out {
+            self.deliver(f);
+        }
+        self.forget();
+        self.schedule(ctx);
+        self.maybe_stop(ctx, false);
+    }
+}
+
+impl Handler<FabricPost> for FabricEndpoint {
+    type Result = ();
+    fn handle(&mut self, m: FabricPost, ctx: &mut Context<Self>) {
+        let mut out = Vec::new();
+        for op in m.ops {
+            self.engine.post(m.pipe, op, &mut |f| out.push(f));
+        }
+        for f in out {
+            self.deliver(f);
+        }
+        self.activity();
+        // Manual-progress providers move data only when the CQ is read: read it now.
+        self.tick(ctx);
+    }
+}
+
+impl Handler<FabricDescribe> for FabricEndpoint {
+    type Result = MessageResult<FabricDescribe>;
+    fn handle(&mut self, _: FabricDescribe, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(EndpointInfo {
+            name: self.engine.endpoint().name().to_vec(),
+            attributes: self.engine.attributes().clone(),
+            wait_fd: self.wait.is_some(),
+        })
+    }
+}
+
+impl Handler<FabricStats> for FabricEndpoint {
+    type Result = MessageResult<FabricStats>;
+    fn handle(&mut self, _: FabricStats, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.engine.stats())
+    }
+}
+
+impl Handler<FabricFaults> for FabricEndpoint {
+    type Result = ();
+    fn handle(&mut self, m: FabricFaults, _: &mut Context<Self>) {
+        self.engine.set_faults(m.0);
+    }
+}

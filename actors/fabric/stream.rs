@@ -1,0 +1,418 @@
+//! A byte stream over a shared fabric endpoint: what the `efa` transport hands to the shared
+//! read and write loops (`transport::stream`), as any other transport's halves.
+//!
+//! Each direction is a pipe of its own on the endpoint actor (so each half gets its own ordered
+//! queue of ends). The receiving half keeps `WINDOW` receives of `bounce` bytes posted, tagged
+//! with consecutive sequence numbers (TensorPipe's ibv inbox, over tagged messages); the writing
+//! half may have at most `WINDOW` messages unconsumed at the receiver (its credits). Each
+//! message is one write's bytes (a vectored write gathers its slices) copied into a pooled
+//! bounce buffer: one copy in, one copy out, as the shm rings cost. The reader reposts each
+//! buffer once its bytes are read, and returns credits in one small message per `WINDOW / 2`
+//! buffers. A zero-length message is the end of the stream (`shutdown`).
+//!
+//! The TCP connection that bootstrapped the stream stays open and carries nothing: its end (the
+//! peer closed or died: the kernel closes it either way) fails both halves' pending operations,
+//! after a short grace so that messages already on the fabric (a farewell frame) are read
+//! first.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll};
+
+use actix::Addr;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::mpsc;
+
+use super::{FabricDetach, FabricEndpoint, FabricPost};
+use crate::fabric::engine::{Finished, Kind, Op};
+use crate::fabric::tag::{self, Stream as TagStream};
+
+/// Receives kept posted, and so the writer's credits.
+pub const WINDOW: u32 = 16;
+/// Largest message (before the provider's maximum).
+pub const BOUNCE: usize = 64 << 10;
+
+/// What both halves share: dropped with the second half, which ends the bootstrap connection's
+/// watcher (and closes it).
+pub struct Shared {
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Shared {
+    /// A guard whose drop sends nothing through `stop` (the receiver then sees it closed).
+    pub fn new(stop: tokio::sync::oneshot::Sender<()>) -> Arc<Shared> {
+        Arc::new(Shared { _stop: stop })
+    }
+}
+
+fn broken(f: &Finished) -> io::Error {
+    let text = match &f.result {
+        Err(e) => e.to_string(),
+        Ok(_) => "unexpected end".into(),
+    };
+    io::Error::new(io::ErrorKind::ConnectionReset, text)
+}
+
+fn stopped() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionAborted,
+        "the fabric endpoint actor stopped",
+    )
+}
+
+/// The numbers that wire two halves to their peer's.
+#[derive(Debug, Clone, Copy)]
+pub struct Wiring {
+    /// Our read pipe (receives data, sends credits).
+    pub read: u32,
+    /// Our write pipe (sends data, receives credits).
+    pub write: u32,
+    /// The peer's read pipe (our data goes there).
+    pub peer_read: u32,
+    /// The peer's write pipe (our credits go there).
+    pub peer_write: u32,
+}
+
+/// The reading half.
+pub struct FabricRead {
+    ep: Addr<FabricEndpoint>,
+    wiring: Wiring,
+    done: mpsc::UnboundedReceiver<Finished>,
+    bounce: usize,
+    current: Option<(Vec<u8>, usize, usize)>,
+    next_seq: u32,
+    consumed: u32,
+    credit_seq: u32,
+    spare: Vec<Vec<u8>>,
+    eof: bool,
+    error: Option<io::Error>,
+    _shared: Arc<Shared>,
+}
+
+impl FabricRead {
+    /// The half, with its `WINDOW` receives posted.
+    pub fn new(
+        ep: Addr<FabricEndpoint>,
+        wiring: Wiring,
+        done: mpsc::UnboundedReceiver<Finished>,
+        bounce: usize,
+        shared: Arc<Shared>,
+    ) -> FabricRead {
+        let ops = (0..WINDOW)
+            .map(|seq| Op {
+                kind: Kind::Recv,
+                tag: tag::make(TagStream::Control, wiring.read, seq),
+                mem: vec![0; bounce],
+                id: seq as u64,
+            })
+            .collect();
+        ep.do_send(FabricPost {
+            pipe: wiring.read,
+            ops,
+        });
+        FabricRead {
+            ep,
+            wiring,
+            done,
+            bounce,
+            current: None,
+            next_seq: WINDOW,
+            consumed: 0,
+            credit_seq: 0,
+            spare: Vec::new(),
+            eof: false,
+            error: None,
+            _shared: shared,
+        }
+    }
+
+    /// Reposts a consumed buffer and returns credits every `WINDOW / 2` buffers.
+    fn recycle(&mut self, mut mem: Vec<u8>) {
+        mem.resize(self.bounce, 0);
+        let seq = self.next_seq;
+        self.next_seq = self.next_seq.wrapping_add(1);
+        let mut ops = vec![Op {
+            kind: Kind::Recv,
+            tag: tag::make(TagStream::Control, self.wiring.read, seq),
+            mem,
+            id: seq as u64,
+        }];
+        self.consumed += 1;
+        if self.consumed >= WINDOW / 2 {
+            let mut m = self.spare.pop().unwrap_or_default();
+            m.clear();
+            m.extend_from_slice(&self.consumed.to_le_bytes());
+            ops.push(Op {
+                kind: Kind::Send,
+                tag: tag::make(TagStream::Credit, self.wiring.peer_write, self.credit_seq),
+                mem: m,
+                id: self.credit_seq as u64,
+            });
+            self.credit_seq = self.credit_seq.wrapping_add(1);
+            self.consumed = 0;
+        }
+        self.ep.do_send(FabricPost {
+            pipe: self.wiring.read,
+            ops,
+        });
+    }
+}
+
+impl AsyncRead for FabricRead {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        loop {
+            if let Some((mem, pos, len)) = this.current.as_mut() {
+                let n = (*len - *pos).min(buf.remaining());
+                buf.put_slice(&mem[*pos..*pos + n]);
+                *pos += n;
+                if *pos == *len {
+                    let (mem, _, _) = this.current.take().expect("checked");
+                    this.recycle(mem);
+                }
+                return Poll::Ready(Ok(()));
+            }
+            if this.eof {
+                return Poll::Ready(Ok(()));
+            }
+            if let Some(e) = &this.error {
+                return Poll::Ready(Err(io::Error::new(e.kind(), e.to_string())));
+            }
+            let Some(f) = std::task::ready!(this.done.poll_recv(cx)) else {
+                this.error = Some(stopped());
+                continue;
+            };
+            match (f.kind, &f.result) {
+                (Kind::Recv, Ok(0)) => this.eof = true,
+                (Kind::Recv, Ok(n)) => this.current = Some((f.mem, 0, *n)),
+                (Kind::Send, Ok(_)) => this.spare.push(f.mem),
+                (_, Err(_)) => this.error = Some(broken(&f)),
+            }
+        }
+    }
+}
+
+impl Drop for FabricRead {
+    fn drop(&mut self) {
+        self.ep.do_send(FabricDetach {
+            pipe: self.wiring.read,
+            reason: "stream closed".into(),
+        });
+    }
+}
+
+/// The writing half.
+pub struct FabricWrite {
+    ep: Addr<FabricEndpoint>,
+    wiring: Wiring,
+    done: mpsc::UnboundedReceiver<Finished>,
+    bounce: usize,
+    credits: u32,
+    seq: u32,
+    credit_recv_seq: u32,
+    pool: Vec<Vec<u8>>,
+    in_flight: u32,
+    shut: bool,
+    error: Option<io::Error>,
+    _shared: Arc<Shared>,
+}
+
+/// Credit receives kept posted by a writer.
+const CREDIT_RECVS: u32 = 2;
+
+impl FabricWrite {
+    /// The half, with its credit receives posted.
+    pub fn new(
+        ep: Addr<FabricEndpoint>,
+        wiring: Wiring,
+        done: mpsc::UnboundedReceiver<Finished>,
+        bounce: usize,
+        shared: Arc<Shared>,
+    ) -> FabricWrite {
+        let ops = (0..CREDIT_RECVS)
+            .map(|seq| Op {
+                kind: Kind::Recv,
+                tag: tag::make(TagStream::Credit, wiring.write, seq),
+                mem: vec![0; 4],
+                id: seq as u64,
+            })
+            .collect();
+        ep.do_send(FabricPost {
+            pipe: wiring.write,
+            ops,
+        });
+        FabricWrite {
+            ep,
+            wiring,
+            done,
+            bounce,
+            credits: WINDOW,
+            seq: 0,
+            credit_recv_seq: CREDIT_RECVS,
+            pool: Vec::new(),
+            in_flight: 0,
+            shut: false,
+            error: None,
+            _shared: shared,
+        }
+    }
+
+    /// Takes every end that has arrived; registers the waker when none is left.
+    fn reap(&mut self, cx: &mut TaskContext<'_>) -> io::Result<()> {
+        if let Some(e) = &self.error {
+            return Err(io::Error::new(e.kind(), e.to_string()));
+        }
+        while let Poll::Ready(f) = self.done.poll_recv(cx) {
+            let Some(f) = f else {
+                self.error = Some(stopped());
+                return Err(stopped());
+            };
+            if f.result.is_err() {
+                let e = broken(&f);
+                self.error = Some(io::Error::new(e.kind(), e.to_string()));
+                return Err(e);
+            }
+            match f.kind {
+                Kind::Send => {
+                    self.in_flight -= 1;
+                    self.pool.push(f.mem);
+                }
+                Kind::Recv => {
+                    let mut n = [0u8; 4];
+                    n.copy_from_slice(&f.mem[..4]);
+                    self.credits += u32::from_le_bytes(n);
+                    let seq = self.credit_recv_seq;
+                    self.credit_recv_seq = seq.wrapping_add(1);
+                    self.ep.do_send(FabricPost {
+                        pipe: self.wiring.write,
+                        ops: vec![Op {
+                            kind: Kind::Recv,
+                            tag: tag::make(TagStream::Credit, self.wiring.write, seq),
+                            mem: f.mem,
+                            id: seq as u64,
+                        }],
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends `bufs` (gathered, at most `bounce` bytes) as one message; needs a credit.
+    fn send(
+        &mut self,
+        cx: &mut TaskContext<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        self.reap(cx)?;
+        if self.credits == 0 {
+            return Poll::Pending;
+        }
+        let mut m = self
+            .pool
+            .pop()
+            .unwrap_or_else(|| Vec::with_capacity(self.bounce));
+        m.clear();
+        for b in bufs {
+            let room = self.bounce - m.len();
+            if room == 0 {
+                break;
+            }
+            m.extend_from_slice(&b[..b.len().min(room)]);
+        }
+        let n = m.len();
+        let seq = self.seq;
+        self.seq = seq.wrapping_add(1);
+        self.credits -= 1;
+        self.in_flight += 1;
+        self.ep.do_send(FabricPost {
+            pipe: self.wiring.write,
+            ops: vec![Op {
+                kind: Kind::Send,
+                tag: tag::make(TagStream::Control, self.wiring.peer_read, seq),
+                mem: m,
+                id: seq as u64,
+            }],
+        });
+        Poll::Ready(Ok(n))
+    }
+}
+
+impl AsyncWrite for FabricWrite {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        self.send(cx, &[io::IoSlice::new(buf)])
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        if bufs.iter().all(|b| b.is_empty()) {
+            return Poll::Ready(Ok(0));
+        }
+        self.send(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
+        // Every message has been handed to the endpoint, which delivers it reliably.
+        self.reap(cx)?;
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
+        if !self.shut {
+            self.reap(cx)?;
+            if self.credits == 0 {
+                return Poll::Pending;
+            }
+            // The end-of-stream marker: an empty message.
+            let seq = self.seq;
+            self.seq = seq.wrapping_add(1);
+            self.credits -= 1;
+            self.in_flight += 1;
+            self.shut = true;
+            self.ep.do_send(FabricPost {
+                pipe: self.wiring.write,
+                ops: vec![Op {
+                    kind: Kind::Send,
+                    tag: tag::make(TagStream::Control, self.wiring.peer_read, seq),
+                    mem: Vec::new(),
+                    id: seq as u64,
+                }],
+            });
+        }
+        self.reap(cx)?;
+        if self.in_flight == 0 {
+            Poll::Ready(Ok(()))
+        } else {
+            // reap registered the waker: the next end wakes us.
+            Poll::Pending
+        }
+    }
+}
+
+impl Drop for FabricWrite {
+    fn drop(&mut self) {
+        self.ep.do_send(FabricDetach {
+            pipe: self.wiring.write,
+            reason: "stream closed".into(),
+        });
+    }
+}

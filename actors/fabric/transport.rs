@@ -1,0 +1,441 @@
+//! The `efa` transport: a pipe's control stream over a libfabric endpoint (the `efa` provider by
+//! default; `tcp;ofi_rxm` or `shm` run the same code, for other fabrics and for tests).
+//!
+//! **Bootstrap.** A listener binds a TCP socket for its `efa://host:port` URL; that URL is what
+//! its brochure lists for `efa`. The connecting side dials it and both sides exchange, over that
+//! TCP connection, a small hello: the provider and fabric they use, their endpoint address, and
+//! the numbers of their two stream pipes. Each inserts the other's address into its endpoint's
+//! address vector (`fi_av_insert`), and from then on every byte goes over the fabric
+//! ([`super::stream`]); the TCP connection stays open, idle, to tell when the peer is gone.
+//!
+//! **Sharing.** One endpoint actor per (transport instance, provider, domain) on each thread:
+//! every pipe of a context on one NIC shares it (a context's transports are its own `Arc`s).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use actix::{Addr, WeakAddr};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::stream::{FabricRead, FabricWrite, Shared, Wiring, BOUNCE};
+use super::{EndpointConfig, FabricAttach, FabricDescribe, FabricDetach, FabricEndpoint};
+use crate::error::{Error, Origin};
+use crate::fabric::InfoList;
+use crate::transport::tcp::TcpAcceptor;
+use crate::transport::{Acceptor, BoxFuture, Stream, Transport, Url};
+
+/// The provider used when none is chosen: AWS's Elastic Fabric Adapter.
+pub const DEFAULT_PROVIDER: &str = "efa";
+
+/// The environment variable that picks the provider for contexts built with defaults (the
+/// `actorpipe` CLI among them): `efa`, `tcp;ofi_rxm`, `shm`.
+pub const PROVIDER_ENV: &str = "ACTORPIPE_EFA_PROVIDER";
+
+/// How long a stream waits, once the bootstrap connection is gone, before failing: messages
+/// already on the fabric (the peer's farewell) are read first.
+const GRACE: Duration = Duration::from_millis(200);
+
+/// How long an accepted bootstrap connection may take to say hello. Hellos are served one at a
+/// time (each is two small messages on a TCP connection).
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What `fi_getinfo` found for one provider: its (fabric, domain) pairs, or why none.
+type Probe = Result<Vec<(String, String)>, String>;
+
+/// Which endpoint actor serves a transport: (transport instance, provider, domain).
+type EndpointKey = (u64, String, Option<String>);
+
+/// The `efa` transport. See the module docs.
+#[derive(Debug)]
+pub struct Efa {
+    provider: String,
+    domain: Option<String>,
+    config: EndpointConfig,
+    id: u64,
+    bootstrap_host: Option<std::net::IpAddr>,
+}
+
+impl Efa {
+    /// The transport over `provider` (`efa`, `tcp;ofi_rxm`, `shm`), on its first domain.
+    pub fn new(provider: &str) -> Efa {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        Efa {
+            provider: provider.into(),
+            domain: None,
+            config: EndpointConfig::default(),
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            bootstrap_host: None,
+        }
+    }
+
+    /// The address a listener binds its bootstrap socket to when it enables `efa` by itself
+    /// (a `Listen` that did not name an `efa://` URL). Default: `ACTORPIPE_EFA_BOOTSTRAP` if
+    /// set, else the host's first IPv4 address that is up and not loopback, else 127.0.0.1.
+    pub fn bootstrap_host(mut self, ip: std::net::IpAddr) -> Efa {
+        self.bootstrap_host = Some(ip);
+        self
+    }
+
+    /// The transport over the provider named by `ACTORPIPE_EFA_PROVIDER`, or `efa`.
+    pub fn from_env() -> Efa {
+        Efa::new(
+            std::env::var(PROVIDER_ENV)
+                .ok()
+                .filter(|p| !p.trim().is_empty())
+                .as_deref()
+                .unwrap_or(DEFAULT_PROVIDER),
+        )
+    }
+
+    /// Uses the domain (NIC) named `domain` (`lo`, `rdmap0s6-rdm`) instead of the first.
+    pub fn on_domain(mut self, domain: &str) -> Efa {
+        self.domain = Some(domain.into());
+        self
+    }
+
+    /// Progress and fault settings of the endpoint actor.
+    pub fn with_config(mut self, config: EndpointConfig) -> Efa {
+        self.config = config;
+        self
+    }
+
+    /// The provider.
+    pub fn provider(&self) -> &str {
+        &self.provider
+    }
+
+    /// The (provider, fabric, domain) this transport would open, or why it cannot.
+    fn probe(&self) -> Result<(String, String), String> {
+        static CACHE: OnceLock<std::sync::Mutex<HashMap<String, Probe>>> = OnceLock::new();
+        let cache = CACHE.get_or_init(Default::default);
+        let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
+        let found = cache
+            .entry(self.provider.clone())
+            .or_insert_with(|| match InfoList::get(Some(&self.provider)) {
+                Ok(list) => Ok(list
+                    .iter()
+                    .map(|i| {
+                        let a = i.attributes();
+                        (a.fabric, a.domain)
+                    })
+                    .collect()),
+                Err(e) => Err(format!(
+                    "libfabric offers no {} endpoint here: {e}",
+                    self.provider
+                )),
+            })
+            .clone()?;
+        found
+            .into_iter()
+            .find(|(_, d)| self.domain.as_ref().is_none_or(|want| want == d))
+            .ok_or_else(|| {
+                format!(
+                    "provider {} has no domain {:?}",
+                    self.provider,
+                    self.domain.as_deref().unwrap_or_default()
+                )
+            })
+    }
+
+    /// This thread's endpoint actor for this transport, opened on first use.
+    fn endpoint(&self) -> Result<Addr<FabricEndpoint>, Error> {
+        thread_local! {
+            // Weak: an endpoint lives as long as pipes use it (and stops by itself after).
+            static ENDPOINTS: RefCell<HashMap<EndpointKey, WeakAddr<FabricEndpoint>>> =
+                RefCell::new(HashMap::new());
+        }
+        let key = (self.id, self.provider.clone(), self.domain.clone());
+        ENDPOINTS.with(|m| {
+            let mut m = m.borrow_mut();
+            if let Some(a) = m
+                .get(&key)
+                .and_then(|a| a.upgrade())
+                .filter(|a| a.connected())
+            {
+                return Ok(a);
+            }
+            m.retain(|_, a| a.upgrade().is_some());
+            let a = FabricEndpoint::open(&self.provider, self.domain.as_deref(), self.config)?;
+            m.insert(key, a.downgrade());
+            Ok(a)
+        })
+    }
+
+    /// Runs the hello over the bootstrap connection and wires the two halves.
+    async fn bootstrap(&self, tcp: Stream, url: String) -> Result<Stream, Error> {
+        let origin = Origin::new(url.clone(), format!("efa[{}]", self.provider));
+        let ep = self.endpoint()?;
+        let info = ep.send(FabricDescribe).await.map_err(|_| gone(&origin))?;
+        let (fabric, _) = self.probe().map_err(|reason| Error::Unavailable {
+            backend: "efa".into(),
+            reason,
+        })?;
+        let Stream {
+            mut read,
+            mut write,
+            peer,
+            local,
+        } = tcp;
+        let io = |op: &'static str| {
+            let origin = origin.clone();
+            move |e| Error::io(op, e, &origin)
+        };
+        // Hello: provider, fabric, endpoint address (each u16 length + bytes).
+        let mut hello = Vec::new();
+        for part in [self.provider.as_bytes(), fabric.as_bytes(), &info.name] {
+            hello.extend_from_slice(&(part.len() as u16).to_le_bytes());
+            hello.extend_from_slice(part);
+        }
+        write
+            .write_all(&hello)
+            .await
+            .map_err(io("sending the efa hello"))?;
+        let mut parts = Vec::new();
+        for _ in 0..3 {
+            let len = read
+                .read_u16_le()
+                .await
+                .map_err(io("reading the efa hello"))?;
+            let mut b = vec![0; len as usize];
+            read.read_exact(&mut b)
+                .await
+                .map_err(io("reading the efa hello"))?;
+            parts.push(b);
+        }
+        if parts[0] != self.provider.as_bytes() || parts[1] != fabric.as_bytes() {
+            return Err(Error::Unavailable {
+                backend: "efa".into(),
+                reason: format!(
+                    "the peer's endpoint is on {}/{}, ours on {}/{fabric}",
+                    String::from_utf8_lossy(&parts[0]),
+                    String::from_utf8_lossy(&parts[1]),
+                    self.provider
+                ),
+            });
+        }
+        let peer_name = parts.pop().unwrap_or_default();
+        let (rs, rd) = tokio::sync::mpsc::unbounded_channel();
+        let (ws, wd) = tokio::sync::mpsc::unbounded_channel();
+        let attach = |sink| FabricAttach {
+            peer: peer_name.clone(),
+            sink,
+        };
+        let r = ep.send(attach(rs)).await.map_err(|_| gone(&origin))??;
+        let w = ep.send(attach(ws)).await.map_err(|_| gone(&origin))??;
+        let mut numbers = [0u8; 8];
+        numbers[..4].copy_from_slice(&r.to_le_bytes());
+        numbers[4..].copy_from_slice(&w.to_le_bytes());
+        let exchanged = async {
+            write.write_all(&numbers).await?;
+            let mut theirs = [0u8; 8];
+            read.read_exact(&mut theirs).await?;
+            Ok::<_, std::io::Error>(theirs)
+        }
+        .await;
+        let theirs = match exchanged {
+            Ok(t) => t,
+            Err(e) => {
+                for pipe in [r, w] {
+                    ep.do_send(FabricDetach {
+                        pipe,
+                        reason: "bootstrap failed".into(),
+                    });
+                }
+                return Err(Error::io("exchanging efa pipe numbers", e, &origin));
+            }
+        };
+        let wiring = Wiring {
+            read: r,
+            write: w,
+            peer_read: u32::from_le_bytes(theirs[..4].try_into().unwrap_or_default()),
+            peer_write: u32::from_le_bytes(theirs[4..].try_into().unwrap_or_default()),
+        };
+        let bounce = BOUNCE.min(info.attributes.max_msg_size.max(1) as usize);
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let shared = Shared::new(stop);
+        // The watcher: the bootstrap connection ends when the peer closes or dies.
+        let watcher_ep = ep.downgrade();
+        actix::spawn(async move {
+            let mut byte = [0u8; 1];
+            let _write = write; // kept open until the stream is dropped
+            tokio::select! {
+                _ = stopped => {}
+                r = read.read(&mut byte) => {
+                    let why = match r {
+                        Ok(_) => "the peer closed its endpoint connection".to_string(),
+                        Err(e) => format!("the peer's endpoint connection failed: {e}"),
+                    };
+                    tokio::time::sleep(GRACE).await;
+                    if let Some(ep) = watcher_ep.upgrade() {
+                        for pipe in [wiring.read, wiring.write] {
+                            ep.do_send(FabricDetach { pipe, reason: why.clone() });
+                        }
+                    }
+                }
+            }
+        });
+        let read = FabricRead::new(ep.clone(), wiring, rd, bounce, shared.clone());
+        let write = FabricWrite::new(ep, wiring, wd, bounce, shared);
+        Ok(Stream {
+            read: Box::new(read),
+            write: Box::new(write),
+            peer: peer.replacen("tcp://", "efa://", 1),
+            local: local.replacen("tcp://", "efa://", 1),
+        })
+    }
+}
+
+/// The host's first IPv4 address that is up and not loopback; 127.0.0.1 if none.
+fn first_ipv4() -> std::net::IpAddr {
+    let mut found = std::net::IpAddr::from([127, 0, 0, 1]);
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs allocates a list we free below with freeifaddrs.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return found;
+    }
+    let mut p = list;
+    while !p.is_null() {
+        // SAFETY: p is an entry of the list getifaddrs returned, alive until freeifaddrs.
+        let ifa = unsafe { &*p };
+        p = ifa.ifa_next;
+        let up = ifa.ifa_flags & libc::IFF_UP as u32 != 0;
+        let lo = ifa.ifa_flags & libc::IFF_LOOPBACK as u32 != 0;
+        if ifa.ifa_addr.is_null() || !up || lo {
+            continue;
+        }
+        // SAFETY: ifa_addr is non-null and points to a sockaddr of the family it names.
+        if unsafe { (*ifa.ifa_addr).sa_family } as i32 == libc::AF_INET {
+            // SAFETY: an AF_INET address is a sockaddr_in.
+            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+            found = std::net::IpAddr::from(u32::from_be(sin.sin_addr.s_addr).to_be_bytes());
+            break;
+        }
+    }
+    // SAFETY: the list came from getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(list) };
+    found
+}
+
+fn gone(origin: &Origin) -> Error {
+    Error::Closed {
+        reason: "the fabric endpoint actor stopped".into(),
+        origin: origin.clone(),
+    }
+}
+
+/// `efa://h:p` as the `tcp://h:p` of its bootstrap socket.
+fn bootstrap_url(url: &str) -> Result<Url, Error> {
+    let mut u = Url::parse(url)?;
+    if u.scheme != "efa" {
+        return Err(Error::invalid(format!(
+            "bad URL {url:?}: expected efa://host:port"
+        )));
+    }
+    u.scheme = "tcp".into();
+    Ok(u)
+}
+
+struct EfaAcceptor {
+    tcp: TcpAcceptor,
+    transport: Efa,
+}
+
+impl Acceptor for EfaAcceptor {
+    fn urls(&self) -> Vec<String> {
+        self.tcp
+            .urls()
+            .into_iter()
+            .map(|u| u.replacen("tcp://", "efa://", 1))
+            .collect()
+    }
+
+    fn accept(&mut self) -> BoxFuture<'_, std::io::Result<Stream>> {
+        Box::pin(async move {
+            loop {
+                let s = self.tcp.accept().await?;
+                let peer = s.peer.clone();
+                // A failed or silent hello is that peer's problem: keep accepting.
+                let hello = self.transport.bootstrap(s, peer);
+                match tokio::time::timeout(HELLO_TIMEOUT, hello).await {
+                    Ok(Ok(s)) => return Ok(s),
+                    Ok(Err(e)) => tracing::info!(error = %e, "efa bootstrap refused"),
+                    Err(_) => tracing::info!("efa bootstrap: no hello within {HELLO_TIMEOUT:?}"),
+                }
+            }
+        })
+    }
+}
+
+impl Transport for Efa {
+    fn name(&self) -> &'static str {
+        "efa"
+    }
+
+    fn priority(&self) -> i32 {
+        50
+    }
+
+    fn domain(&self) -> String {
+        match self.probe() {
+            // The shm provider reaches only this host (and this IPC namespace, this user).
+            Ok((fabric, _)) if self.provider == "shm" => {
+                format!("shm/{fabric}/{}", crate::transport::shm::domain())
+            }
+            Ok((fabric, _)) => format!("{}/{fabric}", self.provider),
+            Err(_) => format!("{}/unavailable", self.provider),
+        }
+    }
+
+    fn viable(&self) -> Result<(), String> {
+        self.probe().map(|_| ())
+    }
+
+    fn connect<'a>(
+        &'a self,
+        url: &'a str,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Stream, Error>> {
+        Box::pin(async move {
+            let tcp = crate::transport::tcp::connect(&bootstrap_url(url)?, timeout, None).await?;
+            match tokio::time::timeout(timeout, self.bootstrap(tcp, url.to_string())).await {
+                Ok(r) => r,
+                Err(_) => Err(Error::Timeout {
+                    what: "bootstrapping the efa endpoint",
+                    after: timeout,
+                    origin: Origin::new(url, "efa"),
+                }),
+            }
+        })
+    }
+
+    fn auto_listen_url(&self) -> Option<String> {
+        let ip = self.bootstrap_host.or_else(|| {
+            std::env::var("ACTORPIPE_EFA_BOOTSTRAP")
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+        });
+        let ip = ip.unwrap_or_else(first_ipv4);
+        Some(Url::from_socket("efa", std::net::SocketAddr::new(ip, 0)).to_string())
+    }
+
+    fn listen<'a>(&'a self, url: &'a str) -> BoxFuture<'a, Result<Box<dyn Acceptor>, Error>> {
+        Box::pin(async move {
+            self.viable().map_err(|reason| Error::Unavailable {
+                backend: "efa".into(),
+                reason,
+            })?;
+            let tcp = TcpAcceptor::bind(&bootstrap_url(url)?, None).await?;
+            let transport = Efa {
+                provider: self.provider.clone(),
+                domain: self.domain.clone(),
+                config: self.config,
+                id: self.id,
+                bootstrap_host: self.bootstrap_host,
+            };
+            Ok(Box::new(EfaAcceptor { tcp, transport }) as Box<dyn Acceptor>)
+        })
+    }
+}

@@ -1,0 +1,628 @@
+//! The endpoint engine: one libfabric endpoint shared by every pipe on its domain, with the
+//! `-FI_EAGAIN` backlog, per-pipe ordered completions and fault injection. Plain synchronous
+//! code: the endpoint actor (`actors/fabric.rs`) decides *when* to call [`Engine::progress`];
+//! tests drive it in a loop.
+//!
+//! **Posting.** [`Engine::post`] tries the provider at once unless the pipe already has an op in
+//! the backlog (then it queues behind it: a pipe's ops reach the provider in the order they were
+//! posted). `-FI_EAGAIN` puts the op at the back of the FIFO backlog. [`Engine::progress`] reads
+//! the completion queue, then retries the backlog front to back; a pipe whose retry is refused
+//! again is skipped for the rest of that pass, so none of its later ops overtakes it, while other
+//! pipes' ops still go.
+//!
+//! **Errors.** Any other post error, and any error completion, fails the pipe: its backlogged ops
+//! fail at once, its posted ones are cancelled (`fi_cancel`), and every op of the pipe not
+//! already finished completes with that error. Other pipes carry on.
+//!
+//! **Order.** Each pipe has two queues, sends and receives, in post order. An op's result is
+//! handed out ([`Finished`]) only when every earlier op of the same queue has been, so a pipe
+//! sees its completions in the order it posted, errors included, whatever order the provider
+//! completes them in.
+//!
+//! **Memory.** Each op owns its buffer (`Vec<u8>`) from post to [`Finished`]; the provider may
+//! touch it only in between. Context pointers point into boxed slots that are recycled, so
+//! steady state allocates nothing per op. The engine drops its endpoint before its slots, so
+//! memory is released only once the provider can no longer reach it.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+
+use super::faults::{Dice, Faults};
+use super::{eio, Attributes, Completion, Endpoint, FabricError, FiAddr, Mr, PostError};
+
+/// Which way an op moves bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A tagged send of the whole buffer.
+    Send,
+    /// A tagged receive into the buffer (at most its length).
+    Recv,
+}
+
+/// One operation handed to the engine.
+#[derive(Debug)]
+pub struct Op {
+    /// Send or receive.
+    pub kind: Kind,
+    /// The tag (see [`super::tag`]).
+    pub tag: u64,
+    /// The bytes to send, or the room to receive into; handed back in [`Finished`].
+    pub mem: Vec<u8>,
+    /// The caller's number for it, handed back.
+    pub id: u64,
+}
+
+/// An operation's end, in the pipe's order.
+#[derive(Debug)]
+pub struct Finished {
+    /// The pipe it belongs to.
+    pub pipe: u32,
+    /// The caller's number.
+    pub id: u64,
+    /// Send or receive.
+    pub kind: Kind,
+    /// The tag it was posted with.
+    pub tag: u64,
+    /// The buffer, back.
+    pub mem: Vec<u8>,
+    /// Bytes received (receives), or sent.
+    pub result: Result<usize, FabricError>,
+}
+
+/// Counters of one engine (one endpoint).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Posts the provider accepted.
+    pub posted: u64,
+    /// `-FI_EAGAIN` answers (injected ones included).
+    pub eagain: u64,
+    /// Completions read from the CQ.
+    pub completions: u64,
+    /// Errors: failed posts and error completions.
+    pub errors: u64,
+    /// Ops in the backlog now.
+    pub backlog: usize,
+    /// The largest backlog seen.
+    pub backlog_max: usize,
+    /// Ops posted to the provider and not completed.
+    pub in_flight: usize,
+    /// Pipes attached.
+    pub pipes: usize,
+}
+
+/// Room the provider may use in an op's context (`FI_CONTEXT2`: 8 pointers), then our index.
+#[repr(C)]
+struct Ctx {
+    scratch: [usize; 8],
+    index: usize,
+}
+
+#[derive(Debug)]
+enum State {
+    Backlog,
+    Posted,
+    Done(Result<usize, FabricError>),
+}
+
+struct Live {
+    pipe: u32,
+    kind: Kind,
+    tag: u64,
+    mem: Vec<u8>,
+    id: u64,
+    state: State,
+    // Dropped when the op ends, after the provider is done with the memory.
+    _mr: Option<Mr>,
+}
+
+struct Slot {
+    ctx: Box<Ctx>,
+    live: Option<Live>,
+}
+
+struct PipeState {
+    peer: FiAddr,
+    peer_name: Vec<u8>,
+    sends: VecDeque<usize>,
+    recvs: VecDeque<usize>,
+    backlogged: usize,
+    error: Option<FabricError>,
+    detached: bool,
+}
+
+/// One endpoint and everything in flight on it. See the module docs.
+pub struct Engine {
+    // First field: dropped (closed) before the slots' memory.
+    ep: Endpoint,
+    slots: Vec<Slot>,
+    free: Vec<usize>,
+    backlog: VecDeque<usize>,
+    pipes: HashMap<u32, PipeState>,
+    peers: HashMap<Vec<u8>, (FiAddr, usize)>,
+    next_pipe: u32,
+    faults: Faults,
+    dice: Dice,
+    stats: Stats,
+    // Reused between calls: no allocation per completion.
+    batch: Vec<Completion>,
+    dirty: Vec<u32>,
+}
+
+impl Engine {
+    /// An engine over `ep`.
+    pub fn new(ep: Endpoint, faults: Faults) -> Engine {
+        Engine {
+            ep,
+            slots: Vec::new(),
+            free: Vec::new(),
+            backlog: VecDeque::new(),
+            pipes: HashMap::new(),
+            peers: HashMap::new(),
+            next_pipe: 0,
+            dice: Dice::new(faults.seed),
+            faults,
+            stats: Stats::default(),
+            batch: Vec::with_capacity(64),
+            dirty: Vec::new(),
+        }
+    }
+
+    /// The endpoint.
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.ep
+    }
+
+    /// The domain's attributes.
+    pub fn attributes(&self) -> &Attributes {
+        self.ep.domain().attributes()
+    }
+
+    /// Replaces the fault settings.
+    pub fn set_faults(&mut self, faults: Faults) {
+        self.dice = Dice::new(faults.seed);
+        self.faults = faults;
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> Stats {
+        Stats {
+            backlog: self.backlog.len(),
+            pipes: self.pipes.len(),
+            ..self.stats.clone()
+        }
+    }
+
+    /// Whether anything is posted or backlogged (the CQ then needs progress).
+    pub fn busy(&self) -> bool {
+        self.stats.in_flight > 0 || !self.backlog.is_empty()
+    }
+
+    /// Whether `pipe` is attached (a detached pipe stays until its ops have come back).
+    pub fn attached(&self, pipe: u32) -> bool {
+        self.pipes.contains_key(&pipe)
+    }
+
+    /// Pipes attached and not detached.
+    pub fn live_pipes(&self) -> usize {
+        self.pipes.values().filter(|p| !p.detached).count()
+    }
+
+    /// Whether the backlog holds ops (they need retries, not just completions).
+    pub fn backlogged(&self) -> bool {
+        !self.backlog.is_empty()
+    }
+
+    /// A new pipe to the peer whose endpoint address is `peer_name`; the address goes into the
+    /// address vector (once per peer, shared by its pipes). Returns the pipe's number: the
+    /// peer puts it in the tags it sends to this pipe.
+    pub fn attach(&mut self, peer_name: &[u8]) -> Result<u32, FabricError> {
+        let peer = match self.peers.get_mut(peer_name) {
+            Some((addr, n)) => {
+                *n += 1;
+                *addr
+            }
+            None => {
+                let addr = self.ep.insert(peer_name)?;
+                self.peers.insert(peer_name.to_vec(), (addr, 1));
+                addr
+            }
+        };
+        let mut pipe = self.next_pipe;
+        while self.pipes.contains_key(&pipe) {
+            pipe = (pipe + 1) & super::tag::MAX_PIPE;
+        }
+        self.next_pipe = (pipe + 1) & super::tag::MAX_PIPE;
+        self.pipes.insert(
+            pipe,
+            PipeState {
+                peer,
+                peer_name: peer_name.to_vec(),
+                sends: VecDeque::new(),
+                recvs: VecDeque::new(),
+                backlogged: 0,
+                error: None,
+                detached: false,
+            },
+        );
+        Ok(pipe)
+    }
+
+    /// Ends a pipe: its pending ops fail with `error` (in order, through `out`), and the pipe
+    /// is forgotten once every op the provider holds has come back.
+    pub fn detach(&mut self, pipe: u32, error: FabricError, out: &mut impl FnMut(Finished)) {
+        let Some(p) = self.pipes.get_mut(&pipe) else {
+            return;
+        };
+        p.detached = true;
+        if p.error.is_none() {
+            self.fail_pipe(pipe, error);
+        }
+        self.drain(pipe, out);
+        self.drain_dirty(out);
+    }
+
+    /// Posts `op` for `pipe` (see the module docs). Its end comes through `out`, now or from a
+    /// later [`Engine::progress`].
+    pub fn post(&mut self, pipe: u32, op: Op, out: &mut impl FnMut(Finished)) {
+        let index = self.slot();
+        let Some(p) = self.pipes.get_mut(&pipe) else {
+            self.free.push(index);
+            out(Finished {
+                pipe,
+                id: op.id,
+                kind: op.kind,
+                tag: op.tag,
+                mem: op.mem,
+                result: Err(FabricError {
+                    op: "post",
+                    provider: self.ep.provider().into(),
+                    code: super::ecanceled(),
+                    text: format!("pipe {pipe} is not attached to this endpoint"),
+                }),
+            });
+            return;
+        };
+        match op.kind {
+            Kind::Send => p.sends.push_back(index),
+            Kind::Recv => p.recvs.push_back(index),
+        }
+        let state = if let Some(e) = &p.error {
+            State::Done(Err(e.clone()))
+        } else if p.backlogged > 0 {
+            State::Backlog
+        } else {
+            State::Posted
+        };
+        let queue_behind = matches!(state, State::Backlog);
+        let failed = matches!(state, State::Done(_));
+        self.slots[index].live = Some(Live {
+            pipe,
+            kind: op.kind,
+            tag: op.tag,
+            mem: op.mem,
+            id: op.id,
+            state,
+            _mr: None,
+        });
+        if queue_behind {
+            self.push_backlog(index);
+        } else if !failed {
+            match self.try_post(index) {
+                Ok(()) => {}
+                Err(PostError::Again) => self.push_backlog(index),
+                Err(PostError::Failed(e)) => {
+                    self.set_state(index, State::Done(Err(e.clone())));
+                    self.fail_pipe(pipe, e);
+                }
+            }
+        }
+        self.drain(pipe, out);
+        self.drain_dirty(out);
+    }
+
+    /// Reads the completion queue, then retries the backlog. Returns the number of completions
+    /// read. An `Err` is a failure of the CQ itself: every pipe is then failed with it.
+    pub fn progress(&mut self, out: &mut impl FnMut(Finished)) -> Result<usize, FabricError> {
+        let mut total = 0;
+        loop {
+            let mut batch = std::mem::take(&mut self.batch);
+            let read = self.ep.poll(|c| batch.push(c));
+            let n = match read {
+                Ok(n) => n,
+                Err(e) => {
+                    self.batch = batch;
+                    self.stats.errors += 1;
+                    let pipes: Vec<u32> = self.pipes.keys().copied().collect();
+                    for pipe in pipes {
+                        self.fail_pipe(pipe, e.clone());
+                    }
+                    self.drain_dirty(out);
+                    return Err(e);
+                }
+            };
+            for c in batch.drain(..) {
+                self.complete(c);
+            }
+            self.batch = batch;
+            total += n;
+            if n < 64 {
+                break;
+            }
+        }
+        self.retry_backlog();
+        self.drain_dirty(out);
+        Ok(total)
+    }
+
+    fn drain_dirty(&mut self, out: &mut impl FnMut(Finished)) {
+        while let Some(pipe) = self.dirty.pop() {
+            self.drain(pipe, out);
+        }
+    }
+
+    fn slot(&mut self) -> usize {
+        if let Some(i) = self.free.pop() {
+            return i;
+        }
+        let index = self.slots.len();
+        self.slots.push(Slot {
+            ctx: Box::new(Ctx {
+                scratch: [0; 8],
+                index,
+            }),
+            live: None,
+        });
+        index
+    }
+
+    fn set_state(&mut self, index: usize, state: State) {
+        if let Some(l) = self.slots[index].live.as_mut() {
+            l.state = state;
+        }
+    }
+
+    fn push_backlog(&mut self, index: usize) {
+        let Some(l) = self.slots[index].live.as_mut() else {
+            return;
+        };
+        l.state = State::Backlog;
+        if let Some(p) = self.pipes.get_mut(&l.pipe) {
+            p.backlogged += 1;
+        }
+        self.backlog.push_back(index);
+        self.stats.backlog_max = self.stats.backlog_max.max(self.backlog.len());
+    }
+
+    /// Hands the op at `index` to the provider (or to fault injection).
+    fn try_post(&mut self, index: usize) -> Result<(), PostError> {
+        if self.faults.eagain > 0.0 && self.dice.roll(self.faults.eagain) {
+            self.stats.eagain += 1;
+            return Err(PostError::Again);
+        }
+        let mr_local = self.ep.domain().attributes().mr_local;
+        let slot = &mut self.slots[index];
+        let ctx: *mut c_void = (&mut *slot.ctx as *mut Ctx).cast();
+        let Some(l) = slot.live.as_mut() else {
+            return Ok(());
+        };
+        let Some(peer) = self.pipes.get(&l.pipe).map(|p| p.peer) else {
+            return Ok(());
+        };
+        // Providers that need registered local memory (FI_MR_LOCAL: efa) get it per op here;
+        // the efa channel registers through its cache instead and posts with that descriptor.
+        if mr_local && l._mr.is_none() && !l.mem.is_empty() {
+            // SAFETY: the memory is owned by the op, which outlives the registration (the Mr is
+            // dropped with the op, after its completion).
+            let mr = unsafe { self.ep.domain().register(l.mem.as_ptr(), l.mem.len()) };
+            match mr {
+                Ok(mr) => l._mr = Some(mr),
+                Err(e) => return Err(PostError::Failed(e)),
+            }
+        }
+        let desc = l._mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc());
+        // SAFETY: the buffer is owned by the op and the context by its boxed slot; neither is
+        // freed, moved or touched until the op's completion has been read (`complete`), or the
+        // endpoint closed (it drops first).
+        let r = unsafe {
+            match l.kind {
+                Kind::Send => self
+                    .ep
+                    .tsend(l.mem.as_ptr(), l.mem.len(), desc, peer, l.tag, ctx),
+                Kind::Recv => {
+                    self.ep
+                        .trecv(l.mem.as_mut_ptr(), l.mem.len(), desc, peer, l.tag, 0, ctx)
+                }
+            }
+        };
+        match &r {
+            Ok(()) => {
+                l.state = State::Posted;
+                self.stats.posted += 1;
+                self.stats.in_flight += 1;
+            }
+            Err(PostError::Again) => self.stats.eagain += 1,
+            Err(PostError::Failed(_)) => self.stats.errors += 1,
+        }
+        r
+    }
+
+    /// Records one completion; returns its pipe.
+    fn complete(&mut self, c: Completion) -> Option<u32> {
+        self.stats.completions += 1;
+        // SAFETY: every context we post is the address of a live boxed Ctx of ours; the
+        // provider hands it back unchanged.
+        let index = unsafe { (*(c.context as *const Ctx)).index };
+        let inject = self.faults.cq_error > 0.0 && self.dice.roll(self.faults.cq_error);
+        let provider = self.ep.provider().to_string();
+        let l = self.slots.get_mut(index)?.live.as_mut()?;
+        if !matches!(l.state, State::Posted) {
+            return None;
+        }
+        self.stats.in_flight -= 1;
+        let pipe = l.pipe;
+        let mut result = c.result.map(|()| match l.kind {
+            Kind::Recv => c.len as usize,
+            Kind::Send => l.mem.len(),
+        });
+        if inject && result.is_ok() {
+            result = Err(FabricError {
+                op: "completion",
+                provider,
+                code: eio(),
+                text: "injected completion error (fault injection)".into(),
+            });
+        }
+        let pipe_error = self.pipes.get(&pipe).and_then(|p| p.error.clone());
+        let fail = match (result, pipe_error) {
+            (Err(e), None) => {
+                self.stats.errors += 1;
+                l.state = State::Done(Err(e.clone()));
+                Some(e)
+            }
+            (_, Some(e)) => {
+                l.state = State::Done(Err(e));
+                None
+            }
+            (Ok(n), None) => {
+                l.state = State::Done(Ok(n));
+                None
+            }
+        };
+        if let Some(e) = fail {
+            self.fail_pipe(pipe, e);
+        }
+        self.mark(pipe);
+        Some(pipe)
+    }
+
+    fn mark(&mut self, pipe: u32) {
+        if !self.dirty.contains(&pipe) {
+            self.dirty.push(pipe);
+        }
+    }
+
+    /// Fails `pipe` with `e`: backlogged ops fail now, posted ones are cancelled.
+    fn fail_pipe(&mut self, pipe: u32, e: FabricError) {
+        let Some(p) = self.pipes.get_mut(&pipe) else {
+            return;
+        };
+        if p.error.is_some() {
+            return;
+        }
+        p.error = Some(e.clone());
+        p.backlogged = 0;
+        if !self.dirty.contains(&pipe) {
+            self.dirty.push(pipe);
+        }
+        let ops: Vec<usize> = p.sends.iter().chain(p.recvs.iter()).copied().collect();
+        self.backlog.retain(|i| !ops.contains(i));
+        for index in ops {
+            let slot = &mut self.slots[index];
+            let Some(l) = slot.live.as_mut() else {
+                continue;
+            };
+            match l.state {
+                State::Backlog => l.state = State::Done(Err(e.clone())),
+                // SAFETY: the op is posted and its completion not read yet: its context is live.
+                State::Posted => unsafe { self.ep.cancel((&mut *slot.ctx as *mut Ctx).cast()) },
+                State::Done(_) => {}
+            }
+        }
+    }
+
+    fn retry_backlog(&mut self) {
+        if self.backlog.is_empty() {
+            return;
+        }
+        let old = std::mem::take(&mut self.backlog);
+        let mut blocked: Vec<u32> = Vec::new();
+        let mut keep = VecDeque::with_capacity(old.len());
+        for index in old {
+            let Some(l) = self.slots[index].live.as_ref() else {
+                continue;
+            };
+            if !matches!(l.state, State::Backlog) {
+                continue; // failed with its pipe meanwhile
+            }
+            let pipe = l.pipe;
+            if blocked.contains(&pipe) {
+                keep.push_back(index);
+                continue;
+            }
+            match self.try_post(index) {
+                Ok(()) => {
+                    if let Some(p) = self.pipes.get_mut(&pipe) {
+                        p.backlogged = p.backlogged.saturating_sub(1);
+                    }
+                }
+                Err(PostError::Again) => {
+                    blocked.push(pipe);
+                    keep.push_back(index);
+                }
+                Err(PostError::Failed(e)) => {
+                    self.set_state(index, State::Done(Err(e.clone())));
+                    self.fail_pipe(pipe, e);
+                }
+            }
+        }
+        // fail_pipe may have dropped entries meanwhile: keep only those still backlogged.
+        keep.retain(|&i| {
+            matches!(
+                self.slots[i].live.as_ref().map(|l| &l.state),
+                Some(State::Backlog)
+            )
+        });
+        self.backlog = keep;
+    }
+
+    /// Hands out `pipe`'s finished ops from the front of each queue.
+    fn drain(&mut self, pipe: u32, out: &mut impl FnMut(Finished)) {
+        let Some(p) = self.pipes.get_mut(&pipe) else {
+            return;
+        };
+        for queue in [&mut p.sends, &mut p.recvs] {
+            while let Some(&index) = queue.front() {
+                let done = matches!(
+                    self.slots[index].live.as_ref().map(|l| &l.state),
+                    Some(State::Done(_))
+                );
+                if !done {
+                    break;
+                }
+                queue.pop_front();
+                let Some(l) = self.slots[index].live.take() else {
+                    continue;
+                };
+                self.free.push(index);
+                let State::Done(result) = l.state else {
+                    unreachable!("checked above")
+                };
+                out(Finished {
+                    pipe,
+                    id: l.id,
+                    kind: l.kind,
+                    tag: l.tag,
+                    mem: l.mem,
+                    result,
+                });
+            }
+        }
+        if p.detached && p.sends.is_empty() && p.recvs.is_empty() {
+            let name = std::mem::take(&mut p.peer_name);
+            self.pipes.remove(&pipe);
+            if let Some((addr, n)) = self.peers.get_mut(&name) {
+                *n -= 1;
+                if *n == 0 {
+                    let addr = *addr;
+                    self.peers.remove(&name);
+                    if let Err(e) = self.ep.remove(addr) {
+                        tracing::debug!("{e}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

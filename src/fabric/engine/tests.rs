@@ -1,0 +1,275 @@
+//! The engine on the real `tcp;ofi_rxm` and `shm` providers: the EAGAIN storm, error order,
+//! pipes that fail alone.
+
+use super::*;
+use crate::fabric::faults::Dice;
+use crate::fabric::tag::{self, Stream};
+use crate::fabric::tests::{open, PROVIDERS};
+
+fn pair(provider: &str, faults: Faults) -> (Engine, u32, Engine, u32) {
+    let mut a = Engine::new(open(provider), faults);
+    let mut b = Engine::new(
+        open(provider),
+        Faults {
+            seed: faults.seed + 1,
+            ..faults
+        },
+    );
+    let pa = a.attach(b.endpoint().name()).expect("attach");
+    let pb = b.attach(a.endpoint().name()).expect("attach");
+    (a, pa, b, pb)
+}
+
+/// A random size: empty, tiny, small, medium, large (up to 2 MiB).
+fn shape(d: &mut Dice, x: &mut u64) -> usize {
+    *x = x
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let r = (*x >> 33) as usize;
+    match r % 10 {
+        0 => 0,
+        1..=3 => r % 64 + 1,
+        4..=6 => r % 4096 + 64,
+        7 | 8 => r % (256 << 10) + 4096,
+        _ if d.roll(0.5) => r % (2 << 20) + (256 << 10),
+        _ => r % 4096,
+    }
+}
+
+fn pattern(seq: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (seq as usize * 31 + i * 7) as u8 ^ (i >> 8) as u8)
+        .collect()
+}
+
+/// 10 000 messages of random shape, with `faults` on both sides: every one arrives intact, and
+/// each side sees its completions in post order.
+fn storm(provider: &str, faults: Faults, count: u64) -> (Stats, Stats) {
+    const WINDOW: u64 = 128;
+    let (mut a, pa, mut b, pb) = pair(provider, faults);
+    let mut dice = Dice::new(42);
+    let mut x = 7u64;
+    let sizes: Vec<usize> = (0..count).map(|_| shape(&mut dice, &mut x)).collect();
+    let (mut sent, mut posted_recv, mut posted_send) = (0u64, 0u64, 0u64);
+    let mut received = 0u64;
+    let mut failures = Vec::new();
+    let send_done = |f: Finished, next: &mut u64| {
+        assert_eq!(f.id, *next, "sends complete in order");
+        assert!(f.result.is_ok(), "send {}: {:?}", f.id, f.result);
+        *next += 1;
+    };
+    let start = std::time::Instant::now();
+    while received < count {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(120),
+            "{provider}: stuck at {received}/{count}, stats {:?} / {:?}",
+            a.stats(),
+            b.stats()
+        );
+        while posted_recv < count && posted_recv < received + WINDOW {
+            let len = sizes[posted_recv as usize];
+            let op = Op {
+                kind: Kind::Recv,
+                tag: tag::make(Stream::Raw, pb, posted_recv as u32),
+                mem: vec![0; len],
+                id: posted_recv,
+            };
+            b.post(pb, op, &mut |f| failures.push(f));
+            posted_recv += 1;
+        }
+        while posted_send < count && posted_send < sent + WINDOW {
+            let len = sizes[posted_send as usize];
+            let op = Op {
+                kind: Kind::Send,
+                tag: tag::make(Stream::Raw, pb, posted_send as u32),
+                mem: pattern(posted_send, len),
+                id: posted_send,
+            };
+            a.post(pa, op, &mut |f| send_done(f, &mut sent));
+            posted_send += 1;
+        }
+        a.progress(&mut |f| send_done(f, &mut sent)).expect("cq a");
+        b.progress(&mut |f: Finished| {
+            assert_eq!(f.id, received, "{provider}: receives complete in order");
+            let len = sizes[f.id as usize];
+            assert_eq!(
+                f.result.as_ref().ok(),
+                Some(&len),
+                "{provider}: {:?}",
+                f.result
+            );
+            assert!(
+                f.mem == pattern(f.id, len),
+                "{provider}: message {} intact",
+                f.id
+            );
+            received += 1;
+        })
+        .expect("cq b");
+        assert!(failures.is_empty(), "{provider}: {:?}", failures[0]);
+    }
+    while sent < count {
+        a.progress(&mut |f| send_done(f, &mut sent)).expect("cq a");
+        b.progress(&mut |_| panic!("nothing left to receive"))
+            .expect("cq b");
+    }
+    (a.stats(), b.stats())
+}
+
+#[test]
+fn eagain_storm_delivers_everything_in_order_on_each_provider() {
+    let faults = Faults {
+        eagain: 0.9,
+        cq_error: 0.0,
+        seed: 1,
+    };
+    for provider in PROVIDERS {
+        let (sa, sb) = storm(provider, faults, 10_000);
+        // 90 % of posts refused: about nine refusals per accepted post, on both sides.
+        assert_eq!(sa.posted, 10_000, "{provider}: {sa:?}");
+        assert!(sa.eagain > 50_000, "{provider}: {sa:?}");
+        assert!(sb.eagain > 50_000, "{provider}: {sb:?}");
+        assert!(sa.backlog_max > 1 && sb.backlog_max > 1, "{sa:?} {sb:?}");
+        assert_eq!((sa.errors, sb.errors), (0, 0));
+        assert_eq!((sa.backlog, sa.in_flight), (0, 0));
+    }
+}
+
+#[test]
+fn a_completion_error_fails_its_pipe_in_order_and_spares_the_others() {
+    for provider in PROVIDERS {
+        let (mut a, pa, mut b, pb) = pair(provider, Faults::NONE);
+        // A second pipe between the same endpoints.
+        let pa2 = a.attach(b.endpoint().name()).expect("attach");
+        let pb2 = b.attach(a.endpoint().name()).expect("attach");
+        let mut got: Vec<(u32, u64, bool)> = Vec::new();
+        for i in 0..4u64 {
+            for (pipe, me) in [(pb, pb), (pb2, pb2)] {
+                let op = Op {
+                    kind: Kind::Recv,
+                    tag: tag::make(Stream::Raw, me, i as u32),
+                    mem: vec![0; 8],
+                    id: i,
+                };
+                b.post(pipe, op, &mut |f| {
+                    got.push((f.pipe, f.id, f.result.is_ok()))
+                });
+            }
+        }
+        // Every completion of b's first pipe from now on is an error: the first one fails it.
+        b.set_faults(Faults {
+            cq_error: 1.0,
+            ..Faults::NONE
+        });
+        for (pipe, to) in [(pa, pb), (pa2, pb2)] {
+            let op = Op {
+                kind: Kind::Send,
+                tag: tag::make(Stream::Raw, to, 0),
+                mem: vec![1; 8],
+                id: 0,
+            };
+            a.post(pipe, op, &mut |_| {});
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while got.len() < 8 && std::time::Instant::now() < deadline {
+            a.progress(&mut |_| {}).expect("cq");
+            b.progress(&mut |f| got.push((f.pipe, f.id, f.result.is_ok())))
+                .expect("cq");
+        }
+        // Both first receives completed with an injected error; each pipe failed, and its
+        // later receives (cancelled) failed right after, in order.
+        for pipe in [pb, pb2] {
+            let ends: Vec<_> = got.iter().filter(|g| g.0 == pipe).collect();
+            assert_eq!(ends.len(), 4, "{provider}: {got:?}");
+            assert!(ends
+                .iter()
+                .enumerate()
+                .all(|(i, g)| g.1 == i as u64 && !g.2));
+        }
+        // Faults off: a new pipe on the same endpoint works.
+        b.set_faults(Faults::NONE);
+        let pb3 = b.attach(a.endpoint().name()).expect("attach");
+        let pa3 = a.attach(b.endpoint().name()).expect("attach");
+        let mut ok = None;
+        b.post(
+            pb3,
+            Op {
+                kind: Kind::Recv,
+                tag: tag::make(Stream::Raw, pb3, 9),
+                mem: vec![0; 3],
+                id: 9,
+            },
+            &mut |f| ok = Some(f.result.map_err(|e| e.to_string())),
+        );
+        a.post(
+            pa3,
+            Op {
+                kind: Kind::Send,
+                tag: tag::make(Stream::Raw, pb3, 9),
+                mem: vec![5; 3],
+                id: 9,
+            },
+            &mut |_| {},
+        );
+        while ok.is_none() && std::time::Instant::now() < deadline {
+            a.progress(&mut |_| {}).expect("cq");
+            b.progress(&mut |f| {
+                if f.pipe == pb3 {
+                    ok = Some(f.result.map_err(|e| e.to_string()))
+                }
+            })
+            .expect("cq");
+        }
+        assert_eq!(
+            ok,
+            Some(Ok(3)),
+            "{provider}: endpoint still serves other pipes"
+        );
+    }
+}
+
+#[test]
+fn detach_fails_pending_receives_in_order_then_forgets_the_pipe() {
+    for provider in PROVIDERS {
+        let (_a, _pa, mut b, pb) = pair(provider, Faults::NONE);
+        let mut got = Vec::new();
+        for i in 0..5u64 {
+            let op = Op {
+                kind: Kind::Recv,
+                tag: tag::make(Stream::Raw, pb, i as u32),
+                mem: vec![0; 16],
+                id: i,
+            };
+            b.post(pb, op, &mut |f| got.push(f));
+        }
+        let why = FabricError {
+            op: "detach",
+            provider: provider.into(),
+            code: super::super::ecanceled(),
+            text: "pipe closed".into(),
+        };
+        b.detach(pb, why.clone(), &mut |f| got.push(f));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while got.len() < 8 && std::time::Instant::now() < deadline {
+            b.progress(&mut |f| got.push(f)).expect("cq");
+        }
+        let ids: Vec<u64> = got.iter().map(|f| f.id).collect();
+        assert_eq!(ids, [0, 1, 2, 3, 4], "{provider}");
+        assert!(got.iter().all(|f| f.result.as_ref().err() == Some(&why)));
+        assert!(got.iter().all(|f| f.mem.len() == 16), "buffers come back");
+        assert_eq!(b.stats().pipes, 0, "{provider}: forgotten");
+        // Posting to it now fails at once.
+        let mut late = None;
+        b.post(
+            pb,
+            Op {
+                kind: Kind::Send,
+                tag: 0,
+                mem: vec![],
+                id: 77,
+            },
+            &mut |f| late = Some(f),
+        );
+        assert!(late.expect("answered").result.is_err());
+    }
+}

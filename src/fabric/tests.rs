@@ -1,0 +1,203 @@
+//! The binding against the real providers of this host (`tcp;ofi_rxm` and `shm`, both part of
+//! every libfabric build, so `--features efa` can rely on them).
+
+use super::*;
+
+/// The providers every test here runs on.
+pub const PROVIDERS: [&str; 2] = ["tcp;ofi_rxm", "shm"];
+
+/// An endpoint of `provider`, on loopback for tcp.
+pub fn open(provider: &str) -> Endpoint {
+    let list = InfoList::get(Some(provider)).expect("provider present");
+    let info = list
+        .iter()
+        .find(|i| {
+            let a = i.attributes();
+            a.domain == "lo" || a.provider == "shm"
+        })
+        .expect("a loopback domain");
+    let domain = Domain::open(info).expect("domain");
+    Endpoint::open(&domain, info).expect("endpoint")
+}
+
+/// Polls both endpoints (manual progress: each side moves only when its CQ is read) until `a`
+/// has `na` completions and `b` has `nb`.
+fn reap(
+    a: &mut Endpoint,
+    na: usize,
+    b: &mut Endpoint,
+    nb: usize,
+) -> (Vec<Completion>, Vec<Completion>) {
+    let (mut ga, mut gb) = (Vec::new(), Vec::new());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while ga.len() < na || gb.len() < nb {
+        assert!(std::time::Instant::now() < deadline, "no completion");
+        a.poll(|c| ga.push(c)).expect("cq");
+        b.poll(|c| gb.push(c)).expect("cq");
+    }
+    assert_eq!((ga.len(), gb.len()), (na, nb), "no extra completions");
+    (ga, gb)
+}
+
+#[test]
+fn version_and_errors_read_back() {
+    let ((major, _), (hmajor, _)) = version();
+    assert!(major >= 1 && hmajor >= 1);
+    assert_eq!(strerror(eagain()), "Resource temporarily unavailable");
+    let e = InfoList::get(Some("no-such-provider"))
+        .err()
+        .expect("no provider");
+    assert!(e.to_string().contains("fi_getinfo"), "{e}");
+}
+
+#[test]
+fn tagged_ping_pong_on_each_provider() {
+    for provider in PROVIDERS {
+        let mut a = open(provider);
+        let mut b = open(provider);
+        assert_eq!(a.provider(), provider);
+        let b_at_a = a.insert(b.name()).expect("insert");
+        let a_at_b = b.insert(a.name()).expect("insert");
+        let mut ctx_a = [0u64; 8];
+        let mut ctx_b = [0u64; 8];
+        let mut inbox = vec![0u8; 100];
+        let msg: Vec<u8> = (0..100u8).collect();
+        // SAFETY: buffers and contexts outlive the completions waited for below.
+        unsafe {
+            b.trecv(
+                inbox.as_mut_ptr(),
+                inbox.len(),
+                std::ptr::null_mut(),
+                a_at_b,
+                7,
+                0,
+                ctx_b.as_mut_ptr().cast(),
+            )
+            .expect("recv");
+        }
+        // rxm answers -FI_EAGAIN while it connects to a new peer: progress both and retry.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            // SAFETY: as above.
+            let r = unsafe {
+                a.tsend(
+                    msg.as_ptr(),
+                    msg.len(),
+                    std::ptr::null_mut(),
+                    b_at_a,
+                    7,
+                    ctx_a.as_mut_ptr().cast(),
+                )
+            };
+            match r {
+                Ok(()) => break,
+                Err(PostError::Again) if std::time::Instant::now() < deadline => {
+                    a.poll(|_| panic!("nothing posted")).expect("cq");
+                    b.poll(|_| panic!("nothing matched yet")).expect("cq");
+                }
+                Err(e) => panic!("{provider}: send: {e:?}"),
+            }
+        }
+        let (sent, got) = reap(&mut a, 1, &mut b, 1);
+        let (sent, got) = (&sent[0], &got[0]);
+        assert_eq!(sent.context, ctx_a.as_ptr() as u64);
+        assert!(sent.result.is_ok());
+        assert_eq!(got.context, ctx_b.as_ptr() as u64, "{provider}");
+        assert_eq!((got.len, got.tag), (100, 7));
+        assert_eq!(inbox, msg);
+    }
+}
+
+#[test]
+fn short_or_foreign_addresses_are_refused() {
+    let a = open("shm");
+    let e = a.insert(b"short").expect_err("refused");
+    assert!(e.to_string().contains("shm: fi_av_insert failed"), "{e}");
+}
+
+#[test]
+fn cancelled_receive_completes_with_ecanceled() {
+    for provider in PROVIDERS {
+        let mut a = open(provider);
+        let mut b = open(provider);
+        let mut ctx = [0u64; 8];
+        let mut buf = vec![0u8; 16];
+        // SAFETY: buffer and context outlive the cancellation's completion, read below.
+        unsafe {
+            a.trecv(
+                buf.as_mut_ptr(),
+                16,
+                std::ptr::null_mut(),
+                Endpoint::any_source(),
+                1,
+                0,
+                ctx.as_mut_ptr().cast(),
+            )
+            .expect("recv");
+        }
+        // SAFETY: the receive above is posted and its completion not read yet.
+        unsafe { a.cancel(ctx.as_mut_ptr().cast()) };
+        let (mut c, _) = reap(&mut a, 1, &mut b, 0);
+        let e = c.remove(0).result.expect_err("cancelled");
+        assert_eq!(e.code, ecanceled(), "{provider}: {e}");
+    }
+}
+
+fn fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
+}
+
+#[test]
+fn closing_releases_every_descriptor() {
+    for provider in PROVIDERS {
+        // The first open loads the provider (its own lasting descriptors, if any).
+        drop(open(provider));
+        let before = fds();
+        for _ in 0..3 {
+            let mut a = open(provider);
+            let mut b = open(provider);
+            let at = a.insert(b.name()).expect("insert");
+            b.insert(a.name()).expect("insert");
+            let mut ctx = [0u64; 8];
+            let msg = [1u8; 8];
+            loop {
+                // SAFETY: buffer and context outlive the completion read below.
+                let r = unsafe {
+                    a.tsend(
+                        msg.as_ptr(),
+                        8,
+                        std::ptr::null_mut(),
+                        at,
+                        1,
+                        ctx.as_mut_ptr().cast(),
+                    )
+                };
+                match r {
+                    Ok(()) => break,
+                    Err(PostError::Again) => {
+                        a.poll(|_| {}).expect("cq");
+                        b.poll(|_| {}).expect("cq");
+                    }
+                    Err(e) => panic!("{e:?}"),
+                }
+            }
+            let mut ctx_b = [0u64; 8];
+            let mut inb = [0u8; 8];
+            // SAFETY: as above.
+            unsafe {
+                b.trecv(
+                    inb.as_mut_ptr(),
+                    8,
+                    std::ptr::null_mut(),
+                    Endpoint::any_source(),
+                    1,
+                    0,
+                    ctx_b.as_mut_ptr().cast(),
+                )
+                .expect("recv");
+            }
+            reap(&mut a, 1, &mut b, 1);
+        }
+        assert_eq!(fds(), before, "{provider}: descriptors left open");
+    }
+}

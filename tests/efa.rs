@@ -1,0 +1,270 @@
+//! The libfabric endpoint actor on real providers (`tcp;ofi_rxm`, `shm`): the EAGAIN storm,
+//! many pipes on one endpoint, a failing pipe that spares the others. Each trial reports itself
+//! skipped, with the reason, where the build has no `efa` feature or libfabric lacks the
+//! provider.
+
+use libtest_mimic::{Arguments, Trial};
+
+#[cfg(feature = "efa")]
+mod efa {
+    use std::time::{Duration, Instant};
+
+    use actix::Addr;
+    use actorpipe::actors::fabric::{
+        EndpointConfig, FabricAttach, FabricDescribe, FabricEndpoint, FabricFaults, FabricPost,
+        FabricStats,
+    };
+    use actorpipe::fabric::engine::{Finished, Kind, Op};
+    use actorpipe::fabric::faults::Faults;
+    use actorpipe::fabric::tag::{self, Stream};
+    use tokio::sync::mpsc;
+
+    pub const PROVIDERS: [&str; 2] = ["tcp;ofi_rxm", "shm"];
+
+    /// Why a provider cannot be tested here, if it cannot.
+    pub fn missing(provider: &str) -> Option<String> {
+        actorpipe::fabric::InfoList::get(Some(provider))
+            .err()
+            .map(|e| format!("skipped: libfabric has no {provider} provider here ({e})"))
+    }
+
+    pub struct Side {
+        pub ep: Addr<FabricEndpoint>,
+        pub pipe: u32,
+        pub done: mpsc::UnboundedReceiver<Finished>,
+    }
+
+    pub async fn endpoints(
+        provider: &str,
+        faults: Faults,
+    ) -> (Addr<FabricEndpoint>, Addr<FabricEndpoint>) {
+        let config = EndpointConfig {
+            faults,
+            ..EndpointConfig::default()
+        };
+        let a = FabricEndpoint::open(provider, None, config).expect("endpoint a");
+        let b = FabricEndpoint::open(provider, None, config).expect("endpoint b");
+        (a, b)
+    }
+
+    /// A pipe between endpoints `a` and `b`: each side's number, queues.
+    pub async fn pipe(a: &Addr<FabricEndpoint>, b: &Addr<FabricEndpoint>) -> (Side, Side) {
+        let na = a.send(FabricDescribe).await.unwrap().name;
+        let nb = b.send(FabricDescribe).await.unwrap().name;
+        let (sa, da) = mpsc::unbounded_channel();
+        let (sb, db) = mpsc::unbounded_channel();
+        let pa = a
+            .send(FabricAttach { peer: nb, sink: sa })
+            .await
+            .unwrap()
+            .unwrap();
+        let pb = b
+            .send(FabricAttach { peer: na, sink: sb })
+            .await
+            .unwrap()
+            .unwrap();
+        (
+            Side {
+                ep: a.clone(),
+                pipe: pa,
+                done: da,
+            },
+            Side {
+                ep: b.clone(),
+                pipe: pb,
+                done: db,
+            },
+        )
+    }
+
+    fn size_of(i: u64) -> usize {
+        let h = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
+        match i % 8 {
+            0 => 0,
+            1..=3 => (h % 64) as usize + 1,
+            4 | 5 => (h % 8192) as usize,
+            6 => (h % (128 << 10)) as usize,
+            _ => (h % (1 << 20)) as usize,
+        }
+    }
+
+    fn bytes(i: u64, len: usize) -> Vec<u8> {
+        (0..len)
+            .map(|k| (i as usize ^ k.wrapping_mul(13)) as u8)
+            .collect()
+    }
+
+    /// `count` messages of random shape from `tx` to `rx`, at most `window` in flight: every
+    /// one arrives intact, and ends come in post order on both sides.
+    pub async fn exchange(mut tx: Side, mut rx: Side, count: u64, window: u64) -> (Side, Side) {
+        let deadline = Instant::now() + Duration::from_secs(180);
+        let (mut posted, mut received, mut sent) = (0u64, 0u64, 0u64);
+        while received < count {
+            assert!(Instant::now() < deadline, "stuck at {received}/{count}");
+            while posted < count && posted < received + window {
+                let len = size_of(posted);
+                let t = tag::make(Stream::Raw, rx.pipe, posted as u32);
+                rx.ep.do_send(FabricPost {
+                    pipe: rx.pipe,
+                    ops: vec![Op {
+                        kind: Kind::Recv,
+                        tag: t,
+                        mem: vec![0; len],
+                        id: posted,
+                    }],
+                });
+                tx.ep.do_send(FabricPost {
+                    pipe: tx.pipe,
+                    ops: vec![Op {
+                        kind: Kind::Send,
+                        tag: t,
+                        mem: bytes(posted, len),
+                        id: posted,
+                    }],
+                });
+                posted += 1;
+            }
+            tokio::select! {
+                Some(f) = rx.done.recv() => {
+                    assert_eq!(f.id, received, "receives end in order");
+                    let len = size_of(f.id);
+                    assert_eq!(f.result.as_ref().ok(), Some(&len), "{:?}", f.result);
+                    assert!(f.mem == bytes(f.id, len), "message {} intact", f.id);
+                    received += 1;
+                }
+                Some(f) = tx.done.recv() => {
+                    assert_eq!(f.id, sent, "sends end in order");
+                    assert!(f.result.is_ok(), "{:?}", f.result);
+                    sent += 1;
+                }
+            }
+        }
+        while sent < count {
+            let f = tx.done.recv().await.expect("send ends");
+            assert_eq!((f.id, f.result.is_ok()), (sent, true));
+            sent += 1;
+        }
+        (tx, rx)
+    }
+
+    pub fn eagain_storm(provider: &str) {
+        actix::System::new().block_on(async {
+            let faults = Faults {
+                eagain: 0.9,
+                cq_error: 0.0,
+                seed: 11,
+            };
+            let (a, b) = endpoints(provider, faults).await;
+            let (tx, rx) = pipe(&a, &b).await;
+            exchange(tx, rx, 10_000, 256).await;
+            for ep in [&a, &b] {
+                let s = ep.send(FabricStats).await.unwrap();
+                assert!(s.eagain > 9 * 10_000 / 2, "{s:?}");
+                assert_eq!((s.errors, s.backlog, s.in_flight), (0, 0, 0), "{s:?}");
+            }
+        });
+    }
+
+    pub fn many_pipes_share_one_endpoint(provider: &str) {
+        actix::System::new().block_on(async {
+            let (a, b) = endpoints(provider, Faults::NONE).await;
+            let mut runs = Vec::new();
+            for _ in 0..16 {
+                let (tx, rx) = pipe(&a, &b).await;
+                runs.push(actix::spawn(exchange(tx, rx, 300, 16)));
+            }
+            for r in runs {
+                r.await.expect("pipe's exchange");
+            }
+            let s = a.send(FabricStats).await.unwrap();
+            assert_eq!(s.pipes, 16);
+            assert_eq!(s.posted, 16 * 300, "{s:?}");
+        });
+    }
+
+    pub fn failing_pipe_spares_the_others(provider: &str) {
+        actix::System::new().block_on(async {
+            let (a, b) = endpoints(provider, Faults::NONE).await;
+            let (_tx, mut rx) = pipe(&a, &b).await;
+            // Receives posted, then every completion becomes an error: the pipe fails, and each
+            // of its receives ends with the error, in order.
+            b.do_send(FabricFaults(Faults {
+                cq_error: 1.0,
+                ..Faults::NONE
+            }));
+            let ops = (0..3u64)
+                .map(|i| Op {
+                    kind: Kind::Recv,
+                    tag: tag::make(Stream::Raw, rx.pipe, i as u32),
+                    mem: vec![0; 4],
+                    id: i,
+                })
+                .collect();
+            b.do_send(FabricPost { pipe: rx.pipe, ops });
+            a.do_send(FabricPost {
+                pipe: _tx.pipe,
+                ops: vec![Op {
+                    kind: Kind::Send,
+                    tag: tag::make(Stream::Raw, rx.pipe, 0),
+                    mem: vec![1; 4],
+                    id: 0,
+                }],
+            });
+            for i in 0..3 {
+                let f = tokio::time::timeout(Duration::from_secs(10), rx.done.recv())
+                    .await
+                    .expect("ends in time")
+                    .expect("ends");
+                assert_eq!(f.id, i);
+                let e = f.result.expect_err("fails");
+                assert!(e.to_string().contains(provider), "names the provider: {e}");
+            }
+            b.do_send(FabricFaults(Faults::NONE));
+            let (tx2, rx2) = pipe(&a, &b).await;
+            exchange(tx2, rx2, 100, 8).await;
+        });
+    }
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let mut trials = Vec::new();
+    type Case = fn(&str);
+    #[cfg(feature = "efa")]
+    let cases: [(&str, Case); 3] = [
+        ("eagain_storm_10000_messages_in_order", efa::eagain_storm),
+        (
+            "many_pipes_share_one_endpoint",
+            efa::many_pipes_share_one_endpoint,
+        ),
+        (
+            "failing_pipe_spares_the_others",
+            efa::failing_pipe_spares_the_others,
+        ),
+    ];
+    #[cfg(feature = "efa")]
+    for (name, case) in cases {
+        for provider in efa::PROVIDERS {
+            let skip = efa::missing(provider);
+            let p = provider.to_string();
+            let t = Trial::test(format!("{name}::{provider}"), move || {
+                case(&p);
+                Ok(())
+            });
+            trials.push(match skip {
+                Some(why) => t.with_ignored_flag(true).with_kind(why),
+                None => t,
+            });
+        }
+    }
+    #[cfg(not(feature = "efa"))]
+    {
+        let _: Option<Case> = None;
+        trials.push(
+            Trial::test("efa_endpoint", || Ok(()))
+                .with_ignored_flag(true)
+                .with_kind("skipped: built without the `efa` feature"),
+        );
+    }
+    libtest_mimic::run(&args, trials).exit();
+}
