@@ -133,31 +133,7 @@ async fn qp_error_mid_transfer(which: usize) {
 #[actix::test]
 async fn peer_death_fails_pending_reads_with_peer_closed() {
     let _g = SERIAL.lock().await;
-    // The listener's side runs on an arbiter of its own, which we then stop: every actor of
-    // that side (pipes, connections, queue-pair actors) is dropped at once, as in a crash.
-    let arbiter = actix::Arbiter::new();
-    let (url_to, url) = tokio::sync::oneshot::channel();
-    let (pipe_to, pipe) = tokio::sync::oneshot::channel();
-    arbiter.spawn(async move {
-        let mut s = Server::start(ibv_sim(), "tcp://127.0.0.1:0").await;
-        let _ = url_to.send(s.url.clone());
-        let p = s.next().await;
-        let _ = pipe_to.send(());
-        // Keep the pipe and the server alive until the arbiter stops.
-        std::future::pending::<()>().await;
-        drop((p, s));
-    });
-    let url = url.await.unwrap();
-    let tx = Context::builder()
-        .without("shm")
-        .transport(Arc::new(Ibv::simulated().with_capacity(64 << 10)))
-        .only_channels(&["basic"])
-        .start()
-        .send(Connect::new(&url))
-        .await
-        .unwrap()
-        .expect("connect");
-    pipe.await.unwrap();
+    let (arbiter, tx) = doomed_peer(ibv_sim, ibv_sim()).await;
     assert_eq!(tx.send(GetInfo).await.unwrap().transport, "ibv");
     let (to, mut descs) = inbox::<DescriptorReady>();
     for _ in 0..3 {
@@ -268,26 +244,8 @@ async fn channel_qp_error_mid_transfer(which: usize) {
 #[actix::test]
 async fn peer_death_fails_writes_waiting_in_the_channel() {
     let _g = SERIAL.lock().await;
-    let arbiter = actix::Arbiter::new();
-    let (url_to, url) = tokio::sync::oneshot::channel();
-    let (pipe_to, pipe) = tokio::sync::oneshot::channel();
-    arbiter.spawn(async move {
-        let mut s = Server::start(ibv_rdma(), "tcp://127.0.0.1:0").await;
-        let _ = url_to.send(s.url.clone());
-        let p = s.next().await;
-        let _ = pipe_to.send(());
-        // Nobody reads: the tensors wait in the writer's channel for requests.
-        std::future::pending::<()>().await;
-        drop((p, s));
-    });
-    let url = url.await.unwrap();
-    let tx = ibv_rdma()
-        .start()
-        .send(Connect::new(&url))
-        .await
-        .unwrap()
-        .expect("connect");
-    pipe.await.unwrap();
+    // Nobody reads on the doomed side: the tensors wait in the writer's channel for requests.
+    let (arbiter, tx) = doomed_peer(ibv_rdma, ibv_rdma()).await;
     let info = tx.send(GetInfo).await.unwrap();
     assert_eq!(info.channel_list(), "ibv (cpu->cpu)");
     let (done_to, mut done) = inbox::<WriteDone>();
@@ -303,4 +261,33 @@ async fn peer_death_fails_writes_waiting_in_the_channel() {
         let e = d.result.unwrap_err();
         assert!(matches!(e.class(), "peer_closed" | "io"), "{e}");
     }
+}
+
+/// A pipe to a listener (built by `server`) that runs on an arbiter of its own: stopping the
+/// arbiter drops every actor of that side at once (pipes, connections, queue-pair actors,
+/// channels), as in a crash. The listener's pipe is kept, unread, until then.
+async fn doomed_peer(
+    server: fn() -> ContextBuilder,
+    client: ContextBuilder,
+) -> (actix::Arbiter, actix::Addr<Pipe>) {
+    let arbiter = actix::Arbiter::new();
+    let (url_to, url) = tokio::sync::oneshot::channel();
+    let (pipe_to, pipe) = tokio::sync::oneshot::channel();
+    arbiter.spawn(async move {
+        let mut s = Server::start(server(), "tcp://127.0.0.1:0").await;
+        let _ = url_to.send(s.url.clone());
+        let p = s.next().await;
+        let _ = pipe_to.send(());
+        std::future::pending::<()>().await;
+        drop((p, s));
+    });
+    let url = url.await.unwrap();
+    let tx = client
+        .start()
+        .send(Connect::new(&url))
+        .await
+        .unwrap()
+        .expect("connect");
+    pipe.await.unwrap();
+    (arbiter, tx)
 }

@@ -1,5 +1,5 @@
-//! The send-queue backlog (seed 000: "we first stash it aside"), shared by the `ibv` transport
-//! and the `ibv` channel.
+//! The send-queue backlog (seed 000: "we first stash it aside") and the completion loop, shared
+//! by the `ibv` transport and the `ibv` channel.
 //!
 //! A queue pair's send queue holds `max_send_wr` requests until their completions are polled.
 //! A request that finds it full waits in a FIFO and is posted as completions free slots; once
@@ -8,7 +8,55 @@
 
 use std::collections::VecDeque;
 
-use super::{QueuePair, SendWr, VerbsError};
+use super::{Completion, QueuePair, SendWr, VerbsError};
+
+/// Completions taken per `poll` call.
+pub const POLL_BATCH: usize = 32;
+
+/// An owner of a queue pair whose completions [`progress`] handles.
+pub trait Progress {
+    /// The queue pair and its send queue.
+    fn queues(&mut self) -> (&mut dyn QueuePair, &mut SendQueue);
+    /// A reusable buffer for polled completions (capacity [`POLL_BATCH`]).
+    fn scratch(&mut self) -> &mut Vec<Completion>;
+    /// Handles one completion.
+    fn on_completion(&mut self, c: Completion);
+    /// Whether the owner has failed: nothing more is posted then.
+    fn has_failed(&self) -> bool;
+    /// The verbs call `call` failed.
+    fn verbs_failed(&mut self, call: &'static str, e: VerbsError);
+}
+
+/// Handles every completion waiting, oldest first, then posts what waits in the backlog while
+/// the send queue has room.
+pub fn progress(p: &mut impl Progress) {
+    let mut scratch = std::mem::take(p.scratch());
+    loop {
+        scratch.clear();
+        let (qp, _) = p.queues();
+        match qp.poll(&mut scratch, POLL_BATCH) {
+            Ok(n) => {
+                for c in scratch.drain(..) {
+                    p.on_completion(c);
+                }
+                if n < POLL_BATCH {
+                    break;
+                }
+            }
+            Err(e) => {
+                p.verbs_failed("ibv_poll_cq", e);
+                break;
+            }
+        }
+    }
+    *p.scratch() = scratch;
+    if !p.has_failed() {
+        let (qp, sq) = p.queues();
+        if let Err(e) = sq.drain(qp) {
+            p.verbs_failed("ibv_post_send", e);
+        }
+    }
+}
 
 /// Counters of one send queue.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -32,7 +32,7 @@ use std::sync::Arc;
 use crate::error::{Error, Origin};
 use crate::transport::stream::Memory;
 use crate::verbs::regcache::{chunks, Lease, RegCache};
-use crate::verbs::sendq::SendQueue;
+use crate::verbs::sendq::{self, SendQueue, POLL_BATCH};
 use crate::verbs::{
     Access, Completion, Device, MemoryRegion, Opcode, QueuePair, RecvWr, SendOp, SendWr, Sge,
     Status, MIN_OP_BYTES,
@@ -44,8 +44,6 @@ pub const REQUEST_LEN: usize = MIN_OP_BYTES as usize;
 const SEND_SLOTS: u32 = 32;
 /// Receives posted at most (requests from the peer and its immediates land there).
 const MAX_RECV_SLOTS: u32 = 256;
-/// Completions taken per `poll` call.
-const POLL_BATCH: usize = 32;
 
 /// `wr_id` tags.
 const TAG_REQUEST: u64 = 1 << 62;
@@ -518,34 +516,29 @@ impl Rdma {
 
     /// Handles every completion waiting, then posts what the send queue has room for.
     pub fn progress(&mut self) {
-        let mut scratch = std::mem::take(&mut self.scratch);
-        loop {
-            scratch.clear();
-            let n = match self.qp.poll(&mut scratch, POLL_BATCH) {
-                Ok(n) => n,
-                Err(e) => {
-                    self.scratch = scratch;
-                    let e = verbs_error("ibv_poll_cq", e, &self.origin);
-                    return self.fail(e);
-                }
-            };
-            for c in scratch.drain(..) {
-                self.complete(c);
-            }
-            if n < POLL_BATCH {
-                break;
-            }
-        }
-        self.scratch = scratch;
-        if self.failed.is_none() {
-            if let Err(e) = self.sq.drain(&mut *self.qp) {
-                let e = verbs_error("ibv_post_send", e, &self.origin);
-                self.fail(e);
-            }
-        }
+        sendq::progress(self);
+    }
+}
+
+impl sendq::Progress for Rdma {
+    fn queues(&mut self) -> (&mut dyn QueuePair, &mut SendQueue) {
+        (&mut *self.qp, &mut self.sq)
     }
 
-    fn complete(&mut self, c: Completion) {
+    fn scratch(&mut self) -> &mut Vec<Completion> {
+        &mut self.scratch
+    }
+
+    fn has_failed(&self) -> bool {
+        self.failed.is_some()
+    }
+
+    fn verbs_failed(&mut self, call: &'static str, e: crate::verbs::VerbsError) {
+        let e = verbs_error(call, e, &self.origin);
+        self.fail(e);
+    }
+
+    fn on_completion(&mut self, c: Completion) {
         self.stats.completions += 1;
         if c.status != Status::Success {
             let what = match c.opcode {

@@ -29,7 +29,7 @@
 use std::io::IoSlice;
 use std::task::Waker;
 
-use crate::verbs::sendq::SendQueue;
+use crate::verbs::sendq::{self, SendQueue, POLL_BATCH};
 use crate::verbs::{
     Completion, MemoryRegion, Opcode, QueuePair, RecvWr, SendOp, SendWr, Sge, Status, VerbsError,
     MIN_OP_BYTES,
@@ -48,8 +48,6 @@ pub const MIN_CAPACITY: usize = 4096;
 
 /// `wr_id` flag of a credit or close request (data requests carry their end position).
 const CONTROL_WR: u64 = 1 << 63;
-/// Completions taken per `poll` call.
-const POLL_BATCH: usize = 32;
 
 /// A registered ring buffer (memory plus its registration).
 pub(crate) struct Ring {
@@ -310,32 +308,28 @@ impl Core {
     /// Handles every completion waiting: data and credits in, send slots freed, backlog
     /// posted. Wakes the halves that can go on.
     pub(crate) fn progress(&mut self) {
-        let mut scratch = std::mem::take(&mut self.scratch);
-        loop {
-            scratch.clear();
-            let n = match self.qp.poll(&mut scratch, POLL_BATCH) {
-                Ok(n) => n,
-                Err(e) => {
-                    self.fail(format!("ibv_poll_cq: {e}"));
-                    break;
-                }
-            };
-            for c in scratch.drain(..) {
-                self.complete(c);
-            }
-            if n < POLL_BATCH {
-                break;
-            }
-        }
-        self.scratch = scratch;
-        if self.failed.is_none() {
-            if let Err(e) = self.sq.drain(&mut *self.qp) {
-                self.fail(format!("ibv_post_send: {e}"));
-            }
-        }
+        sendq::progress(self);
+    }
+}
+
+impl sendq::Progress for Core {
+    fn queues(&mut self) -> (&mut dyn QueuePair, &mut SendQueue) {
+        (&mut *self.qp, &mut self.sq)
     }
 
-    fn complete(&mut self, c: Completion) {
+    fn scratch(&mut self) -> &mut Vec<Completion> {
+        &mut self.scratch
+    }
+
+    fn has_failed(&self) -> bool {
+        self.failed.is_some()
+    }
+
+    fn verbs_failed(&mut self, call: &'static str, e: VerbsError) {
+        self.fail(format!("{call}: {e}"));
+    }
+
+    fn on_completion(&mut self, c: Completion) {
         self.stats.completions += 1;
         if c.opcode != Opcode::Recv {
             self.sq.completed();
