@@ -68,6 +68,10 @@ pub fn channels() -> Vec<Arc<dyn ChannelBackend>> {
         v.extend(CudaIpc::all());
         v.extend(CudaBasic::all());
     }
+    #[cfg(feature = "ibv")]
+    v.push(Arc::new(crate::channel::ibv::IbvChannel::new(
+        crate::transport::ibv::Ibv::hardware(),
+    )));
     v
 }
 

@@ -408,3 +408,40 @@ fn ibv_sim(send_queue: u32) -> ContextBuilder {
 transport_suite!(ibv_sim, "ibv", || ibv_sim(128));
 #[cfg(feature = "ibv")]
 transport_suite!(ibv_sim_sq1, "ibv", || ibv_sim(1));
+
+// The ibv channel (RDMA writes into the receiver's registered buffer) over the ibv transport,
+// both on the simulated device; then with send queues of depth 1 (the channel's requests and
+// chunk writes through the backlog too).
+#[cfg(feature = "ibv")]
+fn ibv_rdma(send_queue: u32) -> ContextBuilder {
+    use actorpipe::channel::ibv::IbvChannel;
+    use actorpipe::transport::ibv::Ibv;
+    let ibv = Ibv::simulated()
+        .with_capacity(RING)
+        .with_queue_depths(send_queue, 256)
+        .auto_listen("ibv://127.0.0.1:0");
+    base()
+        .without("shm")
+        .transport(Arc::new(ibv.clone()))
+        .channel(Arc::new(IbvChannel::new(ibv)))
+        .only_channels(&["ibv", "basic"])
+}
+
+/// The channel suite for one channel over one transport.
+#[cfg(feature = "ibv")]
+macro_rules! pair_suite {
+    ($name:ident, $transport:expr, $channel:expr, $builder:expr) => {
+        mod $name {
+            use super::*;
+            cases!($builder, $transport, $channel;
+                order_of_many_ops, empty_and_one_byte, larger_than_rings_and_chunks,
+                both_directions, both_directions_large, concurrent_pipes, close_mid_operation_by_writer,
+                close_mid_operation_by_reader, close_with_both_directions_in_flight,
+                error_reaches_every_pending_op);
+        }
+    };
+}
+#[cfg(feature = "ibv")]
+pair_suite!(ibv_rdma, "ibv", "ibv", || ibv_rdma(128));
+#[cfg(feature = "ibv")]
+pair_suite!(ibv_rdma_sq1, "ibv", "ibv", || ibv_rdma(1));

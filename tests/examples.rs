@@ -86,9 +86,9 @@ fn info_lists_every_backend_and_why() {
         .expect("run actorpipe info --json");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
     // Six CPU backends; with the cuda feature each CUDA channel once per device pair; with the
-    // ibv feature the ibv transport.
+    // ibv feature the ibv transport and the ibv channel.
     let cuda = if cfg!(feature = "cuda") { 8 } else { 0 };
-    let ibv = usize::from(cfg!(feature = "ibv"));
+    let ibv = if cfg!(feature = "ibv") { 2 } else { 0 };
     assert_eq!(v.as_array().map(|a| a.len()), Some(6 + cuda + ibv));
     assert_eq!(v[1]["name"], "shm");
     assert!(v[1]["domain"].as_str().unwrap().contains(':'));

@@ -1,12 +1,14 @@
-//! The ibv transport on the simulated device: negotiation, a queue pair that errors mid-transfer,
-//! peer death. (The conformance suite runs it too: `ibv_sim` and `ibv_sim_sq1` in
-//! tests/conformance.rs.) Hardware runs are in tests/ibv_hw.rs.
+//! The ibv transport and the ibv channel on the simulated device: negotiation, a queue pair that
+//! errors mid-transfer, peer death. (The conformance suite runs them too: `ibv_sim`,
+//! `ibv_sim_sq1`, `ibv_rdma` and `ibv_rdma_sq1` in tests/conformance.rs.) Hardware runs are in
+//! tests/ibv_hw.rs.
 #![cfg(feature = "ibv")]
 
 mod common;
 
 use std::sync::Arc;
 
+use actorpipe::channel::ibv::IbvChannel;
 use actorpipe::transport::ibv::Ibv;
 use actorpipe::transport::Transport;
 use actorpipe::verbs::sim;
@@ -131,31 +133,7 @@ async fn qp_error_mid_transfer(which: usize) {
 #[actix::test]
 async fn peer_death_fails_pending_reads_with_peer_closed() {
     let _g = SERIAL.lock().await;
-    // The listener's side runs on an arbiter of its own, which we then stop: every actor of
-    // that side (pipes, connections, queue-pair actors) is dropped at once, as in a crash.
-    let arbiter = actix::Arbiter::new();
-    let (url_to, url) = tokio::sync::oneshot::channel();
-    let (pipe_to, pipe) = tokio::sync::oneshot::channel();
-    arbiter.spawn(async move {
-        let mut s = Server::start(ibv_sim(), "tcp://127.0.0.1:0").await;
-        let _ = url_to.send(s.url.clone());
-        let p = s.next().await;
-        let _ = pipe_to.send(());
-        // Keep the pipe and the server alive until the arbiter stops.
-        std::future::pending::<()>().await;
-        drop((p, s));
-    });
-    let url = url.await.unwrap();
-    let tx = Context::builder()
-        .without("shm")
-        .transport(Arc::new(Ibv::simulated().with_capacity(64 << 10)))
-        .only_channels(&["basic"])
-        .start()
-        .send(Connect::new(&url))
-        .await
-        .unwrap()
-        .expect("connect");
-    pipe.await.unwrap();
+    let (arbiter, tx) = doomed_peer(ibv_sim, ibv_sim()).await;
     assert_eq!(tx.send(GetInfo).await.unwrap().transport, "ibv");
     let (to, mut descs) = inbox::<DescriptorReady>();
     for _ in 0..3 {
@@ -168,4 +146,148 @@ async fn peer_death_fails_pending_reads_with_peer_closed() {
         let e = d.descriptor.unwrap_err();
         assert!(matches!(e.class(), "peer_closed" | "io"), "{e}");
     }
+}
+
+/// The ibv transport and the ibv channel, on one simulated device.
+fn ibv_rdma() -> ContextBuilder {
+    let ibv = Ibv::simulated()
+        .with_capacity(64 << 10)
+        .auto_listen("ibv://127.0.0.1:0");
+    Context::builder()
+        .without("shm")
+        .transport(Arc::new(ibv.clone()))
+        .channel(Arc::new(IbvChannel::new(ibv)))
+        .only_channels(&["ibv", "basic"])
+        .chunk_size(64 << 10)
+}
+
+#[actix::test]
+async fn the_channel_negotiates_between_simulated_contexts_and_not_with_tcp_only_peers() {
+    let _g = SERIAL.lock().await;
+    let (tx, rx, _s) = pair(ibv_rdma(), ibv_rdma()).await;
+    for p in [&tx, &rx] {
+        let info = p.send(GetInfo).await.unwrap();
+        assert_eq!(info.transport, "ibv");
+        assert_eq!(info.channel_list(), "ibv (cpu->cpu)");
+    }
+    let w = tx.send(Write::new(checked_message(1, &[100], &[31, 32, 5 << 20])));
+    assert_eq!(verify(&within(20, "read", read_one(&rx)).await.unwrap()), 1);
+    w.await.unwrap().result.unwrap();
+    // Shared, read-only bytes are written from too (registered for local access only).
+    let bytes = pattern(9, 1 << 20);
+    let w = tx.send(Write::new(
+        Message::new().with_tensor(Tensor::shared(bytes.clone())),
+    ));
+    let m = within(20, "read", read_one(&rx)).await.unwrap();
+    assert_eq!(m.tensors[0].buffer.as_cpu().unwrap(), &bytes[..]);
+    w.await.unwrap().result.unwrap();
+
+    // A peer without the channel: basic.
+    let (tx, _rx, _s) = pair(
+        Context::builder().without("shm").only_channels(&["basic"]),
+        ibv_rdma(),
+    )
+    .await;
+    let info = tx.send(GetInfo).await.unwrap();
+    assert_eq!(info.channel_list(), "basic (cpu->cpu)");
+}
+
+// The transport's queue pairs are made during the bootstrap, before either side's channel
+// exists: of the four new queue pairs, the last two (by number) are the channel's.
+#[actix::test]
+async fn the_writers_or_readers_channel_queue_pair_errors_mid_transfer() {
+    channel_qp_error_mid_transfer(2).await;
+    channel_qp_error_mid_transfer(3).await;
+}
+
+/// Six writes of 4 MiB tensors, two read, then one side's channel queue pair goes to error:
+/// the two read are `Ok`, every other write fails, in order, with its buffer; the reader's next
+/// read fails.
+async fn channel_qp_error_mid_transfer(which: usize) {
+    let _g = SERIAL.lock().await;
+    let before = sim::queue_pairs();
+    let (tx, rx, _s) = pair(ibv_rdma(), ibv_rdma()).await;
+    let ours: Vec<u32> = sim::queue_pairs()
+        .into_iter()
+        .filter(|q| !before.contains(q))
+        .collect();
+    assert_eq!(
+        ours.len(),
+        4,
+        "a transport and a channel queue pair per side"
+    );
+    let (done_to, mut done) = inbox::<WriteDone>();
+    for i in 0..6u64 {
+        tx.do_send(Write::new(checked_message(i, &[], &[4 << 20])).notify(done_to.clone()));
+    }
+    for i in 0..2 {
+        assert_eq!(verify(&within(20, "read", read_one(&rx)).await.unwrap()), i);
+    }
+    assert!(sim::inject_error(ours[which]));
+    for i in 0..6 {
+        let d = within(20, "write completion", done.recv()).await.unwrap();
+        assert_eq!(d.id, i, "in order");
+        assert_eq!(d.message.tensors[0].buffer.len(), 4 << 20, "buffer back");
+        if i < 2 {
+            d.result.expect("read before the error");
+        } else {
+            let e = d.result.unwrap_err();
+            assert!(matches!(e.class(), "io" | "peer_closed" | "closed"), "{e}");
+        }
+    }
+    let e = within(20, "read after the error", read_one(&rx))
+        .await
+        .unwrap_err();
+    assert!(matches!(e.class(), "io" | "peer_closed" | "closed"), "{e}");
+}
+
+#[actix::test]
+async fn peer_death_fails_writes_waiting_in_the_channel() {
+    let _g = SERIAL.lock().await;
+    // Nobody reads on the doomed side: the tensors wait in the writer's channel for requests.
+    let (arbiter, tx) = doomed_peer(ibv_rdma, ibv_rdma()).await;
+    let info = tx.send(GetInfo).await.unwrap();
+    assert_eq!(info.channel_list(), "ibv (cpu->cpu)");
+    let (done_to, mut done) = inbox::<WriteDone>();
+    for i in 0..3u64 {
+        tx.do_send(Write::new(checked_message(i, &[], &[1 << 20])).notify(done_to.clone()));
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    arbiter.stop();
+    for i in 0..3 {
+        let d = within(20, "write completion", done.recv()).await.unwrap();
+        assert_eq!(d.id, i, "in order");
+        assert_eq!(d.message.tensors[0].buffer.len(), 1 << 20, "buffer back");
+        let e = d.result.unwrap_err();
+        assert!(matches!(e.class(), "peer_closed" | "io"), "{e}");
+    }
+}
+
+/// A pipe to a listener (built by `server`) that runs on an arbiter of its own: stopping the
+/// arbiter drops every actor of that side at once (pipes, connections, queue-pair actors,
+/// channels), as in a crash. The listener's pipe is kept, unread, until then.
+async fn doomed_peer(
+    server: fn() -> ContextBuilder,
+    client: ContextBuilder,
+) -> (actix::Arbiter, actix::Addr<Pipe>) {
+    let arbiter = actix::Arbiter::new();
+    let (url_to, url) = tokio::sync::oneshot::channel();
+    let (pipe_to, pipe) = tokio::sync::oneshot::channel();
+    arbiter.spawn(async move {
+        let mut s = Server::start(server(), "tcp://127.0.0.1:0").await;
+        let _ = url_to.send(s.url.clone());
+        let p = s.next().await;
+        let _ = pipe_to.send(());
+        std::future::pending::<()>().await;
+        drop((p, s));
+    });
+    let url = url.await.unwrap();
+    let tx = client
+        .start()
+        .send(Connect::new(&url))
+        .await
+        .unwrap()
+        .expect("connect");
+    pipe.await.unwrap();
+    (arbiter, tx)
 }

@@ -1,4 +1,4 @@
-//! ibv on real HCAs. Each trial is reported as ignored ("skipped: no RDMA device") where
+//! ibv (transport and channel) on real HCAs. Each trial is reported as ignored ("skipped: no RDMA device") where
 //! libibverbs finds no device, which is every machine this project has run on so far; on a
 //! machine with an active port the same binary runs them for real.
 
@@ -87,14 +87,31 @@ fn loopback_write_with_immediate() -> Result<(), Failed> {
 
 /// The ibv transport between two contexts of this process over the real HCA.
 fn transport_round_trip() -> Result<(), Failed> {
+    round_trip(false)
+}
+
+/// The ibv channel (over the ibv transport) between two contexts of this process over the real
+/// HCA: a tensor by RDMA write into the receiver's registered buffer.
+fn channel_round_trip() -> Result<(), Failed> {
+    round_trip(true)
+}
+
+fn round_trip(with_channel: bool) -> Result<(), Failed> {
     let system = actix::System::new();
     system.block_on(async {
+        use actorpipe::channel::ibv::IbvChannel;
         use actorpipe::*;
         let b = || {
-            Context::builder()
+            let ibv = Ibv::hardware().auto_listen("ibv://127.0.0.1:0");
+            let b = Context::builder()
                 .without("shm")
-                .transport(Arc::new(Ibv::hardware().auto_listen("ibv://127.0.0.1:0")))
-                .only_channels(&["basic"])
+                .transport(Arc::new(ibv.clone()));
+            if with_channel {
+                b.channel(Arc::new(IbvChannel::new(ibv)))
+                    .only_channels(&["ibv"])
+            } else {
+                b.only_channels(&["basic"])
+            }
         };
         let server = b().start();
         let (to, mut accepted) = inbox::<Accepted>();
@@ -109,8 +126,11 @@ fn transport_round_trip() -> Result<(), Failed> {
             .map_err(|e| e.to_string())??;
         let rx = accepted.recv().await.ok_or("no pipe")?.pipe;
         let info = tx.send(GetInfo).await.map_err(|e| e.to_string())?;
-        if info.transport != "ibv" {
-            return Err(format!("negotiated {}", info.transport).into());
+        let channel = if with_channel { "ibv" } else { "basic" };
+        if info.transport != "ibv" || info.channels[0].name != channel {
+            return Err(
+                format!("negotiated {} and {}", info.transport, info.channel_list()).into(),
+            );
         }
         let data = vec![5u8; 3 << 20];
         let w = tx.send(Write::new(
@@ -144,6 +164,7 @@ fn main() {
             loopback_write_with_immediate,
         ),
         trial("transport_round_trip", transport_round_trip),
+        trial("channel_round_trip", channel_round_trip),
     ];
     libtest_mimic::run(&args, trials).exit();
 }

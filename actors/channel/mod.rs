@@ -51,6 +51,10 @@ pub(crate) enum ChannelKind {
     /// CUDA tensors between two contexts of one process (feature `cuda`).
     #[cfg(feature = "cuda")]
     CudaXth { pipe: u64 },
+    /// RDMA writes into the receiver's registered buffer (feature `ibv`). Tensors of
+    /// 1..=`inline_max` bytes (at least the 31 under the verbs minimum) travel like basic ones.
+    #[cfg(feature = "ibv")]
+    Ibv { chunk_size: usize, inline_max: u64 },
 }
 
 impl ChannelKind {
@@ -60,6 +64,8 @@ impl ChannelKind {
         match *self {
             ChannelKind::Basic { .. } => true,
             ChannelKind::Cma { inline_max, .. } => len > 0 && len <= inline_max,
+            #[cfg(feature = "ibv")]
+            ChannelKind::Ibv { inline_max, .. } => len > 0 && len <= inline_max,
             _ => false,
         }
     }
@@ -72,6 +78,8 @@ impl ChannelKind {
             // Every basic tensor has empty channel data (the pipe checks it), while a tensor
             // routed to a CUDA channel never does: it travels elsewhere.
             ChannelKind::Basic { .. } | ChannelKind::Cma { .. } => Carried::NoData,
+            #[cfg(feature = "ibv")]
+            ChannelKind::Ibv { .. } => Carried::NoData,
             ChannelKind::Xth { .. } | ChannelKind::Mpt { .. } => Carried::Nothing,
             #[cfg(feature = "cuda")]
             ChannelKind::CudaXth { .. } => Carried::Nothing,
@@ -84,6 +92,8 @@ impl ChannelKind {
             ChannelKind::Basic { chunk_size }
             | ChannelKind::Cma { chunk_size, .. }
             | ChannelKind::Mpt { chunk_size } => chunk_size,
+            #[cfg(feature = "ibv")]
+            ChannelKind::Ibv { chunk_size, .. } => chunk_size,
             ChannelKind::Xth { .. } => usize::MAX,
             #[cfg(feature = "cuda")]
             ChannelKind::CudaXth { .. } => usize::MAX,
@@ -165,6 +175,9 @@ pub struct Channel {
     reading: usize,
     stopping: bool,
     fallbacks: Arc<AtomicU64>,
+    /// The ibv channel's queue pair.
+    #[cfg(feature = "ibv")]
+    ibv: Option<ibv::IbvSide>,
 }
 
 /// Send one tensor.
@@ -238,6 +251,8 @@ impl Channel {
             reading: 0,
             stopping: false,
             fallbacks,
+            #[cfg(feature = "ibv")]
+            ibv: None,
         }
     }
 
@@ -245,6 +260,17 @@ impl Channel {
     #[cfg(feature = "cuda")]
     pub(crate) fn with_cuda(mut self, reply: CudaReply) -> Self {
         self.cuda_reply = Some(reply);
+        self
+    }
+
+    /// The ibv channel's queue pair, bootstrapped over `lanes` once the actor starts.
+    #[cfg(feature = "ibv")]
+    pub(crate) fn with_ibv(
+        mut self,
+        backend: &crate::channel::ibv::IbvChannel,
+        lanes: Vec<crate::handshake::Halves>,
+    ) -> Self {
+        self.ibv = Some(ibv::IbvSide::new(backend, lanes, &self.origin));
         self
     }
 
@@ -319,6 +345,10 @@ impl Channel {
         }
         #[cfg(feature = "cuda")]
         if !self.cuda_keys.is_empty() {
+            return;
+        }
+        #[cfg(feature = "ibv")]
+        if !self.ibv_idle() {
             return;
         }
         if self.held.is_empty() && self.xth_keys.is_empty() && self.reading == 0 {
@@ -437,10 +467,14 @@ impl Actor for Channel {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         self.poll_own(ctx);
+        #[cfg(feature = "ibv")]
+        self.ibv_start(ctx);
     }
 
     fn stopped(&mut self, _: &mut Self::Context) {
         self.shutdown_lanes();
+        #[cfg(feature = "ibv")]
+        self.ibv_forget();
         // A channel torn down with buffers still out (the system shutting down) must not free
         // memory the I/O loops may still touch.
         for (_, h) in self.held.drain() {
@@ -486,6 +520,11 @@ impl Handler<SendTensor> for Channel {
                 memory: m.buffer,
                 result: Err(self.misrouted()),
             }),
+            #[cfg(feature = "ibv")]
+            ChannelKind::Ibv { .. } => {
+                self.send_ibv(m);
+                return self.ibv_flush(ctx);
+            }
         }
         self.poll_own(ctx);
     }
@@ -518,6 +557,11 @@ impl Handler<RecvTensor> for Channel {
                 memory: Memory::Owned(m.buffer),
                 result: Err(self.misrouted()),
             }),
+            #[cfg(feature = "ibv")]
+            ChannelKind::Ibv { .. } => {
+                self.recv_ibv(m);
+                return self.ibv_flush(ctx);
+            }
         }
         self.poll_own(ctx);
     }
@@ -546,8 +590,12 @@ impl Handler<StopChannel> for Channel {
             ctx.run_later(CMA_GRACE, |act, _| act.shutdown_lanes());
         } else {
             self.shutdown_lanes();
+            #[cfg(feature = "ibv")]
+            self.stop_ibv(e.clone());
             self.fail_held(e);
         }
+        #[cfg(feature = "ibv")]
+        self.ibv_flush(ctx);
         self.maybe_stop(ctx);
         self.poll_own(ctx);
     }
@@ -564,6 +612,8 @@ fn lane_gone() -> Error {
 mod cma;
 #[cfg(feature = "cuda")]
 mod cuda_xth;
+#[cfg(feature = "ibv")]
+mod ibv;
 mod mpt;
 mod xth;
 

@@ -285,11 +285,30 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                 "mpt" => ChannelKind::Mpt { chunk_size },
                 #[cfg(feature = "cuda")]
                 "cuda_xth" => ChannelKind::CudaXth { pipe: id },
+                #[cfg(feature = "ibv")]
+                "ibv" => ChannelKind::Ibv {
+                    chunk_size,
+                    inline_max: ibv_backend(config)
+                        .map_or(crate::channel::ibv::MIN_INLINE, |b| b.inline_max()),
+                },
                 // Negotiation only offers what this build has; everything else is basic (and
                 // a channel of another device pair run as basic is never routed to: `Routes`).
                 _ => ChannelKind::Basic { chunk_size },
             };
             kinds.push(kind);
+            // The ibv channel bootstraps its queue pair over its lane itself.
+            #[cfg(feature = "ibv")]
+            if let (ChannelKind::Ibv { .. }, Some(backend)) = (kind, ibv_backend(config)) {
+                return Channel::new(
+                    kind,
+                    Vec::new(),
+                    reply.clone(),
+                    origin.clone(),
+                    fallbacks.clone(),
+                )
+                .with_ibv(&backend, lanes)
+                .start();
+            }
             let lanes = lanes
                 .into_iter()
                 .map(|h| {
@@ -790,3 +809,13 @@ use completion::deferred;
 pub(crate) use completion::Completer;
 pub use completion::Deferred;
 use routes::Routes;
+
+/// The context's `ibv` channel backend.
+#[cfg(feature = "ibv")]
+fn ibv_backend(config: &Config) -> Option<crate::channel::ibv::IbvChannel> {
+    config
+        .channels
+        .iter()
+        .find(|(c, _)| c.name() == "ibv")
+        .and_then(|(c, _)| c.as_any()?.downcast_ref().cloned())
+}

@@ -28,6 +28,8 @@ impl Pipe {
         match kind {
             ChannelKind::Xth { .. } => 8,
             ChannelKind::Cma { .. } => crate::channel::cma::REMOTE_BUFFER_LEN,
+            #[cfg(feature = "ibv")]
+            ChannelKind::Ibv { .. } => 8,
             k if k.carries_cuda() => 8,
             _ => 0,
         }
@@ -145,6 +147,14 @@ impl Pipe {
                             if !kind.sends_on_control(buf.len() as u64) {
                                 data.set(&RemoteBuffer::local(buf).encode())
                             }
+                        }
+                    }
+                    // The length: never empty, unlike an inline tensor's.
+                    #[cfg(feature = "ibv")]
+                    ChannelKind::Ibv { .. } => {
+                        let len = message.tensors[i].buffer.len();
+                        if !kind.sends_on_control(len) {
+                            data.set(&len.to_le_bytes())
                         }
                     }
                     _ => {}

@@ -17,6 +17,8 @@ pub mod cuda_basic;
 pub mod cuda_ipc;
 #[cfg(feature = "cuda")]
 pub mod cuda_xth;
+#[cfg(feature = "ibv")]
+pub mod ibv;
 pub mod mpt;
 pub mod xth;
 
@@ -79,6 +81,12 @@ pub trait ChannelBackend: Send + Sync + 'static {
     /// small frames, can do with less: every idle pipe pays for it.
     fn lane_read_buffer(&self) -> usize {
         crate::transport::stream::READ_BUFFER
+    }
+
+    /// The backend itself, for the pipe that needs its concrete type (the `ibv` channel's
+    /// device and registration caches). `None` by default.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
     }
 
     /// This backend's entry in a brochure, at `priority`.

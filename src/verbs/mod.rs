@@ -18,6 +18,7 @@
 
 pub mod hw;
 pub mod regcache;
+pub mod sendq;
 pub mod sim;
 #[cfg(test)]
 mod sim_tests;

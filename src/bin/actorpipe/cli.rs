@@ -44,8 +44,10 @@ pub enum BenchCommand {
     Transport(RunArgs),
     /// A message with 1 tensor of each size (no payloads), echoed back: one channel.
     ///
-    /// --backend basic|xth|cma|mpt (default basic). xth works only inside one process, so its
-    /// run has both sides in this process (two contexts on two threads).
+    /// --backend basic|xth|cma|mpt|ibv-sim (default basic). xth works only inside one process, so
+    /// its run has both sides in this process (two contexts on two threads). ibv-sim (feature
+    /// ibv) is the ibv channel over the ibv transport on the SIMULATED device, both sides in this
+    /// process: it measures the code's own overhead, not an HCA.
     Channel(RunArgs),
     /// A message with 1 payload of 64 B and 1 tensor of each size, echoed back, through what the
     /// two contexts negotiate.

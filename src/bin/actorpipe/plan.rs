@@ -114,11 +114,14 @@ impl Setup {
     }
 }
 
-/// Adds the ibv transport on the simulated device.
+/// Adds the ibv transport and the ibv channel on the simulated device.
 #[cfg(feature = "ibv")]
 fn ibv_sim(b: ContextBuilder) -> ContextBuilder {
+    use actorpipe::channel::ibv::IbvChannel;
     use actorpipe::transport::ibv::Ibv;
-    b.transport(Arc::new(Ibv::simulated().auto_listen("ibv://127.0.0.1:0")))
+    let ibv = Ibv::simulated().auto_listen("ibv://127.0.0.1:0");
+    b.transport(Arc::new(ibv.clone()))
+        .channel(Arc::new(IbvChannel::new(ibv)))
 }
 
 /// Without the feature, `plan` refuses ibv runs before any builder is made.
@@ -263,6 +266,26 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                 (Baseline::for_transport(name), format!("transport {name}"))
             };
             (setup, Some(baseline), label)
+        }
+        Kind::Channel if backend == Some("ibv-sim") => {
+            if !cfg!(feature = "ibv") {
+                return Err(bad("ibv-sim needs a build with --features ibv"));
+            }
+            if args.transport.is_some() {
+                return Err(bad(
+                    "ibv-sim runs over the ibv transport on the same simulated device: drop --transport",
+                ));
+            }
+            let setup = Setup {
+                transports: Transports::IbvSim,
+                channel: Some("ibv"),
+                lanes: None,
+                spin: None,
+                no_keepalive: false,
+            };
+            // The simulated wire is a memcpy under a lock: compare with a plain memcpy.
+            let label = "channel ibv over transport ibv (SIMULATED device)".to_string();
+            (setup, Some(Baseline::Memcpy), label)
         }
         Kind::Channel => {
             let channel = channel_name(backend.unwrap_or("basic"))?;

@@ -4,9 +4,8 @@
 //! receive. The TCP connection then stays open, carrying nothing: its hang-up is how a side
 //! learns that the peer is gone.
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::transport::{BoxRead, BoxWrite};
 use crate::verbs::{Endpoint, LinkLayer};
 
 /// First bytes of a hello: name and version of this bootstrap.
@@ -93,8 +92,8 @@ impl Hello {
 
 /// Sends ours and reads the peer's hello.
 pub async fn exchange(
-    read: &mut BoxRead,
-    write: &mut BoxWrite,
+    read: &mut (impl AsyncRead + Unpin),
+    write: &mut (impl AsyncWrite + Unpin),
     ours: &Hello,
 ) -> std::io::Result<Hello> {
     write.write_all(&ours.encode()).await?;
@@ -105,7 +104,10 @@ pub async fn exchange(
 }
 
 /// Says we are ready to receive and waits until the peer is.
-pub async fn ready(read: &mut BoxRead, write: &mut BoxWrite) -> std::io::Result<()> {
+pub async fn ready(
+    read: &mut (impl AsyncRead + Unpin),
+    write: &mut (impl AsyncWrite + Unpin),
+) -> std::io::Result<()> {
     write.write_all(&[READY]).await?;
     write.flush().await?;
     let mut b = [0u8; 1];

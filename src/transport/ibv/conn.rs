@@ -26,10 +26,10 @@
 //! - **Close.** A write half that shuts down sends an immediate with [`CLOSE`] set after its
 //!   last bytes: the peer reads to the end, then sees end of stream.
 
-use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::task::Waker;
 
+use crate::verbs::sendq::{self, SendQueue, POLL_BATCH};
 use crate::verbs::{
     Completion, MemoryRegion, Opcode, QueuePair, RecvWr, SendOp, SendWr, Sge, Status, VerbsError,
     MIN_OP_BYTES,
@@ -48,8 +48,6 @@ pub const MIN_CAPACITY: usize = 4096;
 
 /// `wr_id` flag of a credit or close request (data requests carry their end position).
 const CONTROL_WR: u64 = 1 << 63;
-/// Completions taken per `poll` call.
-const POLL_BATCH: usize = 32;
 
 /// A registered ring buffer (memory plus its registration).
 pub(crate) struct Ring {
@@ -67,15 +65,10 @@ pub(crate) struct RemoteRing {
     pub(crate) cap: usize,
 }
 
-/// Counters the queue-pair actor reports.
+/// Counters the queue-pair actor reports (the send queue's are in its
+/// [`SendStats`](crate::verbs::sendq::SendStats)).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct QpStats {
-    /// Work requests posted to the send queue.
-    pub posted: u64,
-    /// Work requests that had to wait in the backlog first.
-    pub backlogged: u64,
-    /// The longest the backlog has been.
-    pub backlog_max: usize,
     /// Completions handled.
     pub completions: u64,
     /// Credit returns sent.
@@ -96,9 +89,8 @@ pub(crate) struct Core {
     in_head: u64,
     in_tail: u64,
     to_ack: u64,
-    // Send queue.
-    sq_inflight: u32,
-    backlog: VecDeque<SendWr>,
+    // Send queue and its backlog.
+    pub(crate) sq: SendQueue,
     // Lifecycle.
     pub(crate) failed: Option<String>,
     pub(crate) peer_closed: bool,
@@ -145,8 +137,7 @@ impl Core {
             in_head: 0,
             in_tail: 0,
             to_ack: 0,
-            sq_inflight: 0,
-            backlog: VecDeque::new(),
+            sq: SendQueue::default(),
             failed: None,
             peer_closed: false,
             peer_gone: false,
@@ -176,40 +167,8 @@ impl Core {
 
     /// Posts `wr`, or queues it behind the backlog when the send queue is full.
     fn submit(&mut self, wr: SendWr) {
-        if self.backlog.is_empty() && self.sq_inflight < self.qp.caps().max_send_wr {
-            match self.qp.post_send(&wr) {
-                Ok(()) => {
-                    self.sq_inflight += 1;
-                    self.stats.posted += 1;
-                    return;
-                }
-                Err(VerbsError::QueueFull(_)) => {}
-                Err(e) => {
-                    self.fail(format!("ibv_post_send: {e}"));
-                    return;
-                }
-            }
-        }
-        self.stats.backlogged += 1;
-        self.backlog.push_back(wr);
-        self.stats.backlog_max = self.stats.backlog_max.max(self.backlog.len());
-    }
-
-    /// Posts backlogged requests while the send queue has room.
-    fn drain_backlog(&mut self) {
-        while self.sq_inflight < self.qp.caps().max_send_wr {
-            let Some(wr) = self.backlog.front().copied() else {
-                return;
-            };
-            match self.qp.post_send(&wr) {
-                Ok(()) => {
-                    self.backlog.pop_front();
-                    self.sq_inflight += 1;
-                    self.stats.posted += 1;
-                }
-                Err(VerbsError::QueueFull(_)) => return,
-                Err(e) => return self.fail(format!("ibv_post_send: {e}")),
-            }
+        if let Err(e) = self.sq.submit(&mut *self.qp, wr) {
+            self.fail(format!("ibv_post_send: {e}"));
         }
     }
 
@@ -314,7 +273,7 @@ impl Core {
 
     /// Whether every byte written has been placed in the peer's inbox (and nothing waits).
     pub(crate) fn flushed(&self) -> bool {
-        self.sq_inflight == 0 && self.backlog.is_empty()
+        self.sq.idle()
     }
 
     /// The write half is done: send the close mark after the last bytes.
@@ -349,33 +308,31 @@ impl Core {
     /// Handles every completion waiting: data and credits in, send slots freed, backlog
     /// posted. Wakes the halves that can go on.
     pub(crate) fn progress(&mut self) {
-        let mut scratch = std::mem::take(&mut self.scratch);
-        loop {
-            scratch.clear();
-            let n = match self.qp.poll(&mut scratch, POLL_BATCH) {
-                Ok(n) => n,
-                Err(e) => {
-                    self.fail(format!("ibv_poll_cq: {e}"));
-                    break;
-                }
-            };
-            for c in scratch.drain(..) {
-                self.complete(c);
-            }
-            if n < POLL_BATCH {
-                break;
-            }
-        }
-        self.scratch = scratch;
-        if self.failed.is_none() {
-            self.drain_backlog();
-        }
+        sendq::progress(self);
+    }
+}
+
+impl sendq::Progress for Core {
+    fn queues(&mut self) -> (&mut dyn QueuePair, &mut SendQueue) {
+        (&mut *self.qp, &mut self.sq)
     }
 
-    fn complete(&mut self, c: Completion) {
+    fn scratch(&mut self) -> &mut Vec<Completion> {
+        &mut self.scratch
+    }
+
+    fn has_failed(&self) -> bool {
+        self.failed.is_some()
+    }
+
+    fn verbs_failed(&mut self, call: &'static str, e: VerbsError) {
+        self.fail(format!("{call}: {e}"));
+    }
+
+    fn on_completion(&mut self, c: Completion) {
         self.stats.completions += 1;
         if c.opcode != Opcode::Recv {
-            self.sq_inflight = self.sq_inflight.saturating_sub(1);
+            self.sq.completed();
         }
         if c.status != Status::Success {
             if self.failed.is_none() {

@@ -135,6 +135,11 @@ impl Ibv {
         self.edit(|i| i.auto_listen = Some(url))
     }
 
+    /// Send- and receive-queue depths of each queue pair.
+    pub(crate) fn caps(&self) -> QpCaps {
+        self.0.caps
+    }
+
     /// Whether this transport uses the simulated device.
     pub fn is_simulated(&self) -> bool {
         matches!(self.0.source, Source::Simulated(_))
@@ -250,8 +255,21 @@ fn ring(device: &dyn Device, cap: usize, access: Access) -> Result<Ring, verbs::
     Ok(Ring { mr, mem, cap })
 }
 
-/// Whether the two sides can talk: same link layer, the same simulated fabric, a sane ring.
+/// Whether the two sides can talk: they can reach each other ([`check_reach`]), and a sane ring.
 fn check_peer(ours: &Hello, theirs: &Hello) -> Result<(), String> {
+    check_reach(ours, theirs)?;
+    let cap = theirs.inbox_cap;
+    if !cap.is_power_of_two() || !(MIN_CAPACITY as u64..=MAX_CAPACITY as u64).contains(&cap) {
+        return Err(format!(
+            "the peer's inbox size {cap} is not a power of two in range"
+        ));
+    }
+    Ok(())
+}
+
+/// Whether two ports can reach each other: the same link layer and, simulated, the same
+/// process's fabric. (The `ibv` channel's bootstrap checks the same.)
+pub(crate) fn check_reach(ours: &Hello, theirs: &Hello) -> Result<(), String> {
     if ours.link_layer != theirs.link_layer {
         return Err(format!(
             "the peer's port is {}, ours is {}",
@@ -261,12 +279,6 @@ fn check_peer(ours: &Hello, theirs: &Hello) -> Result<(), String> {
     if ours.link_layer == LinkLayer::Simulated && ours.endpoint.gid[..8] != theirs.endpoint.gid[..8]
     {
         return Err("the peer's simulated device belongs to another process".into());
-    }
-    let cap = theirs.inbox_cap;
-    if !cap.is_power_of_two() || !(MIN_CAPACITY as u64..=MAX_CAPACITY as u64).contains(&cap) {
-        return Err(format!(
-            "the peer's inbox size {cap} is not a power of two in range"
-        ));
     }
     Ok(())
 }

@@ -125,8 +125,8 @@ fn a_full_send_queue_backlogs_and_keeps_order() {
         sent += l.a.write(chunk);
     }
     assert_eq!(sent, data.len());
-    assert!(l.a.stats.backlogged >= 9, "{:?}", l.a.stats);
-    assert!(l.a.stats.backlog_max >= 9);
+    assert!(l.a.sq.stats.backlogged >= 9, "{:?}", l.a.sq.stats);
+    assert!(l.a.sq.stats.backlog_max >= 9);
     let mut got = Vec::new();
     let mut buf = vec![0u8; 8192];
     while got.len() < data.len() {
