@@ -11,6 +11,9 @@
 //!   asks for the bytes instead and the sender streams them over the side connection: the pipe
 //!   lives on and the fallback is counted and logged.
 //! - `mpt`: each tensor is split in stripes, one per lane connection, read in place.
+//! - `efa` (feature `efa`): tagged sends and receives on the context's libfabric endpoint,
+//!   straight from the sender's buffer into the receiver's; the lane serves the set-up and
+//!   tells when the peer is gone.
 //!
 //! For the last three, completions come back here first (the channel tracks what it holds and
 //! must hand every buffer back even when stopped), then go on to the pipe. A stopping channel
@@ -48,6 +51,9 @@ pub(crate) enum ChannelKind {
     },
     /// Stripes over several lane connections.
     Mpt { chunk_size: usize },
+    /// Tagged messages on a libfabric endpoint, in place (its state is in `Channel::fabric`).
+    #[cfg(feature = "efa")]
+    Efa,
 }
 
 impl ChannelKind {
@@ -69,6 +75,8 @@ impl ChannelKind {
             ChannelKind::Basic { .. } => Carried::All,
             ChannelKind::Cma { .. } => Carried::NoData,
             ChannelKind::Xth { .. } | ChannelKind::Mpt { .. } => Carried::Nothing,
+            #[cfg(feature = "efa")]
+            ChannelKind::Efa => Carried::Nothing,
         }
     }
 
@@ -79,6 +87,8 @@ impl ChannelKind {
             | ChannelKind::Cma { chunk_size, .. }
             | ChannelKind::Mpt { chunk_size } => chunk_size,
             ChannelKind::Xth { .. } => usize::MAX,
+            #[cfg(feature = "efa")]
+            ChannelKind::Efa => usize::MAX,
         }
     }
 }
@@ -136,6 +146,9 @@ pub struct Channel {
     reading: usize,
     stopping: bool,
     fallbacks: Arc<AtomicU64>,
+    /// The `efa` channel's state.
+    #[cfg(feature = "efa")]
+    fabric: Option<efa::Fabric>,
 }
 
 /// Send one tensor.
@@ -200,7 +213,16 @@ impl Channel {
             reading: 0,
             stopping: false,
             fallbacks,
+            #[cfg(feature = "efa")]
+            fabric: None,
         }
+    }
+
+    /// Gives an `efa` channel its endpoint (before it starts).
+    #[cfg(feature = "efa")]
+    pub(crate) fn with_fabric(mut self, port: crate::channel::efa::ChannelPort) -> Self {
+        self.fabric = Some(efa::Fabric::new(port));
+        self
     }
 
     /// A sender into the channel's own completion queue, made on first use. The handler that
@@ -268,6 +290,10 @@ impl Channel {
         if self.reading == 0 {
             self.close_acks();
         }
+        #[cfg(feature = "efa")]
+        if self.fabric.as_ref().is_some_and(|f| f.busy()) {
+            return;
+        }
         if self.held.is_empty() && self.xth_keys.is_empty() && self.reading == 0 {
             ctx.stop();
         }
@@ -280,6 +306,11 @@ impl Channel {
     }
 
     fn on_own(&mut self, d: Done, ctx: &mut Context<Self>) {
+        #[cfg(feature = "efa")]
+        if self.kind == ChannelKind::Efa {
+            self.efa_lane(d, ctx);
+            return self.maybe_stop(ctx);
+        }
         match d {
             // xth completions pass through to keep the list of parked keys current.
             Done::WroteTensor {
@@ -382,6 +413,10 @@ impl Actor for Channel {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
+        #[cfg(feature = "efa")]
+        if self.kind == ChannelKind::Efa {
+            self.efa_start(ctx);
+        }
         self.poll_own(ctx);
     }
 
@@ -425,6 +460,8 @@ impl Handler<SendTensor> for Channel {
             ChannelKind::Mpt { chunk_size } => {
                 self.stripe(m.seq, m.index, m.buffer, true, chunk_size)
             }
+            #[cfg(feature = "efa")]
+            ChannelKind::Efa => self.efa_tensor(true, m.seq, m.index, m.buffer, ctx),
         }
         self.poll_own(ctx);
     }
@@ -450,6 +487,8 @@ impl Handler<RecvTensor> for Channel {
             ChannelKind::Mpt { chunk_size } => {
                 self.stripe(m.seq, m.index, m.buffer, false, chunk_size)
             }
+            #[cfg(feature = "efa")]
+            ChannelKind::Efa => self.efa_tensor(false, m.seq, m.index, m.buffer, ctx),
         }
         self.poll_own(ctx);
     }
@@ -468,6 +507,12 @@ impl Handler<StopChannel> for Channel {
             // Every key gets exactly one completion through our queue: from the withdrawal,
             // or from the other side if it got there first. Either way `on_own` removes the key.
             crate::channel::xth::withdraw(*k, &e);
+        }
+        #[cfg(feature = "efa")]
+        if self.kind == ChannelKind::Efa {
+            self.efa_stop(ctx);
+            self.poll_own(ctx);
+            return;
         }
         if let ChannelKind::Cma { .. } = self.kind {
             // A peer may be reading our buffers right now: they go back to the user only once
@@ -492,6 +537,8 @@ fn lane_gone() -> Error {
 }
 
 mod cma;
+#[cfg(feature = "efa")]
+mod efa;
 mod mpt;
 mod xth;
 

@@ -188,6 +188,22 @@ pub(crate) struct PipeParts {
     pub lanes: Vec<Vec<Halves>>,
 }
 
+/// The context's endpoint for a new pipe's `efa` channel.
+#[cfg(feature = "efa")]
+fn efa_port(config: &Config, origin: &Origin) -> crate::channel::efa::ChannelPort {
+    config
+        .channels
+        .iter()
+        .find_map(|(c, _)| c.fabric_port())
+        .unwrap_or_else(|| crate::channel::efa::ChannelPort {
+            endpoint: Err(Error::protocol(
+                "internal: the efa channel was negotiated but this context has none",
+                origin,
+            )),
+            max_message: usize::MAX,
+        })
+}
+
 /// Builds the actors of a pipe and starts them.
 pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
     let PipeParts {
@@ -260,6 +276,8 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                         .unwrap_or_else(|| crate::channel::cma::inline_max(&choice.transport)),
                 },
                 "mpt" => ChannelKind::Mpt { chunk_size },
+                #[cfg(feature = "efa")]
+                "efa" => ChannelKind::Efa,
                 // Negotiation only offers what this build has; everything else is basic.
                 _ => ChannelKind::Basic { chunk_size },
             };
@@ -276,14 +294,19 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                     )
                 })
                 .collect();
-            Channel::new(
+            let channel = Channel::new(
                 kind,
                 lanes,
                 reply.clone(),
                 origin.clone(),
                 fallbacks.clone(),
-            )
-            .start()
+            );
+            #[cfg(feature = "efa")]
+            let channel = match kind {
+                ChannelKind::Efa => channel.with_fabric(efa_port(config, &origin)),
+                _ => channel,
+            };
+            channel.start()
         })
         .collect();
     let cpu_channel = choice.channel_for(DevicePair::CPU).unwrap_or(0);

@@ -11,6 +11,8 @@
 
 pub mod basic;
 pub mod cma;
+#[cfg(feature = "efa")]
+pub mod efa;
 pub mod mpt;
 pub mod xth;
 
@@ -46,6 +48,13 @@ pub trait ChannelBackend: Send + Sync + 'static {
     /// small frames, can do with less: every idle pipe pays for it.
     fn lane_read_buffer(&self) -> usize {
         crate::transport::stream::READ_BUFFER
+    }
+
+    /// What a new pipe's channel of this kind needs from the context's libfabric endpoint (the
+    /// `efa` channel); `None` for every other channel.
+    #[cfg(feature = "efa")]
+    fn fabric_port(&self) -> Option<efa::ChannelPort> {
+        None
     }
 
     /// This backend's entry in a brochure, at `priority`.
