@@ -6,7 +6,7 @@ use std::time::Duration;
 use actix::prelude::*;
 
 use super::listener::Listener;
-use super::messages::{Connect, Listen, Listening};
+use super::messages::{Connect, Endpoint, GetMetricsAddr, Listen, Listening};
 use super::pipe::{spawn_pipe, Pipe, PipeParts};
 use crate::channel::basic::{Basic, DEFAULT_CHUNK_SIZE};
 use crate::channel::cma::Cma;
@@ -22,12 +22,16 @@ use crate::transport::tcp::Tcp;
 use crate::transport::{scheme, Acceptor, Transport};
 use crate::wire::Limits;
 
+/// Default of [`ContextBuilder::max_pending_pipes`].
+pub const DEFAULT_MAX_PENDING_PIPES: usize = 128;
+
 /// Settings shared by every pipe of a context.
 pub struct Config {
     pub(crate) limits: Limits,
     pub(crate) chunk_size: usize,
     pub(crate) connect_timeout: Duration,
     pub(crate) handshake_timeout: Duration,
+    pub(crate) max_pending_pipes: usize,
     pub(crate) cma_threads: usize,
     pub(crate) cma_inline_max: Option<u64>,
     pub(crate) metrics_addr: Option<std::net::SocketAddr>,
@@ -100,6 +104,7 @@ impl std::fmt::Debug for Config {
             .field("chunk_size", &self.chunk_size)
             .field("connect_timeout", &self.connect_timeout)
             .field("handshake_timeout", &self.handshake_timeout)
+            .field("max_pending_pipes", &self.max_pending_pipes)
             .field("cma_threads", &self.cma_threads)
             .field("cma_inline_max", &self.cma_inline_max)
             .field("metrics_addr", &self.metrics_addr)
@@ -147,6 +152,7 @@ impl Default for ContextBuilder {
                 chunk_size: DEFAULT_CHUNK_SIZE,
                 connect_timeout: Duration::from_secs(10),
                 handshake_timeout: Duration::from_secs(10),
+                max_pending_pipes: DEFAULT_MAX_PENDING_PIPES,
                 cma_threads: 2,
                 cma_inline_max: None,
                 metrics_addr: None,
@@ -198,6 +204,17 @@ impl ContextBuilder {
     /// How long the handshake of a new pipe may take, on either side.
     pub fn handshake_timeout(mut self, t: Duration) -> Self {
         self.config.handshake_timeout = t;
+        self
+    }
+
+    /// How many pipes a listener of this context sets up at once (handshaking, or waiting for
+    /// their extra connections to join); 128 by default. A `Hello` over the bound is refused at
+    /// once with "too many pending handshakes" ([`Error::Refused`] on the connecting side), so a
+    /// burst of connects cannot make every pipe wait on the others. Independently, a listener
+    /// admits a pipe only if the descriptors its connections need fit under `RLIMIT_NOFILE`
+    /// (docs/operations.md).
+    pub fn max_pending_pipes(mut self, n: usize) -> Self {
+        self.config.max_pending_pipes = n.max(1);
         self
     }
 
@@ -328,6 +345,15 @@ impl ContextBuilder {
         self
     }
 
+    /// Keeps only the transports named; handy to force one. A `Listen` or `Connect` URL must
+    /// still name an enabled transport.
+    pub fn only_transports(mut self, names: &[&str]) -> Self {
+        self.config
+            .transports
+            .retain(|(t, _)| names.contains(&t.name()));
+        self
+    }
+
     /// Keeps only the channels named (plus nothing else); handy to force one in tests.
     pub fn only_channels(mut self, names: &[&str]) -> Self {
         self.config
@@ -354,6 +380,10 @@ impl ContextBuilder {
     /// Serves this process's metrics (Prometheus text) at `addr` when the context is built.
     /// Without it, `ACTORPIPE_METRICS_ADDR` (an address, or a port on 127.0.0.1) is used if set.
     /// One exporter serves the whole process; see [`crate::metrics::serve`].
+    ///
+    /// The address bound (port 0 picks one) or the bind failure is what
+    /// [`Context::metrics_addr`] returns, and what [`GetMetricsAddr`] answers once the context
+    /// runs.
     pub fn metrics(mut self, addr: std::net::SocketAddr) -> Self {
         self.config.metrics_addr = Some(addr);
         self
@@ -361,8 +391,8 @@ impl ContextBuilder {
 
     /// Builds the context actor (start it with [`Actor::start`]).
     ///
-    /// If metrics were asked for and cannot be served, the context still works and the failure
-    /// is logged at error level; call [`crate::metrics::serve`] yourself to handle it.
+    /// If metrics were asked for and cannot be served, the context still works, the failure is
+    /// logged at error level and [`Context::metrics_addr`] returns it.
     pub fn build(mut self) -> Context {
         // A backend that cannot run here is not offered (`actorpipe info` says why).
         self.config.transports.retain(|(t, _)| match t.viable() {
@@ -383,12 +413,17 @@ impl ContextBuilder {
             Some(a) => Ok(Some(a)),
             None => crate::metrics::addr_from_env(),
         };
-        match addr.and_then(|a| a.map(crate::metrics::serve).transpose()) {
-            Ok(_) => {}
-            Err(e) => tracing::error!(error = %e, "metrics not served"),
+        let metrics = match addr {
+            Ok(None) => None,
+            Ok(Some(a)) => Some(crate::metrics::serve(a)),
+            Err(e) => Some(Err(e)),
+        };
+        if let Some(Err(e)) = &metrics {
+            tracing::error!(error = %e, "metrics not served");
         }
         Context {
             config: Arc::new(self.config),
+            metrics,
         }
     }
 
@@ -396,18 +431,42 @@ impl ContextBuilder {
     pub fn start(self) -> Addr<Context> {
         self.build().start()
     }
+
+    /// Builds the context here and starts it on another arbiter (another thread: see
+    /// `actix::Arbiter`). Its pipes and listeners run there; the returned address works from
+    /// any thread.
+    pub fn start_in(self, arbiter: &actix::ArbiterHandle) -> Addr<Context> {
+        let context = self.build();
+        Context::start_in_arbiter(arbiter, move |_| context)
+    }
 }
 
 /// The registry of backends; send it [`Connect`] and [`Listen`].
 #[derive(Debug)]
 pub struct Context {
     config: Arc<Config>,
+    metrics: Option<Result<std::net::SocketAddr, Error>>,
 }
 
 impl Context {
     /// A builder with every backend that can run here.
     pub fn builder() -> ContextBuilder {
         ContextBuilder::default()
+    }
+
+    /// Where this process's metrics are served, if this context was asked to serve them
+    /// ([`ContextBuilder::metrics`] or `ACTORPIPE_METRICS_ADDR`): the address bound, or why
+    /// binding failed. `None` if it was not asked.
+    pub fn metrics_addr(&self) -> Option<Result<std::net::SocketAddr, Error>> {
+        self.metrics.clone()
+    }
+}
+
+impl Handler<GetMetricsAddr> for Context {
+    type Result = Option<Result<std::net::SocketAddr, Error>>;
+
+    fn handle(&mut self, _: GetMetricsAddr, _: &mut Self::Context) -> Self::Result {
+        self.metrics_addr()
     }
 }
 
@@ -421,7 +480,7 @@ async fn dial(config: Arc<Config>, url: String) -> Result<PipeParts, Error> {
     let t = config.connect_timeout;
     let stream = config.transport(&bootstrap)?.connect(&url, t).await?;
     let secret = config.secret.as_deref();
-    let hs = handshake::connect(
+    let mut hs = handshake::connect(
         stream,
         &config.brochure(&[]),
         secret,
@@ -480,6 +539,8 @@ async fn dial(config: Arc<Config>, url: String) -> Result<PipeParts, Error> {
             }
         }
     }
+    // The pipe exists once the listener says it has every connection.
+    handshake::accepted(&mut hs.halves, &config.limits, config.handshake_timeout).await?;
     Ok(PipeParts {
         peer: hs.halves.peer.clone(),
         control: control.unwrap_or(hs.halves),
@@ -532,13 +593,23 @@ impl Handler<Listen> for Context {
                     }
                 }
             }
-            let urls = acceptors
+            let endpoints: Vec<Endpoint> = acceptors
                 .iter()
                 .filter(|(n, _)| msg.urls.iter().any(|u| scheme(u).ok() == Some(n.as_str())))
-                .flat_map(|(_, a)| a.urls())
+                .flat_map(|(n, a)| {
+                    a.urls().into_iter().map(|url| Endpoint {
+                        transport: n.clone(),
+                        url,
+                    })
+                })
                 .collect();
-            let listener = Listener::new(acceptors, msg.subscriber, config).start();
-            Ok(Listening { listener, urls })
+            let urls = endpoints.iter().map(|e| e.url.clone()).collect();
+            let listener = Listener::new(acceptors, msg.subscriber, config, &msg.require).start();
+            Ok(Listening {
+                listener,
+                urls,
+                endpoints,
+            })
         })
     }
 }

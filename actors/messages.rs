@@ -83,6 +83,8 @@ pub struct Listen {
     pub urls: Vec<String>,
     /// Who gets the accepted pipes.
     pub subscriber: Recipient<Accepted>,
+    /// Backends every pipe of this listener must use; see [`Listen::require`].
+    pub require: Vec<String>,
 }
 
 impl Listen {
@@ -94,7 +96,19 @@ impl Listen {
         Listen {
             urls: urls.into_iter().map(Into::into).collect(),
             subscriber,
+            require: Vec::new(),
         }
+    }
+
+    /// Accept only pipes that use these backends (by name): if a transport is named, the
+    /// control stream must move to one of the transports named; if a channel is named, tensors
+    /// must travel by one of the channels named. The listener offers nothing else in
+    /// negotiation, so a peer that cannot use them fails to connect with
+    /// [`Error::Unavailable`] and the reason. Without it, the connecting side's priorities
+    /// choose among everything both sides enabled.
+    pub fn require(mut self, backends: &[&str]) -> Self {
+        self.require = backends.iter().map(|b| b.to_string()).collect();
+        self
     }
 }
 
@@ -113,6 +127,28 @@ pub struct Listening {
     pub listener: Addr<Listener>,
     /// Where peers can connect.
     pub urls: Vec<String>,
+    /// The same endpoints, each with its transport.
+    pub endpoints: Vec<Endpoint>,
+}
+
+/// One endpoint a listener is reachable at, in [`Listening::endpoints`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// Its transport (`tcp`, `shm`).
+    pub transport: String,
+    /// Its URL, port or name resolved.
+    pub url: String,
+}
+
+/// Ask a context where its metrics are served: `None` if it was not asked to serve them,
+/// otherwise the address bound or why binding failed (see [`ContextBuilder::metrics`]).
+///
+/// [`ContextBuilder::metrics`]: super::ContextBuilder::metrics
+#[derive(Debug, Clone, Copy)]
+pub struct GetMetricsAddr;
+
+impl ActixMessage for GetMetricsAddr {
+    type Result = Option<Result<std::net::SocketAddr, Error>>;
 }
 
 /// Stops a listener; pipes it already accepted keep running.
@@ -136,7 +172,10 @@ impl ActixMessage for Accepted {
     type Result = ();
 }
 
-/// Open a pipe to a listener at `url`; resolves once negotiation is done.
+/// Open a pipe to a listener at `url`. Resolves `Ok` once the listener has accepted the whole
+/// pipe: the handshake is done, every extra connection has joined, and the listener has
+/// confirmed it. A listener that cannot take the pipe now fails it fast with
+/// [`Error::Refused`] and its reason.
 #[derive(Debug, Clone)]
 pub struct Connect {
     /// The listener's URL.
@@ -431,8 +470,17 @@ pub struct PipeInfo {
     pub local: String,
     /// The transport of the control stream.
     pub transport: String,
-    /// The channel per device pair, as `name (cpu->cpu)`.
-    pub channels: Vec<String>,
+    /// The channel per device pair.
+    pub channels: Vec<ChannelInfo>,
+    /// The backend as one `transport/channel` string (`shm/cma`; channels of several device
+    /// pairs joined by `+`): the same string as in error origins and the `pipe` log span.
+    /// Metrics label the same names separately (`transport="shm"`, `channel="cma"`).
+    pub backend: String,
+    /// Tensors this side sent through the control connection (the `basic` channel's, and the
+    /// ones `cma` sends inline because they are small).
+    pub tensors_on_control: u64,
+    /// Tensors this side handed to the channel itself (`xth`, `cma`, `mpt`).
+    pub tensors_by_channel: u64,
     /// Whether the pipe is closed.
     pub closed: bool,
     /// Tensors that had to fall back from their channel's fast path (cma reads refused by the
@@ -441,6 +489,32 @@ pub struct PipeInfo {
     /// The channels' own connections (mpt lanes, the cma side connection), with their
     /// addresses: which NIC each lane took.
     pub connections: Vec<LaneInfo>,
+}
+
+impl PipeInfo {
+    /// The negotiated channels as one line: `cma (cpu->cpu), cuda_ipc (cuda->cuda)`.
+    pub fn channel_list(&self) -> String {
+        self.channels
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// A negotiated channel, in [`PipeInfo::channels`]. It prints as `cma (cpu->cpu)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChannelInfo {
+    /// The channel's name (`cma`), as in metrics labels.
+    pub name: String,
+    /// The source and target memory it moves between.
+    pub devices: crate::negotiate::DevicePair,
+}
+
+impl std::fmt::Display for ChannelInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.name, self.devices)
+    }
 }
 
 /// One connection of a channel, in [`PipeInfo::connections`].

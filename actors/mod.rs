@@ -8,14 +8,19 @@
 mod channel;
 mod connection;
 mod context;
+mod ext;
 #[cfg(feature = "efa")]
 pub mod fabric;
+pub mod hardware;
 mod inbox;
 mod listener;
 mod messages;
 mod pipe;
+#[cfg(feature = "ibv")]
+pub(crate) mod queue_pair;
 
 pub use context::{Config, Context, ContextBuilder};
+pub use ext::{Call, ContextExt, PipeExt};
 pub use inbox::{inbox, Inbox};
 pub use listener::Listener;
 pub use messages::*;

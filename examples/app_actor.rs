@@ -6,10 +6,8 @@
 //! actors). Run: `cargo run --example app_actor`.
 
 use actix::prelude::*;
-use actorpipe::{
-    inbox, Accepted, Allocation, Connect, DescriptorReady, Listen, Message as PipeMessage, Notify,
-    Op, Pipe, Read, ReadDescriptor, ReadDone, Tensor, Write, WriteDone,
-};
+use actorpipe::prelude::*;
+use actorpipe::{Message as PipeMessage, Notify, Read, Write};
 
 struct Client {
     url: String,
@@ -23,13 +21,12 @@ impl Actor for Client {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         self.ctx
-            .send(Connect::new(&self.url))
+            .connect(&self.url)
             .into_actor(self)
             .map(|res, act, ctx| {
                 let pipe = match res {
-                    Ok(Ok(p)) => p,
-                    Ok(Err(e)) => return eprintln!("connect failed: {e}"),
-                    Err(e) => return eprintln!("context gone: {e}"),
+                    Ok(p) => p,
+                    Err(e) => return eprintln!("connect failed: {e}"),
                 };
                 let me = ctx.address();
                 for i in 0..3u8 {
@@ -87,19 +84,13 @@ impl Handler<ReadDone> for Client {
 
 /// Echoes every message of one pipe (plain async code, through awaited operations).
 async fn echo(pipe: Addr<Pipe>) {
-    loop {
-        let Ok(d) = pipe.send(ReadDescriptor).await.map(|d| d.descriptor) else {
-            return;
-        };
-        let Ok(d) = d else { return };
+    // Any error means the pipe closed.
+    while let Ok(d) = pipe.read_descriptor().await {
         let alloc = Allocation::for_descriptor(&d).expect("fits in memory");
-        let Ok(r) = pipe.send(Read::new(alloc)).await else {
+        let Ok(m) = pipe.read(alloc).await else {
             return;
         };
-        if r.result.is_err() {
-            return;
-        }
-        pipe.do_send(Write::new(r.message));
+        pipe.do_send(Write::new(m));
     }
 }
 
@@ -109,9 +100,8 @@ fn main() {
         let server = actorpipe::Context::builder().start();
         let (accepted, mut incoming) = inbox::<Accepted>();
         let l = server
-            .send(Listen::new(["tcp://127.0.0.1:0"], accepted))
+            .listen(["tcp://127.0.0.1:0"], accepted)
             .await
-            .expect("context alive")
             .expect("listen");
         actix::spawn(async move {
             let _keep_listening = l.listener;

@@ -9,7 +9,8 @@
 //! separate process to talk to it over loopback.
 
 use actix::prelude::*;
-use actorpipe::*;
+use actorpipe::prelude::*;
+use actorpipe::Write;
 
 /// Accepts pipes and starts an [`Echo`] for each.
 struct Server;
@@ -92,6 +93,11 @@ impl Handler<Closed> for Echo {
 }
 
 fn main() -> std::io::Result<()> {
+    // `RUST_LOG=actorpipe=info` shows what the listener refuses and why (on stderr).
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
     let url = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "tcp://127.0.0.1:0".into());
@@ -100,20 +106,16 @@ fn main() -> std::io::Result<()> {
     let _listening = system.block_on(async move {
         let ctx = actorpipe::Context::builder().start();
         let server = Server.start();
-        match ctx.send(Listen::new([url], server.recipient())).await {
-            Ok(Ok(l)) => {
+        match ctx.listen([url], server.recipient()).await {
+            Ok(l) => {
                 // The tests read this line to find the port.
                 println!("listening on {}", l.urls[0]);
                 use std::io::Write as _;
                 std::io::stdout().flush().ok();
                 l
             }
-            Ok(Err(e)) => {
-                eprintln!("cannot listen: {e}");
-                std::process::exit(2);
-            }
             Err(e) => {
-                eprintln!("context gone: {e}");
+                eprintln!("cannot listen: {e}");
                 std::process::exit(2);
             }
         }

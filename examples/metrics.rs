@@ -5,38 +5,23 @@
 
 use std::io::{Read as _, Write as _};
 
-use actorpipe::*;
+use actorpipe::prelude::*;
 
 #[actix::main]
-async fn main() -> Result<()> {
+async fn main() -> actorpipe::Result<()> {
     // Loopback only; port 0 picks a free port.
     let addr = actorpipe::metrics::serve("127.0.0.1:0".parse().expect("address"))?;
     let server = actorpipe::Context::builder().start();
     let (accepted, mut incoming) = inbox::<Accepted>();
-    let l = server
-        .send(Listen::new(["tcp://127.0.0.1:0"], accepted))
-        .await
-        .expect("context alive")?;
+    let l = server.listen(["tcp://127.0.0.1:0"], accepted).await?;
     let client = actorpipe::Context::builder().start();
-    let tx = client
-        .send(Connect::new(&l.urls[0]))
-        .await
-        .expect("context alive")?;
+    let tx = client.connect(&l.urls[0]).await?;
     let rx = incoming.recv().await.expect("a pipe").pipe;
     for i in 0..5u8 {
-        let w = tx.send(Write::new(
-            Message::new().with_tensor(Tensor::cpu(vec![i; 256 << 10])),
-        ));
-        let d = rx
-            .send(ReadDescriptor)
-            .await
-            .expect("pipe alive")
-            .descriptor?;
-        rx.send(Read::new(Allocation::for_descriptor(&d)?))
-            .await
-            .expect("pipe alive")
-            .result?;
-        w.await.expect("pipe alive").result?;
+        let w = tx.write(actorpipe::Message::new().with_tensor(Tensor::cpu(vec![i; 256 << 10])));
+        let d = rx.read_descriptor().await?;
+        rx.read(Allocation::for_descriptor(&d)?).await?;
+        w.await?;
     }
 
     // A real HTTP scrape of the endpoint.

@@ -6,7 +6,7 @@
 
 use std::time::Instant;
 
-use actorpipe::*;
+use actorpipe::prelude::*;
 
 fn fill(buf: &mut [u8], seed: u64) {
     let mut x = seed | 1;
@@ -19,31 +19,25 @@ fn fill(buf: &mut [u8], seed: u64) {
 }
 
 #[actix::main]
-async fn main() -> Result<()> {
-    let server = Context::builder().start();
-    let client = Context::builder().start();
+async fn main() -> actorpipe::Result<()> {
+    let server = actorpipe::Context::builder().start();
+    let client = actorpipe::Context::builder().start();
 
     // The server listens on a free loopback port and hands accepted pipes to an inbox.
     let (accepted, mut incoming) = inbox::<Accepted>();
-    let listening = server
-        .send(Listen::new(["tcp://127.0.0.1:0"], accepted))
-        .await
-        .expect("context alive")?;
+    let listening = server.listen(["tcp://127.0.0.1:0"], accepted).await?;
     let url = &listening.urls[0];
     println!("listening on {url}");
 
-    let tx = client
-        .send(Connect::new(url))
-        .await
-        .expect("context alive")?;
+    let tx = client.connect(url).await?;
     let rx = incoming.recv().await.expect("a pipe").pipe;
-    let info = tx.send(GetInfo).await.expect("pipe alive");
+    let info = tx.info().await?;
     println!(
         "pipe {} to {} over {} with {}",
         info.id,
         info.peer,
         info.transport,
-        info.channels.join(", ")
+        info.channel_list()
     );
     println!();
     println!(
@@ -55,7 +49,7 @@ async fn main() -> Result<()> {
         let mut data = vec![0u8; size];
         fill(&mut data, size as u64);
         let reps = (256 << 20) / size.max(1 << 20);
-        let mut message = Message::new()
+        let mut message = actorpipe::Message::new()
             .with_metadata(format!("{size} bytes").into_bytes())
             .with_payload(Payload::new(b"header".to_vec()))
             .with_tensor(Tensor::cpu(data.clone()));
@@ -63,26 +57,15 @@ async fn main() -> Result<()> {
         let start = Instant::now();
         for _ in 0..reps {
             // Issue the write (awaited below), read on the other side, take the buffers back.
-            let write = tx.send(Write::new(message));
-            let descriptor = rx
-                .send(ReadDescriptor)
-                .await
-                .expect("pipe alive")
-                .descriptor?;
+            let write = tx.write(message);
+            let descriptor = rx.read_descriptor().await?;
             let alloc = match allocation.take() {
                 Some(a) => a,
                 None => Allocation::for_descriptor(&descriptor)?,
             };
-            let read = rx.send(Read::new(alloc)).await.expect("pipe alive");
-            read.result?;
-            let done = write.await.expect("pipe alive");
-            done.result?;
-            message = done.message;
-            let got = read.message;
-            allocation = Some(Allocation {
-                payloads: got.payloads.into_iter().map(|p| p.data).collect(),
-                tensors: got.tensors.into_iter().map(|t| t.buffer).collect(),
-            });
+            let got = rx.read(alloc).await?;
+            message = write.await?.message;
+            allocation = Some(Allocation::from(got));
         }
         let elapsed = start.elapsed();
         let received = allocation.as_ref().expect("read at least once");
@@ -101,10 +84,7 @@ async fn main() -> Result<()> {
         );
     }
 
-    let closed = tx
-        .send(Close::because("quickstart done"))
-        .await
-        .expect("pipe alive");
+    let closed = tx.close(Close::because("quickstart done")).await?;
     println!();
     println!("closed: {}", closed.error);
     Ok(())

@@ -39,17 +39,36 @@ pub struct BackendReport {
 
 /// Every transport this build knows.
 pub fn transports() -> Vec<Arc<dyn Transport>> {
-    vec![Arc::new(Tcp::default()), Arc::new(Shm::new())]
+    #[allow(unused_mut)]
+    let mut v: Vec<Arc<dyn Transport>> = vec![Arc::new(Tcp::default()), Arc::new(Shm::new())];
+    #[cfg(feature = "ibv")]
+    v.push(Arc::new(crate::transport::ibv::Ibv::hardware()));
+    v
 }
 
-/// Every channel this build knows.
+/// The RDMA devices of this host (real HCAs only: the simulation is not listed), or why there
+/// are none.
+pub fn rdma_devices() -> Result<Vec<crate::verbs::DeviceInfo>, String> {
+    crate::verbs::hw::devices().map_err(|e| e.to_string())
+}
+
+/// Every channel this build knows (the CUDA ones once per device pair they serve).
 pub fn channels() -> Vec<Arc<dyn ChannelBackend>> {
-    vec![
+    #[allow(unused_mut)]
+    let mut v: Vec<Arc<dyn ChannelBackend>> = vec![
         Arc::new(Basic),
         Arc::new(Xth),
         Arc::new(Cma),
         Arc::new(Mpt::default()),
-    ]
+    ];
+    #[cfg(feature = "cuda")]
+    {
+        use crate::channel::{cuda_basic::CudaBasic, cuda_ipc::CudaIpc, cuda_xth::CudaXth};
+        v.extend(CudaXth::all());
+        v.extend(CudaIpc::all());
+        v.extend(CudaBasic::all());
+    }
+    v
 }
 
 /// Reports on every backend this build knows.
@@ -94,8 +113,28 @@ mod tests {
     fn every_backend_reports_here() {
         let r = report();
         let names: Vec<&str> = r.iter().map(|b| b.name.as_str()).collect();
-        assert_eq!(names, ["tcp", "shm", "basic", "xth", "cma", "mpt"]);
-        for b in &r {
+        let always = ["tcp", "shm", "basic", "xth", "cma", "mpt"];
+        assert!(always.iter().all(|n| names.contains(n)), "{names:?}");
+        // Hardware backends (ibv) may be unavailable here; they must say why.
+        for b in r.iter().filter(|b| !always.contains(&b.name.as_str())) {
+            assert!(b.available || b.reason.is_some(), "{b:?}");
+        }
+        #[cfg(feature = "cuda")]
+        {
+            // Each CUDA channel once per device pair; none is offered while the pipe does not
+            // carry CUDA tensors, and the reason says why: no CUDA here, or not carried yet.
+            let cuda: Vec<_> = r.iter().filter(|b| b.name.starts_with("cuda_")).collect();
+            assert_eq!(cuda.len(), 3 + 2 + 3, "{cuda:?}");
+            let why = match crate::cuda::available() {
+                Ok(_) => crate::channel::CUDA_NOT_CARRIED.to_string(),
+                Err(e) => e,
+            };
+            for b in cuda {
+                assert!(!b.available, "{b:?}");
+                assert_eq!(b.reason.as_deref(), Some(why.as_str()), "{b:?}");
+            }
+        }
+        for b in r.iter().filter(|b| always.contains(&b.name.as_str())) {
             // Everything can run on the development and CI machines (root, /proc, memfd).
             assert!(b.available, "{b:?}");
             assert_eq!(b.reason, None);

@@ -143,6 +143,16 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A device (a GPU) or its driver refused an operation: an allocation that does not fit, a
+    /// copy the driver failed, a handle from the peer that does not open. The message names the
+    /// driver call and its error code.
+    #[error("device error: {detail} {origin}")]
+    Device {
+        /// The call and what the driver said.
+        detail: String,
+        /// Where.
+        origin: Origin,
+    },
     /// Something did not happen in time.
     #[error("timed out after {after:?} while {what} {origin}")]
     Timeout {
@@ -161,6 +171,18 @@ pub enum Error {
         url: String,
         /// The operating system's answer.
         source: Arc<std::io::Error>,
+    },
+    /// The listener is alive but turned the pipe away for now: too many pipes were being set up
+    /// at once, it is out of file descriptors, or the pipe's connections did not all join in
+    /// time. Nothing was created; retry later (with backoff), or raise the listener's limits
+    /// (`ContextBuilder::max_pending_pipes`, `RLIMIT_NOFILE`; see docs/operations.md).
+    #[error("the listener refused the pipe for now: {reason} {origin}")]
+    Refused {
+        /// The listener's reason ("too many pending handshakes", "listener out of file
+        /// descriptors", …).
+        reason: String,
+        /// Where.
+        origin: Origin,
     },
     /// Binding a listening endpoint failed (address in use, not local, no permission).
     #[error("cannot listen on {url}: {source}")]
@@ -215,22 +237,30 @@ impl Error {
         }
     }
 
-    /// The short name of this error's class, stable for logs and metrics labels.
-    pub fn class(&self) -> &'static str {
+    /// This error's class, to match on without strings.
+    pub fn kind(&self) -> ErrorClass {
         match self {
-            Error::PeerClosed { .. } => "peer_closed",
-            Error::Closed { .. } => "closed",
-            Error::Protocol { .. } => "protocol",
-            Error::Version { .. } => "version",
-            Error::Unauthenticated { .. } => "auth",
-            Error::LimitExceeded { .. } => "limit",
-            Error::Unavailable { .. } => "unavailable",
-            Error::Timeout { .. } => "timeout",
-            Error::Connect { .. } => "connect",
-            Error::Listen { .. } => "listen",
-            Error::Io { .. } => "io",
-            Error::InvalidArgument { .. } => "invalid_argument",
+            Error::PeerClosed { .. } => ErrorClass::PeerClosed,
+            Error::Closed { .. } => ErrorClass::Closed,
+            Error::Protocol { .. } => ErrorClass::Protocol,
+            Error::Version { .. } => ErrorClass::Version,
+            Error::Unauthenticated { .. } => ErrorClass::Auth,
+            Error::LimitExceeded { .. } => ErrorClass::Limit,
+            Error::Unavailable { .. } => ErrorClass::Unavailable,
+            Error::Device { .. } => ErrorClass::Device,
+            Error::Timeout { .. } => ErrorClass::Timeout,
+            Error::Connect { .. } => ErrorClass::Connect,
+            Error::Refused { .. } => ErrorClass::Refused,
+            Error::Listen { .. } => ErrorClass::Listen,
+            Error::Io { .. } => ErrorClass::Io,
+            Error::InvalidArgument { .. } => ErrorClass::InvalidArgument,
         }
+    }
+
+    /// The short name of this error's class, stable for logs and metrics labels
+    /// (`self.kind().as_str()`).
+    pub fn class(&self) -> &'static str {
+        self.kind().as_str()
     }
 
     /// Attach a pipe id to the error's origin, where it has one.
@@ -243,10 +273,106 @@ impl Error {
             | Error::Unauthenticated { origin, .. }
             | Error::LimitExceeded { origin, .. }
             | Error::Timeout { origin, .. }
+            | Error::Refused { origin, .. }
+            | Error::Device { origin, .. }
             | Error::Io { origin, .. } => origin.pipe = Some(pipe),
             _ => {}
         }
         self
+    }
+}
+
+/// The class of an [`Error`]: what a caller acts on, as a `Copy` value to match on
+/// ([`Error::kind`]). [`as_str`](Self::as_str) is the stable name used in logs and metrics
+/// labels ([`Error::class`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorClass {
+    /// [`Error::PeerClosed`] (`peer_closed`).
+    PeerClosed,
+    /// [`Error::Closed`] (`closed`).
+    Closed,
+    /// [`Error::Protocol`] (`protocol`).
+    Protocol,
+    /// [`Error::Version`] (`version`).
+    Version,
+    /// [`Error::Unauthenticated`] (`auth`).
+    Auth,
+    /// [`Error::LimitExceeded`] (`limit`).
+    Limit,
+    /// [`Error::Unavailable`] (`unavailable`).
+    Unavailable,
+    /// [`Error::Device`] (`device`).
+    Device,
+    /// [`Error::Timeout`] (`timeout`).
+    Timeout,
+    /// [`Error::Connect`] (`connect`).
+    Connect,
+    /// [`Error::Refused`] (`refused`).
+    Refused,
+    /// [`Error::Listen`] (`listen`).
+    Listen,
+    /// [`Error::Io`] (`io`).
+    Io,
+    /// [`Error::InvalidArgument`] (`invalid_argument`).
+    InvalidArgument,
+}
+
+impl ErrorClass {
+    /// The stable short name (`peer_closed`, `timeout`, …).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorClass::PeerClosed => "peer_closed",
+            ErrorClass::Closed => "closed",
+            ErrorClass::Protocol => "protocol",
+            ErrorClass::Version => "version",
+            ErrorClass::Auth => "auth",
+            ErrorClass::Limit => "limit",
+            ErrorClass::Unavailable => "unavailable",
+            ErrorClass::Device => "device",
+            ErrorClass::Timeout => "timeout",
+            ErrorClass::Connect => "connect",
+            ErrorClass::Refused => "refused",
+            ErrorClass::Listen => "listen",
+            ErrorClass::Io => "io",
+            ErrorClass::InvalidArgument => "invalid_argument",
+        }
+    }
+
+    /// Whether retrying the same request later may succeed (the peer or listener was busy,
+    /// slow or unreachable: `refused`, `timeout`, `connect`, `peer_closed`).
+    pub fn is_transient(self) -> bool {
+        matches!(
+            self,
+            ErrorClass::Refused
+                | ErrorClass::Timeout
+                | ErrorClass::Connect
+                | ErrorClass::PeerClosed
+        )
+    }
+}
+
+impl fmt::Display for ErrorClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl From<actix::MailboxError> for Error {
+    /// The actor an awaited request went to stopped before answering (it never does while
+    /// anyone holds its address; a mailbox timeout is reported as a [`Error::Timeout`]).
+    fn from(e: actix::MailboxError) -> Self {
+        match e {
+            actix::MailboxError::Timeout => Error::Timeout {
+                what: "waiting for the actor to answer",
+                after: Duration::ZERO,
+                origin: Origin::default(),
+            },
+            actix::MailboxError::Closed => Error::Closed {
+                reason: "the actor stopped before answering".into(),
+                origin: Origin::default(),
+            },
+        }
     }
 }
 
@@ -280,5 +406,21 @@ mod tests {
         assert!(s.contains("tensor count is 10"), "{s}");
         assert!(s.contains("pipe 3"), "{s}");
         assert_eq!(e.class(), "limit");
+        assert_eq!(e.kind(), ErrorClass::Limit);
+    }
+
+    #[test]
+    fn every_class_has_its_name() {
+        let refused = Error::Refused {
+            reason: "too many pending handshakes".into(),
+            origin: Origin::default(),
+        };
+        assert_eq!(refused.kind(), ErrorClass::Refused);
+        assert_eq!(refused.class(), "refused");
+        assert!(refused.kind().is_transient());
+        assert!(!ErrorClass::Protocol.is_transient());
+        let gone = Error::from(actix::MailboxError::Closed);
+        assert_eq!(gone.kind(), ErrorClass::Closed);
+        assert_eq!(ErrorClass::InvalidArgument.to_string(), "invalid_argument");
     }
 }

@@ -9,7 +9,13 @@
 //! then, for each extra connection the choice needs (control stream on another transport,
 //! a channel's own connections):
 //!   preamble + Join{token, purpose}   ───►     attaches it to the pipe being set up
+//!
+//! and once every join is in, on the bootstrap connection:
+//!                                     ◄───     Ready (or Refuse{reason})
 //! ```
+//!
+//! A listener that cannot take a new pipe answers the `Hello` with its preamble and
+//! `Refuse{reason}` instead, and hangs up ([`refuse`]).
 //!
 //! The listening side reads first, so one acceptor serves both new pipes (`Hello`) and
 //! connections joining one (`Join`). Each side checks the other's preamble (magic and version)
@@ -154,6 +160,13 @@ fn proof_bytes(p: Vec<u8>) -> Option<serde_bytes::ByteBuf> {
     Some(serde_bytes::ByteBuf::from(p))
 }
 
+fn refused(reason: String, origin: &Origin) -> Error {
+    Error::Refused {
+        reason,
+        origin: origin.clone(),
+    }
+}
+
 fn rejected(reason: String) -> Error {
     Error::Unavailable {
         backend: "negotiation".into(),
@@ -192,6 +205,7 @@ pub async fn connect(
         let hello = match read_frame(&mut h.read, &mut buf, limits, &origin).await? {
             Frame::Hello(hello) => hello,
             Frame::Reject(r) => return Err(rejected(r)),
+            Frame::Refuse(reason) => return Err(refused(reason, &origin)),
             f => return Err(unexpected(f, "a hello", &origin)),
         };
         match (secret, &hello.proof) {
@@ -387,6 +401,79 @@ pub async fn join(
     )
     .await?;
     Ok(h)
+}
+
+/// Listening side: turns away the pipe whose `Hello` came in on `h`, telling the peer why
+/// (preamble and `Refuse{reason}`), then hangs up. Best effort within `timeout`: a peer that does
+/// not read is simply dropped.
+pub async fn refuse(mut h: Halves, reason: &str, timeout: Duration) {
+    let mut out = Vec::with_capacity(64);
+    out.extend_from_slice(&Preamble::OURS.encode());
+    encode_serde(&mut out, FrameKind::Refuse, &reason);
+    let _ = tokio::time::timeout(timeout, async {
+        send(&mut h, &out, "sending a refusal").await?;
+        h.write
+            .shutdown()
+            .await
+            .map_err(|e| io_error("hanging up", e, &origin_of(&h)))
+    })
+    .await;
+}
+
+/// Listening side: turns away a pipe being set up on its bootstrap connection `h` (after the
+/// choice: its joins did not all come in), with `Refuse{reason}`. Best effort, as [`refuse`].
+pub async fn refuse_pending(mut h: Halves, reason: &str, timeout: Duration) {
+    let mut out = Vec::with_capacity(64);
+    encode_serde(&mut out, FrameKind::Refuse, &reason);
+    let _ = tokio::time::timeout(timeout, send(&mut h, &out, "sending a refusal")).await;
+}
+
+/// Listening side: tells the connecting side, on the bootstrap connection, that the whole pipe
+/// is accepted (every join is in).
+pub async fn confirm(h: &mut Halves, timeout: Duration) -> Result<(), Error> {
+    let mut out = Vec::with_capacity(8);
+    crate::wire::encode_frame(&mut out, FrameKind::Ready, |_| {});
+    let origin = origin_of(h);
+    deadline(
+        timeout,
+        "confirming the pipe",
+        &origin,
+        send(h, &out, "confirming the pipe"),
+    )
+    .await
+}
+
+/// Connecting side, after its joins: waits on the bootstrap connection `h` until the listener
+/// says it accepted the whole pipe (`Ready`). `Refuse` is [`Error::Refused`]; the connection
+/// closing is [`Error::PeerClosed`].
+pub async fn accepted(h: &mut Halves, limits: &Limits, timeout: Duration) -> Result<(), Error> {
+    let origin = origin_of(h);
+    let limits = &handshake_limits(limits);
+    deadline(
+        timeout,
+        "waiting for the listener to accept the pipe",
+        &origin,
+        async {
+            let mut buf = Vec::new();
+            match read_frame(&mut h.read, &mut buf, limits, &origin).await {
+                Ok(Frame::Ready) => Ok(()),
+                Ok(Frame::Refuse(reason)) => Err(refused(reason, &origin)),
+                Ok(Frame::Reject(r)) => Err(rejected(r)),
+                Ok(f) => Err(unexpected(f, "the listener's confirmation", &origin)),
+                Err(Error::PeerClosed {
+                    reason,
+                    graceful,
+                    origin,
+                }) => Err(Error::PeerClosed {
+                    reason: format!("the listener hung up before accepting the pipe ({reason})"),
+                    graceful,
+                    origin,
+                }),
+                Err(e) => Err(e),
+            }
+        },
+    )
+    .await
 }
 
 /// A token naming a pipe during set-up: unpredictable enough that a stray connection cannot

@@ -11,41 +11,74 @@
 //! are plain data and raw I/O, usable and testable without actors; [`actors`] drives them.
 //!
 //! ```no_run
-//! use actorpipe::*;
+//! use actorpipe::prelude::*;
 //!
 //! #[actix::main]
-//! async fn main() -> Result<()> {
-//!     let ctx = Context::builder().start();
-//!     let pipe = ctx.send(Connect::new("tcp://127.0.0.1:5000")).await.unwrap()?;
-//!     let msg = Message::new().with_tensor(Tensor::cpu(vec![1u8; 1 << 20]));
-//!     let done = pipe.send(Write::new(msg)).await.unwrap();
-//!     done.result?;
+//! async fn main() -> actorpipe::Result<()> {
+//!     let ctx = actorpipe::Context::builder().start();
+//!     let pipe = ctx.connect("tcp://127.0.0.1:5000").await?;
+//!     let msg = actorpipe::Message::new().with_tensor(Tensor::cpu(vec![1u8; 1 << 20]));
+//!     let done = pipe.write(msg).await?; // the buffers come back in done.message
+//!     let reply = pipe.receive().await?;
+//!     println!("{} bytes back; wrote message {}", reply.total_bytes(), done.id);
 //!     Ok(())
 //! }
 //! ```
+//!
+//! [`prelude`] holds the names an application needs without the ones that clash with
+//! `actix::prelude` and `std::io::prelude`.
 #![warn(missing_docs)]
 
 pub mod auth;
 pub mod backends;
 pub mod channel;
 pub mod copy;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 #[cfg(feature = "efa")]
 pub mod fabric;
+pub mod fds;
 pub mod handshake;
 pub mod message;
 pub mod metrics;
 pub mod negotiate;
+pub mod topology;
 pub mod transport;
+pub mod verbs;
 pub mod wire;
 
 #[path = "../actors/mod.rs"]
 pub mod actors;
 
 pub use actors::*;
-pub use error::{Error, Origin, Result};
+/// Shared, read-only bytes, for [`Buffer::Shared`] (the `bytes` crate's type).
+pub use bytes::Bytes;
+pub use error::{Error, ErrorClass, Origin, Result};
 pub use message::{
     Allocation, Buffer, Descriptor, Device, Message, Payload, PayloadDescriptor, Tensor,
     TensorDescriptor,
 };
 pub use wire::Limits;
+
+/// The names an application needs, safe to glob-import next to `actix::prelude::*` and
+/// `std::io::prelude::*`: everything at the crate root except `Context`, `Message`, `Read`,
+/// `Write` and `Result`, whose names clash with actix's, std's or `std::io`'s. Name those as
+/// `actorpipe::Context`, `actorpipe::Message`, `actorpipe::Read`, `actorpipe::Write`. With the
+/// one-step calls of [`PipeExt`] and [`ContextExt`] (`pipe.write(m).await?`), most programs
+/// need none of them but the first two.
+pub mod prelude {
+    pub use crate::actors::{
+        inbox, Accepted, Call, ChannelInfo, Close, Closed, Connect, ContextBuilder, ContextExt,
+        DescriptorReady, Endpoint, GetInfo, GetMetricsAddr, Inbox, LaneInfo, Listen, Listener,
+        Listening, Op, Pipe, PipeExt, PipeInfo, ReadDescriptor, ReadDone, Receive, StopListening,
+        Subscribe, WriteDone,
+    };
+    pub use crate::error::{Error, ErrorClass, Origin};
+    pub use crate::message::{
+        Allocation, Buffer, Descriptor, Device, Payload, PayloadDescriptor, Tensor,
+        TensorDescriptor,
+    };
+    pub use crate::wire::Limits;
+    pub use bytes::Bytes;
+}

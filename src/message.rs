@@ -7,6 +7,7 @@
 //!
 //! Sizes are `u64`: a tensor over 4 GiB is legal.
 
+use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 /// Where a buffer lives.
@@ -29,20 +30,24 @@ impl std::fmt::Display for Device {
 
 /// The memory of one tensor.
 ///
-/// Only host memory exists in this build; device memory joins as another variant, which is why
-/// the type is an enum.
+/// Host memory comes owned ([`Buffer::Cpu`]) or shared and read-only ([`Buffer::Shared`]);
+/// device memory joins as another variant, which is why the type is an enum.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Buffer {
     /// Host memory; its length is the tensor's size in bytes.
     Cpu(Vec<u8>),
+    /// Shared, read-only host memory, for writes only: the same bytes can go to many pipes at
+    /// once (one [`Bytes`] clone each, no copy), and come back as they went in `WriteDone`. A
+    /// `Read` into one fails with [`crate::Error::InvalidArgument`]: nothing can be written into it.
+    Shared(Bytes),
 }
 
 impl Buffer {
     /// The device this buffer lives on.
     pub fn device(&self) -> Device {
         match self {
-            Buffer::Cpu(_) => Device::Cpu,
+            Buffer::Cpu(_) | Buffer::Shared(_) => Device::Cpu,
         }
     }
 
@@ -50,6 +55,7 @@ impl Buffer {
     pub fn len(&self) -> u64 {
         match self {
             Buffer::Cpu(v) => v.len() as u64,
+            Buffer::Shared(b) => b.len() as u64,
         }
     }
 
@@ -58,24 +64,35 @@ impl Buffer {
         self.len() == 0
     }
 
-    /// The host bytes, if this is host memory.
+    /// The host bytes, if this is host memory (owned or shared).
     pub fn as_cpu(&self) -> Option<&[u8]> {
         match self {
             Buffer::Cpu(v) => Some(v),
+            Buffer::Shared(b) => Some(b),
         }
     }
 
-    /// The host bytes, mutably, if this is host memory.
+    /// The host bytes, mutably, if this is owned host memory (not [`Buffer::Shared`]).
     pub fn as_cpu_mut(&mut self) -> Option<&mut Vec<u8>> {
         match self {
             Buffer::Cpu(v) => Some(v),
+            Buffer::Shared(_) => None,
         }
     }
 
-    /// Takes the host vector out, if this is host memory.
+    /// Takes the host vector out, if this is owned host memory (not [`Buffer::Shared`]).
     pub fn into_cpu(self) -> Option<Vec<u8>> {
         match self {
             Buffer::Cpu(v) => Some(v),
+            Buffer::Shared(_) => None,
+        }
+    }
+
+    /// The shared bytes, if this is [`Buffer::Shared`].
+    pub fn as_shared(&self) -> Option<&Bytes> {
+        match self {
+            Buffer::Shared(b) => Some(b),
+            Buffer::Cpu(_) => None,
         }
     }
 }
@@ -89,6 +106,12 @@ impl Default for Buffer {
 impl From<Vec<u8>> for Buffer {
     fn from(v: Vec<u8>) -> Self {
         Buffer::Cpu(v)
+    }
+}
+
+impl From<Bytes> for Buffer {
+    fn from(b: Bytes) -> Self {
+        Buffer::Shared(b)
     }
 }
 
@@ -128,6 +151,16 @@ impl Tensor {
     pub fn cpu(data: Vec<u8>) -> Self {
         Tensor {
             buffer: Buffer::Cpu(data),
+            metadata: Vec::new(),
+            target_device: None,
+        }
+    }
+
+    /// A host tensor over shared, read-only bytes: write the same bytes to many pipes with a
+    /// clone of `data` each (a reference count, not a copy).
+    pub fn shared(data: impl Into<Bytes>) -> Self {
+        Tensor {
+            buffer: Buffer::Shared(data.into()),
             metadata: Vec::new(),
             target_device: None,
         }
@@ -311,7 +344,11 @@ impl Allocation {
         for (i, t) in d.tensors.iter().enumerate() {
             let n = size(t.length)?;
             match a.tensors.get_mut(i) {
-                Some(Buffer::Cpu(b)) => b.resize(n, 0),
+                Some(b) => match b.as_cpu_mut() {
+                    Some(v) => v.resize(n, 0),
+                    // Shared bytes are read-only: a fresh buffer takes their place.
+                    None => *b = Buffer::Cpu(vec![0; n]),
+                },
                 None => a.tensors.push(Buffer::Cpu(vec![0; n])),
             }
         }
@@ -339,6 +376,12 @@ impl Allocation {
             }
         }
         for (i, (b, t)) in self.tensors.iter().zip(&d.tensors).enumerate() {
+            if let Buffer::Shared(_) = b {
+                return Err(crate::Error::invalid(format!(
+                    "tensor {i} buffer is shared, read-only memory (Buffer::Shared): a read needs \
+                     a buffer it can write into (Buffer::Cpu)"
+                )));
+            }
             if b.len() != t.length {
                 return Err(crate::Error::invalid(format!(
                     "tensor {i} buffer holds {} bytes, the descriptor announces {}",

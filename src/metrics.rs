@@ -45,6 +45,17 @@ pub const NEGOTIATIONS: &str = "actorpipe_negotiations_total";
 pub const BACKLOG: &str = "actorpipe_backlog_operations";
 /// Tensors that fell back from their channel's fast path, by channel (counter).
 pub const FALLBACKS: &str = "actorpipe_fallbacks_total";
+/// Pipes a listener turned away, by reason (counter): see [`Refusal`].
+pub const REFUSALS: &str = "actorpipe_listener_refusals_total";
+
+/// CUDA events, streams and pinned buffers created (not taken from a pool), by kind (counter).
+/// Flat in steady state.
+pub const CUDA_CREATED: &str = "actorpipe_cuda_created_total";
+/// CUDA IPC handle cache lookups, by side (`export`, `open`) and outcome (`hit`, `miss`)
+/// (counter).
+pub const CUDA_IPC_LOOKUPS: &str = "actorpipe_cuda_ipc_lookups_total";
+/// CUDA IPC memory handles currently opened from peers (gauge).
+pub const CUDA_IPC_OPEN: &str = "actorpipe_cuda_ipc_open_handles";
 
 /// libfabric posts the provider accepted, by provider (counter; feature `efa`).
 pub const EFA_POSTS: &str = "actorpipe_efa_posts_total";
@@ -94,6 +105,13 @@ fn describe() {
         FALLBACKS,
         "Tensors that fell back from their channel's fast path."
     );
+    describe_counter!(REFUSALS, "Pipes a listener turned away, by reason.");
+    describe_counter!(
+        CUDA_CREATED,
+        "CUDA events, streams and pinned buffers created rather than reused."
+    );
+    describe_counter!(CUDA_IPC_LOOKUPS, "CUDA IPC handle cache lookups.");
+    describe_gauge!(CUDA_IPC_OPEN, "CUDA IPC memory handles opened from peers.");
     describe_counter!(EFA_POSTS, "libfabric posts accepted, by provider.");
     describe_counter!(EFA_EAGAIN, "libfabric posts refused with -FI_EAGAIN.");
     describe_counter!(EFA_COMPLETIONS, "libfabric completions read.");
@@ -345,9 +363,61 @@ pub fn negotiation_failed(e: &Error) {
     counter!(NEGOTIATIONS, "outcome" => e.class()).increment(1);
 }
 
+/// Why a listener turned a pipe away (the `reason` label of [`REFUSALS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    /// As many pipes as `ContextBuilder::max_pending_pipes` are being set up already.
+    PendingHandshakes,
+    /// The listener's process lacks the file descriptors the pipe's connections need.
+    Descriptors,
+    /// The pipe's extra connections did not all join within the handshake timeout.
+    JoinTimeout,
+}
+
+impl Refusal {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Refusal::PendingHandshakes => "pending_handshakes",
+            Refusal::Descriptors => "descriptors",
+            Refusal::JoinTimeout => "join_timeout",
+        }
+    }
+
+    /// What the connecting side is told.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Refusal::PendingHandshakes => "too many pending handshakes",
+            Refusal::Descriptors => "listener out of file descriptors",
+            Refusal::JoinTimeout => "the pipe's connections did not all join in time",
+        }
+    }
+}
+
+/// A listener turned a pipe away.
+pub fn refused(why: Refusal) {
+    counter!(REFUSALS, "reason" => why.label()).increment(1);
+}
+
 /// A tensor fell back from `channel`'s fast path.
 pub fn fallback(channel: &'static str) {
     counter!(FALLBACKS, "channel" => channel).increment(1);
+}
+
+/// A CUDA resource of `kind` (`event`, `stream`, `pinned`) was created rather than reused.
+pub fn cuda_created(kind: &'static str) {
+    counter!(CUDA_CREATED, "kind" => kind).increment(1);
+}
+
+/// A CUDA IPC handle cache lookup on `side` (`export`, `open`): a hit or a miss.
+pub fn cuda_ipc_lookup(side: &'static str, hit: bool) {
+    let outcome = if hit { "hit" } else { "miss" };
+    counter!(CUDA_IPC_LOOKUPS, "side" => side, "outcome" => outcome).increment(1);
+}
+
+/// The number of CUDA IPC memory handles this process holds open changed by `delta`.
+pub fn cuda_ipc_open(delta: f64) {
+    gauge!(CUDA_IPC_OPEN).increment(delta);
 }
 
 #[cfg(test)]

@@ -280,6 +280,10 @@ async fn garbage_after_the_handshake_closes_only_that_pipe() {
         )
         .await
         .expect("handshake");
+        // No joins: the listener confirms the pipe at once.
+        handshake::accepted(&mut hs.halves, &Limits::default(), Duration::from_secs(5))
+            .await
+            .expect("confirmed");
         let pipe = server.next().await;
         hs.halves.write.write_all(&frame).await.unwrap();
         let d = within(5, "pending read fails", pipe.send(ReadDescriptor))

@@ -266,7 +266,7 @@ mod pipes {
         let info = p.send(GetInfo).await.unwrap();
         assert_eq!(info.transport, "efa");
         assert!(
-            info.channels.iter().any(|c| c.starts_with("efa ")),
+            info.channels.iter().any(|c| c.name == "efa"),
             "{:?}",
             info.channels
         );

@@ -1,4 +1,5 @@
-//! Every example runs, so none can rot. (The echo_peer example is run by tests/processes.rs.)
+//! Every example runs, so none can rot. (The echo_peer example is run by tests/processes.rs, and
+//! here by the connect_burst test.)
 
 mod common;
 
@@ -84,7 +85,9 @@ fn info_lists_every_backend_and_why() {
         .output()
         .expect("run actorpipe info --json");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
-    assert_eq!(v.as_array().map(|a| a.len()), Some(6));
+    // Six CPU backends, and with the cuda feature each CUDA channel once per device pair.
+    let cuda = if cfg!(feature = "cuda") { 8 } else { 0 };
+    assert_eq!(v.as_array().map(|a| a.len()), Some(6 + cuda));
     assert_eq!(v[1]["name"], "shm");
     assert!(v[1]["domain"].as_str().unwrap().contains(':'));
 }
@@ -173,4 +176,26 @@ fn bench_command_runs_end_to_end() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// `connect_burst` against an `echo_peer`: every connect is accounted for and every pipe echoes.
+#[test]
+fn connect_burst_dials_at_once_and_checks_every_pipe() {
+    let mut peer = common::ChildProcess::spawn({
+        let mut c = Command::new(example("echo_peer"));
+        c.arg("tcp://127.0.0.1:0");
+        c
+    });
+    let (_, url) = peer
+        .line("listening on ", Duration::from_secs(20))
+        .expect("echo_peer starts");
+    let out = Command::new(example("connect_burst"))
+        .args([url.as_str(), "12"])
+        .output()
+        .expect("run connect_burst");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains(&format!("12 connects to {url}")), "{text}");
+    assert!(text.contains(": 12 ok"), "{text}");
+    assert!(text.contains("12 of 12 pipes carried an echo"), "{text}");
 }

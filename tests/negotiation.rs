@@ -18,7 +18,10 @@ async fn chosen(client: ContextBuilder, server: ContextBuilder) -> (String, Vec<
     let w = tx.send(Write::new(checked_message(1, &[3], &[100_000])));
     assert_eq!(verify(&read_one(&rx).await.unwrap()), 1);
     w.await.unwrap().result.unwrap();
-    (a.transport, a.channels)
+    (
+        a.transport,
+        a.channels.iter().map(ToString::to_string).collect(),
+    )
 }
 
 #[actix::test]

@@ -312,9 +312,7 @@ async fn trial(b: &Backend, death: Death, t: u32) -> Trial {
         "negotiated transport: {info:?}"
     );
     assert!(
-        info.channels
-            .iter()
-            .any(|c| c.starts_with(&format!("{} ", b.channel))),
+        info.channels.iter().any(|c| c.name == b.channel),
         "negotiated channels {:?}, expected {}",
         info.channels,
         b.channel

@@ -139,7 +139,7 @@ async fn round(number: u64, until: Instant) -> Round {
         backends.push(format!(
             "{name}: {} + {}",
             info.transport,
-            info.channels.join(", ")
+            info.channel_list()
         ));
         servers.push(server);
     }

@@ -165,9 +165,10 @@ impl Channel {
         }
         // The receiver cannot read our memory: stream the bytes over the data connection.
         let n = h.buffer.len();
-        let ptr = h.buffer.as_mut_ptr();
+        let ptr = h.buffer.base_ptr();
         // SAFETY: the buffer stays in `self.held`, untouched, until this operation completes
-        // (its `Done` decrements `out`, which is still 1 for the ack we were waiting for).
+        // (its `Done` decrements `out`, which is still 1 for the ack we were waiting for); the
+        // operation is a write, so shared bytes are only read through the region.
         let region = unsafe { Region::new(ptr, n) };
         let reply = self.own();
         let l = &mut self.lanes[CMA_DATA];
@@ -221,7 +222,7 @@ impl Channel {
                 self.held.insert(
                     key,
                     Held {
-                        buffer: dst,
+                        buffer: Memory::Owned(dst),
                         out: 1,
                         error: None,
                         sending: false,

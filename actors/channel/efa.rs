@@ -61,7 +61,7 @@ pub(super) struct Fabric {
     pipe: Option<u32>,
     peer_pipe: u32,
     /// Tensors handed over before the set-up finished: (sending, seq, index, buffer).
-    waiting: VecDeque<(bool, u64, u32, Vec<u8>)>,
+    waiting: VecDeque<(bool, u64, u32, Memory)>,
     /// The tensor of each chunk posted, in post order (the endpoint ends them in that order).
     sends: VecDeque<HeldKey>,
     /// Same for receives, with the chunk's length.
@@ -307,7 +307,7 @@ impl Channel {
         sending: bool,
         seq: u64,
         index: u32,
-        buffer: Vec<u8>,
+        buffer: Memory,
         ctx: &mut Context<Self>,
     ) {
         let f = self.fabric();
@@ -321,15 +321,7 @@ impl Channel {
         self.efa_move(sending, seq, index, buffer, ctx);
     }
 
-    fn hand_back(
-        &self,
-        sending: bool,
-        seq: u64,
-        index: u32,
-        buffer: Vec<u8>,
-        r: Result<(), Error>,
-    ) {
-        let memory = Memory::Owned(buffer);
+    fn hand_back(&self, sending: bool, seq: u64, index: u32, memory: Memory, r: Result<(), Error>) {
         self.to_pipe(if sending {
             Done::WroteTensor {
                 seq,
@@ -354,12 +346,13 @@ impl Channel {
         sending: bool,
         seq: u64,
         index: u32,
-        mut buffer: Vec<u8>,
+        mut buffer: Memory,
         ctx: &mut Context<Self>,
     ) {
         let key = (sending, seq, index);
         let len = buffer.len();
-        let base = buffer.as_mut_ptr() as usize;
+        // Shared bytes come only with `sending`: they are sent from, never received into.
+        let base = buffer.base_ptr() as usize;
         let f = self.fabric.as_mut().expect("efa state");
         let (Some(ep), Some(pipe)) = (f.ep.clone(), f.pipe) else {
             let e = f.failed.clone().unwrap_or_else(|| gone(&self.origin));
@@ -475,10 +468,10 @@ impl Channel {
             let mut originals = Vec::new();
             for k in keys {
                 if let Some(h) = self.held.get_mut(&k).filter(|h| h.out > 0) {
-                    let stand_in = if h.sending {
-                        h.buffer.clone()
-                    } else {
-                        vec![0; h.buffer.len()]
+                    let stand_in = match &h.buffer {
+                        Memory::Shared(b) => Memory::Shared(b.clone()),
+                        m if h.sending => Memory::Owned(m.as_slice().to_vec()),
+                        m => Memory::Owned(vec![0; m.len()]),
                     };
                     originals.push(std::mem::replace(&mut h.buffer, stand_in));
                     h.out = 0;

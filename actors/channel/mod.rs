@@ -113,7 +113,7 @@ struct Lane {
 
 /// A tensor the channel holds while it moves.
 struct Held {
-    buffer: Vec<u8>,
+    buffer: Memory,
     /// Operations still out (stripes for mpt).
     out: usize,
     error: Option<Error>,
@@ -156,7 +156,8 @@ pub struct Channel {
 pub(crate) struct SendTensor {
     pub seq: u64,
     pub index: u32,
-    pub buffer: Vec<u8>,
+    /// The sender's bytes, owned or shared (never a region).
+    pub buffer: Memory,
 }
 
 impl Message for SendTensor {
@@ -264,7 +265,7 @@ impl Channel {
         if self.held.get(&key).is_some_and(|h| h.out == 0) {
             let h = self.held.remove(&key).expect("present");
             let result = h.error.map_or(Ok(()), Err);
-            let memory = Memory::Owned(h.buffer);
+            let memory = h.buffer;
             self.to_pipe(if h.sending {
                 Done::WroteTensor {
                     seq: key.1,
@@ -312,11 +313,12 @@ impl Channel {
             return self.maybe_stop(ctx);
         }
         match d {
-            // xth completions pass through to keep the list of parked keys current.
+            // xth completions (whole buffers, owned or shared; pieces of held buffers come as
+            // regions) pass through to keep the list of parked keys current.
             Done::WroteTensor {
                 seq,
                 index,
-                memory: Memory::Owned(b),
+                memory: memory @ (Memory::Owned(_) | Memory::Shared(_)),
                 result,
             } => {
                 self.xth_keys
@@ -324,7 +326,7 @@ impl Channel {
                 self.to_pipe(Done::WroteTensor {
                     seq,
                     index,
-                    memory: Memory::Owned(b),
+                    memory,
                     result,
                 });
             }
@@ -449,7 +451,7 @@ impl Handler<SendTensor> for Channel {
             return self.to_pipe(Done::WroteTensor {
                 seq: m.seq,
                 index: m.index,
-                memory: Memory::Owned(m.buffer),
+                memory: m.buffer,
                 result: Err(self.misrouted()),
             });
         }
@@ -485,10 +487,12 @@ impl Handler<RecvTensor> for Channel {
             ChannelKind::Xth { .. } => self.recv_xth(m),
             ChannelKind::Cma { threads, .. } => self.recv_cma(m, threads, ctx),
             ChannelKind::Mpt { chunk_size } => {
-                self.stripe(m.seq, m.index, m.buffer, false, chunk_size)
+                self.stripe(m.seq, m.index, Memory::Owned(m.buffer), false, chunk_size)
             }
             #[cfg(feature = "efa")]
-            ChannelKind::Efa => self.efa_tensor(false, m.seq, m.index, m.buffer, ctx),
+            ChannelKind::Efa => {
+                self.efa_tensor(false, m.seq, m.index, Memory::Owned(m.buffer), ctx)
+            }
         }
         self.poll_own(ctx);
     }

@@ -7,13 +7,14 @@ impl Channel {
         &mut self,
         seq: u64,
         index: u32,
-        mut buffer: Vec<u8>,
+        mut buffer: Memory,
         sending: bool,
         chunk: usize,
     ) {
         let len = buffer.len() as u64;
         let lanes = self.lanes.len() as u32;
-        let base = buffer.as_mut_ptr();
+        // Shared bytes come only with `sending`: regions of them are written from, never into.
+        let base = buffer.base_ptr();
         let mut out = 0;
         for (lane, offset, n) in crate::channel::mpt::stripes(len, lanes) {
             // SAFETY: the stripes are disjoint ranges inside `buffer`, whose heap memory stays

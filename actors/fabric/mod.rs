@@ -32,6 +32,7 @@ use crate::error::{Error, Origin};
 use crate::fabric::engine::{Engine, Finished, Kind, Op, Region, Stats};
 use crate::fabric::faults::Faults;
 use crate::fabric::{Attributes, Domain, Endpoint, FabricError, InfoList};
+use crate::transport::stream::Memory;
 
 /// How a [`FabricEndpoint`] progresses its completion queue.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -79,7 +80,7 @@ pub struct FabricEndpoint {
     engine: Engine,
     // After `engine` (dropped after the endpoint closes): buffers of detached pipes that the
     // provider may still touch, kept until the engine has forgotten their pipe.
-    quarantine: HashMap<u32, Vec<Vec<u8>>>,
+    quarantine: HashMap<u32, Vec<Memory>>,
     config: EndpointConfig,
     sinks: HashMap<u32, mpsc::UnboundedSender<Finished>>,
     driver: Driver,
@@ -399,8 +400,8 @@ impl FabricPostRegions {
 pub struct FabricQuarantine {
     /// The pipe.
     pub pipe: u32,
-    /// The buffers.
-    pub buffers: Vec<Vec<u8>>,
+    /// The buffers (owned, or references to shared bytes).
+    pub buffers: Vec<Memory>,
 }
 
 /// Asks for the endpoint's address and attributes.

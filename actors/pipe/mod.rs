@@ -131,6 +131,9 @@ pub struct Pipe {
     id: u64,
     origin: Origin,
     info: PipeInfo,
+    /// Tensors sent on the control connection, and through the channel (for `GetInfo`).
+    sent_on_control: u64,
+    sent_by_channel: u64,
     limits: Limits,
     /// Index of the channel for CPU->CPU tensors, and its kind.
     cpu_channel: usize,
@@ -232,8 +235,14 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         channels: choice
             .channels
             .iter()
-            .map(|c| format!("{} ({})", c.name, c.devices))
+            .map(|c| ChannelInfo {
+                name: c.name.clone(),
+                devices: c.devices,
+            })
             .collect(),
+        backend: origin.backend.clone(),
+        tensors_on_control: 0,
+        tensors_by_channel: 0,
         closed: false,
         fallbacks: 0,
         connections: choice
@@ -333,6 +342,8 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         conn: Some((conn, link)),
         channels,
         fallbacks,
+        sent_on_control: 0,
+        sent_by_channel: 0,
         reply: Some(reply),
         completions: Some(completions),
         error: None,
@@ -491,11 +502,10 @@ impl Pipe {
                 memory,
                 result,
             } => {
-                let buffer = memory.into_vec().unwrap_or_default();
                 let err = result.err().map(|e| self.op_failed(e));
                 if let Some(w) = self.writes.iter_mut().find(|w| w.seq == seq) {
                     if let Some(t) = w.message.tensors.get_mut(index as usize) {
-                        t.buffer = Buffer::Cpu(buffer);
+                        t.buffer = memory.into_buffer();
                     }
                     w.tensors_out -= 1;
                     if err.is_some() {
@@ -878,6 +888,8 @@ impl Handler<GetInfo> for Pipe {
     fn handle(&mut self, _: GetInfo, _: &mut Self::Context) -> Self::Result {
         let mut info = self.info.clone();
         info.fallbacks = self.fallbacks.load(Ordering::Relaxed);
+        info.tensors_on_control = self.sent_on_control;
+        info.tensors_by_channel = self.sent_by_channel;
         MessageResult(info)
     }
 }

@@ -222,7 +222,9 @@ impl Pipe {
         }
         let mut tensors_out = 0;
         for (i, (buffer, (ch, data))) in alloc.tensors.into_iter().zip(routes).enumerate() {
-            let Buffer::Cpu(mut buffer) = buffer;
+            let Buffer::Cpu(mut buffer) = buffer else {
+                unreachable!("Allocation::check refused read-only (shared) buffers before");
+            };
             let on_control = carried.carries(&data);
             if let (true, Some(at), Some(bytes)) = (on_control, tensor_bytes.as_mut(), &inline) {
                 // Read with the descriptor, like inline payloads.

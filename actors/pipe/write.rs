@@ -155,6 +155,8 @@ impl Pipe {
             .filter(|t| kind.sends_on_control(t.buffer.len()))
             .count() as u64;
         self.out_ticket += 1 + on_control;
+        self.sent_on_control += on_control;
+        self.sent_by_channel += message.tensors.len() as u64 - on_control;
         let reply = self
             .reply
             .clone()
@@ -175,13 +177,13 @@ impl Pipe {
         let mut next = ticket + 1;
         let mut tensors_out = 0;
         for (i, t) in message.tensors.iter_mut().enumerate() {
-            let Buffer::Cpu(buffer) = mem::take(&mut t.buffer);
+            let buffer = Memory::from(mem::take(&mut t.buffer));
             if kind.sends_on_control(buffer.len() as u64) {
                 batch.push(OutOp::Tensor {
                     ticket: next,
                     seq,
                     index: i as u32,
-                    memory: Memory::Owned(buffer),
+                    memory: buffer,
                     offset: 0,
                     chunk_size: kind.control_chunk(),
                     reply: self.reply.clone().expect("checked above"),
@@ -214,8 +216,7 @@ impl Pipe {
                     message.payloads = payloads;
                 }
                 OutOp::Tensor { index, memory, .. } => {
-                    message.tensors[index as usize].buffer =
-                        Buffer::Cpu(memory.into_vec().unwrap_or_default());
+                    message.tensors[index as usize].buffer = memory.into_buffer();
                 }
             }
         }

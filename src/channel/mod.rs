@@ -11,12 +11,45 @@
 
 pub mod basic;
 pub mod cma;
+#[cfg(feature = "cuda")]
+pub mod cuda_basic;
+#[cfg(feature = "cuda")]
+pub mod cuda_ipc;
+#[cfg(feature = "cuda")]
+pub mod cuda_xth;
 #[cfg(feature = "efa")]
 pub mod efa;
 pub mod mpt;
 pub mod xth;
 
 use crate::negotiate::{ChannelOffer, DevicePair};
+
+/// The device pairs a CUDA channel can serve: cuda->cuda, cpu->cuda, cuda->cpu.
+#[cfg(feature = "cuda")]
+pub fn cuda_pairs() -> [DevicePair; 3] {
+    use crate::negotiate::DeviceKind::{Cpu, Cuda};
+    [
+        DevicePair {
+            source: Cuda,
+            target: Cuda,
+        },
+        DevicePair {
+            source: Cpu,
+            target: Cuda,
+        },
+        DevicePair {
+            source: Cuda,
+            target: Cpu,
+        },
+    ]
+}
+
+/// Why a CUDA channel is not offered although CUDA works here: the pipe does not carry its
+/// tensors yet. Checked after the CUDA availability check, so `actorpipe info` names the first
+/// reason that applies.
+#[cfg(feature = "cuda")]
+pub const CUDA_NOT_CARRIED: &str =
+    "pipes do not carry CUDA tensors yet; the engine is tested on its own (docs/cuda.md)";
 
 /// A channel backend, as a context offers it.
 pub trait ChannelBackend: Send + Sync + 'static {

@@ -66,7 +66,7 @@ pub struct Key {
 
 enum Slot {
     Sent {
-        buffer: Vec<u8>,
+        buffer: Memory,
         reply: Reply,
     },
     Wanted {
@@ -90,14 +90,14 @@ fn lock() -> std::sync::MutexGuard<'static, HashMap<Key, Slot>> {
 /// Copies `src` into `dst` and completes both sides.
 fn finish(
     key: Key,
-    src: Vec<u8>,
+    src: Memory,
     src_reply: &Reply,
     mut dst: Vec<u8>,
     dst_reply: &Reply,
     origin: &Origin,
 ) {
     let result = if src.len() == dst.len() {
-        crate::copy::copy_large(&mut dst, &src);
+        crate::copy::copy_large(&mut dst, src.as_slice());
         Ok(())
     } else {
         Err(Error::protocol(
@@ -114,7 +114,7 @@ fn finish(
     let _ = src_reply.send(Done::WroteTensor {
         seq: key.seq,
         index: key.index,
-        memory: Memory::Owned(src),
+        memory: src,
         result: result.clone(),
     });
     let _ = dst_reply.send(Done::Tensor {
@@ -126,7 +126,7 @@ fn finish(
 }
 
 /// The sender parks `buffer`; completes at once if the receiver is already waiting.
-pub fn send(key: Key, buffer: Vec<u8>, reply: Reply) {
+pub fn send(key: Key, buffer: Memory, reply: Reply) {
     let mut t = lock();
     match t.remove(&key) {
         Some(Slot::Wanted {
@@ -143,7 +143,7 @@ pub fn send(key: Key, buffer: Vec<u8>, reply: Reply) {
             let _ = reply.send(Done::WroteTensor {
                 seq: key.seq,
                 index: key.index,
-                memory: Memory::Owned(buffer),
+                memory: buffer,
                 result: Err(Error::invalid("xth: tensor sent twice")),
             });
         }
@@ -192,7 +192,7 @@ pub fn withdraw(key: Key, error: &Error) -> bool {
             let _ = reply.send(Done::WroteTensor {
                 seq: key.seq,
                 index: key.index,
-                memory: Memory::Owned(buffer),
+                memory: buffer,
                 result: Err(error.clone()),
             });
             true
@@ -226,7 +226,7 @@ mod tests {
     fn bytes(d: Done) -> (Vec<u8>, Result<(), Error>) {
         match d {
             Done::WroteTensor { memory, result, .. } | Done::Tensor { memory, result, .. } => {
-                (memory.into_vec().unwrap(), result)
+                (memory.as_slice().to_vec(), result)
             }
             other => panic!("unexpected {other:?}"),
         }
@@ -239,12 +239,12 @@ mod tests {
             let (rtx, mut rrx) = mpsc::unbounded_channel();
             let k = key(sender_first as u64);
             if sender_first {
-                send(k, vec![1, 2, 3], stx);
+                send(k, Memory::Owned(vec![1, 2, 3]), stx);
                 assert!(srx.try_recv().is_err(), "waits for the receiver");
                 recv(k, vec![0; 3], rtx, &Origin::default());
             } else {
                 recv(k, vec![0; 3], rtx, &Origin::default());
-                send(k, vec![1, 2, 3], stx);
+                send(k, Memory::Owned(vec![1, 2, 3]), stx);
             }
             let (src, r) = bytes(srx.try_recv().unwrap());
             r.unwrap();
@@ -259,12 +259,12 @@ mod tests {
     fn size_mismatch_fails_both_and_withdraw_returns_buffers() {
         let (stx, mut srx) = mpsc::unbounded_channel();
         let (rtx, mut rrx) = mpsc::unbounded_channel();
-        send(key(10), vec![1; 4], stx.clone());
+        send(key(10), Memory::Owned(vec![1; 4]), stx.clone());
         recv(key(10), vec![0; 5], rtx, &Origin::default());
         assert!(bytes(srx.try_recv().unwrap()).1.is_err());
         assert!(bytes(rrx.try_recv().unwrap()).1.is_err());
 
-        send(key(11), vec![9; 4], stx);
+        send(key(11), Memory::Shared(vec![9; 4].into()), stx);
         let e = Error::invalid("closing");
         assert!(withdraw(key(11), &e));
         let (b, r) = bytes(srx.try_recv().unwrap());

@@ -209,7 +209,7 @@ fn registration_cache_shares_one_registration_per_buffer_and_releases_it() {
         let domain = ep.domain().clone();
         let mut cache = regcache::RegCache::default();
         let a = vec![1u8; 4096];
-        let b = vec![2u8; 100];
+        let b = [2u8; 100];
         let (pa, pb) = (a.as_ptr() as usize, b.as_ptr() as usize);
         // SAFETY: `a` and `b` outlive every acquisition (released below, before they drop).
         unsafe {

@@ -7,6 +7,8 @@
 //! (epoll on sockets, eventfd through `AsyncFd` for shared memory); no transport runs a busy
 //! thread unless asked to.
 
+#[cfg(feature = "ibv")]
+pub mod ibv;
 pub mod liveness;
 pub mod shm;
 pub mod stream;
@@ -79,6 +81,11 @@ pub trait Transport: Send + Sync + 'static {
     /// Whether it can run here; `Err` says why not.
     fn viable(&self) -> Result<(), String> {
         Ok(())
+    }
+    /// The most file descriptors one connection of this transport holds on the listening side
+    /// while it is set up (a listener reserves them before admitting a pipe).
+    fn descriptors(&self) -> usize {
+        1
     }
     /// Connects to `url` (the scheme is this transport's; each transport parses its own URLs).
     fn connect<'a>(

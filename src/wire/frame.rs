@@ -29,6 +29,11 @@ pub enum FrameKind {
     Ack = 8,
     /// A heartbeat: the sender is alive (sent by an idle writer; skipped by every reader).
     Ping = 9,
+    /// The listener turns a pipe away for now (admission: too many pending handshakes, out of
+    /// file descriptors, joins not in time), with a reason; the connecting side may retry later.
+    Refuse = 10,
+    /// The listener has accepted the whole pipe, every join included (no body).
+    Ready = 11,
 }
 
 /// A whole heartbeat frame: length prefix 1, kind [`FrameKind::Ping`], no body.
@@ -46,6 +51,8 @@ impl FrameKind {
             7 => FrameKind::Join,
             8 => FrameKind::Ack,
             9 => FrameKind::Ping,
+            10 => FrameKind::Refuse,
+            11 => FrameKind::Ready,
             _ => return None,
         })
     }
@@ -72,6 +79,10 @@ pub enum Frame {
     Ack(Ack),
     /// A heartbeat.
     Ping,
+    /// The listener turns the pipe away for now, with a reason.
+    Refuse(String),
+    /// The listener has accepted the whole pipe.
+    Ready,
 }
 
 impl Frame {
@@ -87,6 +98,8 @@ impl Frame {
             Frame::Join(_) => FrameKind::Join,
             Frame::Ack(_) => FrameKind::Ack,
             Frame::Ping => FrameKind::Ping,
+            Frame::Refuse(_) => FrameKind::Refuse,
+            Frame::Ready => FrameKind::Ready,
         }
     }
 }
@@ -237,13 +250,20 @@ pub fn decode_frame(bytes: &[u8], limits: &Limits) -> Result<Frame, WireError> {
         FrameKind::Close => Frame::Close(serde_body(body, "close")?),
         FrameKind::Join => Frame::Join(serde_body(body, "join")?),
         FrameKind::Ack => Frame::Ack(decode_ack(body)?),
-        FrameKind::Ping if body.is_empty() => Frame::Ping,
-        FrameKind::Ping => {
+        FrameKind::Refuse => Frame::Refuse(serde_body(body, "refuse")?),
+        FrameKind::Ping | FrameKind::Ready if !body.is_empty() => {
             return Err(WireError::Malformed(format!(
-                "malformed ping frame: {} unexpected bytes",
+                "malformed {} frame: {} unexpected bytes",
+                if kind == FrameKind::Ping {
+                    "ping"
+                } else {
+                    "ready"
+                },
                 body.len()
             )))
         }
+        FrameKind::Ping => Frame::Ping,
+        FrameKind::Ready => Frame::Ready,
     })
 }
 

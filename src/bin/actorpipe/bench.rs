@@ -154,10 +154,9 @@ impl Client {
         self.info
             .channels
             .iter()
-            .find(|c| c.contains("cpu->cpu"))
+            .find(|c| c.devices == actorpipe::negotiate::DevicePair::CPU)
             .or(self.info.channels.first())
-            .and_then(|c| c.split_whitespace().next())
-            .unwrap_or("basic")
+            .map_or("basic", |c| c.name.as_str())
     }
 
     /// One round trip: write `message`, read its echo into `spare` (or new buffers). Returns

@@ -38,7 +38,9 @@ pub enum Command {
 pub enum BenchCommand {
     /// A message with 1 payload of each size, echoed back: the transport alone.
     ///
-    /// --backend tcp|shm (default tcp).
+    /// --backend tcp|shm|ibv-sim (default tcp). ibv-sim (feature ibv) is the ibv transport on the
+    /// SIMULATED device, both sides in this process: it measures the code's own overhead, not
+    /// an HCA.
     Transport(RunArgs),
     /// A message with 1 tensor of each size (no payloads), echoed back: one channel.
     ///

@@ -227,7 +227,7 @@ fn measure(
     drop(server);
     Ok(Measured {
         name: name.to_string(),
-        negotiated: format!("{}, {}", info.transport, info.channels.join(", ")),
+        negotiated: format!("{}, {}", info.transport, info.channel_list()),
         pipes,
         client_before,
         client_after,

@@ -16,7 +16,7 @@ pub fn run(json: bool) {
         out.push('\n');
     } else {
         out.push_str(&format!(
-            "{:<10} {:<6} {:>8}  {:<10} {:<12} domain\n",
+            "{:<10} {:<10} {:>8}  {:<10} {:<12} domain\n",
             "kind", "name", "priority", "available", "devices"
         ));
         for b in &r {
@@ -26,6 +26,8 @@ pub fn run(json: bool) {
                 out.push_str(&format!("{:>19}why not: {why}\n", ""));
             }
         }
+        out.push_str(&gpus());
+        out.push_str(&rdma_devices());
     }
     if !json {
         out.push_str(&fabric());
@@ -74,7 +76,7 @@ fn line(b: &BackendReport) -> String {
         &b.domain
     };
     format!(
-        "{:<10} {:<6} {:>8}  {:<10} {:<12} {}",
+        "{:<10} {:<10} {:>8}  {:<10} {:<12} {}",
         b.kind,
         b.name,
         b.priority,
@@ -82,4 +84,58 @@ fn line(b: &BackendReport) -> String {
         b.devices.as_deref().unwrap_or("-"),
         domain
     )
+}
+
+/// The GPU section of the table: each CUDA device, or why there is none.
+fn gpus() -> String {
+    #[cfg(feature = "cuda")]
+    {
+        match actorpipe::cuda::devices() {
+            Ok(list) => {
+                let mut s = String::from(
+                    "\ngpu      name                             memory  pci bus id    numa\n",
+                );
+                for d in list {
+                    s.push_str(&format!(
+                        "cuda:{:<3} {:<32} {:>6} GiB  {:<13} {}\n",
+                        d.ordinal,
+                        d.name,
+                        d.memory >> 30,
+                        d.pci_bus_id,
+                        d.numa_node.map_or("-".to_string(), |n| n.to_string())
+                    ));
+                }
+                s
+            }
+            Err(why) => format!("\ngpu: none usable: {why}\n"),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        "\ngpu: this build has no CUDA support (build with --features cuda)\n".to_string()
+    }
+}
+
+/// The RDMA devices found (real HCAs; the simulated device is never listed), or why none.
+fn rdma_devices() -> String {
+    match actorpipe::backends::rdma_devices() {
+        Err(why) => format!("\nRDMA devices: none ({why})\n"),
+        Ok(devs) => {
+            let mut s = String::from("\nRDMA devices:\n");
+            for d in devs {
+                for p in &d.ports {
+                    s.push_str(&format!(
+                        "  {} port {} {} {} lid {} pci {}\n",
+                        d.name,
+                        p.port,
+                        p.link_layer,
+                        if p.active { "active" } else { "down" },
+                        p.lid,
+                        d.pci.as_deref().unwrap_or("-")
+                    ));
+                }
+            }
+            s
+        }
+    }
 }

@@ -45,6 +45,9 @@ pub enum Transports {
     Shm,
     /// Both; negotiation moves a same-host pipe from its TCP bootstrap to shm.
     Both,
+    /// TCP bootstrap, then ibv on the simulated device (feature `ibv`; both sides in this
+    /// process: the simulation does not cross processes). Measures the code's own overhead.
+    IbvSim,
 }
 
 impl Transports {
@@ -90,6 +93,7 @@ impl Setup {
             Transports::Tcp => b.without("shm"),
             Transports::Shm => b.without("tcp"),
             Transports::Both => b,
+            Transports::IbvSim => ibv_sim(b.without("shm")),
         };
         if let Some(c) = self.channel {
             b = b.only_channels(&[c]);
@@ -108,6 +112,19 @@ impl Setup {
             _ => "tcp://127.0.0.1:0",
         }
     }
+}
+
+/// Adds the ibv transport on the simulated device.
+#[cfg(feature = "ibv")]
+fn ibv_sim(b: ContextBuilder) -> ContextBuilder {
+    use actorpipe::transport::ibv::Ibv;
+    b.transport(Arc::new(Ibv::simulated().auto_listen("ibv://127.0.0.1:0")))
+}
+
+/// Without the feature, `plan` refuses ibv runs before any builder is made.
+#[cfg(not(feature = "ibv"))]
+fn ibv_sim(b: ContextBuilder) -> ContextBuilder {
+    b
 }
 
 /// What one round trip carries.
@@ -221,7 +238,13 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
             let transports = match name {
                 "tcp" => Transports::Tcp,
                 "shm" => Transports::Shm,
-                _ => return Err(bad(format!("unknown transport {name:?}: use tcp or shm"))),
+                "ibv-sim" if cfg!(feature = "ibv") => Transports::IbvSim,
+                "ibv-sim" => return Err(bad("ibv-sim needs a build with --features ibv")),
+                _ => {
+                    return Err(bad(format!(
+                        "unknown transport {name:?}: use tcp, shm or ibv-sim"
+                    )))
+                }
             };
             let setup = Setup {
                 transports,
@@ -230,11 +253,16 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                 spin: None,
                 no_keepalive: false,
             };
-            (
-                setup,
-                Some(Baseline::for_transport(name)),
-                format!("transport {name}"),
-            )
+            let (baseline, label) = if transports == Transports::IbvSim {
+                // The simulated wire is a memcpy under a lock: compare with a plain memcpy.
+                (
+                    Baseline::Memcpy,
+                    "transport ibv (SIMULATED device)".to_string(),
+                )
+            } else {
+                (Baseline::for_transport(name), format!("transport {name}"))
+            };
+            (setup, Some(baseline), label)
         }
         Kind::Channel => {
             let channel = channel_name(backend.unwrap_or("basic"))?;
@@ -328,20 +356,24 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
             )));
         }
     }
-    let in_process = setup.channel == Some("xth");
+    let in_process = setup.channel == Some("xth") || setup.transports == Transports::IbvSim;
     let arrangement = match (&args.listen, &args.connect) {
         (Some(_), Some(_)) => return Err(bad("--listen and --connect go to different processes")),
         (Some(url), None) => {
             check_url(url)?;
             if in_process {
-                return Err(bad("xth works only inside one process: drop --listen"));
+                return Err(bad(
+                    "xth and the simulated ibv device work only inside one process: drop --listen",
+                ));
             }
             Arrangement::Listen(url.clone())
         }
         (None, Some(url)) => {
             check_url(url)?;
             if in_process {
-                return Err(bad("xth works only inside one process: drop --connect"));
+                return Err(bad(
+                    "xth and the simulated ibv device work only inside one process: drop --connect",
+                ));
             }
             Arrangement::Connect(url.clone())
         }

@@ -165,7 +165,7 @@ pub fn run(plan: &Plan, args: &RunArgs) -> Result<(), Failure> {
     let negotiated = format!(
         "transport {}, channels {}",
         client.info.transport,
-        client.info.channels.join(", ")
+        client.info.channel_list()
     );
     let channel = client.channel().to_string();
     system.block_on(client.close());
@@ -230,7 +230,7 @@ fn arrangement_text(plan: &Plan) -> String {
             "2 processes on this host: this client and the echo server it spawned".into()
         }
         Arrangement::InProcess => {
-            "1 process, 2 contexts on 2 threads (xth works only within one process)".into()
+            "1 process, 2 contexts on 2 threads (xth and the simulated ibv device work only within one process)".into()
         }
         Arrangement::Connect(url) => format!("this client and the echo server at {url}"),
         Arrangement::Listen(url) => format!("echo server at {url}"),

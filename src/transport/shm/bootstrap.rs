@@ -7,7 +7,13 @@
 //!                         [ring c->l, its data bell, its space bell,
 //!                          ring l->c, its data bell, its space bell]
 //! listener  -> connector  "APSHMok1"
+//!           or            "APSHMno1" + reason length (u16 LE) + reason (UTF-8): refused
 //! ```
+//!
+//! The listener refuses with a reason when it cannot take the descriptors because it is itself
+//! at its descriptor limit (`MSG_CTRUNC` with `RLIMIT_NOFILE` reached): the connecting side then
+//! fails with [`Error::Refused`](crate::Error::Refused) ("listener out of file descriptors")
+//! instead of seeing the socket close.
 //!
 //! Both sides check the other's uid (`SO_PEERCRED`) before anything else. After the exchange the
 //! socket carries nothing; it stays open for the life of the connection so that each side sees
@@ -27,6 +33,23 @@ use super::ring::{self, Consumer, Producer, HEADER};
 
 const HELLO: [u8; 8] = *b"APSHMv1\0";
 const ACK: [u8; 8] = *b"APSHMok1";
+const REFUSAL: [u8; 8] = *b"APSHMno1";
+/// What a refused connector is told when the listener is at its descriptor limit.
+pub(crate) const OUT_OF_DESCRIPTORS: &str = "listener out of file descriptors";
+/// Longest reason read from a refusal.
+const MAX_REASON: usize = 1024;
+
+/// The listener's refusal, as the inner error of the connecting side's `io::Error`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Refusal(pub(crate) String);
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the shm listener refused the connection: {}", self.0)
+    }
+}
+
+impl std::error::Error for Refusal {}
 /// Descriptors in a hello: memfd, data bell and space bell, for each direction.
 const HELLO_FDS: usize = 6;
 
@@ -165,6 +188,17 @@ pub(crate) async fn connect(
     let mut ack = [0u8; 8];
     let mut extra = Vec::new();
     recv_exact(&sock, &mut ack, &mut extra).await?;
+    if ack == REFUSAL && extra.is_empty() {
+        let mut len = [0u8; 2];
+        recv_exact(&sock, &mut len, &mut extra).await?;
+        let mut reason = vec![0u8; usize::from(u16::from_le_bytes(len)).min(MAX_REASON)];
+        recv_exact(&sock, &mut reason, &mut extra).await?;
+        let reason = String::from_utf8_lossy(&reason).into_owned();
+        return Err(io::Error::new(
+            io::ErrorKind::ConnectionRefused,
+            Refusal(reason),
+        ));
+    }
     if ack != ACK || !extra.is_empty() {
         return Err(bad(
             "the listener answered with something other than an ack".into(),
@@ -194,7 +228,12 @@ pub(crate) async fn accept(
     check_peer(&sock)?;
     let mut hello = [0u8; 16];
     let mut fds = Vec::new();
-    recv_exact(&sock, &mut hello, &mut fds).await?;
+    if let Err(e) = recv_exact(&sock, &mut hello, &mut fds).await {
+        if crate::fds::is_exhaustion(&e) {
+            refuse(&sock, OUT_OF_DESCRIPTORS).await;
+        }
+        return Err(e);
+    }
     if hello[..8] != HELLO {
         return Err(bad("the peer is not an actorpipe shm v1 client".into()));
     }
@@ -219,4 +258,14 @@ pub(crate) async fn accept(
     let tx_space = EventFd::from_fd(next()?)?;
     send_all(&sock, &ACK, &[]).await?;
     assemble(sock, rx, rx_data, rx_space, tx, tx_data, tx_space, spin)
+}
+
+/// Tells the connecting side why it is turned away (best effort: it may be gone already).
+async fn refuse(sock: &UnixStream, reason: &str) {
+    let reason = &reason.as_bytes()[..reason.len().min(MAX_REASON)];
+    let mut msg = Vec::with_capacity(10 + reason.len());
+    msg.extend_from_slice(&REFUSAL);
+    msg.extend_from_slice(&(reason.len() as u16).to_le_bytes());
+    msg.extend_from_slice(reason);
+    let _ = tokio::time::timeout(Duration::from_secs(1), send_all(sock, &msg, &[])).await;
 }

@@ -281,6 +281,15 @@ pub(crate) fn recv_with_fds(
         }
     }
     if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        // The buffer holds MAX_FDS descriptors, more than a bootstrap sends: the kernel truncates
+        // the control message either because the peer sent too many, or because this process
+        // could not take them all (at RLIMIT_NOFILE). The ones received are closed on return.
+        drop(std::mem::take(fds));
+        if crate::fds::exhausted(MAX_FDS) {
+            return Err(crate::fds::out_of_descriptors(
+                "could not receive the peer's shm descriptors",
+            ));
+        }
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             "the peer sent more descriptors than the shm bootstrap expects",

@@ -228,6 +228,17 @@ impl Shm {
             bootstrap::connect(sock, self.capacity, self.spin).await
         };
         match tokio::time::timeout(timeout, attempt).await {
+            Ok(Err(e)) if e.get_ref().is_some_and(|i| i.is::<bootstrap::Refusal>()) => {
+                let reason = e
+                    .into_inner()
+                    .and_then(|i| i.downcast::<bootstrap::Refusal>().ok())
+                    .map(|r| r.0)
+                    .unwrap_or_default();
+                Err(Error::Refused {
+                    reason,
+                    origin: Origin::new(url, "shm"),
+                })
+            }
             Ok(r) => r.map_err(|e| Error::Connect {
                 url,
                 source: Arc::new(e),
@@ -329,7 +340,12 @@ impl ShmAcceptor {
                 Some(done) = self.pending.join_next(), if !self.pending.is_empty() => {
                     let e = match done {
                         Ok(Ok(halves)) => return Ok(halves),
-                        Ok(Err(e)) => e.to_string(),
+                        Ok(Err(e)) => {
+                            if crate::fds::is_exhaustion(&e) {
+                                crate::metrics::refused(crate::metrics::Refusal::Descriptors);
+                            }
+                            e.to_string()
+                        }
                         Err(e) => format!("bootstrap task failed: {e}"),
                     };
                     tracing::warn!(url = %self.url, error = %e, "shm connection dropped");
@@ -408,6 +424,13 @@ impl Transport for Shm {
 
     fn auto_listen_url(&self) -> Option<String> {
         Some(format!("shm://{AUTO}"))
+    }
+
+    fn descriptors(&self) -> usize {
+        // The socket and six received descriptors while setting up; then the socket twice
+        // (one per half, to watch for hang-up) and four eventfds; the memfds are closed once
+        // mapped.
+        7
     }
 
     fn connect<'a>(

@@ -143,8 +143,19 @@ fn encode_chunk_header(out: &mut Vec<u8>, seq: u64, index: u32, offset: u64, len
 pub enum Memory {
     /// A buffer the operation owns and hands back.
     Owned(Vec<u8>),
+    /// Shared, read-only bytes the operation holds a reference to: for writes only.
+    Shared(bytes::Bytes),
     /// Part of a buffer owned elsewhere (a stripe of a tensor split across lanes).
     Region(Region),
+}
+
+impl From<crate::message::Buffer> for Memory {
+    fn from(b: crate::message::Buffer) -> Self {
+        match b {
+            crate::message::Buffer::Cpu(v) => Memory::Owned(v),
+            crate::message::Buffer::Shared(b) => Memory::Shared(b),
+        }
+    }
 }
 
 /// A raw, exclusively borrowed piece of memory; see [`Region::new`].
@@ -154,35 +165,61 @@ pub struct Region {
     len: usize,
 }
 
-// SAFETY: a Region is an exclusive borrow of its bytes (the creator promised so in
-// `Region::new`); moving it to another thread moves that borrow, as `&mut [u8]` may be moved.
+// SAFETY: a Region is a borrow of its bytes as `Region::new` describes (exclusive for reads
+// into it, shared read-only for writes from it); moving it to another thread moves that borrow,
+// as `&mut [u8]` and `&[u8]` may be moved.
 unsafe impl Send for Region {}
 
 impl Region {
     /// A region over `len` bytes at `ptr`.
     ///
     /// # Safety
-    /// The bytes must stay allocated, and must not be accessed by anyone else, until the
-    /// operation holding the region has completed (its `Done` has been received).
+    /// The bytes must stay allocated until the operation holding the region has completed (its
+    /// `Done` has been received). Until then, for a read into the region (an `InOp`), nobody else
+    /// may access them; for a write from it (an `OutOp`), nobody may write to them (others may
+    /// read: a region of [`Memory::Shared`] bytes serves writes only).
     pub unsafe fn new(ptr: *mut u8, len: usize) -> Region {
         Region { ptr, len }
     }
 }
 
 impl Memory {
-    fn as_slice(&self) -> &[u8] {
+    pub(crate) fn as_slice(&self) -> &[u8] {
         match self {
             Memory::Owned(v) => v,
+            Memory::Shared(b) => b,
             // SAFETY: `Region::new`'s contract: the bytes are alive and ours alone.
             Memory::Region(r) => unsafe { std::slice::from_raw_parts(r.ptr, r.len) },
         }
     }
 
-    fn as_mut_slice(&mut self) -> &mut [u8] {
+    /// The bytes to read into; `None` for shared, read-only bytes.
+    fn as_mut_slice(&mut self) -> Option<&mut [u8]> {
         match self {
-            Memory::Owned(v) => v,
+            Memory::Owned(v) => Some(v),
+            Memory::Shared(_) => None,
             // SAFETY: `Region::new`'s contract: the bytes are alive and ours alone.
-            Memory::Region(r) => unsafe { std::slice::from_raw_parts_mut(r.ptr, r.len) },
+            Memory::Region(r) => Some(unsafe { std::slice::from_raw_parts_mut(r.ptr, r.len) }),
+        }
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Where the bytes start, for [`Region`]s over parts of them. Through the pointer of a
+    /// [`Memory::Shared`] nothing may be written: make regions of it for writes only.
+    pub(crate) fn base_ptr(&mut self) -> *mut u8 {
+        match self {
+            Memory::Owned(v) => v.as_mut_ptr(),
+            Memory::Shared(b) => b.as_ptr().cast_mut(),
+            Memory::Region(r) => r.ptr,
         }
     }
 
@@ -190,7 +227,16 @@ impl Memory {
     pub fn into_vec(self) -> Option<Vec<u8>> {
         match self {
             Memory::Owned(v) => Some(v),
-            Memory::Region(_) => None,
+            Memory::Shared(_) | Memory::Region(_) => None,
+        }
+    }
+
+    /// The tensor buffer it was made from ([`Memory::from`]); a region gives an empty one.
+    pub fn into_buffer(self) -> crate::message::Buffer {
+        match self {
+            Memory::Owned(v) => crate::message::Buffer::Cpu(v),
+            Memory::Shared(b) => crate::message::Buffer::Shared(b),
+            Memory::Region(_) => crate::message::Buffer::default(),
         }
     }
 }

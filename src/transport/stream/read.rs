@@ -153,7 +153,11 @@ async fn read_op(
             offset,
             ..
         } => {
-            let buffer = memory.as_mut_slice();
+            let Some(buffer) = memory.as_mut_slice() else {
+                return Err(Error::invalid(
+                    "a read into shared, read-only bytes (Buffer::Shared)",
+                ));
+            };
             read_tensor(r, *seq, *index, buffer, *offset, buf, limits, origin).await?;
             Ok(None)
         }

@@ -1,0 +1,167 @@
+//! Awaited calls in one step: `pipe.write(m).await?` instead of
+//! `pipe.send(Write::new(m)).await.unwrap().result?`.
+//!
+//! `Addr::send` resolves to `Result<Done, MailboxError>`, and the completion inside carries its
+//! own `Result`. These traits flatten the two into one [`Result`], mapping the mailbox error into
+//! [`Error`](crate::Error) (the actor stopped before answering: [`Error::Closed`](crate::Error::Closed)). They are in the
+//! [`prelude`](crate::prelude).
+//!
+//! What they give up: a failed write's buffers. [`PipeExt::write`] returns the message on
+//! success only; when you need a failed write's buffers back, send [`Write`] and read
+//! [`WriteDone::message`].
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context as TaskContext, Poll};
+
+use actix::dev::{Request, ToEnvelope};
+use actix::{Actor, Addr, Handler, Message as ActixMessage};
+
+use super::messages::{
+    Accepted, Close, Closed, Connect, GetInfo, Listen, Listening, PipeInfo, Read, ReadDescriptor,
+    ReadDone, Receive, Write, WriteDone,
+};
+use super::{Context, Pipe};
+use crate::error::Result;
+use crate::message::{Allocation, Descriptor, Message};
+
+/// The future of a one-step call: the actor's answer to `M`, mapped into one [`Result`] (a
+/// mailbox error becomes an [`Error`](crate::Error)). It owns its request, so it can be spawned
+/// or turned into an actor future (`into_actor`).
+#[must_use = "the request is sent when the future is first polled, and cancelled if it is dropped"]
+pub struct Call<A, M, U>
+where
+    A: Actor + Handler<M>,
+    A::Context: ToEnvelope<A, M>,
+    M: ActixMessage + Send + 'static,
+    M::Result: Send,
+{
+    request: Request<A, M>,
+    map: fn(M::Result) -> Result<U>,
+}
+
+impl<A, M, U> std::fmt::Debug for Call<A, M, U>
+where
+    A: Actor + Handler<M>,
+    A::Context: ToEnvelope<A, M>,
+    M: ActixMessage + Send + 'static,
+    M::Result: Send,
+{
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Call").finish_non_exhaustive()
+    }
+}
+
+impl<A, M, U> Future for Call<A, M, U>
+where
+    A: Actor + Handler<M>,
+    A::Context: ToEnvelope<A, M>,
+    M: ActixMessage + Send + 'static,
+    M::Result: Send,
+{
+    type Output = Result<U>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Result<U>> {
+        // SAFETY: `request` is structurally pinned: it is never moved out of `self`, and `Call`
+        // has no `Drop` impl and is `Unpin` only when the request is.
+        let this = unsafe { self.get_unchecked_mut() };
+        // SAFETY: as above; `this` stays pinned for as long as `request` is used.
+        let request = unsafe { Pin::new_unchecked(&mut this.request) };
+        request.poll(cx).map(|answer| (this.map)(answer?))
+    }
+}
+
+fn call<A, M, U>(to: &Addr<A>, message: M, map: fn(M::Result) -> Result<U>) -> Call<A, M, U>
+where
+    A: Actor + Handler<M>,
+    A::Context: ToEnvelope<A, M>,
+    M: ActixMessage + Send + 'static,
+    M::Result: Send,
+{
+    Call {
+        request: to.send(message),
+        map,
+    }
+}
+
+fn read_result(done: ReadDone) -> Result<Message> {
+    done.result.map(|()| done.message)
+}
+
+/// One-step awaited operations on a pipe.
+pub trait PipeExt {
+    /// Writes `message`; `Ok` carries the completion (its id and the buffers, for reuse).
+    fn write(&self, message: Message) -> Call<Pipe, Write, WriteDone>;
+    /// Waits for the next message's descriptor.
+    fn read_descriptor(&self) -> Call<Pipe, ReadDescriptor, Descriptor>;
+    /// Reads the message whose descriptor was delivered last into `allocation`.
+    fn read(&self, allocation: Allocation) -> Call<Pipe, Read, Message>;
+    /// Receives the next message whole, into buffers the pipe allocates.
+    fn receive(&self) -> Call<Pipe, Receive, Message>;
+    /// Receives the next message into `spare`'s buffers, fitted to it.
+    fn receive_reusing(&self, spare: Allocation) -> Call<Pipe, Receive, Message>;
+    /// What the pipe is and what it negotiated.
+    fn info(&self) -> Call<Pipe, GetInfo, PipeInfo>;
+    /// Closes the pipe (see [`Close`]); resolves once every pending operation has completed,
+    /// with the error they completed with.
+    fn close(&self, how: Close) -> Call<Pipe, Close, Closed>;
+}
+
+impl PipeExt for Addr<Pipe> {
+    fn write(&self, message: Message) -> Call<Pipe, Write, WriteDone> {
+        call(self, Write::new(message), |done| match &done.result {
+            Ok(()) => Ok(done),
+            Err(e) => Err(e.clone()),
+        })
+    }
+
+    fn read_descriptor(&self) -> Call<Pipe, ReadDescriptor, Descriptor> {
+        call(self, ReadDescriptor, |d| d.descriptor)
+    }
+
+    fn read(&self, allocation: Allocation) -> Call<Pipe, Read, Message> {
+        call(self, Read::new(allocation), read_result)
+    }
+
+    fn receive(&self) -> Call<Pipe, Receive, Message> {
+        call(self, Receive::new(), read_result)
+    }
+
+    fn receive_reusing(&self, spare: Allocation) -> Call<Pipe, Receive, Message> {
+        call(self, Receive::reusing(spare), read_result)
+    }
+
+    fn info(&self) -> Call<Pipe, GetInfo, PipeInfo> {
+        call(self, GetInfo, Ok)
+    }
+
+    fn close(&self, how: Close) -> Call<Pipe, Close, Closed> {
+        call(self, how, Ok)
+    }
+}
+
+/// One-step awaited requests to a context.
+pub trait ContextExt {
+    /// Opens a pipe to the listener at `url` (see [`Connect`]).
+    fn connect(&self, url: impl Into<String>) -> Call<Context, Connect, Addr<Pipe>>;
+    /// Listens on `urls`, handing accepted pipes to `subscriber` (see [`Listen`]).
+    fn listen<S: Into<String>>(
+        &self,
+        urls: impl IntoIterator<Item = S>,
+        subscriber: actix::Recipient<Accepted>,
+    ) -> Call<Context, Listen, Listening>;
+}
+
+impl ContextExt for Addr<Context> {
+    fn connect(&self, url: impl Into<String>) -> Call<Context, Connect, Addr<Pipe>> {
+        call(self, Connect::new(url), |r| r)
+    }
+
+    fn listen<S: Into<String>>(
+        &self,
+        urls: impl IntoIterator<Item = S>,
+        subscriber: actix::Recipient<Accepted>,
+    ) -> Call<Context, Listen, Listening> {
+        call(self, Listen::new(urls, subscriber), |r| r)
+    }
+}

@@ -1,0 +1,254 @@
+//! The CUDA IPC handle cache: one actor per context and device owns the handles we exported and
+//! the ones we opened from peers (design card: "CUDA IPC handle caches keyed by peer, tensor and
+//! operation"; seed 002).
+//!
+//! - **Export** (sending): the allocation holding a tensor is found (`cuMemGetAddressRange`) and
+//!   its buffer id read; a cached export for (peer, buffer id) answers without another
+//!   `cuIpcGetMemHandle`.
+//! - **Open** (receiving): a peer's handle for (peer, its buffer id) is opened once and mapped
+//!   until the entry goes. An entry whose handle bytes differ from the lookup's is stale (the
+//!   peer freed the allocation and made another at the same address) and is replaced, never
+//!   returned. Interprocess events are cached the same way.
+//! - **Bounds and lifetime**: each map keeps at most `bound` entries, least recently used out;
+//!   [`ClosePeer`] drops every entry of a pipe that closed. An opened mapping handed to a copy is
+//!   an `Arc`: it is unmapped only once the last holder is done with it.
+//! - **Metrics**: `actorpipe_cuda_ipc_lookups_total{side, outcome}` and
+//!   `actorpipe_cuda_ipc_open_handles`; [`GetStats`] returns the counters.
+
+use std::sync::Arc;
+
+use actix::prelude::*;
+
+use crate::cuda::cache::{Key, Lru, Operation, Stats};
+use crate::cuda::ipc::{self, Exported, NotExportable, Opened, RemoteEvent, HANDLE_LEN};
+use crate::cuda::{gpu, sys, Gpu};
+
+/// Entries each map of a cache keeps by default.
+pub const DEFAULT_BOUND: usize = 256;
+
+/// An opened allocation and where it lives in the exporting process.
+struct Mapped {
+    mapping: Arc<Opened>,
+    base: u64,
+    size: u64,
+}
+
+/// The cache of one device.
+pub struct IpcCache {
+    gpu: Arc<Gpu>,
+    exported: Lru<Exported>,
+    opened: Lru<Mapped>,
+    events: Lru<Arc<RemoteEvent>>,
+}
+
+impl IpcCache {
+    /// A cache for device `ordinal` with `bound` entries per map.
+    pub fn new(ordinal: u32, bound: usize) -> crate::Result<Self> {
+        Ok(IpcCache {
+            gpu: gpu(ordinal)?,
+            exported: Lru::new(bound),
+            opened: Lru::new(bound),
+            events: Lru::new(bound),
+        })
+    }
+}
+
+impl Actor for IpcCache {
+    type Context = Context<Self>;
+}
+
+/// Exports the allocation holding `ptr` for `peer`: the handle, the allocation's buffer id, and
+/// the offset of `ptr` in it. `Ok(Err(..))` when the memory cannot be exported (pool memory).
+#[derive(Debug)]
+pub struct Export {
+    /// The pipe the tensor goes to.
+    pub peer: u64,
+    /// The tensor's device pointer.
+    pub ptr: sys::CUdeviceptr,
+}
+
+impl Message for Export {
+    type Result = crate::Result<Result<Exported, NotExportable>>;
+}
+
+/// Opens (or finds open) a peer's allocation.
+#[derive(Debug)]
+pub struct Open {
+    /// The pipe the peer is on.
+    pub peer: u64,
+    /// What the peer exported.
+    pub exported: Exported,
+}
+
+impl Message for Open {
+    type Result = crate::Result<Arc<Opened>>;
+}
+
+/// Opens (or finds open) a peer's interprocess event.
+#[derive(Debug)]
+pub struct OpenEvent {
+    /// The pipe the peer is on.
+    pub peer: u64,
+    /// The event's handle.
+    pub handle: [u8; HANDLE_LEN],
+}
+
+impl Message for OpenEvent {
+    type Result = crate::Result<Arc<RemoteEvent>>;
+}
+
+/// A pipe closed: drop everything cached for it (opened mappings are unmapped once no copy holds
+/// them).
+#[derive(Debug, Clone, Copy)]
+pub struct ClosePeer(pub u64);
+
+impl Message for ClosePeer {
+    type Result = ();
+}
+
+/// The counters of the three maps: (exports, opened memory, opened events).
+#[derive(Debug, Clone, Copy)]
+pub struct GetStats;
+
+impl Message for GetStats {
+    type Result = (Stats, Stats, Stats);
+}
+
+impl IpcCache {
+    /// [`Export`], callable without a message (the channel actor runs it on the same thread).
+    pub fn export(
+        &mut self,
+        peer: u64,
+        ptr: sys::CUdeviceptr,
+    ) -> crate::Result<Result<Exported, NotExportable>> {
+        let (base, size, buffer_id) = ipc::allocation_of(&self.gpu, ptr)?;
+        let key = Key {
+            peer,
+            allocation: buffer_id,
+            op: Operation::Send,
+        };
+        if let Some((_, e)) = self.exported.get(&key) {
+            crate::metrics::cuda_ipc_lookup("export", true);
+            return Ok(Ok(Exported {
+                offset: ptr - base,
+                ..*e
+            }));
+        }
+        crate::metrics::cuda_ipc_lookup("export", false);
+        let e = match ipc::export(&self.gpu, ptr)? {
+            Ok(e) => e,
+            Err(not) => return Ok(Err(not)),
+        };
+        debug_assert_eq!((e.buffer_id, e.size), (buffer_id, size));
+        self.exported.insert(key, e.handle, e);
+        Ok(Ok(e))
+    }
+
+    /// [`Open`], callable without a message.
+    ///
+    /// On a miss, the entries of the same peer whose allocations overlap the new one in the
+    /// peer's address space are dropped first: the peer freed them (two live allocations never
+    /// overlap), and their mappings would otherwise keep that memory allocated.
+    pub fn open(&mut self, peer: u64, e: &Exported) -> crate::Result<Arc<Opened>> {
+        let key = Key {
+            peer,
+            allocation: e.buffer_id,
+            op: Operation::Recv,
+        };
+        if let Some(m) = self.opened.lookup(&key, &e.handle) {
+            crate::metrics::cuda_ipc_lookup("open", true);
+            return Ok(m.mapping.clone());
+        }
+        crate::metrics::cuda_ipc_lookup("open", false);
+        let (start, end) = (e.base, e.base.saturating_add(e.size));
+        self.opened.evict_where(|k, m| {
+            k.peer == peer && m.base < end && start < m.base.saturating_add(m.size)
+        });
+        let mapping = Arc::new(ipc::open(&self.gpu, &e.handle, e.size)?);
+        self.opened.insert(
+            key,
+            e.handle,
+            Mapped {
+                mapping: mapping.clone(),
+                base: e.base,
+                size: e.size,
+            },
+        );
+        Ok(mapping)
+    }
+
+    /// [`OpenEvent`], callable without a message.
+    pub fn open_event(
+        &mut self,
+        peer: u64,
+        handle: &[u8; HANDLE_LEN],
+    ) -> crate::Result<Arc<RemoteEvent>> {
+        let key = Key {
+            peer,
+            allocation: fnv(handle),
+            op: Operation::Recv,
+        };
+        let gpu = &self.gpu;
+        Ok(self
+            .events
+            .get_or_try(key, handle, || ipc::open_event(gpu, handle).map(Arc::new))?
+            .clone())
+    }
+
+    /// [`ClosePeer`], callable without a message.
+    pub fn close_peer(&mut self, peer: u64) {
+        self.exported.close_peer(peer);
+        self.opened.close_peer(peer);
+        self.events.close_peer(peer);
+    }
+
+    /// [`GetStats`], callable without a message.
+    pub fn stats(&self) -> (Stats, Stats, Stats) {
+        (
+            self.exported.stats(),
+            self.opened.stats(),
+            self.events.stats(),
+        )
+    }
+}
+
+fn fnv(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        (h ^ x as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+impl Handler<Export> for IpcCache {
+    type Result = crate::Result<Result<Exported, NotExportable>>;
+    fn handle(&mut self, m: Export, _: &mut Context<Self>) -> Self::Result {
+        self.export(m.peer, m.ptr)
+    }
+}
+
+impl Handler<Open> for IpcCache {
+    type Result = crate::Result<Arc<Opened>>;
+    fn handle(&mut self, m: Open, _: &mut Context<Self>) -> Self::Result {
+        self.open(m.peer, &m.exported)
+    }
+}
+
+impl Handler<OpenEvent> for IpcCache {
+    type Result = crate::Result<Arc<RemoteEvent>>;
+    fn handle(&mut self, m: OpenEvent, _: &mut Context<Self>) -> Self::Result {
+        self.open_event(m.peer, &m.handle)
+    }
+}
+
+impl Handler<ClosePeer> for IpcCache {
+    type Result = ();
+    fn handle(&mut self, m: ClosePeer, _: &mut Context<Self>) {
+        self.close_peer(m.0);
+    }
+}
+
+impl Handler<GetStats> for IpcCache {
+    type Result = MessageResult<GetStats>;
+    fn handle(&mut self, _: GetStats, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.stats())
+    }
+}
