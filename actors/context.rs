@@ -171,7 +171,8 @@ impl Default for ContextBuilder {
             // Offered only where its provider runs (efa, or ACTORPIPE_EFA_PROVIDER).
             let efa = crate::actors::fabric::transport::Efa::from_env();
             if efa.viable().is_ok() {
-                b = b.transport(Arc::new(efa));
+                let channel = crate::channel::efa::Efa::over(&efa);
+                b = b.transport(Arc::new(efa)).channel(Arc::new(channel));
             }
         }
         b = b
@@ -317,14 +318,14 @@ impl ContextBuilder {
         self
     }
 
-    /// Enables the `efa` transport over libfabric's `provider` (`efa`, `tcp;ofi_rxm`, `shm`),
-    /// replacing the default one (which uses `efa`, or `ACTORPIPE_EFA_PROVIDER`). See
-    /// docs/efa.md.
+    /// Enables the `efa` transport and the `efa` channel over libfabric's `provider` (`efa`,
+    /// `tcp;ofi_rxm`, `shm`), on one endpoint per domain, replacing the default ones (which use
+    /// `efa`, or `ACTORPIPE_EFA_PROVIDER`). See docs/efa.md.
     #[cfg(feature = "efa")]
     pub fn efa(self, provider: &str) -> Self {
-        self.transport(Arc::new(crate::actors::fabric::transport::Efa::new(
-            provider,
-        )))
+        let t = crate::actors::fabric::transport::Efa::new(provider);
+        let c = crate::channel::efa::Efa::over(&t);
+        self.transport(Arc::new(t)).channel(Arc::new(c))
     }
 
     /// Adds a transport at its default priority, replacing one of the same name.

@@ -11,6 +11,9 @@
 //!   asks for the bytes instead and the sender streams them over the side connection: the pipe
 //!   lives on and the fallback is counted and logged.
 //! - `mpt`: each tensor is split in stripes, one per lane connection, read in place.
+//! - `efa` (feature `efa`): tagged sends and receives on the context's libfabric endpoint,
+//!   straight from the sender's buffer into the receiver's; the lane serves the set-up and
+//!   tells when the peer is gone.
 //!
 //! For the last three, completions come back here first (the channel tracks what it holds and
 //! must hand every buffer back even when stopped), then go on to the pipe. A stopping channel
@@ -55,6 +58,9 @@ pub(crate) enum ChannelKind {
     /// 1..=`inline_max` bytes (at least the 31 under the verbs minimum) travel like basic ones.
     #[cfg(feature = "ibv")]
     Ibv { chunk_size: usize, inline_max: u64 },
+    /// Tagged messages on a libfabric endpoint, in place (its state is in `Channel::fabric`).
+    #[cfg(feature = "efa")]
+    Efa,
 }
 
 impl ChannelKind {
@@ -83,6 +89,8 @@ impl ChannelKind {
             ChannelKind::Xth { .. } | ChannelKind::Mpt { .. } => Carried::Nothing,
             #[cfg(feature = "cuda")]
             ChannelKind::CudaXth { .. } => Carried::Nothing,
+            #[cfg(feature = "efa")]
+            ChannelKind::Efa => Carried::Nothing,
         }
     }
 
@@ -97,6 +105,8 @@ impl ChannelKind {
             ChannelKind::Xth { .. } => usize::MAX,
             #[cfg(feature = "cuda")]
             ChannelKind::CudaXth { .. } => usize::MAX,
+            #[cfg(feature = "efa")]
+            ChannelKind::Efa => usize::MAX,
         }
     }
 
@@ -178,6 +188,9 @@ pub struct Channel {
     /// The ibv channel's queue pair.
     #[cfg(feature = "ibv")]
     ibv: Option<ibv::IbvSide>,
+    /// The `efa` channel's state.
+    #[cfg(feature = "efa")]
+    fabric: Option<efa::Fabric>,
 }
 
 /// Send one tensor.
@@ -253,7 +266,16 @@ impl Channel {
             fallbacks,
             #[cfg(feature = "ibv")]
             ibv: None,
+            #[cfg(feature = "efa")]
+            fabric: None,
         }
+    }
+
+    /// Gives an `efa` channel its endpoint (before it starts).
+    #[cfg(feature = "efa")]
+    pub(crate) fn with_fabric(mut self, port: crate::channel::efa::ChannelPort) -> Self {
+        self.fabric = Some(efa::Fabric::new(port));
+        self
     }
 
     /// Sends the completions of CUDA-routed tensors to `reply` (the pipe's CUDA queue).
@@ -351,6 +373,10 @@ impl Channel {
         if !self.ibv_idle() {
             return;
         }
+        #[cfg(feature = "efa")]
+        if self.fabric.as_ref().is_some_and(|f| f.busy()) {
+            return;
+        }
         if self.held.is_empty() && self.xth_keys.is_empty() && self.reading == 0 {
             ctx.stop();
         }
@@ -363,6 +389,11 @@ impl Channel {
     }
 
     fn on_own(&mut self, d: Done, ctx: &mut Context<Self>) {
+        #[cfg(feature = "efa")]
+        if self.kind == ChannelKind::Efa {
+            self.efa_lane(d, ctx);
+            return self.maybe_stop(ctx);
+        }
         match d {
             // xth completions (whole buffers, owned or shared; pieces of held buffers come as
             // regions) pass through to keep the list of parked keys current.
@@ -466,6 +497,10 @@ impl Actor for Channel {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
+        #[cfg(feature = "efa")]
+        if self.kind == ChannelKind::Efa {
+            self.efa_start(ctx);
+        }
         self.poll_own(ctx);
         #[cfg(feature = "ibv")]
         self.ibv_start(ctx);
@@ -525,6 +560,8 @@ impl Handler<SendTensor> for Channel {
                 self.send_ibv(m);
                 return self.ibv_flush(ctx);
             }
+            #[cfg(feature = "efa")]
+            ChannelKind::Efa => self.efa_tensor(true, m.seq, m.index, m.buffer, ctx),
         }
         self.poll_own(ctx);
     }
@@ -562,6 +599,10 @@ impl Handler<RecvTensor> for Channel {
                 self.recv_ibv(m);
                 return self.ibv_flush(ctx);
             }
+            #[cfg(feature = "efa")]
+            ChannelKind::Efa => {
+                self.efa_tensor(false, m.seq, m.index, Memory::Owned(m.buffer), ctx)
+            }
         }
         self.poll_own(ctx);
     }
@@ -583,6 +624,12 @@ impl Handler<StopChannel> for Channel {
         }
         #[cfg(feature = "cuda")]
         self.withdraw_cuda(&e);
+        #[cfg(feature = "efa")]
+        if self.kind == ChannelKind::Efa {
+            self.efa_stop(ctx);
+            self.poll_own(ctx);
+            return;
+        }
         if let ChannelKind::Cma { .. } = self.kind {
             // A peer may be reading our buffers right now: they go back to the user only once
             // it acknowledges or hangs up its side connection (it does when its reads are
@@ -612,6 +659,8 @@ fn lane_gone() -> Error {
 mod cma;
 #[cfg(feature = "cuda")]
 mod cuda_xth;
+#[cfg(feature = "efa")]
+mod efa;
 #[cfg(feature = "ibv")]
 mod ibv;
 mod mpt;

@@ -203,6 +203,22 @@ pub(crate) struct PipeParts {
     pub lanes: Vec<Vec<Halves>>,
 }
 
+/// The context's endpoint for a new pipe's `efa` channel.
+#[cfg(feature = "efa")]
+fn efa_port(config: &Config, origin: &Origin) -> crate::channel::efa::ChannelPort {
+    config
+        .channels
+        .iter()
+        .find_map(|(c, _)| c.fabric_port())
+        .unwrap_or_else(|| crate::channel::efa::ChannelPort {
+            endpoint: Err(Error::protocol(
+                "internal: the efa channel was negotiated but this context has none",
+                origin,
+            )),
+            max_message: usize::MAX,
+        })
+}
+
 /// Builds the actors of a pipe and starts them.
 pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
     let PipeParts {
@@ -291,6 +307,8 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                     inline_max: ibv_backend(config)
                         .map_or(crate::channel::ibv::MIN_INLINE, |b| b.inline_max()),
                 },
+                #[cfg(feature = "efa")]
+                "efa" => ChannelKind::Efa,
                 // Negotiation only offers what this build has; everything else is basic (and
                 // a channel of another device pair run as basic is never routed to: `Routes`).
                 _ => ChannelKind::Basic { chunk_size },
@@ -332,6 +350,11 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
             let channel = match kind.carries_cuda() {
                 true => channel.with_cuda(cuda_reply.clone()),
                 false => channel,
+            };
+            #[cfg(feature = "efa")]
+            let channel = match kind {
+                ChannelKind::Efa => channel.with_fabric(efa_port(config, &origin)),
+                _ => channel,
             };
             channel.start()
         })
