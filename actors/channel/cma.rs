@@ -110,40 +110,14 @@ impl Channel {
             return;
         }
         self.ack_armed = true;
-        let reply = self.own();
-        let l = &mut self.lanes[CMA_ACKS];
-        let ticket = l.in_ticket;
-        l.in_ticket += 1;
-        l.link.read(
-            InOp::Frame {
-                ticket,
-                reply,
-                more: 0,
-                carried: Carried::Nothing,
-            },
-            lane_gone,
-        );
+        self.lane_read_frame(CMA_ACKS);
     }
 
     pub(super) fn send_ack(&mut self, ack: Ack) {
         if self.lanes.get(CMA_ACKS).is_none() {
             return;
         }
-        let reply = self.own();
-        let l = &mut self.lanes[CMA_ACKS];
-        let mut frame = Vec::with_capacity(24);
-        wire::encode_frame(&mut frame, FrameKind::Ack, |b| wire::encode_ack(b, &ack));
-        let ticket = l.out_ticket;
-        l.out_ticket += 1;
-        l.link.write(
-            OutOp::Message {
-                ticket,
-                frame,
-                payloads: Vec::new(),
-                reply,
-            },
-            lane_gone,
-        );
+        self.lane_write_ack(CMA_ACKS, ack, Vec::new());
     }
 
     pub(super) fn on_ack(&mut self, ack: Ack, chunk_size: usize) {

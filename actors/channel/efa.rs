@@ -132,42 +132,8 @@ impl Channel {
             tensor: info.name.len() as u32,
             ok: true,
         };
-        self.lane_write(hello, vec![Payload::new(info.name)]);
-        self.lane_read_frame();
-    }
-
-    fn lane_write(&mut self, ack: Ack, payloads: Vec<Payload>) {
-        let reply = self.own();
-        let l = &mut self.lanes[LANE];
-        let mut frame = Vec::with_capacity(24);
-        wire::encode_frame(&mut frame, FrameKind::Ack, |b| wire::encode_ack(b, &ack));
-        let ticket = l.out_ticket;
-        l.out_ticket += 1;
-        l.link.write(
-            OutOp::Message {
-                ticket,
-                frame,
-                payloads,
-                reply,
-            },
-            lane_gone,
-        );
-    }
-
-    fn lane_read_frame(&mut self) {
-        let reply = self.own();
-        let l = &mut self.lanes[LANE];
-        let ticket = l.in_ticket;
-        l.in_ticket += 1;
-        l.link.read(
-            InOp::Frame {
-                ticket,
-                reply,
-                more: 0,
-                carried: Carried::Nothing,
-            },
-            lane_gone,
-        );
+        self.lane_write_ack(LANE, hello, vec![Payload::new(info.name)]);
+        self.lane_read_frame(LANE);
     }
 
     /// A completion from the lane.
@@ -241,7 +207,7 @@ impl Channel {
                 f.peer_pipe = p;
                 f.step = Step::Ready;
                 // The read that tells when the lane ends.
-                self.lane_read_frame();
+                self.lane_read_frame(LANE);
                 while let Some((sending, seq, index, buffer)) = self.fabric().waiting.pop_front() {
                     self.efa_move(sending, seq, index, buffer, ctx);
                 }
@@ -290,8 +256,8 @@ impl Channel {
                         tensor: 0,
                         ok: true,
                     };
-                    act.lane_write(ack, Vec::new());
-                    act.lane_read_frame();
+                    act.lane_write_ack(LANE, ack, Vec::new());
+                    act.lane_read_frame(LANE);
                     act.poll_own(ctx);
                 }
                 Ok(Err(e)) => act.efa_fail(e, ctx),
@@ -387,24 +353,15 @@ impl Channel {
             });
         }
         let out = ops.len();
-        self.held.insert(
-            key,
-            Held {
-                buffer,
-                out,
-                error: None,
-                sending,
-                awaiting_ack: false,
-            },
-        );
+        self.hold(key, buffer, out);
         if out > 0 {
-            // SAFETY: every region lies inside `buffer`, whose heap memory stays in `self.held`,
-            // untouched, until each op has ended (`efa_finished` counts them down; `release`
-            // waits for zero; a stopping channel waits for `held` to empty, and a channel torn
-            // down with ops out forgets the buffer rather than free it).
+            // SAFETY: every region lies inside the tensor's buffer, whose heap memory stays in
+            // `self.held`, untouched, until each op has ended (`efa_finished` counts them down;
+            // `release` waits for zero; a failing channel hands back a stand-in and leaves the
+            // buffer with the endpoint; a channel torn down with ops out forgets the buffer
+            // rather than free it).
             ep.do_send(unsafe { FabricPostRegions::new(pipe, ops) });
         }
-        self.release(key);
         self.maybe_stop(ctx);
     }
 
@@ -422,17 +379,18 @@ impl Channel {
         let Some(key) = key else {
             return tracing::warn!("efa channel: an end for no posted chunk");
         };
-        let done_was_ok = done.result.is_ok();
         let result = match (done.result, want) {
-            (Err(e), _) => Err(fabric_error(e, &origin)),
+            // Once the channel has failed (and detached its pipe), its ops end with that error.
+            (Err(e), _) => Err(f.failed.clone().unwrap_or_else(|| chunk_error(e, &origin))),
+            // Short or long chunks: the two sides cut differently, and every later tag is off.
             (Ok(n), Some(w)) if n != w => Err(Error::protocol(
                 format!("efa channel: a chunk of {n} bytes arrived where {w} were expected"),
                 &origin,
             )),
             (Ok(_), _) => Ok(()),
         };
-        if let (Err(e), Some(_)) = (&result, want.filter(|_| done_was_ok)) {
-            // Short or long chunks: the two sides cut differently, and every later tag is off.
+        if let Err(e) = &result {
+            // The endpoint failed the pipe's other ops too; the channel fails as a whole.
             self.efa_fail(e.clone(), ctx);
         }
         self.piece_done(key, result);
@@ -508,6 +466,30 @@ impl StreamHandler<Finished> for Channel {
     }
 
     fn finished(&mut self, _: &mut Self::Context) {}
+}
+
+/// A chunk's failure as the pipe's error: a connection to the peer that the provider found
+/// lost (`tcp;ofi_rxm` reports a dead peer as `ENOTCONN`, `ECONNRESET`, or `ECANCELED` with
+/// "not connected" in its own text) is `PeerClosed`, as on every other backend; anything else
+/// is an I/O error naming the provider.
+fn chunk_error(e: crate::fabric::FabricError, origin: &Origin) -> Error {
+    let lost = [
+        libc::ENOTCONN,
+        libc::ECONNRESET,
+        libc::ECONNABORTED,
+        libc::EPIPE,
+        libc::EHOSTUNREACH,
+    ]
+    .contains(&e.code)
+        || (e.code == libc::ECANCELED && e.text.contains("not connected"));
+    if lost {
+        return Error::PeerClosed {
+            reason: e.to_string(),
+            graceful: false,
+            origin: origin.clone(),
+        };
+    }
+    fabric_error(e, origin)
 }
 
 fn gone(origin: &Origin) -> Error {

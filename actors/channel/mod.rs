@@ -322,6 +322,59 @@ impl Channel {
         }
     }
 
+    /// Reads the next frame on lane `lane`; its end comes on the own queue.
+    fn lane_read_frame(&mut self, lane: usize) {
+        let reply = self.own();
+        let l = &mut self.lanes[lane];
+        let ticket = l.in_ticket;
+        l.in_ticket += 1;
+        l.link.read(
+            InOp::Frame {
+                ticket,
+                reply,
+                more: 0,
+                carried: Carried::Nothing,
+            },
+            lane_gone,
+        );
+    }
+
+    /// Writes an acknowledgement frame, followed by `payloads`' bytes, on lane `lane`.
+    fn lane_write_ack(&mut self, lane: usize, ack: Ack, payloads: Vec<crate::message::Payload>) {
+        let reply = self.own();
+        let l = &mut self.lanes[lane];
+        let mut frame = Vec::with_capacity(24);
+        wire::encode_frame(&mut frame, FrameKind::Ack, |b| wire::encode_ack(b, &ack));
+        let ticket = l.out_ticket;
+        l.out_ticket += 1;
+        l.link.write(
+            OutOp::Message {
+                ticket,
+                frame,
+                payloads,
+                reply,
+            },
+            lane_gone,
+        );
+    }
+
+    /// Holds a tensor's buffer while `out` operations over it run, then hands it back (now, if
+    /// there are none).
+    fn hold(&mut self, key: HeldKey, buffer: Memory, out: usize) {
+        let sending = key.0;
+        self.held.insert(
+            key,
+            Held {
+                buffer,
+                out,
+                error: None,
+                sending,
+                awaiting_ack: false,
+            },
+        );
+        self.release(key);
+    }
+
     fn to_pipe(&self, d: Done) {
         let _ = self.reply.send(d);
     }

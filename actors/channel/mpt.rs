@@ -60,17 +60,6 @@ impl Channel {
             }
             out += 1;
         }
-        let key = (sending, seq, index);
-        self.held.insert(
-            key,
-            Held {
-                buffer,
-                out,
-                error: None,
-                sending,
-                awaiting_ack: false,
-            },
-        );
-        self.release(key);
+        self.hold((sending, seq, index), buffer, out);
     }
 }
