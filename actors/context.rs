@@ -132,7 +132,8 @@ impl std::fmt::Debug for Config {
 /// Builds a [`Context`].
 ///
 /// With no settings it enables every backend that can run here: transports `tcp` and `shm`,
-/// channels `basic`, `xth`, `cma` (if a trial read of this process succeeds) and `mpt` (2 lanes).
+/// channels `basic`, `xth`, `cma` (if a trial read of this process succeeds) and `mpt` (2 lanes),
+/// and with the `cuda` feature `cuda_xth` (one per device pair) where a CUDA GPU is.
 /// Every backend can be removed ([`without`](Self::without)), re-prioritised
 /// ([`priority`](Self::priority)) or replaced by one configured differently
 /// ([`transport`](Self::transport), [`channel`](Self::channel)).
@@ -170,14 +171,20 @@ impl Default for ContextBuilder {
             // Offered only where its provider runs (efa, or ACTORPIPE_EFA_PROVIDER).
             let efa = crate::actors::fabric::transport::Efa::from_env();
             if efa.viable().is_ok() {
-                b = b.transport(Arc::new(efa));
+                let channel = crate::channel::efa::Efa::over(&efa);
+                b = b.transport(Arc::new(efa)).channel(Arc::new(channel));
             }
         }
         b = b
             .channel(Arc::new(Basic))
             .channel(Arc::new(Xth))
             .channel(Arc::new(Mpt::default()));
-        b.channel(Arc::new(Cma))
+        b = b.channel(Arc::new(Cma));
+        #[cfg(feature = "cuda")]
+        for c in crate::channel::cuda_xth::CudaXth::all() {
+            b = b.channel(c);
+        }
+        b
     }
 }
 
@@ -311,14 +318,14 @@ impl ContextBuilder {
         self
     }
 
-    /// Enables the `efa` transport over libfabric's `provider` (`efa`, `tcp;ofi_rxm`, `shm`),
-    /// replacing the default one (which uses `efa`, or `ACTORPIPE_EFA_PROVIDER`). See
-    /// docs/efa.md.
+    /// Enables the `efa` transport and the `efa` channel over libfabric's `provider` (`efa`,
+    /// `tcp;ofi_rxm`, `shm`), on one endpoint per domain, replacing the default ones (which use
+    /// `efa`, or `ACTORPIPE_EFA_PROVIDER`). See docs/efa.md.
     #[cfg(feature = "efa")]
     pub fn efa(self, provider: &str) -> Self {
-        self.transport(Arc::new(crate::actors::fabric::transport::Efa::new(
-            provider,
-        )))
+        let t = crate::actors::fabric::transport::Efa::new(provider);
+        let c = crate::channel::efa::Efa::over(&t);
+        self.transport(Arc::new(t)).channel(Arc::new(c))
     }
 
     /// Adds a transport at its default priority, replacing one of the same name.
@@ -329,10 +336,12 @@ impl ContextBuilder {
         self
     }
 
-    /// Adds a channel at its default priority, replacing one of the same name.
+    /// Adds a channel at its default priority, replacing one of the same name and device pair.
     pub fn channel(mut self, c: Arc<dyn ChannelBackend>) -> Self {
         let p = c.priority();
-        self.config.channels.retain(|(x, _)| x.name() != c.name());
+        self.config
+            .channels
+            .retain(|(x, _)| (x.name(), x.devices()) != (c.name(), c.devices()));
         self.config.channels.push((c, p));
         self
     }

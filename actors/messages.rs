@@ -290,6 +290,11 @@ pub struct Read {
     /// closes with [`Error::Timeout`] (a stream cannot drop one operation and go on, so a
     /// missed deadline ends the pipe; every pending operation completes with that error).
     pub deadline: Option<std::time::Duration>,
+    /// Complete only once the data of every CUDA tensor has landed (the copies have run), as
+    /// reads into host memory do; by default a read of CUDA tensors completes once the copies
+    /// are enqueued, and `ReadDone::cuda` orders later work after them (docs/cuda.md). No
+    /// effect on host tensors.
+    pub data_complete: bool,
 }
 
 impl Read {
@@ -298,7 +303,14 @@ impl Read {
         Read {
             allocation,
             deadline: None,
+            data_complete: false,
         }
+    }
+
+    /// Completes only once CUDA tensors' data has landed (see [`Read::data_complete`]).
+    pub fn data_complete(mut self) -> Self {
+        self.data_complete = true;
+        self
     }
 
     /// Sets a deadline (see [`Read::deadline`]).
@@ -317,6 +329,12 @@ pub struct ReadDone {
     pub result: Result<(), Error>,
     /// The message: the descriptor's metadata and the buffers handed in.
     pub message: Message,
+    /// For a message with CUDA tensors: one event per device the read touched (empty for
+    /// host-only messages and for reads with [`Read::data_complete`]). Wait on it
+    /// ([`CudaCompletion::wait_on`](crate::cuda::CudaCompletion::wait_on) on the stream that
+    /// uses the data, or the blocking `wait`) before touching the CUDA buffers.
+    #[cfg(feature = "cuda")]
+    pub cuda: crate::cuda::CudaCompletion,
 }
 
 impl ActixMessage for Read {
@@ -334,6 +352,8 @@ impl Op for Read {
             id,
             result: Err(vanished()),
             message: Message::default(),
+            #[cfg(feature = "cuda")]
+            cuda: Default::default(),
         }
     }
 }
@@ -358,6 +378,8 @@ pub struct Receive {
     pub spare: Option<Allocation>,
     /// As [`Read::deadline`].
     pub deadline: Option<std::time::Duration>,
+    /// As [`Read::data_complete`].
+    pub data_complete: bool,
 }
 
 impl Receive {
@@ -371,7 +393,14 @@ impl Receive {
         Receive {
             spare: Some(spare),
             deadline: None,
+            data_complete: false,
         }
+    }
+
+    /// Completes only once CUDA tensors' data has landed (see [`Read::data_complete`]).
+    pub fn data_complete(mut self) -> Self {
+        self.data_complete = true;
+        self
     }
 
     /// Sets a deadline (see [`Read::deadline`]).

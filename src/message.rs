@@ -31,7 +31,8 @@ impl std::fmt::Display for Device {
 /// The memory of one tensor.
 ///
 /// Host memory comes owned ([`Buffer::Cpu`]) or shared and read-only ([`Buffer::Shared`]);
-/// device memory joins as another variant, which is why the type is an enum.
+/// CUDA device memory with the `cuda` feature ([`Buffer::Cuda`]; docs/cuda.md says which
+/// channels carry it and when each side may touch it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Buffer {
@@ -41,6 +42,10 @@ pub enum Buffer {
     /// once (one [`Bytes`] clone each, no copy), and come back as they went in `WriteDone`. A
     /// `Read` into one fails with [`crate::Error::InvalidArgument`]: nothing can be written into it.
     Shared(Bytes),
+    /// Device memory of a CUDA device, with the stream its data is produced on (sending) or
+    /// consumed on (receiving).
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::CudaBuffer),
 }
 
 impl Buffer {
@@ -48,6 +53,8 @@ impl Buffer {
     pub fn device(&self) -> Device {
         match self {
             Buffer::Cpu(_) | Buffer::Shared(_) => Device::Cpu,
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda(b) => Device::Cuda(b.device()),
         }
     }
 
@@ -56,6 +63,8 @@ impl Buffer {
         match self {
             Buffer::Cpu(v) => v.len() as u64,
             Buffer::Shared(b) => b.len() as u64,
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda(b) => b.len() as u64,
         }
     }
 
@@ -69,6 +78,8 @@ impl Buffer {
         match self {
             Buffer::Cpu(v) => Some(v),
             Buffer::Shared(b) => Some(b),
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda(_) => None,
         }
     }
 
@@ -77,6 +88,8 @@ impl Buffer {
         match self {
             Buffer::Cpu(v) => Some(v),
             Buffer::Shared(_) => None,
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda(_) => None,
         }
     }
 
@@ -85,6 +98,8 @@ impl Buffer {
         match self {
             Buffer::Cpu(v) => Some(v),
             Buffer::Shared(_) => None,
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda(_) => None,
         }
     }
 
@@ -92,7 +107,7 @@ impl Buffer {
     pub fn as_shared(&self) -> Option<&Bytes> {
         match self {
             Buffer::Shared(b) => Some(b),
-            Buffer::Cpu(_) => None,
+            _ => None,
         }
     }
 }
@@ -100,6 +115,32 @@ impl Buffer {
 impl Default for Buffer {
     fn default() -> Self {
         Buffer::Cpu(Vec::new())
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Buffer {
+    /// The device memory, if this is a CUDA buffer.
+    pub fn as_cuda(&self) -> Option<&crate::cuda::CudaBuffer> {
+        match self {
+            Buffer::Cuda(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    /// Takes the device memory out, if this is a CUDA buffer.
+    pub fn into_cuda(self) -> Option<crate::cuda::CudaBuffer> {
+        match self {
+            Buffer::Cuda(b) => Some(b),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl From<crate::cuda::CudaBuffer> for Buffer {
+    fn from(b: crate::cuda::CudaBuffer) -> Self {
+        Buffer::Cuda(b)
     }
 }
 
@@ -169,6 +210,16 @@ impl Tensor {
     /// The device the tensor lives on.
     pub fn device(&self) -> Device {
         self.buffer.device()
+    }
+
+    /// A tensor in CUDA device memory with no metadata, to land on the same kind of device.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(buffer: crate::cuda::CudaBuffer) -> Self {
+        Tensor {
+            buffer: Buffer::Cuda(buffer),
+            metadata: Vec::new(),
+            target_device: None,
+        }
     }
 }
 
@@ -256,7 +307,11 @@ pub struct TensorDescriptor {
     pub length: u64,
     /// Where the tensor lives on the sender.
     pub source_device: Device,
-    /// Where the sender suggests putting it.
+    /// Where the sender suggests putting it; `None`: the same device as the source. In a
+    /// descriptor a pipe delivers, its kind (host or CUDA) is the kind of memory the tensor's
+    /// channel lands it in: a suggestion no negotiated channel can follow arrives as the kind
+    /// the tensor will land in (a host tensor suggested for a GPU over a pipe with no
+    /// cpu->cuda channel arrives as `Some(Device::Cpu)`).
     pub target_device: Option<Device>,
     /// The sender's tensor metadata.
     pub metadata: Vec<u8>,
@@ -271,6 +326,13 @@ pub struct Descriptor {
     pub payloads: Vec<PayloadDescriptor>,
     /// One entry per tensor, in order.
     pub tensors: Vec<TensorDescriptor>,
+}
+
+impl TensorDescriptor {
+    /// Where the tensor lands: its target device, or its source device when none is named.
+    pub fn landing(&self) -> Device {
+        self.target_device.unwrap_or(self.source_device)
+    }
 }
 
 impl Descriptor {
@@ -306,13 +368,22 @@ impl From<Message> for Allocation {
 }
 
 impl Allocation {
-    /// Allocates zeroed host buffers matching a descriptor (tensors on the CPU regardless of
-    /// their target device).
+    /// Allocates buffers matching a descriptor: zeroed host memory for payloads and for
+    /// tensors that land in host memory, and device memory (not zeroed, `cuMemAlloc`) on the
+    /// device each CUDA tensor lands on ([`TensorDescriptor::landing`]; feature `cuda`). Without
+    /// the `cuda` feature every tensor gets host memory.
     ///
     /// Returns an error instead of aborting when a size does not fit this machine's address
-    /// space.
+    /// space, or the device cannot allocate.
     pub fn for_descriptor(d: &Descriptor) -> crate::Result<Self> {
         Allocation::default().refit(d)
+    }
+
+    /// As [`Allocation::for_descriptor`], with every CUDA tensor on CUDA device `device`
+    /// instead of the one the descriptor names (host tensors stay in host memory).
+    #[cfg(feature = "cuda")]
+    pub fn for_descriptor_on(d: &Descriptor, device: u32) -> crate::Result<Self> {
+        Allocation::default().refit_on(d, Some(device))
     }
 
     /// Turns these buffers into an allocation for `d`, reusing them in order: each buffer is
@@ -322,7 +393,15 @@ impl Allocation {
     ///
     /// Returns an error instead of aborting when a size does not fit this machine's address
     /// space.
+    /// A CUDA buffer is kept when it has the announced size and is on the device the tensor
+    /// lands on; otherwise it is replaced (device memory cannot grow in place).
     pub fn refit(self, d: &Descriptor) -> crate::Result<Self> {
+        self.refit_on(d, None)
+    }
+
+    /// [`Allocation::refit`], with CUDA tensors on `cuda` when it is given.
+    fn refit_on(self, d: &Descriptor, cuda: Option<u32>) -> crate::Result<Self> {
+        let _ = cuda;
         let size = |n: u64| {
             usize::try_from(n)
                 .map_err(|_| crate::Error::invalid(format!("{n} bytes do not fit in memory")))
@@ -343,10 +422,27 @@ impl Allocation {
         a.tensors.truncate(d.tensors.len());
         for (i, t) in d.tensors.iter().enumerate() {
             let n = size(t.length)?;
+            #[cfg(feature = "cuda")]
+            if let Device::Cuda(device) = t.landing() {
+                let device = cuda.unwrap_or(device);
+                let fits = |b: &Buffer| {
+                    b.as_cuda()
+                        .is_some_and(|c| c.device() == device && c.len() == n)
+                };
+                if !a.tensors.get(i).is_some_and(fits) {
+                    let b = Buffer::Cuda(crate::cuda::CudaBuffer::alloc(device, n)?);
+                    match a.tensors.get_mut(i) {
+                        Some(old) => *old = b,
+                        None => a.tensors.push(b),
+                    }
+                }
+                continue;
+            }
             match a.tensors.get_mut(i) {
                 Some(b) => match b.as_cpu_mut() {
                     Some(v) => v.resize(n, 0),
-                    // Shared bytes are read-only: a fresh buffer takes their place.
+                    // Shared bytes are read-only, device memory is not host memory: a fresh
+                    // buffer takes their place.
                     None => *b = Buffer::Cpu(vec![0; n]),
                 },
                 None => a.tensors.push(Buffer::Cpu(vec![0; n])),
@@ -380,6 +476,18 @@ impl Allocation {
                 return Err(crate::Error::invalid(format!(
                     "tensor {i} buffer is shared, read-only memory (Buffer::Shared): a read needs \
                      a buffer it can write into (Buffer::Cpu)"
+                )));
+            }
+            #[cfg(feature = "cuda")]
+            let (have, want) = (
+                crate::negotiate::DeviceKind::from(b.device()),
+                crate::negotiate::DeviceKind::from(t.landing()),
+            );
+            #[cfg(feature = "cuda")]
+            if have != want {
+                return Err(crate::Error::invalid(format!(
+                    "tensor {i} buffer is on {}, the tensor lands in {want} memory",
+                    b.device(),
                 )));
             }
             if b.len() != t.length {

@@ -32,6 +32,24 @@ pub enum DeviceKind {
     Cuda,
 }
 
+impl From<crate::message::Device> for DeviceKind {
+    fn from(d: crate::message::Device) -> Self {
+        match d {
+            crate::message::Device::Cpu => DeviceKind::Cpu,
+            crate::message::Device::Cuda(_) => DeviceKind::Cuda,
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Cuda => "cuda",
+        })
+    }
+}
+
 /// Source and target memory kinds a channel moves between.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct DevicePair {
@@ -51,11 +69,7 @@ impl DevicePair {
 
 impl std::fmt::Display for DevicePair {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let n = |k: DeviceKind| match k {
-            DeviceKind::Cpu => "cpu",
-            DeviceKind::Cuda => "cuda",
-        };
-        write!(f, "{}->{}", n(self.source), n(self.target))
+        write!(f, "{}->{}", self.source, self.target)
     }
 }
 

@@ -313,14 +313,7 @@ macro_rules! cases {
 /// The transport suite for one transport, with the basic channel.
 macro_rules! transport_suite {
     ($name:ident, $transport:expr, $builder:expr) => {
-        mod $name {
-            use super::*;
-            cases!($builder, $transport, "basic";
-                order_of_many_ops, empty_and_one_byte, larger_than_rings_and_chunks,
-                both_directions, both_directions_large, concurrent_pipes, close_mid_operation_by_writer,
-                close_mid_operation_by_reader, close_with_both_directions_in_flight,
-                error_reaches_every_pending_op);
-        }
+        pair_suite!($name, $transport, "basic", $builder);
     };
 }
 
@@ -330,9 +323,16 @@ macro_rules! channel_suite {
         channel_suite!($name, stringify!($name), $builder);
     };
     ($name:ident, $channel:expr, $builder:expr) => {
+        pair_suite!($name, "tcp", $channel, $builder);
+    };
+}
+
+/// Every case over one transport and one channel.
+macro_rules! pair_suite {
+    ($name:ident, $transport:expr, $channel:expr, $builder:expr) => {
         mod $name {
             use super::*;
-            cases!($builder, "tcp", $channel;
+            cases!($builder, $transport, $channel;
                 order_of_many_ops, empty_and_one_byte, larger_than_rings_and_chunks,
                 both_directions, both_directions_large, concurrent_pipes, close_mid_operation_by_writer,
                 close_mid_operation_by_reader, close_with_both_directions_in_flight,
@@ -359,6 +359,22 @@ transport_suite!(efa_shm, "efa", || base()
     .without("shm")
     .efa("shm")
     .only_channels(&["basic"]));
+// The efa transport and the efa channel together, on each provider. The channel's chunk is
+// lowered to 256 KiB so that tensors of the suite go as several fabric messages.
+#[cfg(feature = "efa")]
+fn efa_both(provider: &str) -> ContextBuilder {
+    let t = actorpipe::actors::fabric::transport::Efa::new(provider);
+    let c = actorpipe::channel::efa::Efa::over(&t).max_message(256 << 10);
+    base()
+        .without("shm")
+        .transport(Arc::new(t))
+        .channel(Arc::new(c))
+        .only_channels(&["efa", "basic"])
+}
+#[cfg(feature = "efa")]
+pair_suite!(efa_tcp_efa, "efa", "efa", || efa_both("tcp;ofi_rxm"));
+#[cfg(feature = "efa")]
+pair_suite!(efa_shm_efa, "efa", "efa", || efa_both("shm"));
 transport_suite!(shm, "shm", || {
     base()
         .transport(Arc::new(Shm::new().with_capacity(RING)))

@@ -6,6 +6,8 @@
 //! docs/cuda.md says how to build it here and run it on a GPU machine.
 
 mod common;
+#[path = "cuda/pipe.rs"]
+mod pipe;
 
 use std::io::{BufRead, Write as _};
 use std::process::{Command, Stdio};
@@ -65,6 +67,28 @@ fn main() {
         ipc_peer_killed,
     );
     add("cuda_ipc_across_two_gpus_measure", 2, ipc_two_gpus);
+    add(
+        "pipe_cuda_xth_round_trips_mixed_messages",
+        1,
+        pipe::round_trips,
+    );
+    add(
+        "pipe_cuda_xth_sender_stream_order",
+        1,
+        pipe::sender_stream_order,
+    );
+    add(
+        "pipe_cuda_xth_data_complete_reads",
+        1,
+        pipe::data_complete_reads,
+    );
+    add(
+        "pipe_cuda_xth_close_mid_transfer_leaks_nothing",
+        1,
+        pipe::close_mid_transfer,
+    );
+    add("pipe_cuda_xth_across_two_gpus", 2, pipe::across_two_gpus);
+    add("pipe_cuda_xth_measure_round_trips", 1, pipe::measure);
     libtest_mimic::run(&args, trials).exit();
 }
 
@@ -373,7 +397,7 @@ fn xth_once(
     let wanted = Wanted {
         dst,
         len,
-        stream,
+        stream: Some(stream),
         on_done: Box::new(move |r| {
             let _ = dtx.send(r);
         }),

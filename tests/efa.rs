@@ -226,6 +226,228 @@ mod efa {
     }
 }
 
+/// The same through pipes: the efa transport and the efa channel of real contexts.
+#[cfg(feature = "efa")]
+#[path = "common/mod.rs"]
+mod common;
+
+#[cfg(feature = "efa")]
+mod pipes {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use actix::Addr;
+    use actorpipe::actors::fabric::transport::Efa;
+    use actorpipe::actors::fabric::{EndpointConfig, FabricStats};
+    use actorpipe::fabric::faults::Faults;
+    use actorpipe::*;
+
+    use super::common::*;
+
+    /// A context whose pipes use the efa transport and channel over `provider` (one endpoint),
+    /// with tensors chunked at 64 KiB so that chunking is exercised.
+    pub fn efa_context(provider: &str, config: EndpointConfig) -> ContextBuilder {
+        with_transport(provider, config).0
+    }
+
+    /// The same, with (a clone of) its transport, whose endpoint the test can ask.
+    pub fn with_transport(provider: &str, config: EndpointConfig) -> (ContextBuilder, Efa) {
+        let t = Efa::new(provider).with_config(config);
+        let c = actorpipe::channel::efa::Efa::over(&t).max_message(64 << 10);
+        let b = Context::builder()
+            .without("shm")
+            .transport(Arc::new(t.clone()))
+            .channel(Arc::new(c))
+            .only_channels(&["efa", "basic"]);
+        (b, t)
+    }
+
+    async fn check_efa(p: &Addr<Pipe>) {
+        let info = p.send(GetInfo).await.unwrap();
+        assert_eq!(info.transport, "efa");
+        assert!(
+            info.channels.iter().any(|c| c.name == "efa"),
+            "{:?}",
+            info.channels
+        );
+    }
+
+    /// `n` random-shape messages from `tx` to `rx`, up to `window` writes in flight: each
+    /// arrives intact and in order, and writes complete in order.
+    pub async fn stream(tx: &Addr<Pipe>, rx: &Addr<Pipe>, n: u64, window: u64, seed: u64) {
+        const TENSORS: [usize; 7] = [0, 1, 31, 4096, 65_536, 65_537, 300_001];
+        let (done_to, mut done) = inbox::<WriteDone>();
+        let writer = async {
+            let mut rng = Rng(seed);
+            let mut next = 0;
+            for i in 0..n {
+                let payloads: Vec<usize> = (0..rng.below(3))
+                    .map(|_| rng.below(2000) as usize)
+                    .collect();
+                let tensors: Vec<usize> = (0..rng.below(4))
+                    .map(|_| TENSORS[rng.below(TENSORS.len() as u64) as usize])
+                    .collect();
+                let m = checked_message(i, &payloads, &tensors);
+                tx.do_send(Write::new(m).notify(done_to.clone()));
+                while i + 1 - next >= window || (i == n - 1 && next < n) {
+                    let d = done.recv().await.unwrap();
+                    assert_eq!(d.id, next, "write completions in order");
+                    d.result.expect("write");
+                    next += 1;
+                }
+            }
+        };
+        let reader = async {
+            for i in 0..n {
+                assert_eq!(verify(&read_one(rx).await.expect("read")), i);
+            }
+        };
+        tokio::join!(writer, reader);
+    }
+
+    pub fn eagain_storm(provider: &str) {
+        actix::System::new().block_on(async {
+            let config = EndpointConfig {
+                faults: Faults {
+                    eagain: 0.9,
+                    cq_error: 0.0,
+                    seed: 23,
+                },
+                ..EndpointConfig::default()
+            };
+            let b = || efa_context(provider, config);
+            let (tx, rx, _s) = pair(b(), b()).await;
+            check_efa(&tx).await;
+            within(240, "10 000 messages", stream(&tx, &rx, 10_000, 32, 7)).await;
+        });
+    }
+
+    pub fn many_pipes(provider: &str) {
+        actix::System::new().block_on(async {
+            let config = EndpointConfig::default();
+            let mut server =
+                Server::start(efa_context(provider, config), "tcp://127.0.0.1:0").await;
+            // One client context: its 12 pipes (control streams, lanes and channels) share its
+            // one endpoint, as the server's share the server's.
+            let client = efa_context(provider, config).start();
+            let mut pairs = Vec::new();
+            for _ in 0..12 {
+                let tx = client
+                    .send(Connect::new(&server.url))
+                    .await
+                    .unwrap()
+                    .expect("connect");
+                let rx = server.next().await;
+                check_efa(&tx).await;
+                pairs.push((tx, rx));
+            }
+            let runs: Vec<_> = pairs
+                .into_iter()
+                .enumerate()
+                .map(|(k, (tx, rx))| {
+                    actix::spawn(async move { stream(&tx, &rx, 150, 8, k as u64 + 1).await })
+                })
+                .collect();
+            within(180, "12 pipes", async {
+                for r in runs {
+                    r.await.expect("a pipe's run");
+                }
+            })
+            .await;
+        });
+    }
+
+    /// Registration forced on (the path of FI_MR_LOCAL providers such as older efa): the
+    /// registration cache serves every tensor and is empty once they are back.
+    pub fn registered(provider: &str) {
+        actix::System::new().block_on(async {
+            let config = EndpointConfig {
+                register_all: true,
+                ..EndpointConfig::default()
+            };
+            let (client, t) = with_transport(provider, config);
+            let (tx, rx, _s) = pair(client, efa_context(provider, config)).await;
+            check_efa(&tx).await;
+            within(120, "registered messages", stream(&tx, &rx, 300, 8, 3)).await;
+            let ep = t.endpoint_actor().expect("the client's endpoint");
+            let stats = ep.send(FabricStats).await.unwrap();
+            assert!(stats.registrations > 0, "{stats:?}");
+            assert_eq!(
+                stats.registered, 0,
+                "every registration released: {stats:?}"
+            );
+        });
+    }
+
+    /// A peer that vanishes (its thread's actor system stops: sockets and endpoint close with
+    /// nothing said) fails that pipe's pending reads, in order, and the endpoint it shared
+    /// with another pipe carries on for that one.
+    pub fn dead_peer_spares_the_other_pipes(provider: &str) {
+        actix::System::new().block_on(async {
+            let config = EndpointConfig::default();
+            let mut server =
+                Server::start(efa_context(provider, config), "tcp://127.0.0.1:0").await;
+            let url = server.url.clone();
+            let p = provider.to_string();
+            let (go, gone) = std::sync::mpsc::channel::<()>();
+            let doomed = std::thread::spawn(move || {
+                actix::System::new().block_on(async move {
+                    let ctx = efa_context(&p, config).start();
+                    let tx = ctx
+                        .send(Connect::new(&url))
+                        .await
+                        .unwrap()
+                        .expect("connect");
+                    for i in 0..4 {
+                        tx.do_send(Write::new(checked_message(i, &[], &[8 << 20])));
+                    }
+                    let _ = tokio::task::spawn_blocking(move || gone.recv()).await;
+                    actix::System::current().stop();
+                });
+            });
+            let victim = server.next().await;
+            check_efa(&victim).await;
+            let survivor_client = efa_context(provider, config).start();
+            let live_tx = survivor_client
+                .send(Connect::new(&server.url))
+                .await
+                .unwrap()
+                .expect("connect");
+            let live_rx = server.next().await;
+            // The first message arrives; then the peer vanishes mid-transfer.
+            assert_eq!(verify(&read_one(&victim).await.expect("first")), 0);
+            let reads: Vec<_> = (0..3).map(|_| victim.send(ReadDescriptor)).collect();
+            go.send(()).unwrap();
+            let _ = doomed.join();
+            let outcomes = within(15, "the victim's reads", async {
+                let mut v = Vec::new();
+                for r in reads {
+                    v.push(r.await);
+                }
+                v
+            })
+            .await;
+            let mut failed = false;
+            for o in outcomes {
+                let o = o.expect("pipe answers");
+                match o.descriptor {
+                    Ok(_) => assert!(!failed, "a read succeeded after one failed"),
+                    Err(_) => failed = true,
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let r = read_one(&victim).await;
+            assert!(r.is_err(), "the dead peer's pipe is failed");
+            within(
+                60,
+                "the surviving pipe",
+                stream(&live_tx, &live_rx, 200, 8, 9),
+            )
+            .await;
+        });
+    }
+}
+
 fn main() {
     let args = Arguments::from_args();
     let mut trials = Vec::new();
@@ -242,6 +464,19 @@ fn main() {
             efa::failing_pipe_spares_the_others,
         ),
     ];
+    #[cfg(feature = "efa")]
+    let cases = cases.into_iter().chain([
+        (
+            "pipes_eagain_storm_10000_messages_in_order",
+            pipes::eagain_storm as Case,
+        ),
+        ("pipes_many_share_one_endpoint", pipes::many_pipes),
+        ("pipes_with_registration_forced", pipes::registered),
+        (
+            "pipes_dead_peer_spares_the_other_pipes",
+            pipes::dead_peer_spares_the_other_pipes,
+        ),
+    ]);
     #[cfg(feature = "efa")]
     for (name, case) in cases {
         for provider in efa::PROVIDERS {

@@ -85,10 +85,14 @@ async fn both_directions_concurrently() {
     .await;
 }
 
-/// A tensor's target device and every metadata field reach the receiver's descriptor.
+/// Every metadata field reaches the receiver's descriptor, and the target device says where the
+/// tensor lands: a host tensor suggested for a GPU, over a pipe with no cpu->cuda channel, lands
+/// in host memory and its descriptor says so.
 #[actix::test]
 async fn descriptor_carries_everything_needed_to_allocate() {
-    let (tx, rx, _s) = pair(Context::builder(), Context::builder()).await;
+    // No CUDA channel (with the `cuda` feature on a GPU host, cuda_xth would carry it).
+    let host = || Context::builder().without("cuda_xth");
+    let (tx, rx, _s) = pair(host(), host()).await;
     let mut t = Tensor::cpu(vec![5; 33]);
     t.target_device = Some(Device::Cuda(1));
     t.metadata = b"shape=[33]".to_vec();
@@ -101,15 +105,20 @@ async fn descriptor_carries_everything_needed_to_allocate() {
         .with_tensor(t);
     let _w = tx.send(Write::new(m.clone()));
     let d = rx.send(ReadDescriptor).await.unwrap().descriptor.unwrap();
-    assert_eq!(d, m.descriptor());
-    assert_eq!(d.tensors[0].target_device, Some(Device::Cuda(1)));
+    let mut landing = m.clone();
+    landing.tensors[0].target_device = Some(Device::Cpu);
+    assert_eq!(d, landing.descriptor());
+    assert_eq!(
+        m.descriptor().tensors[0].target_device,
+        Some(Device::Cuda(1))
+    );
     assert_eq!(d.total_bytes(), 35);
     let done = rx
         .send(Read::new(Allocation::for_descriptor(&d).unwrap()))
         .await
         .unwrap();
     done.result.unwrap();
-    assert_eq!(done.message, m);
+    assert_eq!(done.message, landing);
 }
 
 /// A Read whose buffers do not match the descriptor is refused, its buffers come back, and the

@@ -148,6 +148,31 @@ const BACKENDS: &[Backend] = &[
                 .only_channels(&["basic"])
         },
     },
+    // The efa transport and the efa channel together (tensors in place over the fabric).
+    #[cfg(feature = "efa")]
+    Backend {
+        name: "efa_tcp_efa",
+        transport: "efa",
+        channel: "efa",
+        builder: || {
+            Context::builder()
+                .without("shm")
+                .efa("tcp;ofi_rxm")
+                .only_channels(&["efa", "basic"])
+        },
+    },
+    #[cfg(feature = "efa")]
+    Backend {
+        name: "efa_shm_efa",
+        transport: "efa",
+        channel: "efa",
+        builder: || {
+            Context::builder()
+                .without("shm")
+                .efa("shm")
+                .only_channels(&["efa", "basic"])
+        },
+    },
 ];
 
 fn backend(name: &str) -> &'static Backend {
@@ -530,6 +555,18 @@ fn peer_killed_mid_transfer_efa_tcp_basic() {
 #[test]
 fn peer_killed_mid_transfer_efa_shm_basic() {
     survive("efa_shm_basic", Death::Kill)
+}
+
+#[cfg(feature = "efa")]
+#[test]
+fn peer_killed_mid_transfer_efa_tcp_efa() {
+    survive("efa_tcp_efa", Death::Kill)
+}
+
+#[cfg(feature = "efa")]
+#[test]
+fn peer_killed_mid_transfer_efa_shm_efa() {
+    survive("efa_shm_efa", Death::Kill)
 }
 
 // A frozen peer (SIGSTOP: a hung host, as seen from here) closes nothing; the heartbeats find it.

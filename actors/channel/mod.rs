@@ -11,6 +11,9 @@
 //!   asks for the bytes instead and the sender streams them over the side connection: the pipe
 //!   lives on and the fallback is counted and logged.
 //! - `mpt`: each tensor is split in stripes, one per lane connection, read in place.
+//! - `efa` (feature `efa`): tagged sends and receives on the context's libfabric endpoint,
+//!   straight from the sender's buffer into the receiver's; the lane serves the set-up and
+//!   tells when the peer is gone.
 //!
 //! For the last three, completions come back here first (the channel tracks what it holds and
 //! must hand every buffer back even when stopped), then go on to the pipe. A stopping channel
@@ -48,10 +51,16 @@ pub(crate) enum ChannelKind {
     },
     /// Stripes over several lane connections.
     Mpt { chunk_size: usize },
+    /// CUDA tensors between two contexts of one process (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    CudaXth { pipe: u64 },
     /// RDMA writes into the receiver's registered buffer (feature `ibv`). Tensors of
     /// 1..=`inline_max` bytes (at least the 31 under the verbs minimum) travel like basic ones.
     #[cfg(feature = "ibv")]
     Ibv { chunk_size: usize, inline_max: u64 },
+    /// Tagged messages on a libfabric endpoint, in place (its state is in `Channel::fabric`).
+    #[cfg(feature = "efa")]
+    Efa,
 }
 
 impl ChannelKind {
@@ -72,11 +81,16 @@ impl ChannelKind {
     /// one whose channel data is empty (a [`RemoteBuffer`] never is).
     pub fn carried(&self) -> Carried {
         match self {
-            ChannelKind::Basic { .. } => Carried::All,
-            ChannelKind::Cma { .. } => Carried::NoData,
+            // Every basic tensor has empty channel data (the pipe checks it), while a tensor
+            // routed to a CUDA channel never does: it travels elsewhere.
+            ChannelKind::Basic { .. } | ChannelKind::Cma { .. } => Carried::NoData,
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { .. } => Carried::NoData,
             ChannelKind::Xth { .. } | ChannelKind::Mpt { .. } => Carried::Nothing,
+            #[cfg(feature = "cuda")]
+            ChannelKind::CudaXth { .. } => Carried::Nothing,
+            #[cfg(feature = "efa")]
+            ChannelKind::Efa => Carried::Nothing,
         }
     }
 
@@ -89,6 +103,20 @@ impl ChannelKind {
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { chunk_size, .. } => chunk_size,
             ChannelKind::Xth { .. } => usize::MAX,
+            #[cfg(feature = "cuda")]
+            ChannelKind::CudaXth { .. } => usize::MAX,
+            #[cfg(feature = "efa")]
+            ChannelKind::Efa => usize::MAX,
+        }
+    }
+
+    /// Whether this kind moves CUDA-routed tensors (those of a device pair other than
+    /// cpu->cpu), with [`SendCuda`] and [`RecvCuda`].
+    pub(crate) fn carries_cuda(&self) -> bool {
+        match self {
+            #[cfg(feature = "cuda")]
+            ChannelKind::CudaXth { .. } => true,
+            _ => false,
         }
     }
 }
@@ -142,6 +170,17 @@ pub struct Channel {
     /// Parked xth tensors, with their direction (`true` when sending).
     xth_keys: Vec<(bool, crate::channel::xth::Key)>,
     ack_armed: bool,
+    /// Where CUDA completions go: the pipe's CUDA queue.
+    #[cfg(feature = "cuda")]
+    cuda_reply: Option<CudaReply>,
+    /// The channel's own CUDA completion queue (the rendezvous's callbacks), made on first use.
+    #[cfg(feature = "cuda")]
+    cuda_own: Option<CudaReply>,
+    #[cfg(feature = "cuda")]
+    cuda_rx: Option<mpsc::UnboundedReceiver<CudaDone>>,
+    /// Parked CUDA tensors, with their direction (`true` when sending).
+    #[cfg(feature = "cuda")]
+    cuda_keys: Vec<(bool, crate::channel::cuda_xth::Key)>,
     /// cma reads running on blocking threads.
     reading: usize,
     stopping: bool,
@@ -149,6 +188,9 @@ pub struct Channel {
     /// The ibv channel's queue pair.
     #[cfg(feature = "ibv")]
     ibv: Option<ibv::IbvSide>,
+    /// The `efa` channel's state.
+    #[cfg(feature = "efa")]
+    fabric: Option<efa::Fabric>,
 }
 
 /// Send one tensor.
@@ -211,12 +253,36 @@ impl Channel {
             held: HashMap::new(),
             xth_keys: Vec::new(),
             ack_armed: false,
+            #[cfg(feature = "cuda")]
+            cuda_reply: None,
+            #[cfg(feature = "cuda")]
+            cuda_own: None,
+            #[cfg(feature = "cuda")]
+            cuda_rx: None,
+            #[cfg(feature = "cuda")]
+            cuda_keys: Vec::new(),
             reading: 0,
             stopping: false,
             fallbacks,
             #[cfg(feature = "ibv")]
             ibv: None,
+            #[cfg(feature = "efa")]
+            fabric: None,
         }
+    }
+
+    /// Gives an `efa` channel its endpoint (before it starts).
+    #[cfg(feature = "efa")]
+    pub(crate) fn with_fabric(mut self, port: crate::channel::efa::ChannelPort) -> Self {
+        self.fabric = Some(efa::Fabric::new(port));
+        self
+    }
+
+    /// Sends the completions of CUDA-routed tensors to `reply` (the pipe's CUDA queue).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn with_cuda(mut self, reply: CudaReply) -> Self {
+        self.cuda_reply = Some(reply);
+        self
     }
 
     /// The ibv channel's queue pair, bootstrapped over `lanes` once the actor starts.
@@ -248,6 +314,10 @@ impl Channel {
     /// handler that can call [`Self::own`] ends with this.
     fn poll_own(&mut self, ctx: &mut Context<Self>) {
         if let Some(rx) = self.own_rx.take() {
+            ctx.add_stream(Queue(rx));
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(rx) = self.cuda_rx.take() {
             ctx.add_stream(Queue(rx));
         }
     }
@@ -295,8 +365,16 @@ impl Channel {
         if self.reading == 0 {
             self.close_acks();
         }
+        #[cfg(feature = "cuda")]
+        if !self.cuda_keys.is_empty() {
+            return;
+        }
         #[cfg(feature = "ibv")]
         if !self.ibv_idle() {
+            return;
+        }
+        #[cfg(feature = "efa")]
+        if self.fabric.as_ref().is_some_and(|f| f.busy()) {
             return;
         }
         if self.held.is_empty() && self.xth_keys.is_empty() && self.reading == 0 {
@@ -311,6 +389,11 @@ impl Channel {
     }
 
     fn on_own(&mut self, d: Done, ctx: &mut Context<Self>) {
+        #[cfg(feature = "efa")]
+        if self.kind == ChannelKind::Efa {
+            self.efa_lane(d, ctx);
+            return self.maybe_stop(ctx);
+        }
         match d {
             // xth completions (whole buffers, owned or shared; pieces of held buffers come as
             // regions) pass through to keep the list of parked keys current.
@@ -414,6 +497,10 @@ impl Actor for Channel {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
+        #[cfg(feature = "efa")]
+        if self.kind == ChannelKind::Efa {
+            self.efa_start(ctx);
+        }
         self.poll_own(ctx);
         #[cfg(feature = "ibv")]
         self.ibv_start(ctx);
@@ -461,11 +548,20 @@ impl Handler<SendTensor> for Channel {
             ChannelKind::Mpt { chunk_size } => {
                 self.stripe(m.seq, m.index, m.buffer, true, chunk_size)
             }
+            #[cfg(feature = "cuda")]
+            ChannelKind::CudaXth { .. } => self.to_pipe(Done::WroteTensor {
+                seq: m.seq,
+                index: m.index,
+                memory: m.buffer,
+                result: Err(self.misrouted()),
+            }),
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { .. } => {
                 self.send_ibv(m);
                 return self.ibv_flush(ctx);
             }
+            #[cfg(feature = "efa")]
+            ChannelKind::Efa => self.efa_tensor(true, m.seq, m.index, m.buffer, ctx),
         }
         self.poll_own(ctx);
     }
@@ -491,10 +587,21 @@ impl Handler<RecvTensor> for Channel {
             ChannelKind::Mpt { chunk_size } => {
                 self.stripe(m.seq, m.index, Memory::Owned(m.buffer), false, chunk_size)
             }
+            #[cfg(feature = "cuda")]
+            ChannelKind::CudaXth { .. } => self.to_pipe(Done::Tensor {
+                seq: m.seq,
+                index: m.index,
+                memory: Memory::Owned(m.buffer),
+                result: Err(self.misrouted()),
+            }),
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { .. } => {
                 self.recv_ibv(m);
                 return self.ibv_flush(ctx);
+            }
+            #[cfg(feature = "efa")]
+            ChannelKind::Efa => {
+                self.efa_tensor(false, m.seq, m.index, Memory::Owned(m.buffer), ctx)
             }
         }
         self.poll_own(ctx);
@@ -514,6 +621,14 @@ impl Handler<StopChannel> for Channel {
             // Every key gets exactly one completion through our queue: from the withdrawal,
             // or from the other side if it got there first. Either way `on_own` removes the key.
             crate::channel::xth::withdraw(*k, &e);
+        }
+        #[cfg(feature = "cuda")]
+        self.withdraw_cuda(&e);
+        #[cfg(feature = "efa")]
+        if self.kind == ChannelKind::Efa {
+            self.efa_stop(ctx);
+            self.poll_own(ctx);
+            return;
         }
         if let ChannelKind::Cma { .. } = self.kind {
             // A peer may be reading our buffers right now: they go back to the user only once
@@ -542,9 +657,16 @@ fn lane_gone() -> Error {
 }
 
 mod cma;
+#[cfg(feature = "cuda")]
+mod cuda_xth;
+#[cfg(feature = "efa")]
+mod efa;
 #[cfg(feature = "ibv")]
 mod ibv;
 mod mpt;
 mod xth;
+
+#[cfg(feature = "cuda")]
+pub(crate) use cuda_xth::{CudaDone, CudaReply, RecvCuda, SendCuda};
 
 use cma::CMA_GRACE;

@@ -29,9 +29,10 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 
 use crate::error::{Error, Origin};
-use crate::fabric::engine::{Engine, Finished, Op, Stats};
+use crate::fabric::engine::{Engine, Finished, Kind, Op, Region, Stats};
 use crate::fabric::faults::Faults;
 use crate::fabric::{Attributes, Domain, Endpoint, FabricError, InfoList};
+use crate::transport::stream::Memory;
 
 /// How a [`FabricEndpoint`] progresses its completion queue.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -44,6 +45,10 @@ pub struct EndpointConfig {
     pub faults: Faults,
     /// Poll even where a wait fd exists (to measure both modes on one provider).
     pub force_polling: bool,
+    /// Register the memory of in-place ops (the `efa` channel's) even where the provider does
+    /// not require it, through the registration cache (tests: the path `FI_MR_LOCAL`
+    /// providers take).
+    pub register_all: bool,
 }
 
 impl Default for EndpointConfig {
@@ -53,6 +58,7 @@ impl Default for EndpointConfig {
             max_sleep: Duration::from_millis(1),
             faults: Faults::from_env(),
             force_polling: false,
+            register_all: false,
         }
     }
 }
@@ -72,6 +78,9 @@ pub struct FabricEndpoint {
     // Our own duplicate of the CQ's wait fd: it stays valid whenever libfabric closes its own.
     wait: Option<Rc<AsyncFd<OwnedFd>>>,
     engine: Engine,
+    // After `engine` (dropped after the endpoint closes): buffers of detached pipes that the
+    // provider may still touch, kept until the engine has forgotten their pipe.
+    quarantine: HashMap<u32, Vec<Memory>>,
     config: EndpointConfig,
     sinks: HashMap<u32, mpsc::UnboundedSender<Finished>>,
     driver: Driver,
@@ -145,10 +154,12 @@ impl FabricEndpoint {
             }
             _ => None,
         };
-        let engine = Engine::new(ep, config.faults);
+        let mut engine = Engine::new(ep, config.faults);
+        engine.set_register_all(config.register_all);
         Ok(FabricEndpoint {
             wait,
             engine,
+            quarantine: HashMap::new(),
             config,
             sinks: HashMap::new(),
             driver: Driver::Idle,
@@ -166,6 +177,10 @@ impl FabricEndpoint {
         if self.engine.stats().pipes < self.sinks.len() {
             let engine = &self.engine;
             self.sinks.retain(|p, _| engine.attached(*p));
+        }
+        if !self.quarantine.is_empty() {
+            let engine = &self.engine;
+            self.quarantine.retain(|p, _| engine.attached(*p));
         }
     }
 
@@ -344,6 +359,51 @@ pub struct FabricPost {
     pub ops: Vec<Op>,
 }
 
+/// One op that moves caller memory in place (see [`FabricPostRegions`]).
+#[derive(Debug, Clone, Copy)]
+pub struct RegionOp {
+    /// Send or receive.
+    pub kind: Kind,
+    /// The tag.
+    pub tag: u64,
+    /// The memory.
+    pub region: Region,
+    /// The caller's number for it, handed back in its [`Finished`].
+    pub id: u64,
+}
+
+/// Posts ops that move caller memory in place (the `efa` channel), for a pipe, in order; their
+/// ends come back on the pipe's queue with an empty `mem`.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct FabricPostRegions {
+    pipe: u32,
+    ops: Vec<RegionOp>,
+}
+
+impl FabricPostRegions {
+    /// The message.
+    ///
+    /// # Safety
+    /// Each op's region stays allocated, and untouched by anyone else, until that op's
+    /// [`Finished`] has come back on the pipe's queue (as [`Engine::post_region`] requires).
+    pub unsafe fn new(pipe: u32, ops: Vec<RegionOp>) -> FabricPostRegions {
+        FabricPostRegions { pipe, ops }
+    }
+}
+
+/// Hands the endpoint buffers of a detached pipe that its provider may still read or write
+/// (ops it could not cancel): they are dropped once the engine has forgotten the pipe (every op
+/// back), or after the endpoint has closed.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct FabricQuarantine {
+    /// The pipe.
+    pub pipe: u32,
+    /// The buffers (owned, or references to shared bytes).
+    pub buffers: Vec<Memory>,
+}
+
 /// Asks for the endpoint's address and attributes.
 #[derive(Message)]
 #[rtype(result = "EndpointInfo")]
@@ -404,6 +464,36 @@ impl Handler<FabricPost> for FabricEndpoint {
         self.activity();
         // Manual-progress providers move data only when the CQ is read: read it now.
         self.tick(ctx);
+    }
+}
+
+impl Handler<FabricPostRegions> for FabricEndpoint {
+    type Result = ();
+    fn handle(&mut self, m: FabricPostRegions, ctx: &mut Context<Self>) {
+        let mut out = Vec::new();
+        for op in m.ops {
+            // SAFETY: `FabricPostRegions::new`'s contract is `post_region`'s.
+            unsafe {
+                self.engine
+                    .post_region(m.pipe, op.kind, op.tag, op.region, op.id, &mut |f| {
+                        out.push(f)
+                    })
+            };
+        }
+        for f in out {
+            self.deliver(f);
+        }
+        self.activity();
+        self.tick(ctx);
+    }
+}
+
+impl Handler<FabricQuarantine> for FabricEndpoint {
+    type Result = ();
+    fn handle(&mut self, m: FabricQuarantine, _: &mut Context<Self>) {
+        if self.engine.attached(m.pipe) {
+            self.quarantine.entry(m.pipe).or_default().extend(m.buffers);
+        }
     }
 }
 

@@ -48,8 +48,8 @@ type Probe = Result<Vec<(String, String)>, String>;
 /// Which endpoint actor serves a transport: (transport instance, provider, domain).
 type EndpointKey = (u64, String, Option<String>);
 
-/// The `efa` transport. See the module docs.
-#[derive(Debug)]
+/// The `efa` transport. See the module docs. A clone shares the original's endpoint actors.
+#[derive(Debug, Clone)]
 pub struct Efa {
     provider: String,
     domain: Option<String>,
@@ -140,8 +140,9 @@ impl Efa {
             })
     }
 
-    /// This thread's endpoint actor for this transport, opened on first use.
-    fn endpoint(&self) -> Result<Addr<FabricEndpoint>, Error> {
+    /// This thread's endpoint actor for this transport (and its clones: the `efa` channel),
+    /// opened on first use.
+    pub(crate) fn endpoint(&self) -> Result<Addr<FabricEndpoint>, Error> {
         thread_local! {
             // Weak: an endpoint lives as long as pipes use it (and stops by itself after).
             static ENDPOINTS: RefCell<HashMap<EndpointKey, WeakAddr<FabricEndpoint>>> =
@@ -162,6 +163,12 @@ impl Efa {
             m.insert(key, a.downgrade());
             Ok(a)
         })
+    }
+
+    /// This thread's endpoint actor of this transport (opened if it is not yet): for its
+    /// counters (`FabricStats`) and description.
+    pub fn endpoint_actor(&self) -> Result<Addr<FabricEndpoint>, Error> {
+        self.endpoint()
     }
 
     /// Runs the hello over the bootstrap connection and wires the two halves.

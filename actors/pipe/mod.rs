@@ -36,7 +36,7 @@ use crate::error::{Error, Origin};
 use crate::handshake::Halves;
 use crate::message::{Allocation, Buffer, Descriptor, Message, Payload, Tensor};
 use crate::metrics::{OpKind, PipeMetrics};
-use crate::negotiate::{Choice, DeviceKind, DevicePair};
+use crate::negotiate::{Choice, DevicePair};
 use crate::transport::stream::{
     inline_len, unexpected, Done, Farewell, InOp, Inline, Memory, OutOp, Reply,
 };
@@ -73,6 +73,9 @@ enum ReadState {
         payloads_out: bool,
         tensors_out: usize,
         error: Option<Box<Error>>,
+        /// The events of the CUDA tensors' copies, one per device (and stream).
+        #[cfg(feature = "cuda")]
+        cuda: crate::cuda::CudaCompletion,
     },
     /// Done (or refused before starting).
     Finished(Result<(), Box<Error>>),
@@ -91,6 +94,8 @@ enum PendingRead {
         completer: Completer<ReadDone>,
         message: Message,
         state: ReadState,
+        /// CUDA tensors complete once landed ([`Read::data_complete`]).
+        data_complete: bool,
     },
 }
 
@@ -138,6 +143,13 @@ pub struct Pipe {
     /// Index of the channel for CPU->CPU tensors, and its kind.
     cpu_channel: usize,
     cpu_kind: ChannelKind,
+    /// Which channel each device pair's tensors go through.
+    routes: Routes,
+    /// Each tensor's channel, for the message being written (reused).
+    route_buf: Vec<u8>,
+    /// Completions of CUDA-routed tensors, until `started` polls them.
+    #[cfg(feature = "cuda")]
+    cuda_completions: Option<mpsc::UnboundedReceiver<super::channel::CudaDone>>,
     conn: Option<(Addr<Connection>, Link)>,
     channels: Vec<Addr<Channel>>,
     fallbacks: Arc<AtomicU64>,
@@ -189,6 +201,22 @@ pub(crate) struct PipeParts {
     pub control: Halves,
     pub choice: Choice,
     pub lanes: Vec<Vec<Halves>>,
+}
+
+/// The context's endpoint for a new pipe's `efa` channel.
+#[cfg(feature = "efa")]
+fn efa_port(config: &Config, origin: &Origin) -> crate::channel::efa::ChannelPort {
+    config
+        .channels
+        .iter()
+        .find_map(|(c, _)| c.fabric_port())
+        .unwrap_or_else(|| crate::channel::efa::ChannelPort {
+            endpoint: Err(Error::protocol(
+                "internal: the efa channel was negotiated but this context has none",
+                origin,
+            )),
+            max_message: usize::MAX,
+        })
 }
 
 /// Builds the actors of a pipe and starts them.
@@ -252,6 +280,8 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
     );
     let (reply, completions) = mpsc::unbounded_channel();
     let fallbacks = Arc::new(AtomicU64::new(0));
+    #[cfg(feature = "cuda")]
+    let (cuda_reply, cuda_completions) = mpsc::unbounded_channel();
     let chunk_size = config.chunk_size;
     let mut kinds = Vec::new();
     let channels = choice
@@ -269,13 +299,18 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                         .unwrap_or_else(|| crate::channel::cma::inline_max(&choice.transport)),
                 },
                 "mpt" => ChannelKind::Mpt { chunk_size },
+                #[cfg(feature = "cuda")]
+                "cuda_xth" => ChannelKind::CudaXth { pipe: id },
                 #[cfg(feature = "ibv")]
                 "ibv" => ChannelKind::Ibv {
                     chunk_size,
                     inline_max: ibv_backend(config)
                         .map_or(crate::channel::ibv::MIN_INLINE, |b| b.inline_max()),
                 },
-                // Negotiation only offers what this build has; everything else is basic.
+                #[cfg(feature = "efa")]
+                "efa" => ChannelKind::Efa,
+                // Negotiation only offers what this build has; everything else is basic (and
+                // a channel of another device pair run as basic is never routed to: `Routes`).
                 _ => ChannelKind::Basic { chunk_size },
             };
             kinds.push(kind);
@@ -304,14 +339,24 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                     )
                 })
                 .collect();
-            Channel::new(
+            let channel = Channel::new(
                 kind,
                 lanes,
                 reply.clone(),
                 origin.clone(),
                 fallbacks.clone(),
-            )
-            .start()
+            );
+            #[cfg(feature = "cuda")]
+            let channel = match kind.carries_cuda() {
+                true => channel.with_cuda(cuda_reply.clone()),
+                false => channel,
+            };
+            #[cfg(feature = "efa")]
+            let channel = match kind {
+                ChannelKind::Efa => channel.with_fabric(efa_port(config, &origin)),
+                _ => channel,
+            };
+            channel.start()
         })
         .collect();
     let cpu_channel = choice.channel_for(DevicePair::CPU).unwrap_or(0);
@@ -319,6 +364,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         .get(cpu_channel)
         .copied()
         .unwrap_or(ChannelKind::Basic { chunk_size });
+    let routes = Routes::new(&choice, &kinds, cpu_channel);
     let span = tracing::info_span!("pipe", id, peer = %info.peer, backend = %origin.backend);
     span.in_scope(|| tracing::debug!("pipe open"));
     let cpu_name = choice
@@ -335,6 +381,10 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         limits: config.limits,
         cpu_channel,
         cpu_kind,
+        routes,
+        route_buf: Vec::new(),
+        #[cfg(feature = "cuda")]
+        cuda_completions: Some(cuda_completions),
         conn: Some((conn, link)),
         channels,
         fallbacks,
@@ -371,6 +421,10 @@ impl Actor for Pipe {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         if let Some(rx) = self.completions.take() {
+            ctx.add_stream(Queue(rx));
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(rx) = self.cuda_completions.take() {
             ctx.add_stream(Queue(rx));
         }
         self.arm_prefetch();
@@ -469,143 +523,6 @@ impl Pipe {
     fn op_failed(&mut self, e: Error) -> Error {
         self.fail(e);
         self.error.clone().expect("fail sets the error")
-    }
-
-    fn on_done(&mut self, done: Done) {
-        match done {
-            Done::Wrote {
-                ticket,
-                frame,
-                payloads,
-                result,
-            } => {
-                if self.frames.len() < 4 {
-                    self.frames.push(frame);
-                }
-                let err = result.err().map(|e| self.op_failed(e));
-                if let Some(w) = self.writes.iter_mut().find(|w| w.ticket == ticket) {
-                    w.message.payloads = payloads;
-                    w.payloads_out = false;
-                    if err.is_some() {
-                        w.error = err.map(Box::new);
-                    }
-                }
-                self.pump_writes();
-            }
-            Done::WroteTensor {
-                seq,
-                index,
-                memory,
-                result,
-            } => {
-                let err = result.err().map(|e| self.op_failed(e));
-                if let Some(w) = self.writes.iter_mut().find(|w| w.seq == seq) {
-                    if let Some(t) = w.message.tensors.get_mut(index as usize) {
-                        t.buffer = memory.into_buffer();
-                    }
-                    w.tensors_out -= 1;
-                    if err.is_some() {
-                        w.error = err.map(Box::new);
-                    }
-                }
-                self.pump_writes();
-            }
-            Done::Frame {
-                result, payloads, ..
-            } => {
-                let outcome = result.and_then(|f| match f {
-                    Frame::Descriptor(wd) => self.check_descriptor(&wd).map(|_| wd),
-                    f => Err(unexpected(f, "a message descriptor", &self.origin)),
-                });
-                match outcome {
-                    Ok(wd) => {
-                        self.expect_seq += 1;
-                        let inline = inline_len(&wd, self.cpu_kind.carried());
-                        // Nothing of it is left on the stream (see `stream::self_contained`).
-                        let whole = inline.is_some_and(|i| i.whole());
-                        if self.prefetch.more > 0 && whole {
-                            // The read loop went on to the next frame by itself, at the next
-                            // ticket.
-                            self.prefetch.more -= 1;
-                            self.in_ticket += 1;
-                        } else {
-                            self.prefetch.in_flight = false;
-                        }
-                        // More of this message is on the stream: nothing can be read ahead
-                        // before its `Read` has queued those reads.
-                        self.prefetch.blocked = !whole;
-                        self.prefetch.ready.push_back(Incoming {
-                            wd,
-                            payloads,
-                            inline,
-                        });
-                        debug_assert!(self.prefetch.ready.len() <= MAX_PREFETCH);
-                        self.advance_reads();
-                        self.arm_prefetch();
-                    }
-                    Err(e) => {
-                        self.prefetch.in_flight = false;
-                        self.fail(e);
-                    }
-                }
-            }
-            Done::Payloads {
-                ticket,
-                buffers,
-                result,
-            } => {
-                let err = result.err().map(|e| self.op_failed(e));
-                let hit = self.reads.iter_mut().find_map(|op| match op {
-                    PendingRead::Read {
-                        message,
-                        state:
-                            ReadState::Running {
-                                payload_ticket,
-                                payloads_out,
-                                error,
-                                ..
-                            },
-                        ..
-                    } if *payload_ticket == Some(ticket) => Some((message, payloads_out, error)),
-                    _ => None,
-                });
-                if let Some((message, out, error)) = hit {
-                    for (p, b) in message.payloads.iter_mut().zip(buffers) {
-                        p.data = b;
-                    }
-                    *out = false;
-                    if err.is_some() {
-                        *error = err.map(Box::new);
-                    }
-                }
-                self.pump_reads();
-            }
-            Done::Tensor {
-                seq,
-                index,
-                memory,
-                result,
-            } => {
-                let buffer = memory.into_vec().unwrap_or_default();
-                let err = result.err().map(|e| self.op_failed(e));
-                if let Some((
-                    message,
-                    ReadState::Running {
-                        tensors_out, error, ..
-                    },
-                )) = self.running_read(seq)
-                {
-                    if let Some(t) = message.tensors.get_mut(index as usize) {
-                        t.buffer = Buffer::Cpu(buffer);
-                    }
-                    *tensors_out -= 1;
-                    if err.is_some() {
-                        *error = err.map(Box::new);
-                    }
-                }
-                self.pump_reads();
-            }
-        }
     }
 
     // ----- closing ------------------------------------------------------------------------
@@ -723,7 +640,7 @@ impl Pipe {
                 });
                 self.advance_reads();
             }
-            PendingOp::Read(state, deadline, completer) => {
+            PendingOp::Read(state, deadline, data_complete, completer) => {
                 let id = self.next_read_id;
                 if let Some(d) = deadline {
                     self.watch_deadline(false, id, d, ctx);
@@ -736,6 +653,7 @@ impl Pipe {
                     completer,
                     message: Message::default(),
                     state,
+                    data_complete,
                 });
                 self.advance_reads();
             }
@@ -792,7 +710,7 @@ enum PendingOp {
     Write(Message, Option<Duration>, Completer<WriteDone>),
     ReadDescriptor(Completer<DescriptorReady>),
     /// A `Read` (waiting) or a `Receive` (receiving).
-    Read(ReadState, Option<Duration>, Completer<ReadDone>),
+    Read(ReadState, Option<Duration>, bool, Completer<ReadDone>),
     Close(String, bool, Completer<Closed>),
 }
 
@@ -814,13 +732,23 @@ impl IntoPending for ReadDescriptor {
 
 impl IntoPending for Read {
     fn into_pending(self, c: Completer<ReadDone>) -> PendingOp {
-        PendingOp::Read(ReadState::Waiting(self.allocation), self.deadline, c)
+        PendingOp::Read(
+            ReadState::Waiting(self.allocation),
+            self.deadline,
+            self.data_complete,
+            c,
+        )
     }
 }
 
 impl IntoPending for Receive {
     fn into_pending(self, c: Completer<ReadDone>) -> PendingOp {
-        PendingOp::Read(ReadState::Receiving(self.spare), self.deadline, c)
+        PendingOp::Read(
+            ReadState::Receiving(self.spare),
+            self.deadline,
+            self.data_complete,
+            c,
+        )
     }
 }
 
@@ -891,7 +819,11 @@ impl Handler<GetInfo> for Pipe {
 }
 
 mod completion;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod done;
 mod read;
+mod routes;
 #[cfg(test)]
 mod tests;
 mod write;
@@ -899,6 +831,7 @@ mod write;
 use completion::deferred;
 pub(crate) use completion::Completer;
 pub use completion::Deferred;
+use routes::Routes;
 
 /// The context's `ibv` channel backend.
 #[cfg(feature = "ibv")]

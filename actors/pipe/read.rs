@@ -29,7 +29,9 @@ impl Pipe {
         );
     }
 
-    pub(super) fn check_descriptor(&self, wd: &WireDescriptor) -> Result<(), Error> {
+    /// Checks an incoming descriptor, and sets each tensor's target device to what its route
+    /// lands it in ([`Routes::check`](super::routes::Routes::check)).
+    pub(super) fn check_descriptor(&self, wd: &mut WireDescriptor) -> Result<(), Error> {
         if wd.seq != self.expect_seq {
             return Err(Error::protocol(
                 format!(
@@ -39,17 +41,30 @@ impl Pipe {
                 &self.origin,
             ));
         }
-        for (i, ((ch, _), t)) in wd.routes.iter().zip(&wd.descriptor.tensors).enumerate() {
-            let ok =
-                *ch as usize == self.cpu_channel && t.source_device == crate::message::Device::Cpu;
-            if !ok {
-                return Err(Error::protocol(
-                    format!(
-                        "tensor {i} of message {} names channel {ch} for a {} tensor; that is not what was negotiated",
-                        wd.seq, t.source_device
-                    ),
-                    &self.origin,
-                ));
+        let basic = matches!(self.cpu_kind, ChannelKind::Basic { .. });
+        for (i, ((ch, data), t)) in wd.routes.iter().zip(&mut wd.descriptor.tensors).enumerate() {
+            let checked = self
+                .routes
+                .check(*ch as usize, t.source_device, t.target_device)
+                .and_then(|target| match *ch as usize == self.cpu_channel {
+                    // Basic tensors follow on the stream, which the read loop tells by their
+                    // empty channel data.
+                    true if basic && !data.is_empty() => {
+                        Err("a basic tensor with channel data".to_string())
+                    }
+                    _ => Ok(target),
+                });
+            match checked {
+                Ok(target) => t.target_device = target,
+                Err(why) => {
+                    return Err(Error::protocol(
+                        format!(
+                            "tensor {i} of message {} names channel {ch} for a {} tensor ({why}); that is not what was negotiated",
+                            wd.seq, t.source_device
+                        ),
+                        &self.origin,
+                    ))
+                }
             }
         }
         Ok(())
@@ -92,9 +107,12 @@ impl Pipe {
                     None => false,
                 }
             }
-            PendingRead::Read { message, state, .. }
-                if matches!(state, ReadState::Receiving(_)) =>
-            {
+            PendingRead::Read {
+                message,
+                state,
+                data_complete,
+                ..
+            } if matches!(state, ReadState::Receiving(_)) => {
                 let refusal = match (&self.error, &self.current) {
                     (Some(e), _) => Some(e.clone()),
                     (None, Some(_)) => Some(Error::invalid(
@@ -122,14 +140,19 @@ impl Pipe {
                 match spare.map_or_else(|| Allocation::for_descriptor(d), |a| a.refit(d)) {
                     Ok(alloc) => {
                         let incoming = self.prefetch.ready.pop_front().expect("checked above");
-                        (*message, *state) = self.start_read(incoming, alloc);
+                        (*message, *state) = self.start_read(incoming, alloc, *data_complete);
                     }
                     // Sizes that fit no address space: the message stays first in line.
                     Err(e) => *state = ReadState::Finished(Err(Box::new(e))),
                 }
                 true
             }
-            PendingRead::Read { message, state, .. } => {
+            PendingRead::Read {
+                message,
+                state,
+                data_complete,
+                ..
+            } => {
                 let ReadState::Waiting(alloc) = mem::replace(state, ReadState::Finished(Ok(())))
                 else {
                     return true;
@@ -146,7 +169,7 @@ impl Pipe {
                     *state = ReadState::Finished(Err(Box::new(e)));
                 } else {
                     let incoming = self.current.take().expect("checked above");
-                    (*message, *state) = self.start_read(incoming, alloc);
+                    (*message, *state) = self.start_read(incoming, alloc, *data_complete);
                 }
                 true
             }
@@ -157,6 +180,7 @@ impl Pipe {
         &mut self,
         incoming: Incoming,
         alloc: Allocation,
+        data_complete: bool,
     ) -> (Message, ReadState) {
         let carried = self.cpu_kind.carried();
         let Incoming {
@@ -222,9 +246,15 @@ impl Pipe {
         }
         let mut tensors_out = 0;
         for (i, (buffer, (ch, data))) in alloc.tensors.into_iter().zip(routes).enumerate() {
-            let Buffer::Cpu(mut buffer) = buffer else {
-                unreachable!("Allocation::check refused read-only (shared) buffers before");
-            };
+            if ch as usize != self.cpu_channel {
+                // A CUDA channel; the buffer is on the kind of device its route lands in
+                // (`Allocation::check`, or the pipe allocated it from the descriptor).
+                self.recv_cuda(ch as usize, seq, i as u32, buffer, data, data_complete);
+                tensors_out += 1;
+                continue;
+            }
+            // Host memory: `Allocation::check` refused shared (read-only) buffers before.
+            let mut buffer = buffer.into_cpu().unwrap_or_default();
             let on_control = carried.carries(&data);
             if let (true, Some(at), Some(bytes)) = (on_control, tensor_bytes.as_mut(), &inline) {
                 // Read with the descriptor, like inline payloads.
@@ -272,8 +302,36 @@ impl Pipe {
                 payloads_out: payload_ticket.is_some(),
                 tensors_out,
                 error: None,
+                #[cfg(feature = "cuda")]
+                cuda: Default::default(),
             },
         )
+    }
+
+    /// Hands a tensor to the CUDA channel its descriptor names.
+    #[cfg(feature = "cuda")]
+    fn recv_cuda(
+        &self,
+        ch: usize,
+        seq: u64,
+        index: u32,
+        buffer: Buffer,
+        data: Vec<u8>,
+        data_complete: bool,
+    ) {
+        self.channels[ch].do_send(super::super::channel::RecvCuda {
+            seq,
+            index,
+            buffer,
+            data,
+            data_complete,
+        });
+    }
+
+    /// Without the `cuda` feature no descriptor passes `check_descriptor` naming another channel.
+    #[cfg(not(feature = "cuda"))]
+    fn recv_cuda(&self, _: usize, _: u64, _: u32, _: Buffer, _: Vec<u8>, _: bool) {
+        unreachable!("no CUDA channel in this build")
     }
 
     pub(super) fn pump_reads(&mut self) {
@@ -298,9 +356,18 @@ impl Pipe {
                     completer,
                     message,
                     state,
+                    ..
                 } => {
+                    #[cfg(feature = "cuda")]
+                    let mut cuda = crate::cuda::CudaCompletion::default();
                     let result = match state {
                         ReadState::Finished(r) => r.map_err(|e| *e),
+                        #[cfg(feature = "cuda")]
+                        ReadState::Running { error, cuda: c, .. } => {
+                            cuda = c;
+                            error.map_or(Ok(()), |e| Err(*e))
+                        }
+                        #[cfg(not(feature = "cuda"))]
                         ReadState::Running { error, .. } => error.map_or(Ok(()), |e| Err(*e)),
                         ReadState::Waiting(_) | ReadState::Receiving(_) => {
                             unreachable!("not finished")
@@ -314,6 +381,8 @@ impl Pipe {
                         id,
                         result,
                         message,
+                        #[cfg(feature = "cuda")]
+                        cuda,
                     });
                 }
             }

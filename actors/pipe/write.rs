@@ -4,27 +4,33 @@
 use super::*;
 
 impl Pipe {
+    /// The channel a tensor goes through: the one negotiated for its device pair (source, and
+    /// target device or the source's kind), else the one for its source's kind on both ends
+    /// (the target device is a suggestion: a host tensor suggested for a GPU goes to host
+    /// memory over a pipe with no cpu->cuda channel, and its receiver's descriptor says so).
     pub(super) fn route(&self, t: &Tensor) -> Result<usize, Error> {
-        let source = match t.device() {
-            crate::message::Device::Cpu => DeviceKind::Cpu,
-            crate::message::Device::Cuda(_) => DeviceKind::Cuda,
-        };
-        if source == DeviceKind::Cpu {
-            return Ok(self.cpu_channel);
-        }
-        Err(Error::Unavailable {
-            backend: "channel".into(),
-            reason: format!("no channel negotiated for {} tensors", t.device()),
-        })
+        self.routes
+            .for_tensor(t.device(), t.target_device)
+            .ok_or_else(|| Error::Unavailable {
+                backend: "channel".into(),
+                reason: format!(
+                    "no channel this pipe carries for {} tensors (negotiated: {})",
+                    t.device(),
+                    self.info.channel_list()
+                ),
+            })
     }
 
-    /// Bytes of channel data per tensor in a descriptor (the receiver counts them as metadata).
-    pub(super) fn channel_data_len(&self) -> usize {
-        match self.cpu_kind {
+    /// Bytes of channel data a tensor routed to channel `ch` takes in a descriptor (the
+    /// receiver counts them as metadata).
+    pub(super) fn channel_data_len(&self, ch: usize) -> usize {
+        let kind = self.routes.kind(ch).unwrap_or(self.cpu_kind);
+        match kind {
             ChannelKind::Xth { .. } => 8,
             ChannelKind::Cma { .. } => crate::channel::cma::REMOTE_BUFFER_LEN,
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { .. } => 8,
+            k if k.carries_cuda() => 8,
             _ => 0,
         }
     }
@@ -55,7 +61,11 @@ impl Pipe {
                 (m.metadata.len()
                     + m.payloads.iter().map(|p| p.metadata.len()).sum::<usize>()
                     + m.tensors.iter().map(|t| t.metadata.len()).sum::<usize>()
-                    + m.tensors.len() * self.channel_data_len()) as u64,
+                    + self
+                        .route_buf
+                        .iter()
+                        .map(|&ch| self.channel_data_len(ch as usize))
+                        .sum::<usize>()) as u64,
                 l.max_metadata_size,
             )
         });
@@ -92,15 +102,18 @@ impl Pipe {
                 reason: format!("closing gracefully ({reason}): no new writes"),
                 origin: self.origin.clone(),
             }),
-            (None, None) => self
-                .check_limits(&message)
-                .and_then(|_| {
-                    message
-                        .tensors
-                        .iter()
-                        .try_for_each(|t| self.route(t).map(drop))
-                })
-                .err(),
+            (None, None) => {
+                // Each tensor's channel, kept for the descriptor and the hand-off below (the
+                // vector is reused: nothing is allocated per message).
+                let mut routes = mem::take(&mut self.route_buf);
+                routes.clear();
+                let routed = message.tensors.iter().try_for_each(|t| {
+                    routes.push(self.route(t)? as u8);
+                    Ok(())
+                });
+                self.route_buf = routes;
+                routed.and_then(|_| self.check_limits(&message)).err()
+            }
         };
         let Some(link) = self
             .conn
@@ -119,8 +132,14 @@ impl Pipe {
         frame.clear();
         let cpu = self.cpu_channel as u8;
         let (kind, id_bytes) = (self.cpu_kind, self.id.to_le_bytes());
+        let routes = &self.route_buf;
         encode_frame(&mut frame, FrameKind::Descriptor, |b| {
             wire::encode_descriptor(b, seq, &message, |i, data| {
+                if routes[i] != cpu {
+                    // A CUDA channel: cuda_xth finds the sender's buffers by pipe id.
+                    data.set(&id_bytes);
+                    return routes[i];
+                }
                 match kind {
                     ChannelKind::Xth { .. } => data.set(&id_bytes),
                     ChannelKind::Cma { .. } => {
@@ -162,7 +181,8 @@ impl Pipe {
         let on_control = message
             .tensors
             .iter()
-            .filter(|t| kind.sends_on_control(t.buffer.len()))
+            .zip(&self.route_buf)
+            .filter(|(t, &ch)| ch == cpu && kind.sends_on_control(t.buffer.len()))
             .count() as u64;
         self.out_ticket += 1 + on_control;
         self.sent_on_control += on_control;
@@ -187,6 +207,13 @@ impl Pipe {
         let mut next = ticket + 1;
         let mut tensors_out = 0;
         for (i, t) in message.tensors.iter_mut().enumerate() {
+            let ch = self.route_buf[i] as usize;
+            if ch != self.cpu_channel {
+                self.send_cuda(ch, seq, i as u32, mem::take(&mut t.buffer));
+                tensors_out += 1;
+                continue;
+            }
+            // Routed to the CPU channel: host memory (`route` sends nothing else there).
             let buffer = Memory::from(mem::take(&mut t.buffer));
             if kind.sends_on_control(buffer.len() as u64) {
                 batch.push(OutOp::Tensor {
@@ -240,6 +267,18 @@ impl Pipe {
         if done {
             self.pump_writes();
         }
+    }
+
+    /// Hands a tensor to the CUDA channel it was routed to.
+    #[cfg(feature = "cuda")]
+    fn send_cuda(&self, ch: usize, seq: u64, index: u32, buffer: Buffer) {
+        self.channels[ch].do_send(super::super::channel::SendCuda { seq, index, buffer });
+    }
+
+    /// Without the `cuda` feature every tensor is routed to the CPU channel.
+    #[cfg(not(feature = "cuda"))]
+    fn send_cuda(&self, _: usize, _: u64, _: u32, _: Buffer) {
+        unreachable!("no CUDA channel in this build")
     }
 
     pub(super) fn pump_writes(&mut self) {

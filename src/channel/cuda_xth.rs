@@ -44,8 +44,8 @@ impl ChannelBackend for CudaXth {
     }
 
     fn viable(&self) -> Result<(), String> {
-        crate::cuda::available()?;
-        Err(super::CUDA_NOT_CARRIED.into())
+        // Carried by the pipe (actors/channel/cuda_xth.rs): offered wherever CUDA works.
+        crate::cuda::available().map(drop)
     }
 }
 
@@ -103,8 +103,10 @@ pub struct Wanted {
     pub dst: End,
     /// How many it expects.
     pub len: usize,
-    /// The receiver's stream the copy is queued on.
-    pub stream: Arc<CudaStream>,
+    /// The receiver's stream the copy is queued on. `None` only for host memory (`dst` is
+    /// [`End::Host`]): the copy then runs on the sender's device's runtime stream
+    /// ([`Gpu::alloc_stream`]).
+    pub stream: Option<Arc<CudaStream>>,
     /// Called once the copy is queued, with the event recorded after it on the receiver's
     /// device (`None` for host memory: the bytes have landed), or with the error.
     pub on_done: Box<dyn FnOnce(Result<Option<Event>, Error>) + Send>,
@@ -180,12 +182,12 @@ pub fn withdraw(key: Key, e: &Error) {
 
 /// Queues the copy on the receiver's stream after the sender's ready event.
 fn finish(s: Sent, w: Wanted) {
-    match copy(&s, &w) {
-        Ok(done) => {
+    match stream_for(&s, &w).and_then(|stream| Ok((copy(&s, &w, &stream)?, stream))) {
+        Ok((done, stream)) => {
             // The sender's buffer is free once the copy has run on the receiver's stream.
             let free = Arc::new(Mutex::new(Some(s.on_free)));
             let later = free.clone();
-            let queued = crate::cuda::on_stream_done(&w.stream, move || {
+            let queued = crate::cuda::on_stream_done(&stream, move || {
                 if let Some(f) = later.lock().unwrap_or_else(|p| p.into_inner()).take() {
                     f(Ok(()))
                 }
@@ -208,7 +210,19 @@ fn finish(s: Sent, w: Wanted) {
     }
 }
 
-fn copy(s: &Sent, w: &Wanted) -> Result<Option<Event>, Error> {
+/// The stream the copy runs on: the receiver's, or for a host destination without one the
+/// sender's device's.
+fn stream_for(s: &Sent, w: &Wanted) -> Result<Arc<CudaStream>, Error> {
+    match (&w.stream, &s.src) {
+        (Some(stream), _) => Ok(stream.clone()),
+        (None, End::Device { gpu, .. }) => gpu.alloc_stream(),
+        (None, End::Host { .. }) => Err(Error::invalid(
+            "cuda_xth: a copy into device memory needs the receiver's stream",
+        )),
+    }
+}
+
+fn copy(s: &Sent, w: &Wanted, on: &Arc<CudaStream>) -> Result<Option<Event>, Error> {
     use crate::cuda::{check, sys};
     if s.len != w.len {
         return Err(Error::invalid(format!(
@@ -217,17 +231,17 @@ fn copy(s: &Sent, w: &Wanted) -> Result<Option<Event>, Error> {
         )));
     }
     if let Some(ready) = &s.ready {
-        ready.wait_on(&w.stream)?;
+        ready.wait_on(on)?;
     }
-    let stream = w.stream.cu_stream();
+    let stream = on.cu_stream();
     match (&s.src, &w.dst) {
         (End::Device { ptr: src, gpu: sg }, End::Device { ptr: dst, gpu: dg }) => {
             dg.enable_peer_access(sg)?;
             // SAFETY: both ranges are `len` bytes of live device memory: the sender's buffer is
             // held until `on_free`, the receiver's until its read completes.
-            unsafe { crate::cuda::copy_async((*dst, dg), (*src, sg), s.len, &w.stream)? };
+            unsafe { crate::cuda::copy_async((*dst, dg), (*src, sg), s.len, on)? };
             let done = dg.event(false)?;
-            done.record(&w.stream)?;
+            done.record(on)?;
             Ok(Some(done))
         }
         (End::Host { ptr: src }, End::Device { ptr: dst, gpu: dg }) => {
@@ -240,7 +254,7 @@ fn copy(s: &Sent, w: &Wanted) -> Result<Option<Event>, Error> {
                 })?;
             }
             let done = dg.event(false)?;
-            done.record(&w.stream)?;
+            done.record(on)?;
             Ok(Some(done))
         }
         (End::Device { ptr: src, gpu: sg }, End::Host { ptr: dst }) => {
@@ -253,8 +267,7 @@ fn copy(s: &Sent, w: &Wanted) -> Result<Option<Event>, Error> {
             }
             // Host memory has no event to wait on: the bytes must be there when the read
             // completes.
-            w.stream
-                .synchronize()
+            on.synchronize()
                 .map_err(|e| crate::cuda::driver_error("cuStreamSynchronize", e))?;
             Ok(None)
         }

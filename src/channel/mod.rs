@@ -17,6 +17,8 @@ pub mod cuda_basic;
 pub mod cuda_ipc;
 #[cfg(feature = "cuda")]
 pub mod cuda_xth;
+#[cfg(feature = "efa")]
+pub mod efa;
 #[cfg(feature = "ibv")]
 pub mod ibv;
 pub mod mpt;
@@ -86,6 +88,13 @@ pub trait ChannelBackend: Send + Sync + 'static {
     /// The backend itself, for the pipe that needs its concrete type (the `ibv` channel's
     /// device and registration caches). `None` by default.
     fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
+
+    /// What a new pipe's channel of this kind needs from the context's libfabric endpoint (the
+    /// `efa` channel); `None` for every other channel.
+    #[cfg(feature = "efa")]
+    fn fabric_port(&self) -> Option<efa::ChannelPort> {
         None
     }
 

@@ -18,20 +18,42 @@ use super::{CudaStream, Event};
 #[derive(Debug, Default)]
 pub struct CudaCompletion {
     events: Vec<Event>,
+    /// The stream each event was recorded on (as an address; 0 when unknown).
+    streams: Vec<usize>,
 }
 
 impl CudaCompletion {
     /// A completion made of these events (at most one per device).
     pub fn new(events: Vec<Event>) -> Self {
-        CudaCompletion { events }
+        let streams = vec![0; events.len()];
+        CudaCompletion { events, streams }
     }
 
     /// Adds the event of a device (replacing an earlier one of the same device: the later
     /// record covers the earlier work on the same stream).
     pub fn push(&mut self, event: Event) {
         let d = event.gpu().ordinal();
-        self.events.retain(|e| e.gpu().ordinal() != d);
+        if let Some(i) = self.events.iter().position(|e| e.gpu().ordinal() == d) {
+            self.events.remove(i);
+            self.streams.remove(i);
+        }
         self.events.push(event);
+        self.streams.push(0);
+    }
+
+    /// Adds an event recorded on `stream`: it replaces an earlier event of the same device and
+    /// stream (the later record covers the earlier work), and joins the others. A read whose
+    /// tensors of one device were consumed on one stream (the usual case) thus carries one event
+    /// per device; tensors of one device on several streams carry one per stream.
+    pub fn push_on(&mut self, event: Event, stream: &CudaStream) {
+        let (d, s) = (event.gpu().ordinal(), stream.cu_stream() as usize);
+        let same = |(e, at): (&Event, &usize)| e.gpu().ordinal() == d && *at == s;
+        if let Some(i) = self.events.iter().zip(&self.streams).position(same) {
+            self.events[i] = event;
+        } else {
+            self.events.push(event);
+            self.streams.push(s);
+        }
     }
 
     /// Whether no device was touched (nothing to wait for).

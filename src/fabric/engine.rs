@@ -28,6 +28,7 @@ use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 
 use super::faults::{Dice, Faults};
+use super::regcache::RegCache;
 use super::{eio, Attributes, Completion, Endpoint, FabricError, FiAddr, Mr, PostError};
 
 /// Which way an op moves bytes.
@@ -52,6 +53,21 @@ pub struct Op {
     pub id: u64,
 }
 
+/// Caller memory an op moves in place (the `efa` channel): `len` bytes at `base + offset`,
+/// inside the buffer of `buffer_len` bytes at `base` (the unit of registration, see
+/// [`super::regcache`]). Addresses as integers, so that ops can travel in actor messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    /// The whole buffer's address.
+    pub base: usize,
+    /// The whole buffer's length.
+    pub buffer_len: usize,
+    /// Where the op's bytes start within the buffer.
+    pub offset: usize,
+    /// How many bytes the op moves.
+    pub len: usize,
+}
+
 /// An operation's end, in the pipe's order.
 #[derive(Debug)]
 pub struct Finished {
@@ -63,7 +79,7 @@ pub struct Finished {
     pub kind: Kind,
     /// The tag it was posted with.
     pub tag: u64,
-    /// The buffer, back.
+    /// The buffer, back (empty for an op posted with [`Engine::post_region`]).
     pub mem: Vec<u8>,
     /// Bytes received (receives), or sent.
     pub result: Result<usize, FabricError>,
@@ -88,6 +104,10 @@ pub struct Stats {
     pub in_flight: usize,
     /// Pipes attached.
     pub pipes: usize,
+    /// Memory registrations made for in-place ops (`fi_mr_reg` calls).
+    pub registrations: u64,
+    /// Buffers registered now.
+    pub registered: usize,
 }
 
 /// Room the provider may use in an op's context (`FI_CONTEXT2`: 8 pointers), then our index.
@@ -109,6 +129,10 @@ struct Live {
     kind: Kind,
     tag: u64,
     mem: Vec<u8>,
+    /// Set: the op moves this caller memory instead of `mem`.
+    region: Option<Region>,
+    /// Whether the op holds a use of its region's registration in the cache.
+    cached: bool,
     id: u64,
     state: State,
     // Dropped when the op ends, after the provider is done with the memory.
@@ -132,8 +156,10 @@ struct PipeState {
 
 /// One endpoint and everything in flight on it. See the module docs.
 pub struct Engine {
-    // First field: dropped (closed) before the slots' memory.
+    // First field: dropped (closed) before the slots' memory and the registrations.
     ep: Endpoint,
+    regs: RegCache,
+    register_all: bool,
     slots: Vec<Slot>,
     free: Vec<usize>,
     backlog: VecDeque<usize>,
@@ -153,6 +179,8 @@ impl Engine {
     pub fn new(ep: Endpoint, faults: Faults) -> Engine {
         Engine {
             ep,
+            regs: RegCache::default(),
+            register_all: false,
             slots: Vec::new(),
             free: Vec::new(),
             backlog: VecDeque::new(),
@@ -183,11 +211,19 @@ impl Engine {
         self.faults = faults;
     }
 
+    /// Registers the memory of in-place ops ([`Engine::post_region`]) even where the provider
+    /// does not require it (tests; measuring what registration costs).
+    pub fn set_register_all(&mut self, on: bool) {
+        self.register_all = on;
+    }
+
     /// The counters.
     pub fn stats(&self) -> Stats {
         Stats {
             backlog: self.backlog.len(),
             pipes: self.pipes.len(),
+            registrations: self.regs.registrations(),
+            registered: self.regs.live(),
             ..self.stats.clone()
         }
     }
@@ -264,15 +300,62 @@ impl Engine {
     /// Posts `op` for `pipe` (see the module docs). Its end comes through `out`, now or from a
     /// later [`Engine::progress`].
     pub fn post(&mut self, pipe: u32, op: Op, out: &mut impl FnMut(Finished)) {
+        let live = Live {
+            pipe,
+            kind: op.kind,
+            tag: op.tag,
+            mem: op.mem,
+            region: None,
+            cached: false,
+            id: op.id,
+            state: State::Posted,
+            _mr: None,
+        };
+        self.post_live(live, out);
+    }
+
+    /// Posts an op that moves `region` in place (the `efa` channel), for `pipe`, as
+    /// [`Engine::post`] does; its [`Finished`] hands back an empty `mem`. Where the provider
+    /// requires registered memory, the region's buffer is registered through the cache (see
+    /// [`super::regcache`]).
+    ///
+    /// # Safety
+    /// The region's bytes (and its whole buffer) stay allocated, and nobody else reads or writes
+    /// them (a send's may be read), until the op's [`Finished`] has come out.
+    pub unsafe fn post_region(
+        &mut self,
+        pipe: u32,
+        kind: Kind,
+        tag: u64,
+        region: Region,
+        id: u64,
+        out: &mut impl FnMut(Finished),
+    ) {
+        let live = Live {
+            pipe,
+            kind,
+            tag,
+            mem: Vec::new(),
+            region: Some(region),
+            cached: false,
+            id,
+            state: State::Posted,
+            _mr: None,
+        };
+        self.post_live(live, out);
+    }
+
+    fn post_live(&mut self, mut live: Live, out: &mut impl FnMut(Finished)) {
+        let pipe = live.pipe;
         let index = self.slot();
         let Some(p) = self.pipes.get_mut(&pipe) else {
             self.free.push(index);
             out(Finished {
                 pipe,
-                id: op.id,
-                kind: op.kind,
-                tag: op.tag,
-                mem: op.mem,
+                id: live.id,
+                kind: live.kind,
+                tag: live.tag,
+                mem: live.mem,
                 result: Err(FabricError {
                     op: "post",
                     provider: self.ep.provider().into(),
@@ -282,7 +365,7 @@ impl Engine {
             });
             return;
         };
-        match op.kind {
+        match live.kind {
             Kind::Send => p.sends.push_back(index),
             Kind::Recv => p.recvs.push_back(index),
         }
@@ -295,15 +378,8 @@ impl Engine {
         };
         let queue_behind = matches!(state, State::Backlog);
         let failed = matches!(state, State::Done(_));
-        self.slots[index].live = Some(Live {
-            pipe,
-            kind: op.kind,
-            tag: op.tag,
-            mem: op.mem,
-            id: op.id,
-            state,
-            _mr: None,
-        });
+        live.state = state;
+        self.slots[index].live = Some(live);
         if queue_behind {
             self.push_backlog(index);
         } else if !failed {
@@ -408,9 +484,22 @@ impl Engine {
         let Some(peer) = self.pipes.get(&l.pipe).map(|p| p.peer) else {
             return Ok(());
         };
-        // Providers that need registered local memory (FI_MR_LOCAL: efa) get it per op here;
-        // the efa channel registers through its cache instead and posts with that descriptor.
-        if mr_local && l._mr.is_none() && !l.mem.is_empty() {
+        // Providers that need registered local memory (FI_MR_LOCAL: efa) get it per op for the
+        // engine's own buffers, and through the cache for caller memory (regions).
+        if let Some(r) = l
+            .region
+            .filter(|r| (mr_local || self.register_all) && r.len > 0)
+        {
+            if !l.cached {
+                // SAFETY: `post_region`'s contract keeps the buffer alive until the op's end,
+                // where `drain` releases this use before handing the op out.
+                let desc = unsafe { self.regs.acquire(self.ep.domain(), r.base, r.buffer_len) };
+                if let Err(e) = desc {
+                    return Err(PostError::Failed(e));
+                }
+                l.cached = true;
+            }
+        } else if mr_local && l._mr.is_none() && !l.mem.is_empty() {
             // SAFETY: the memory is owned by the op, which outlives the registration (the Mr is
             // dropped with the op, after its completion).
             let mr = unsafe { self.ep.domain().register(l.mem.as_ptr(), l.mem.len()) };
@@ -419,19 +508,23 @@ impl Engine {
                 Err(e) => return Err(PostError::Failed(e)),
             }
         }
-        let desc = l._mr.as_ref().map_or(std::ptr::null_mut(), |m| m.desc());
-        // SAFETY: the buffer is owned by the op and the context by its boxed slot; neither is
-        // freed, moved or touched until the op's completion has been read (`complete`), or the
-        // endpoint closed (it drops first).
+        let desc = match (&l._mr, l.region) {
+            (Some(m), _) => m.desc(),
+            (None, Some(r)) if l.cached => self.regs.desc(r.base, r.buffer_len),
+            _ => std::ptr::null_mut(),
+        };
+        let (ptr, len) = match l.region {
+            Some(r) => ((r.base + r.offset) as *mut u8, r.len),
+            None => (l.mem.as_mut_ptr(), l.mem.len()),
+        };
+        // SAFETY: the memory is owned by the op (or, for a region, kept alive by the caller per
+        // `post_region`'s contract) and the context by its boxed slot; neither is freed, moved
+        // or touched until the op's completion has been read (`complete`), or the endpoint
+        // closed (it drops first).
         let r = unsafe {
             match l.kind {
-                Kind::Send => self
-                    .ep
-                    .tsend(l.mem.as_ptr(), l.mem.len(), desc, peer, l.tag, ctx),
-                Kind::Recv => {
-                    self.ep
-                        .trecv(l.mem.as_mut_ptr(), l.mem.len(), desc, peer, l.tag, 0, ctx)
-                }
+                Kind::Send => self.ep.tsend(ptr, len, desc, peer, l.tag, ctx),
+                Kind::Recv => self.ep.trecv(ptr, len, desc, peer, l.tag, 0, ctx),
             }
         };
         match &r {
@@ -462,7 +555,7 @@ impl Engine {
         let pipe = l.pipe;
         let mut result = c.result.map(|()| match l.kind {
             Kind::Recv => c.len as usize,
-            Kind::Send => l.mem.len(),
+            Kind::Send => l.region.map_or(l.mem.len(), |r| r.len),
         });
         if inject && result.is_ok() {
             result = Err(FabricError {
@@ -594,6 +687,10 @@ impl Engine {
                     continue;
                 };
                 self.free.push(index);
+                if let (true, Some(r)) = (l.cached, l.region) {
+                    // The op is over: its use of the registration ends before the caller hears.
+                    self.regs.release(r.base, r.buffer_len);
+                }
                 let State::Done(result) = l.state else {
                     unreachable!("checked above")
                 };

@@ -14,6 +14,7 @@
 pub mod engine;
 pub mod faults;
 mod ffi;
+pub mod regcache;
 pub mod tag;
 
 use std::ffi::{c_void, CStr, CString};
@@ -290,8 +291,8 @@ impl Domain {
     /// Registers `len` bytes at `addr` for local sends and receives.
     ///
     /// # Safety
-    /// The memory must stay allocated until the [`Mr`] is dropped (the registration cache
-    /// in `efa::registry` keeps that rule).
+    /// The memory must stay allocated until the [`Mr`] is dropped (the registration cache,
+    /// [`regcache`], keeps that rule).
     pub unsafe fn register(
         self: &Rc<Self>,
         addr: *const u8,

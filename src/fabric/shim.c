@@ -262,7 +262,11 @@ int ap_trywait(struct fid_fabric *fabric, struct fid_cq *cq)
 int ap_mr_reg(struct fid_domain *domain, const void *buf, size_t len, uint64_t access,
 	      struct fid_mr **out, void **desc)
 {
-	int ret = fi_mr_reg(domain, buf, len, access, 0, 0, 0, out, NULL);
+	/* Providers without FI_MR_PROV_KEY take the key we request and refuse a second live
+	 * registration with the same one (-FI_ENOKEY): every registration asks for a new one. */
+	static uint64_t next_key;
+	uint64_t key = __atomic_fetch_add(&next_key, 1, __ATOMIC_RELAXED);
+	int ret = fi_mr_reg(domain, buf, len, access, 0, key, 0, out, NULL);
 	if (ret)
 		return ret;
 	*desc = fi_mr_desc(*out);

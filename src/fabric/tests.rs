@@ -201,3 +201,29 @@ fn closing_releases_every_descriptor() {
         assert_eq!(fds(), before, "{provider}: descriptors left open");
     }
 }
+
+#[test]
+fn registration_cache_shares_one_registration_per_buffer_and_releases_it() {
+    for provider in PROVIDERS {
+        let ep = open(provider);
+        let domain = ep.domain().clone();
+        let mut cache = regcache::RegCache::default();
+        let a = vec![1u8; 4096];
+        let b = [2u8; 100];
+        let (pa, pb) = (a.as_ptr() as usize, b.as_ptr() as usize);
+        // SAFETY: `a` and `b` outlive every acquisition (released below, before they drop).
+        unsafe {
+            let d1 = cache.acquire(&domain, pa, a.len()).expect("register a");
+            let d2 = cache.acquire(&domain, pa, a.len()).expect("a again");
+            assert_eq!(d1, d2, "{provider}: one registration per buffer");
+            cache.acquire(&domain, pb, b.len()).expect("register b");
+        }
+        assert_eq!((cache.registrations(), cache.live()), (2, 2), "{provider}");
+        cache.release(pa, a.len());
+        assert_eq!(cache.live(), 2, "{provider}: a still has a user");
+        cache.release(pa, a.len());
+        cache.release(pb, b.len());
+        assert_eq!(cache.live(), 0, "{provider}: the last release deregisters");
+        assert!(cache.desc(pa, a.len()).is_null());
+    }
+}

@@ -1,6 +1,7 @@
-//! `actorpipe bench efa`: tagged ping-pong through the endpoint actor next to a raw baseline
-//! written with the same libfabric binding (no actorpipe code on its path), in the same run,
-//! rounds alternating, on each provider asked for.
+//! `actorpipe bench efa`: tagged ping-pong through the endpoint actor, and through pipes on the
+//! `efa` transport and the `efa` channel ([`crate::efa_pipe`]), next to a raw baseline written
+//! with the same libfabric binding (no actorpipe code on its path), in the same run, rounds
+//! alternating, on each provider asked for.
 //!
 //! Raw: two threads, each with its own endpoint, each busy-polling its completion queue: post a
 //! receive, post the send, wait for both. Actor: two threads, each an actix system with a
@@ -28,30 +29,46 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
         return idle(args, Duration::from_secs(secs));
     }
     println!(
-        "{:<12} {:>6} {:>11} {:>11} {:>6} {:>10} {:>10}",
-        "provider", "size", "raw p50", "actor p50", "ratio", "raw GB/s", "actor GB/s"
+        "{:<12} {:>6} {:<9} {:>11} {:>7} {:>9}",
+        "provider", "size", "row", "p50", "vs raw", "GB/s"
     );
     for provider in &args.providers {
         for &size in &args.sizes.0 {
             let counts = Counts::for_size(size, args.iters, None);
-            let (mut raw, mut actor) = (Samples::new(), Samples::new());
+            let mut rows = ["raw", "actor", "transport", "channel"].map(|n| (n, Samples::new()));
             for _ in 0..args.rounds {
-                raw.extend(raw_round(provider, size as usize, counts)?);
-                actor.extend(actor_round(provider, size as usize, counts)?);
+                rows[0]
+                    .1
+                    .extend(raw_round(provider, size as usize, counts)?);
+                rows[1]
+                    .1
+                    .extend(actor_round(provider, size as usize, counts)?);
+                let t = crate::efa_pipe::Row::Transport;
+                rows[2]
+                    .1
+                    .extend(crate::efa_pipe::round(t, provider, size, counts)?);
+                let c = crate::efa_pipe::Row::Channel;
+                rows[3]
+                    .1
+                    .extend(crate::efa_pipe::round(c, provider, size, counts)?);
             }
-            let (Some(r), Some(a)) = (Summary::of(&raw), Summary::of(&actor)) else {
+            let Some(raw) = Summary::of(&rows[0].1) else {
                 continue;
             };
-            println!(
-                "{:<12} {:>6} {:>11} {:>11} {:>6.2} {:>10.2} {:>10.2}",
-                provider,
-                human_size(size),
-                human_duration(r.p50),
-                human_duration(a.p50),
-                a.p50.as_secs_f64() / r.p50.as_secs_f64(),
-                gb_per_s(2 * size, r.p50),
-                gb_per_s(2 * size, a.p50),
-            );
+            for (name, samples) in &rows {
+                let Some(s) = Summary::of(samples) else {
+                    continue;
+                };
+                println!(
+                    "{:<12} {:>6} {:<9} {:>11} {:>7.2} {:>9.2}",
+                    provider,
+                    human_size(size),
+                    name,
+                    human_duration(s.p50),
+                    s.p50.as_secs_f64() / raw.p50.as_secs_f64(),
+                    gb_per_s(2 * size, s.p50),
+                );
+            }
         }
     }
     Ok(())

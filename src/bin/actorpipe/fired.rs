@@ -36,7 +36,7 @@ impl Recipients {
         if receive {
             let op = Receive {
                 spare,
-                deadline: None,
+                ..Receive::default()
             };
             pipe.do_send(op.notify_shared(&self.read));
         } else {

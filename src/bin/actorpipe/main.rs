@@ -13,6 +13,8 @@ mod bench;
 mod cli;
 #[cfg(feature = "efa")]
 mod efa;
+#[cfg(feature = "efa")]
+mod efa_pipe;
 mod failure;
 mod fired;
 mod idle;

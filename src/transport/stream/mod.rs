@@ -154,6 +154,12 @@ impl From<crate::message::Buffer> for Memory {
         match b {
             crate::message::Buffer::Cpu(v) => Memory::Owned(v),
             crate::message::Buffer::Shared(b) => Memory::Shared(b),
+            // The pipe hands device memory to CUDA channels, never to a stream.
+            #[cfg(feature = "cuda")]
+            crate::message::Buffer::Cuda(_) => {
+                debug_assert!(false, "a CUDA buffer handed to a byte stream");
+                Memory::Owned(Vec::new())
+            }
         }
     }
 }

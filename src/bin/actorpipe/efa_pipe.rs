@@ -1,0 +1,89 @@
+//! The pipe rows of `actorpipe bench efa`: the same ping-pong through two contexts, an echo
+//! server and a client in threads of their own, with one tensor of the size per message:
+//!
+//! - `transport`: the `efa` transport with the `basic` channel (the tensor's bytes travel on the
+//!   control stream: copied into and out of the stream's bounce buffers);
+//! - `channel`: the `efa` transport with the `efa` channel (the tensor goes from the sender's
+//!   buffer into the receiver's, in place).
+//!
+//! Both use the public API only ([`crate::bench`]'s echo server and client, `--api awaited`).
+
+use std::sync::{mpsc as std_mpsc, Arc};
+
+use actorpipe::actors::fabric::transport::Efa;
+use actorpipe::{Context, ContextBuilder};
+
+use crate::bench::{Api, Client};
+use crate::failure::Failure;
+use crate::measure::{Counts, Samples};
+use crate::plan::Shape;
+use crate::report::Progress;
+
+/// Which backends a pipe row runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Row {
+    /// `efa` transport, `basic` channel.
+    Transport,
+    /// `efa` transport, `efa` channel.
+    Channel,
+}
+
+impl Row {
+    fn builder(self, provider: &str) -> ContextBuilder {
+        let b = Context::builder().without("shm");
+        match self {
+            Row::Transport => b
+                .transport(Arc::new(Efa::new(provider)))
+                .only_channels(&["basic"]),
+            Row::Channel => b.efa(provider).only_channels(&["efa", "basic"]),
+        }
+    }
+
+    fn channel(self) -> &'static str {
+        match self {
+            Row::Transport => "basic",
+            Row::Channel => "efa",
+        }
+    }
+}
+
+/// One round of `counts` round trips of one tensor of `size` bytes.
+pub fn round(row: Row, provider: &str, size: u64, counts: Counts) -> Result<Samples, Failure> {
+    let (url_tx, url_rx) = std_mpsc::channel::<Result<String, Failure>>();
+    let (stop_tx, stop_rx) = std_mpsc::channel::<()>();
+    let p = provider.to_string();
+    let server = std::thread::spawn(move || {
+        actix::System::new().block_on(async move {
+            match crate::bench::listen(row.builder(&p), "tcp://127.0.0.1:0", Api::Awaited).await {
+                Ok(listening) => {
+                    let _ = url_tx.send(Ok(listening.urls[0].clone()));
+                    let _ = tokio::task::spawn_blocking(move || stop_rx.recv()).await;
+                    drop(listening);
+                }
+                Err(e) => {
+                    let _ = url_tx.send(Err(e));
+                }
+            }
+        })
+    });
+    let url = url_rx
+        .recv()
+        .map_err(|_| Failure::Failed("efa echo server: stopped".into()))??;
+    let result = actix::System::new().block_on(async {
+        let mut client =
+            Client::connect(row.builder(provider), &url, Shape::Tensor, Api::Awaited).await?;
+        if client.info.transport != "efa" || client.channel() != row.channel() {
+            return Err(Failure::Failed(format!(
+                "negotiated {} / {}, expected efa / {}",
+                client.info.transport,
+                client.channel(),
+                row.channel()
+            )));
+        }
+        let progress = Progress::new(counts.total() as u64, true);
+        client.measure(size, counts, &progress).await
+    });
+    let _ = stop_tx.send(());
+    let _ = server.join();
+    result
+}
