@@ -209,6 +209,10 @@ impl StreamHandler<Event> for Channel {
                     };
                     r.fail(e);
                 }
+                Event::Broken(why) => {
+                    let e = Error::io("ibv channel", std::io::Error::other(why), &self.origin);
+                    r.fail(e);
+                }
             }
         }
         self.ibv_flush(ctx);

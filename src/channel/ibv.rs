@@ -260,6 +260,8 @@ pub(crate) enum Event {
     Completions,
     /// The peer hung up the lane (or it failed): the peer is gone.
     PeerGone(String),
+    /// The completion channel can no longer be watched (the reactor is going away).
+    Broken(String),
 }
 
 /// A stream of [`Event`]s: the completion queue's descriptor and the lane's hang-up.
@@ -281,10 +283,17 @@ impl futures_core::Stream for Watch {
             return Poll::Ready(None);
         }
         if let Poll::Ready(r) = self.notify.poll_read_ready(cx) {
-            if let Ok(mut guard) = r {
-                guard.clear_ready();
-            }
-            return Poll::Ready(Some(Event::Completions));
+            return Poll::Ready(Some(match r {
+                Ok(mut guard) => {
+                    guard.clear_ready();
+                    Event::Completions
+                }
+                Err(e) => {
+                    // Reported once: the stream ends after it rather than spin.
+                    self.gone = true;
+                    Event::Broken(format!("watching the completion channel: {e}"))
+                }
+            }));
         }
         let mut byte = [0u8; 1];
         let mut rb = ReadBuf::new(&mut byte);
