@@ -85,11 +85,20 @@ fn info_lists_every_backend_and_why() {
         .output()
         .expect("run actorpipe info --json");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
-    // Six CPU backends; with the cuda feature each CUDA channel once per device pair; with the
-    // ibv feature the ibv transport and the ibv channel.
+    // Six CPU backends first; with the cuda feature each CUDA channel once per device pair;
+    // with the ibv feature the ibv transport and the ibv channel (other hardware backends come
+    // with their features).
+    let all = v.as_array().expect("a list");
     let cuda = if cfg!(feature = "cuda") { 8 } else { 0 };
     let ibv = if cfg!(feature = "ibv") { 2 } else { 0 };
-    assert_eq!(v.as_array().map(|a| a.len()), Some(6 + cuda + ibv));
+    let named = |p: &str| {
+        all.iter()
+            .filter(|b| b["name"].as_str().unwrap().starts_with(p))
+            .count()
+    };
+    assert_eq!(named("cuda_"), cuda, "{v}");
+    assert_eq!(named("ibv"), ibv, "{v}");
+    assert!(all.len() >= 6 + cuda + ibv, "{v}");
     assert_eq!(v[1]["name"], "shm");
     assert!(v[1]["domain"].as_str().unwrap().contains(':'));
 }
