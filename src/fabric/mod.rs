@@ -8,12 +8,16 @@
 //!
 //! Objects are `!Send`: a domain is opened with `FI_THREAD_DOMAIN`, so everything under it is
 //! used from the one thread that opened it (the endpoint actor's arbiter, or a baseline thread).
+//! One exception: an `shm` endpoint that a peer of this process may still reach is not closed
+//! when dropped but parked, and closed later, from whichever thread drops its last such peer,
+//! under [`linger`]'s lock (libfabric 1.17's shm would otherwise crash that peer).
 //! Posting is `unsafe`: the memory and the context pointer must stay valid until the completion
 //! is read or the endpoint is closed, and the caller (the endpoint actor) guarantees it.
 
 pub mod engine;
 pub mod faults;
 mod ffi;
+mod linger;
 pub mod regcache;
 pub mod tag;
 
@@ -239,6 +243,9 @@ struct FabricHandle {
 
 impl Drop for FabricHandle {
     fn drop(&mut self) {
+        if self.ptr.is_null() {
+            return; // handed to `linger` with its domain
+        }
         // SAFETY: opened by fi_fabric, closed once, after every domain (domains hold an Rc).
         unsafe { ffi::ap_close_fabric(self.ptr) };
     }
@@ -249,6 +256,9 @@ pub struct Domain {
     ptr: *mut ffi::FidDomain,
     fabric: FabricHandle,
     attributes: Attributes,
+    // Providers whose endpoints must outlive their peers in this process (shm): the domain's
+    // member number in `linger`'s registry.
+    linger: Option<u64>,
 }
 
 impl Domain {
@@ -276,10 +286,12 @@ impl Domain {
                 ret as i64,
             ));
         }
+        let linger = linger::applies(&attributes.provider).then(linger::join);
         Ok(Rc::new(Domain {
             ptr: domain,
             fabric,
             attributes,
+            linger,
         }))
     }
 
@@ -320,6 +332,11 @@ impl Domain {
 
 impl Drop for Domain {
     fn drop(&mut self) {
+        if let Some(member) = self.linger {
+            // Closed by `linger` once no open endpoint of this process can reach its endpoints.
+            let fabric = std::mem::replace(&mut self.fabric.ptr, std::ptr::null_mut());
+            return linger::release(member, self.ptr, fabric);
+        }
         // SAFETY: opened by fi_domain, closed once, after every endpoint, CQ, AV and MR under it
         // (each holds an Rc of the domain); the fabric closes after it (field drop order).
         unsafe { ffi::ap_close_domain(self.ptr) };
@@ -356,6 +373,9 @@ pub struct Cq {
 
 impl Drop for Cq {
     fn drop(&mut self) {
+        if self.ptr.is_null() {
+            return; // parked
+        }
         // SAFETY: opened by fi_cq_open, closed once, after the endpoint bound to it.
         unsafe { ffi::ap_close_cq(self.ptr) };
     }
@@ -369,6 +389,9 @@ pub struct Av {
 
 impl Drop for Av {
     fn drop(&mut self) {
+        if self.ptr.is_null() {
+            return; // parked
+        }
         // SAFETY: opened by fi_av_open, closed once, after the endpoint bound to it.
         unsafe { ffi::ap_close_av(self.ptr) };
     }
@@ -380,6 +403,9 @@ struct EpHandle {
 
 impl Drop for EpHandle {
     fn drop(&mut self) {
+        if self.ptr.is_null() {
+            return; // parked
+        }
         // SAFETY: opened by fi_endpoint, closed once, before its CQ and AV (field order of
         // Endpoint). Closing cancels whatever is still posted.
         unsafe { ffi::ap_close_ep(self.ptr) };
@@ -470,6 +496,9 @@ impl Endpoint {
             return Err(FabricError::new("fi_getname", &provider, ret as i64));
         }
         name.truncate(len);
+        if let Some(member) = domain.linger {
+            linger::named(member, &name);
+        }
         Ok(Endpoint {
             ep,
             cq,
@@ -522,6 +551,17 @@ impl Endpoint {
                     }
                 ),
             });
+        }
+        if let Some(member) = self.domain.linger {
+            // Links us to a peer of this process before the provider maps it (see `linger`).
+            if !linger::link(member, name) {
+                return Err(FabricError {
+                    op: "fi_av_insert",
+                    provider: self.provider().into(),
+                    code: constant(7) as i32,
+                    text: "the peer is an endpoint of this process that is closed already".into(),
+                });
+            }
         }
         let mut out = 0;
         // SAFETY: the provider reads one address of its own format from `name`, which holds a
@@ -684,6 +724,23 @@ impl Endpoint {
     pub fn trywait(&self) -> bool {
         // SAFETY: fabric and CQ are open.
         unsafe { ffi::ap_trywait(self.domain.fabric.ptr, self.cq.ptr) == 0 }
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        let Some(member) = self.domain.linger else {
+            return; // the fields close it: endpoint, then CQ and AV
+        };
+        // Parked, not closed: a peer of this process may still reach its region (see `linger`).
+        // Nothing posts on it or reads its CQ after this, so the provider never touches the
+        // memory of its pending operations again.
+        let parked = linger::Parked {
+            ep: std::mem::replace(&mut self.ep.ptr, std::ptr::null_mut()),
+            cq: std::mem::replace(&mut self.cq.ptr, std::ptr::null_mut()),
+            av: std::mem::replace(&mut self.av.ptr, std::ptr::null_mut()),
+        };
+        linger::park(member, parked);
     }
 }
 
