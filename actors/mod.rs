@@ -12,6 +12,7 @@ mod inbox;
 mod listener;
 mod messages;
 mod pipe;
+mod pool;
 
 pub use context::{Config, Context, ContextBuilder};
 pub use inbox::{inbox, Inbox};

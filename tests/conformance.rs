@@ -378,3 +378,15 @@ channel_suite!(mpt, || base()
     .without("shm")
     .only_channels(&["mpt", "basic"])
     .lanes(3));
+// The same lanes with their loops on I/O threads of the context's pool (the default on a
+// machine with more than 2 cores; this one may have 2), and more lanes than threads.
+channel_suite!(mpt_pool, "mpt", || base()
+    .without("shm")
+    .only_channels(&["mpt", "basic"])
+    .lanes(3)
+    .io_threads(2));
+channel_suite!(mpt_pool_many_lanes, "mpt", || base()
+    .without("shm")
+    .only_channels(&["mpt", "basic"])
+    .lanes(8)
+    .io_threads(3));

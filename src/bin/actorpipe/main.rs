@@ -20,6 +20,7 @@ mod plan;
 mod probe;
 mod report;
 mod run;
+mod scaling;
 mod server;
 mod units;
 
@@ -51,6 +52,9 @@ fn bench_command(what: BenchCommand) -> Result<(), Failure> {
         BenchCommand::Pipe(a) => (Kind::Pipe, a),
         BenchCommand::Idle(a) => return idle::run(&a),
     };
+    if scaling::wanted(kind, &args) {
+        return scaling::run(&args);
+    }
     let plan = plan::plan(kind, &args)?;
     run::run(&plan, &args)
 }

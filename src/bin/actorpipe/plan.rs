@@ -74,6 +74,8 @@ pub struct Setup {
     pub spin: Option<Duration>,
     /// Heartbeats and TCP keepalive off.
     pub no_keepalive: bool,
+    /// I/O pool threads, when set.
+    pub io_threads: Option<u32>,
 }
 
 impl Setup {
@@ -96,6 +98,9 @@ impl Setup {
         }
         if self.no_keepalive {
             b = b.no_keepalive();
+        }
+        if let Some(n) = self.io_threads {
+            b = b.io_threads(n as usize);
         }
         b
     }
@@ -208,7 +213,7 @@ fn channel_name(name: &str) -> Result<&'static str, Failure> {
 /// Decides the run from the command line.
 pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
     let default_lanes = actorpipe::channel::mpt::Mpt::default().lanes;
-    let lanes = args.lanes.unwrap_or(default_lanes);
+    let lanes = args.lanes().unwrap_or(default_lanes);
     let backend = args.backend.as_deref();
     if args.transport.is_some() && kind != Kind::Channel {
         return Err(bad(
@@ -229,6 +234,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                 lanes: None,
                 spin: None,
                 no_keepalive: false,
+                io_threads: None,
             };
             (
                 setup,
@@ -249,6 +255,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                 lanes: None,
                 spin: None,
                 no_keepalive: false,
+                io_threads: None,
             };
             let on = if setup.transports == Transports::Tcp {
                 "tcp"
@@ -267,6 +274,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                     lanes: None,
                     spin: None,
                     no_keepalive: false,
+                    io_threads: None,
                 }
             } else {
                 let (t, c) = name.split_once('+').ok_or_else(|| {
@@ -289,6 +297,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                     lanes: None,
                     spin: None,
                     no_keepalive: false,
+                    io_threads: None,
                 }
             };
             (setup, None, format!("pipe {name}"))
@@ -296,7 +305,8 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
     };
     let mut setup = setup;
     setup.no_keepalive = args.no_keepalive;
-    if let Some(n) = args.lanes {
+    setup.io_threads = args.io_threads;
+    if let Some(n) = args.lanes() {
         let mpt_possible = setup.channel.is_none() || setup.channel == Some("mpt");
         if !mpt_possible {
             return Err(bad(
