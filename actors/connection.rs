@@ -16,13 +16,16 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use actix::{Actor, Context, Handler, Message};
+use actix::{Actor, ArbiterHandle, Context, Handler, Message};
 use tokio::io::BufReader;
 use tokio::sync::{mpsc, watch};
 
 use crate::error::{Error, Origin};
 use crate::transport::liveness::Heartbeat;
+use std::future::Future;
 use std::sync::Arc;
+
+use super::pool::IoPool;
 
 use crate::transport::stream::{read_loop, write_loop, Farewell, InOp, OutOp, Parking, Stop};
 use crate::transport::{BoxRead, BoxWrite};
@@ -44,6 +47,30 @@ struct ReadParts {
     limits: Limits,
     origin: Origin,
     heartbeat: Option<Heartbeat>,
+    /// The I/O thread the loops run on; `None`: the current arbiter.
+    on: Option<OnThread>,
+}
+
+/// An I/O thread of the pool, and the pool itself: each loop holds the pool, so that its
+/// threads stop only once the last loop on them has finished (a connection actor may stop
+/// before its loops have failed their queued operations).
+#[derive(Clone)]
+struct OnThread(ArbiterHandle, Arc<IoPool>);
+
+/// Runs a loop on `on` (an I/O thread of the pool), or on the current arbiter.
+fn spawn_loop(on: Option<&OnThread>, task: impl Future<Output = ()> + Send + 'static) {
+    match on {
+        Some(OnThread(thread, pool)) => {
+            let pool = pool.clone();
+            // A stopped thread drops the loop: its queue closes, and every op submitted to
+            // it fails at once (`Link::write`, `Link::read`).
+            let _ = thread.spawn(async move {
+                task.await;
+                drop(pool);
+            });
+        }
+        None => drop(actix::spawn(task)),
+    }
 }
 
 /// The read side of a connection: not started yet, running, or stopped before it started.
@@ -64,22 +91,18 @@ impl std::fmt::Debug for Reader {
 }
 
 impl Reader {
-    /// The read loop's queue, starting the loop on the actor system's current arbiter if it
-    /// has not started; `None` once stopped.
+    /// The read loop's queue, starting the loop (on the connection's I/O thread, or else on the
+    /// actor system's current arbiter) if it has not started; `None` once stopped.
     fn queue(&mut self) -> Option<&mpsc::UnboundedSender<InOp>> {
         if matches!(self, Reader::Idle(_)) {
             let Reader::Idle(p) = std::mem::replace(self, Reader::Stopped) else {
                 unreachable!("checked above")
             };
             let (tx, rx) = mpsc::unbounded_channel();
-            actix::spawn(read_loop(
-                p.read,
-                rx,
-                p.stop,
-                p.limits,
-                p.origin,
-                p.heartbeat,
-            ));
+            spawn_loop(
+                p.on.as_ref(),
+                read_loop(p.read, rx, p.stop, p.limits, p.origin, p.heartbeat),
+            );
             *self = Reader::Running(tx);
         }
         match self {
@@ -151,19 +174,21 @@ impl Connection {
         origin: Origin,
         heartbeat: Option<Heartbeat>,
     ) -> (actix::Addr<Connection>, Link) {
-        Self::start_with(read, write, limits, origin, heartbeat, false)
+        Self::start_with(read, write, limits, origin, heartbeat, false, None)
     }
 
     /// Like [`Connection::start`], for a channel's own connection: the read loop starts with
-    /// the first read.
+    /// the first read, and with a `pool` that has threads both loops run on its next thread
+    /// (the actor itself stays on the current arbiter).
     pub(crate) fn start_lane(
         read: BufReader<BoxRead>,
         write: BoxWrite,
         limits: Limits,
         origin: Origin,
         heartbeat: Option<Heartbeat>,
+        pool: Option<&Arc<IoPool>>,
     ) -> (actix::Addr<Connection>, Link) {
-        Self::start_with(read, write, limits, origin, heartbeat, true)
+        Self::start_with(read, write, limits, origin, heartbeat, true, pool)
     }
 
     fn start_with(
@@ -173,24 +198,30 @@ impl Connection {
         origin: Origin,
         heartbeat: Option<Heartbeat>,
         lazy_read: bool,
+        pool: Option<&Arc<IoPool>>,
     ) -> (actix::Addr<Connection>, Link) {
+        let on = pool.and_then(|p| Some(OnThread(p.next()?, p.clone())));
         let (out_tx, out_rx) = mpsc::unbounded_channel();
         let (stop_tx, stop_rx) = watch::channel(None);
         let parking = Arc::new(Parking::default());
-        actix::spawn(write_loop(
-            write,
-            out_rx,
-            stop_rx.clone(),
-            origin.clone(),
-            heartbeat,
-            parking.clone(),
-        ));
+        spawn_loop(
+            on.as_ref(),
+            write_loop(
+                write,
+                out_rx,
+                stop_rx.clone(),
+                origin.clone(),
+                heartbeat,
+                parking.clone(),
+            ),
+        );
         let reader = Rc::new(RefCell::new(Reader::Idle(Box::new(ReadParts {
             read,
             stop: stop_rx,
             limits,
             origin,
             heartbeat,
+            on: on.clone(),
         }))));
         if !lazy_read {
             reader.borrow_mut().queue();
@@ -262,6 +293,11 @@ mod tests {
 
     /// A connection over one end of an in-memory pipe; the other end is returned.
     fn over_duplex() -> (Addr<Connection>, Link, tokio::io::DuplexStream) {
+        over_duplex_on(&Arc::new(IoPool::new(0)))
+    }
+
+    /// [`over_duplex`] with the loops on `pool`.
+    fn over_duplex_on(pool: &Arc<IoPool>) -> (Addr<Connection>, Link, tokio::io::DuplexStream) {
         let (ours, theirs) = tokio::io::duplex(4096);
         let (r, w) = tokio::io::split(ours);
         let (conn, link) = Connection::start_lane(
@@ -270,6 +306,7 @@ mod tests {
             Limits::default(),
             Origin::default(),
             None,
+            Some(pool),
         );
         (conn, link, theirs)
     }

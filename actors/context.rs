@@ -33,6 +33,8 @@ pub struct Config {
     pub(crate) handshake_timeout: Duration,
     pub(crate) max_pending_pipes: usize,
     pub(crate) cma_threads: usize,
+    /// The I/O threads channels' own connections (mpt lanes) run their loops on.
+    pub(crate) io: Arc<super::pool::IoPool>,
     pub(crate) cma_inline_max: Option<u64>,
     pub(crate) metrics_addr: Option<std::net::SocketAddr>,
     pub(crate) secret: Option<Arc<[u8]>>,
@@ -106,6 +108,7 @@ impl std::fmt::Debug for Config {
             .field("handshake_timeout", &self.handshake_timeout)
             .field("max_pending_pipes", &self.max_pending_pipes)
             .field("cma_threads", &self.cma_threads)
+            .field("io_threads", &self.io.size())
             .field("cma_inline_max", &self.cma_inline_max)
             .field("metrics_addr", &self.metrics_addr)
             .field("secret", &self.secret.as_ref().map(|_| "<set>"))
@@ -155,6 +158,7 @@ impl Default for ContextBuilder {
                 handshake_timeout: Duration::from_secs(10),
                 max_pending_pipes: DEFAULT_MAX_PENDING_PIPES,
                 cma_threads: 2,
+                io: Arc::new(super::pool::IoPool::new(0)),
                 cma_inline_max: None,
                 metrics_addr: None,
                 secret: None,
@@ -228,6 +232,25 @@ impl ContextBuilder {
     pub fn cma_threads(mut self, n: usize) -> Self {
         self.config.cma_threads = n.max(1);
         self
+    }
+
+    /// Threads of the context's I/O pool, on which the read and write loops of a channel's own
+    /// connections run (mpt's lanes, one thread per lane, round robin), so that a channel
+    /// striped over several connections uses several cores. The pipe, its channels and its
+    /// control connection stay on the context's arbiter, which keeps ordering. 0, the default,
+    /// runs every loop on the context's arbiter. The threads start when the first lane needs
+    /// one and stop when the context and the last loop on them are gone.
+    pub fn io_threads(mut self, n: usize) -> Self {
+        self.config.io = Arc::new(super::pool::IoPool::new(n));
+        self
+    }
+
+    /// [`io_threads`](Self::io_threads) sized from this machine: none on 2 cores or fewer
+    /// (where a second thread only adds wake-ups to every lane operation), half the cores
+    /// above that, at most 16.
+    pub fn io_threads_for_machine(self) -> Self {
+        let n = super::pool::default_threads(super::pool::available_cores());
+        self.io_threads(n)
     }
 
     /// Tensors of at most this many bytes that would go over cma travel on the pipe's own

@@ -16,6 +16,7 @@ mod inbox;
 mod listener;
 mod messages;
 mod pipe;
+mod pool;
 #[cfg(feature = "ibv")]
 pub(crate) mod queue_pair;
 

@@ -461,3 +461,15 @@ macro_rules! pair_suite {
 pair_suite!(ibv_rdma, "ibv", "ibv", || ibv_rdma(128));
 #[cfg(feature = "ibv")]
 pair_suite!(ibv_rdma_sq1, "ibv", "ibv", || ibv_rdma(1));
+// The same lanes with their loops on I/O threads of the context's pool (`io_threads`, off by
+// default), and more lanes than threads.
+channel_suite!(mpt_pool, "mpt", || base()
+    .without("shm")
+    .only_channels(&["mpt", "basic"])
+    .lanes(3)
+    .io_threads(2));
+channel_suite!(mpt_pool_many_lanes, "mpt", || base()
+    .without("shm")
+    .only_channels(&["mpt", "basic"])
+    .lanes(8)
+    .io_threads(3));

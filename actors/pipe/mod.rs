@@ -336,6 +336,9 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                         config.limits,
                         origin.clone(),
                         config.heartbeat,
+                        // Lanes that stripe tensors get cores of their own; cma's side
+                        // connections (acknowledgements) stay with the pipe.
+                        matches!(kind, ChannelKind::Mpt { .. }).then_some(&config.io),
                     )
                 })
                 .collect();

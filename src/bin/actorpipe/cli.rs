@@ -126,8 +126,16 @@ pub struct RunArgs {
     pub rounds: u32,
 
     /// Lanes (TCP connections) of the mpt channel, and sockets of its baseline. [default: 2]
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
-    pub lanes: Option<u32>,
+    /// `channel --backend mpt` takes a list (`--lanes 1,2,4,8`): it then measures each count
+    /// and single-stream tcp+basic in turn, and prints the scaling in one table.
+    #[arg(long, value_name = "N[,N..]", value_delimiter = ',',
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub lanes: Vec<u32>,
+
+    /// Threads of each context's I/O pool, on which mpt's lanes run
+    /// (`ContextBuilder::io_threads`). [default: the library's]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(0..=256))]
+    pub io_threads: Option<u32>,
 
     /// Local addresses the client's mpt lanes leave from, one per NIC, round-robin
     /// (`ContextBuilder::lane_addresses`); the raw baseline's sockets are not bound.
@@ -186,6 +194,16 @@ pub struct RunArgs {
     /// Internal: the shm baseline's descriptors, inherited from the client.
     #[arg(long, hide = true, value_name = "FDS")]
     pub shm_fds: Option<String>,
+}
+
+impl RunArgs {
+    /// The one lane count given, if exactly one was.
+    pub fn lanes(&self) -> Option<u32> {
+        match self.lanes[..] {
+            [n] => Some(n),
+            _ => None,
+        }
+    }
 }
 
 /// Options of `bench idle`.

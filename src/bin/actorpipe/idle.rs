@@ -76,6 +76,7 @@ fn setup(name: &str) -> Result<Setup, Failure> {
             lanes: None,
             spin: None,
             no_keepalive: false,
+            io_threads: None,
         }),
         "default" => Ok(Setup {
             transports: Transports::Both,
@@ -83,6 +84,7 @@ fn setup(name: &str) -> Result<Setup, Failure> {
             lanes: None,
             spin: None,
             no_keepalive: false,
+            io_threads: None,
         }),
         _ => Err(bad(format!(
             "unknown configuration {name:?} for bench idle: use tcp+basic or default"

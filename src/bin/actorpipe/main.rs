@@ -24,6 +24,7 @@ mod plan;
 mod probe;
 mod report;
 mod run;
+mod scaling;
 mod server;
 mod units;
 
@@ -57,6 +58,9 @@ fn bench_command(what: BenchCommand) -> Result<(), Failure> {
         #[cfg(feature = "efa")]
         BenchCommand::Efa(a) => return efa::run(&a),
     };
+    if scaling::wanted(kind, &args) {
+        return scaling::run(&args);
+    }
     let plan = plan::plan(kind, &args)?;
     run::run(&plan, &args)
 }

@@ -77,6 +77,8 @@ pub struct Setup {
     pub spin: Option<Duration>,
     /// Heartbeats and TCP keepalive off.
     pub no_keepalive: bool,
+    /// I/O pool threads, when set.
+    pub io_threads: Option<u32>,
 }
 
 impl Setup {
@@ -100,6 +102,9 @@ impl Setup {
         }
         if self.no_keepalive {
             b = b.no_keepalive();
+        }
+        if let Some(n) = self.io_threads {
+            b = b.io_threads(n as usize);
         }
         b
     }
@@ -228,7 +233,7 @@ fn channel_name(name: &str) -> Result<&'static str, Failure> {
 /// Decides the run from the command line.
 pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
     let default_lanes = actorpipe::channel::mpt::Mpt::default().lanes;
-    let lanes = args.lanes.unwrap_or(default_lanes);
+    let lanes = args.lanes().unwrap_or(default_lanes);
     let backend = args.backend.as_deref();
     if args.transport.is_some() && kind != Kind::Channel {
         return Err(bad(
@@ -255,6 +260,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                 lanes: None,
                 spin: None,
                 no_keepalive: false,
+                io_threads: None,
             };
             let (baseline, label) = if transports == Transports::IbvSim {
                 // The simulated wire is a memcpy under a lock: compare with a plain memcpy.
@@ -300,6 +306,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                 lanes: None,
                 spin: None,
                 no_keepalive: false,
+                io_threads: None,
             };
             let on = if setup.transports == Transports::Tcp {
                 "tcp"
@@ -318,6 +325,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                     lanes: None,
                     spin: None,
                     no_keepalive: false,
+                    io_threads: None,
                 }
             } else {
                 let (t, c) = name.split_once('+').ok_or_else(|| {
@@ -340,6 +348,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                     lanes: None,
                     spin: None,
                     no_keepalive: false,
+                    io_threads: None,
                 }
             };
             (setup, None, format!("pipe {name}"))
@@ -347,7 +356,8 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
     };
     let mut setup = setup;
     setup.no_keepalive = args.no_keepalive;
-    if let Some(n) = args.lanes {
+    setup.io_threads = args.io_threads;
+    if let Some(n) = args.lanes() {
         let mpt_possible = setup.channel.is_none() || setup.channel == Some("mpt");
         if !mpt_possible {
             return Err(bad(

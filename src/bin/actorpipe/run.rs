@@ -43,6 +43,18 @@ pub fn run(plan: &Plan, args: &RunArgs) -> Result<(), Failure> {
         }
         return server::serve(plan, args, url, largest);
     }
+    let report = measure(plan, args)?;
+    if args.json {
+        let mut text = serde_json::to_string_pretty(&report.json()).expect("plain JSON");
+        text.push('\n');
+        crate::report::emit(&text)
+    } else {
+        crate::report::emit(&report.table())
+    }
+}
+
+/// Measures the client side of `plan` (not `--listen`) and returns its report.
+pub fn measure(plan: &Plan, args: &RunArgs) -> Result<Report, Failure> {
     // How the two cores reach each other now, and again at the end (see `probe`).
     let cores_before = crate::probe::measure();
     if args.pin {
@@ -215,13 +227,7 @@ pub fn run(plan: &Plan, args: &RunArgs) -> Result<(), Failure> {
         cores,
         provenance: Provenance::here(),
     };
-    if args.json {
-        let mut text = serde_json::to_string_pretty(&report.json()).expect("plain JSON");
-        text.push('\n');
-        crate::report::emit(&text)
-    } else {
-        crate::report::emit(&report.table())
-    }
+    Ok(report)
 }
 
 fn arrangement_text(plan: &Plan) -> String {
@@ -248,7 +254,8 @@ fn server_args(plan: &Plan, args: &RunArgs, shm_fds: Option<String>) -> Vec<Stri
     for (flag, value) in [
         ("--backend", args.backend.clone()),
         ("--transport", args.transport.clone()),
-        ("--lanes", args.lanes.map(|n| n.to_string())),
+        ("--lanes", args.lanes().map(|n| n.to_string())),
+        ("--io-threads", args.io_threads.map(|n| n.to_string())),
         ("--spin", args.spin.map(|n| n.to_string())),
         ("--shm-fds", shm_fds),
         ("--api", Some(args.api.name().to_string())),

@@ -175,6 +175,10 @@ pub struct Region {
 // into it, shared read-only for writes from it); moving it to another thread moves that borrow,
 // as `&mut [u8]` and `&[u8]` may be moved.
 unsafe impl Send for Region {}
+// SAFETY: as `&mut [u8]` is: through `&Region` only reads are possible (`Memory::as_slice`);
+// writing needs `&mut` (`Memory::as_mut_slice`). The loops hold `&OutOp` across awaits, and
+// run on an I/O thread of their own when the pool has threads.
+unsafe impl Sync for Region {}
 
 impl Region {
     /// A region over `len` bytes at `ptr`.

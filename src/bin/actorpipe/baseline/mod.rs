@@ -4,12 +4,13 @@
 //! | actorpipe path | baseline |
 //! | --- | --- |
 //! | `tcp` transport, `basic` channel over tcp | tokio TCP ping-pong, one socket |
-//! | `mpt` channel | tokio TCP ping-pong over `lanes` sockets, a stripe each |
+//! | `mpt` channel | TCP ping-pong over `lanes` sockets, a stripe each, one thread per socket |
 //! | `shm` transport, `basic` channel over shm | two memfd rings + eventfds between two processes |
 //! | `cma` channel | `process_vm_readv` of the size, twice per round trip |
 //! | `xth` channel, and the same-host ceiling | single-thread `memcpy`, twice per round trip |
 
 pub mod cma;
+mod lanes;
 pub mod shm;
 pub mod tcp;
 
@@ -59,7 +60,7 @@ impl Baseline {
         match self {
             Baseline::Tcp { lanes: 1 } => "tokio TCP ping-pong, 1 socket".into(),
             Baseline::Tcp { lanes } => {
-                format!("tokio TCP ping-pong, {lanes} sockets in parallel (1/{lanes} of the bytes each, one thread)")
+                format!("TCP ping-pong, {lanes} sockets in parallel (1/{lanes} of the bytes each, one thread per socket)")
             }
             Baseline::ShmRing => {
                 "memfd ring + eventfd ping-pong between two processes (blocking threads)".into()

@@ -7,7 +7,9 @@
 //! A session opens with a 16-byte hello on every socket: lanes (u32), lane index (u32) and
 //! message size (u64), little endian. Then, per round trip, the client writes every stripe at
 //! once; the server reads every stripe, then writes every stripe back; the client reads them.
-//! Both sides run on a current-thread runtime, as an actorpipe context does.
+//! One socket runs on a current-thread runtime on each side, as an actorpipe context does;
+//! several run one blocking thread per socket on each side ([`super::lanes`]), so that the
+//! baseline of `mpt` shows what the machine can do over N sockets, not what one thread can.
 
 use std::future::Future;
 use std::io;
@@ -173,6 +175,10 @@ async fn serve(listener: TcpListener) {
 /// Echoes round trips until the client hangs up.
 async fn echo(mut socks: Vec<TcpStream>, size: u64) -> io::Result<()> {
     let plan = stripes(size, socks.len() as u32);
+    if socks.len() > 1 {
+        // This thread serves one session at a time: it waits for the lane threads.
+        return super::lanes::echo(socks, &plan);
+    }
     let mut buf = vec![0u8; size as usize];
     loop {
         match read_stripes(&mut socks, &mut buf, &plan).await {
@@ -198,6 +204,8 @@ struct Session {
     size: u64,
     plan: Vec<(usize, usize)>,
     socks: Vec<TcpStream>,
+    /// With more than one socket: a thread each, holding the sockets.
+    threads: Option<super::lanes::LaneThreads>,
     out: Vec<u8>,
     back: Vec<u8>,
 }
@@ -218,13 +226,44 @@ impl Session {
             s.write_all(&hello).await?;
             socks.push(s);
         }
+        let out = pattern(size as usize, size);
+        let threads = if socks.len() > 1 {
+            Some(super::lanes::LaneThreads::start(
+                std::mem::take(&mut socks),
+                &plan,
+                &out,
+            )?)
+        } else {
+            None
+        };
         Ok(Session {
             size,
             plan,
             socks,
-            out: pattern(size as usize, size),
+            threads,
             back: vec![0u8; size as usize],
+            out,
         })
+    }
+
+    /// The round trips of a session with a thread per socket.
+    fn run_threaded(
+        threads: &super::lanes::LaneThreads,
+        counts: Counts,
+        progress: &Progress,
+    ) -> io::Result<Samples> {
+        let mut samples = Samples::with_capacity(counts.iters as usize);
+        for i in 0..counts.total() {
+            let start = Instant::now();
+            threads.trip(ROUND_TRIP_LIMIT)?;
+            let took = start.elapsed();
+            if i >= counts.warmup {
+                samples.push(took);
+            }
+            progress.inc();
+        }
+        threads.verify(ROUND_TRIP_LIMIT)?;
+        Ok(samples)
     }
 
     /// The round trips, with no timer on their path; `trips` counts them for the watchdog.
@@ -282,12 +321,19 @@ impl TcpClient {
     ) -> io::Result<Samples> {
         let (addr, lanes) = (self.addr, self.lanes);
         let kept = self.session.take().filter(|s| s.size == size);
+        let session = match kept {
+            Some(s) => s,
+            None => self.rt.block_on(Session::open(addr, size, lanes))?,
+        };
+        if let Some(threads) = &session.threads {
+            let result = Session::run_threaded(threads, counts, progress);
+            if result.is_ok() {
+                self.session = Some(session);
+            }
+            return result;
+        }
         let progress = progress.clone();
         let (session, result) = self.rt.block_on(async move {
-            let session = match kept {
-                Some(s) => s,
-                None => Session::open(addr, size, lanes).await?,
-            };
             // The round trips run as a task of their own; this one only wakes up now and
             // then to check that they are moving.
             let trips = Arc::new(AtomicU32::new(0));
