@@ -54,10 +54,13 @@ async fn transfer(tx: &Addr<Pipe>, rx: &Addr<Pipe>, n: u64, size: usize) {
     }
 }
 
-/// The tests of this file count threads: one at a time.
+/// The tests of this file count threads: one at a time. Each `#[actix::test]` runs on its own
+/// thread and runtime, so a std mutex held across their awaits only serializes the tests
+/// (hence `allow(clippy::await_holding_lock)` on them).
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[actix::test]
+#[allow(clippy::await_holding_lock)]
 async fn lanes_run_on_threads_of_their_own() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     if !std::path::Path::new("/proc/self/task/").exists() {
@@ -143,6 +146,7 @@ fn socket_between(local: &str, peer: &str) -> Option<RawFd> {
 }
 
 #[actix::test]
+#[allow(clippy::await_holding_lock)]
 async fn a_lane_dying_fails_pending_ops_in_order() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let (tx, rx, _s) = pair(mpt(4, 3), mpt(4, 3)).await;

@@ -288,6 +288,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                 lanes: None,
                 spin: None,
                 no_keepalive: false,
+                io_threads: None,
             };
             // The simulated wire is a memcpy under a lock: compare with a plain memcpy.
             let label = "channel ibv over transport ibv (SIMULATED device)".to_string();
