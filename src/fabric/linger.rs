@@ -79,6 +79,8 @@ fn key(name: &[u8]) -> Vec<u8> {
 
 /// A new member, for a domain just opened.
 pub(super) fn join() -> u64 {
+    static SWEPT: OnceLock<()> = OnceLock::new();
+    SWEPT.get_or_init(sweep_stale_regions_of_this_pid);
     let mut r = registry();
     r.next += 1;
     let id = r.next;
@@ -189,5 +191,77 @@ fn close(p: Parked) {
         ffi::ap_close_ep(p.ep);
         ffi::ap_close_cq(p.cq);
         ffi::ap_close_av(p.av);
+    }
+}
+
+/// Removes the shm regions a dead process with this process's pid left behind.
+///
+/// libfabric 1.17's `shm` provider names an endpoint's region `/dev/shm/PID:N:M` and creates it
+/// exclusively; a process killed with SIGKILL never unlinks its regions (16 MiB each). When the
+/// pid comes round again, the new process's `fi_endpoint` fails with `EBUSY` ("Device or
+/// resource busy"): the peer-death tests, which kill processes by the dozen, met it on a busy
+/// machine. Before this process's first shm domain has an endpoint, every region named after
+/// its pid is such a leftover, so it is unlinked. Regions of other pids are left alone: their
+/// process may live in another pid namespace that shares this `/dev/shm`.
+fn sweep_stale_regions_of_this_pid() {
+    sweep(std::path::Path::new("/dev/shm"), std::process::id());
+}
+
+/// Unlinks the files of `dir` named `PID:N:M` for `pid`; returns how many.
+fn sweep(dir: &std::path::Path, pid: u32) -> usize {
+    let prefix = format!("{pid}:");
+    let Ok(dir) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(rest) = name.strip_prefix(&prefix) else {
+            continue;
+        };
+        // The provider's own shape only: PID:N:M, digits.
+        let mut parts = rest.split(':');
+        let shaped = parts.clone().count() == 2
+            && parts.all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+        if !shaped {
+            continue;
+        }
+        match std::fs::remove_file(entry.path()) {
+            Ok(()) => {
+                removed += 1;
+                tracing::info!(region = name, "removed a stale shm region of this pid")
+            }
+            Err(e) => tracing::warn!(region = name, error = %e, "stale shm region left in place"),
+        }
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sweep_removes_only_this_pids_regions_of_the_providers_shape() {
+        let dir = std::env::temp_dir().join(format!("ap-sweep-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let names = [
+            "4242:0:0",
+            "4242:3:12",
+            "42420:0:0",
+            "4242:x:0",
+            "4242:0",
+            "77:0:0",
+        ];
+        for n in names {
+            std::fs::write(dir.join(n), b"").unwrap();
+        }
+        assert_eq!(super::sweep(&dir, 4242), 2);
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["42420:0:0", "4242:0", "4242:x:0", "77:0:0"]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
