@@ -125,9 +125,10 @@ mod tests {
         }
         #[cfg(feature = "cuda")]
         {
-            // Each CUDA channel once per device pair. cuda_xth, which the pipe carries, is
-            // available exactly where CUDA is; the others are offered only once the pipe
-            // carries them, and the reason says why not: no CUDA here, or not carried yet.
+            // Each CUDA channel once per device pair. cuda_xth and cuda_ipc, which the pipe
+            // carries, are available exactly where CUDA is (this host's boot id is readable);
+            // cuda_basic is offered only once the pipe carries it, and the reason says why
+            // not: no CUDA here, or not carried yet.
             let cuda: Vec<_> = r.iter().filter(|b| b.name.starts_with("cuda_")).collect();
             assert_eq!(cuda.len(), 3 + 2 + 3, "{cuda:?}");
             let cuda_ok = crate::cuda::available();
@@ -136,7 +137,7 @@ mod tests {
                 Err(e) => e.clone(),
             };
             for b in cuda {
-                if b.name == "cuda_xth" {
+                if b.name == "cuda_xth" || b.name == "cuda_ipc" {
                     assert_eq!(b.available, cuda_ok.is_ok(), "{b:?}");
                     assert_eq!(b.reason, cuda_ok.clone().err(), "{b:?}");
                 } else {

@@ -6,6 +6,8 @@
 //! docs/cuda.md says how to build it here and run it on a GPU machine.
 
 mod common;
+#[path = "cuda/ipc_pipe.rs"]
+mod ipc_pipe;
 #[path = "cuda/pipe.rs"]
 mod pipe;
 
@@ -89,6 +91,17 @@ fn main() {
     );
     add("pipe_cuda_xth_across_two_gpus", 2, pipe::across_two_gpus);
     add("pipe_cuda_xth_measure_round_trips", 1, pipe::measure);
+    add(
+        "pipe_cuda_ipc_round_trips_between_processes",
+        1,
+        ipc_pipe::round_trips,
+    );
+    add(
+        "pipe_cuda_ipc_peer_killed_leaks_nothing",
+        1,
+        ipc_pipe::peer_killed,
+    );
+    add("pipe_cuda_ipc_measure_round_trips", 1, ipc_pipe::measure);
     libtest_mimic::run(&args, trials).exit();
 }
 
@@ -296,6 +309,8 @@ fn ipc_other_process() -> Outcome {
 fn child(role: &str) -> Outcome {
     match role {
         "ipc_recv" => ipc_receiver(),
+        ipc_pipe::ECHO => ipc_pipe::echo(),
+        ipc_pipe::SEND_AND_HANG => ipc_pipe::send_and_hang(),
         "ipc_send" => ipc_sender(),
         "ipc_open" => {
             let mut line = String::new();

@@ -47,6 +47,8 @@ pub(crate) struct SendCuda {
     pub seq: u64,
     pub index: u32,
     pub buffer: Buffer,
+    /// For `cuda_ipc`: what the pipe exported for the descriptor (`None` for an empty tensor).
+    pub ipc: Option<crate::channel::cuda_ipc::Outgoing>,
 }
 
 impl Message for SendCuda {
@@ -109,7 +111,7 @@ impl Channel {
         )
     }
 
-    fn cuda_to_pipe(&self, d: CudaDone) {
+    pub(super) fn cuda_to_pipe(&self, d: CudaDone) {
         match &self.cuda_reply {
             Some(tx) => post(tx, d),
             None => tracing::error!("a CUDA completion with no pipe queue to go to"),
@@ -117,7 +119,9 @@ impl Channel {
     }
 
     pub(super) fn send_cuda_xth(&mut self, pipe: u64, m: SendCuda) {
-        let SendCuda { seq, index, buffer } = m;
+        let SendCuda {
+            seq, index, buffer, ..
+        } = m;
         let (src, ready) = match &buffer {
             Buffer::Cuda(b) => {
                 // Captures the work the user queued on the tensor's stream so far; the copy
@@ -299,6 +303,7 @@ impl Handler<SendCuda> for Channel {
     fn handle(&mut self, m: SendCuda, ctx: &mut Self::Context) {
         match self.kind {
             ChannelKind::CudaXth { pipe } => self.send_cuda_xth(pipe, m),
+            ChannelKind::CudaIpc { .. } => self.send_cuda_ipc(m),
             _ => self.cuda_to_pipe(CudaDone::Wrote {
                 seq: m.seq,
                 index: m.index,
@@ -316,6 +321,7 @@ impl Handler<RecvCuda> for Channel {
     fn handle(&mut self, m: RecvCuda, ctx: &mut Self::Context) {
         match self.kind {
             ChannelKind::CudaXth { .. } => self.recv_cuda_xth(m),
+            ChannelKind::CudaIpc { .. } => self.recv_cuda_ipc(m, ctx),
             _ => self.cuda_to_pipe(CudaDone::Read {
                 seq: m.seq,
                 index: m.index,

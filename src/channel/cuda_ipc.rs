@@ -90,12 +90,24 @@ impl ChannelBackend for CudaIpc {
         self.devices
     }
 
+    /// One side connection: each side acknowledges the tensors it received on it.
+    fn connections(&self) -> u32 {
+        1
+    }
+
+    /// Acknowledgements only: small frames.
+    fn lane_read_buffer(&self) -> usize {
+        super::cma::SIDE_READ_BUFFER
+    }
+
     fn viable(&self) -> Result<(), String> {
+        // Carried by the pipe (actors/channel/cuda_ipc.rs): offered wherever CUDA works on a
+        // host whose boot id can be read.
         crate::cuda::available()?;
         if std::fs::metadata("/proc/sys/kernel/random/boot_id").is_err() {
             return Err("cannot read the boot id: no way to tell peers of this host".into());
         }
-        Err(super::CUDA_NOT_CARRIED.into())
+        Ok(())
     }
 }
 
