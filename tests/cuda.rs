@@ -34,6 +34,9 @@ fn main() {
             }
         });
     }
+    // cuda_ipc is offered only on request until these trials have run on a GPU (the child
+    // processes inherit the setting).
+    std::env::set_var(actorpipe::channel::cuda_ipc::OPT_IN, "1");
     let args = Arguments::from_args();
     let skip = cuda::available().err();
     let gpus = cuda::device_count();
