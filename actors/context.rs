@@ -139,7 +139,9 @@ impl std::fmt::Debug for Config {
 ///
 /// With no settings it enables every backend that can run here: transports `tcp` and `shm`,
 /// channels `basic`, `xth`, `cma` (if a trial read of this process succeeds) and `mpt` (2 lanes),
-/// and with the `cuda` feature `cuda_xth` (one per device pair) where a CUDA GPU is.
+/// and with the `cuda` feature `cuda_xth` (one per device pair) where a CUDA GPU is, and
+/// `cuda_ipc` and `cuda_basic` there too when asked for (`ACTORPIPE_CUDA_IPC=1`,
+/// `ACTORPIPE_CUDA_BASIC=1`: docs/cuda.md).
 /// Every backend can be removed ([`without`](Self::without)), re-prioritised
 /// ([`priority`](Self::priority)) or replaced by one configured differently
 /// ([`transport`](Self::transport), [`channel`](Self::channel)).
@@ -195,6 +197,10 @@ impl Default for ContextBuilder {
         }
         #[cfg(feature = "cuda")]
         for c in crate::channel::cuda_ipc::CudaIpc::all() {
+            b = b.channel(c);
+        }
+        #[cfg(feature = "cuda")]
+        for c in crate::channel::cuda_basic::CudaBasic::all() {
             b = b.channel(c);
         }
         b

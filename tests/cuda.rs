@@ -34,9 +34,10 @@ fn main() {
             }
         });
     }
-    // cuda_ipc is offered only on request until these trials have run on a GPU (the child
-    // processes inherit the setting).
+    // cuda_ipc and cuda_basic are offered only on request until these trials have run on a GPU
+    // (the child processes inherit the setting).
     std::env::set_var(actorpipe::channel::cuda_ipc::OPT_IN, "1");
+    std::env::set_var(actorpipe::channel::cuda_basic::OPT_IN, "1");
     let args = Arguments::from_args();
     let skip = cuda::available().err();
     let gpus = cuda::device_count();
@@ -105,6 +106,11 @@ fn main() {
         ipc_pipe::peer_killed,
     );
     add("pipe_cuda_ipc_measure_round_trips", 1, ipc_pipe::measure);
+    add(
+        "pipe_cuda_basic_round_trips_between_processes",
+        1,
+        ipc_pipe::basic_round_trips,
+    );
     libtest_mimic::run(&args, trials).exit();
 }
 

@@ -89,6 +89,11 @@ impl Channel {
             ipc,
         } = m;
         let result = match (&mut self.ipc, ipc) {
+            // No connection to hear the ack on (a peer that negotiated none): refuse.
+            (Some(_), Some(_)) if self.lanes.is_empty() => Err(Error::protocol(
+                "cuda_ipc was negotiated without its connection",
+                &self.origin,
+            )),
             (Some(side), Some(out)) => {
                 side.sent.insert((seq, index), (buffer, out));
                 return self.arm_ack();

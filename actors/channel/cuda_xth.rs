@@ -304,6 +304,7 @@ impl Handler<SendCuda> for Channel {
         match self.kind {
             ChannelKind::CudaXth { pipe } => self.send_cuda_xth(pipe, m),
             ChannelKind::CudaIpc { .. } => self.send_cuda_ipc(m),
+            ChannelKind::CudaBasic => self.send_cuda_basic(m, ctx),
             _ => self.cuda_to_pipe(CudaDone::Wrote {
                 seq: m.seq,
                 index: m.index,
@@ -322,6 +323,7 @@ impl Handler<RecvCuda> for Channel {
         match self.kind {
             ChannelKind::CudaXth { .. } => self.recv_cuda_xth(m),
             ChannelKind::CudaIpc { .. } => self.recv_cuda_ipc(m, ctx),
+            ChannelKind::CudaBasic => self.recv_cuda_basic(m, ctx),
             _ => self.cuda_to_pipe(CudaDone::Read {
                 seq: m.seq,
                 index: m.index,

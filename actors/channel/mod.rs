@@ -59,6 +59,10 @@ pub(crate) enum ChannelKind {
     /// receiver acknowledges each tensor on the channel's side connection once its copy has run.
     #[cfg(feature = "cuda")]
     CudaIpc { pipe: u64 },
+    /// CUDA tensors through pinned staging chunks on the channel's own connection (feature
+    /// `cuda`): any two peers.
+    #[cfg(feature = "cuda")]
+    CudaBasic,
     /// RDMA writes into the receiver's registered buffer (feature `ibv`). Tensors of
     /// 1..=`inline_max` bytes (at least the 31 under the verbs minimum) travel like basic ones.
     #[cfg(feature = "ibv")]
@@ -93,7 +97,9 @@ impl ChannelKind {
             ChannelKind::Ibv { .. } => Carried::NoData,
             ChannelKind::Xth { .. } | ChannelKind::Mpt { .. } => Carried::Nothing,
             #[cfg(feature = "cuda")]
-            ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } => Carried::Nothing,
+            ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
+                Carried::Nothing
+            }
             #[cfg(feature = "efa")]
             ChannelKind::Efa => Carried::Nothing,
         }
@@ -109,7 +115,9 @@ impl ChannelKind {
             ChannelKind::Ibv { chunk_size, .. } => chunk_size,
             ChannelKind::Xth { .. } => usize::MAX,
             #[cfg(feature = "cuda")]
-            ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } => usize::MAX,
+            ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
+                usize::MAX
+            }
             #[cfg(feature = "efa")]
             ChannelKind::Efa => usize::MAX,
         }
@@ -120,7 +128,9 @@ impl ChannelKind {
     pub(crate) fn carries_cuda(&self) -> bool {
         match self {
             #[cfg(feature = "cuda")]
-            ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } => true,
+            ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
+                true
+            }
             _ => false,
         }
     }
@@ -189,6 +199,9 @@ pub struct Channel {
     /// The `cuda_ipc` channel's state.
     #[cfg(feature = "cuda")]
     ipc: Option<cuda_ipc::IpcSide>,
+    /// The `cuda_basic` channel's state, made on first use.
+    #[cfg(feature = "cuda")]
+    cuda_basic: Option<cuda_basic::BasicSide>,
     /// cma reads running on blocking threads.
     reading: usize,
     stopping: bool,
@@ -271,6 +284,8 @@ impl Channel {
             cuda_keys: Vec::new(),
             #[cfg(feature = "cuda")]
             ipc: None,
+            #[cfg(feature = "cuda")]
+            cuda_basic: None,
             reading: 0,
             stopping: false,
             fallbacks,
@@ -429,7 +444,10 @@ impl Channel {
             self.close_acks();
         }
         #[cfg(feature = "cuda")]
-        if !self.cuda_keys.is_empty() || self.ipc.as_ref().is_some_and(|s| s.busy()) {
+        if !self.cuda_keys.is_empty()
+            || self.ipc.as_ref().is_some_and(|s| s.busy())
+            || self.cuda_basic.as_ref().is_some_and(|s| s.busy())
+        {
             return;
         }
         #[cfg(feature = "ibv")]
@@ -453,9 +471,16 @@ impl Channel {
 
     fn on_own(&mut self, d: Done, ctx: &mut Context<Self>) {
         #[cfg(feature = "cuda")]
-        if let ChannelKind::CudaIpc { .. } = self.kind {
-            self.ipc_lane(d);
-            return self.maybe_stop(ctx);
+        match self.kind {
+            ChannelKind::CudaIpc { .. } => {
+                self.ipc_lane(d);
+                return self.maybe_stop(ctx);
+            }
+            ChannelKind::CudaBasic => {
+                self.basic_lane(d, ctx);
+                return self.maybe_stop(ctx);
+            }
+            _ => {}
         }
         #[cfg(feature = "efa")]
         if self.kind == ChannelKind::Efa {
@@ -617,7 +642,7 @@ impl Handler<SendTensor> for Channel {
                 self.stripe(m.seq, m.index, m.buffer, true, chunk_size)
             }
             #[cfg(feature = "cuda")]
-            ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } => {
+            ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
                 self.to_pipe(Done::WroteTensor {
                     seq: m.seq,
                     index: m.index,
@@ -658,7 +683,7 @@ impl Handler<RecvTensor> for Channel {
                 self.stripe(m.seq, m.index, Memory::Owned(m.buffer), false, chunk_size)
             }
             #[cfg(feature = "cuda")]
-            ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } => {
+            ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
                 self.to_pipe(Done::Tensor {
                     seq: m.seq,
                     index: m.index,
@@ -696,6 +721,10 @@ impl Handler<StopChannel> for Channel {
         }
         #[cfg(feature = "cuda")]
         self.withdraw_cuda(&e);
+        #[cfg(feature = "cuda")]
+        if let ChannelKind::CudaBasic = self.kind {
+            self.basic_stop(e.clone(), ctx);
+        }
         #[cfg(feature = "efa")]
         if self.kind == ChannelKind::Efa {
             self.efa_stop(ctx);
@@ -742,6 +771,8 @@ fn lane_gone() -> Error {
 }
 
 mod cma;
+#[cfg(feature = "cuda")]
+mod cuda_basic;
 #[cfg(feature = "cuda")]
 mod cuda_ipc;
 #[cfg(feature = "cuda")]

@@ -309,6 +309,8 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                 "cuda_xth" => ChannelKind::CudaXth { pipe: id },
                 #[cfg(feature = "cuda")]
                 "cuda_ipc" => ChannelKind::CudaIpc { pipe: id },
+                #[cfg(feature = "cuda")]
+                "cuda_basic" => ChannelKind::CudaBasic,
                 #[cfg(feature = "ibv")]
                 "ibv" => ChannelKind::Ibv {
                     chunk_size,

@@ -19,11 +19,16 @@ use super::{common, fail, filled, gpu0, Outcome};
 pub const ECHO: &str = "pipe_echo";
 pub const SEND_AND_HANG: &str = "pipe_send_and_hang";
 
-/// Starts this binary as the peer in `role`, connecting to a listener of ours; returns the
-/// child and our end of its pipe, after checking that cuda_ipc carries cuda->cuda and
-/// cuda->cpu.
-async fn peer(role: &str) -> Result<(common::ChildProcess, Addr<Pipe>, common::Server), Failed> {
-    let mut s = common::Server::start(Context::builder(), "tcp://127.0.0.1:0").await;
+/// Starts this binary as the peer in `role`, connecting to a listener of ours built from
+/// `builder`; returns the child and our end of its pipe, after checking that `channel` carries
+/// each of `pairs`.
+async fn peer_with(
+    role: &str,
+    builder: actorpipe::ContextBuilder,
+    channel: &str,
+    pairs: &[&str],
+) -> Result<(common::ChildProcess, Addr<Pipe>, common::Server), Failed> {
+    let mut s = common::Server::start(builder, "tcp://127.0.0.1:0").await;
     let mut cmd = Command::new(std::env::current_exe().map_err(fail)?);
     cmd.env("ACTORPIPE_CUDA_CHILD", role)
         .env("ACTORPIPE_CUDA_URL", &s.url);
@@ -31,8 +36,8 @@ async fn peer(role: &str) -> Result<(common::ChildProcess, Addr<Pipe>, common::S
     let pipe = s.next().await;
     let info = pipe.send(GetInfo).await.map_err(fail)?;
     println!("pipe channels: {}", info.channel_list());
-    for pair in ["cuda->cuda", "cuda->cpu"] {
-        let want = format!("cuda_ipc ({pair})");
+    for pair in pairs {
+        let want = format!("{channel} ({pair})");
         if !info.channels.iter().any(|c| c.to_string() == want) {
             return Err(fail(format!(
                 "{want} not negotiated: {}",
@@ -41,6 +46,74 @@ async fn peer(role: &str) -> Result<(common::ChildProcess, Addr<Pipe>, common::S
         }
     }
     Ok((child, pipe, s))
+}
+
+/// [`peer_with`] every channel: cuda_ipc must carry cuda->cuda and cuda->cpu.
+async fn peer(role: &str) -> Result<(common::ChildProcess, Addr<Pipe>, common::Server), Failed> {
+    peer_with(
+        role,
+        Context::builder(),
+        "cuda_ipc",
+        &["cuda->cuda", "cuda->cpu"],
+    )
+    .await
+}
+
+/// Where each tensor of [`mixed`] comes back after the echo: cpu->cuda lands on the GPU only
+/// where a channel carries that pair between processes (cuda_basic), else in host memory.
+async fn echoed_devices(pipe: &Addr<Pipe>) -> Result<[Device; 4], Failed> {
+    let info = pipe.send(GetInfo).await.map_err(fail)?;
+    let up = info
+        .channels
+        .iter()
+        .any(|c| c.to_string().ends_with("(cpu->cuda)"));
+    let up = if up { Device::Cuda(0) } else { Device::Cpu };
+    Ok([Device::Cpu, Device::Cuda(0), up, Device::Cpu])
+}
+
+/// 24 mixed messages sent to the echoing peer, many in flight: every byte checked, the order
+/// kept, and our CUDA buffers back in `WriteDone`.
+async fn mixed_round_trips(pipe: &Addr<Pipe>, seed: u64) -> Outcome {
+    let want = echoed_devices(pipe).await?;
+    let mut rng = common::Rng(seed);
+    let mut writes = Vec::new();
+    let mut sent = Vec::new();
+    for i in 0..24u64 {
+        let sizes = [0; 4].map(|_| common::draw_size(&mut rng));
+        let (m, data) = mixed(i, sizes)?;
+        writes.push(actix::spawn(pipe.send(Write::new(m))));
+        sent.push(data);
+    }
+    for (i, data) in sent.iter().enumerate() {
+        let done = pipe.send(Receive::new()).await.map_err(fail)?;
+        done.result.map_err(fail)?;
+        let m = &done.message;
+        if m.metadata != (i as u64).to_le_bytes() {
+            return Err(fail(format!("message {i} came back out of order")));
+        }
+        let devices: Vec<Device> = m.tensors.iter().map(|t| t.buffer.device()).collect();
+        if devices != want {
+            return Err(fail(format!(
+                "message {i} came back on {devices:?}, expected {want:?}"
+            )));
+        }
+        done.cuda.wait().map_err(fail)?;
+        for (k, t) in m.tensors.iter().enumerate() {
+            if bytes(&t.buffer, None)? != data[k] {
+                return Err(fail(format!("message {i} tensor {k}: bytes differ")));
+            }
+        }
+    }
+    for (i, w) in writes.into_iter().enumerate() {
+        let done = w.await.map_err(fail)?.map_err(fail)?;
+        done.result.map_err(fail)?;
+        if done.message.tensors[1].buffer.as_cuda().is_none() {
+            return Err(fail(format!(
+                "write {i}: the CUDA buffer did not come back"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Our cache counters for device 0: (exports, opened memory).
@@ -80,45 +153,7 @@ async fn echo_once(
 pub fn round_trips() -> Outcome {
     run(async {
         let (mut child, pipe, s) = peer(ECHO).await?;
-        let mut rng = common::Rng(0x1bc);
-        let mut writes = Vec::new();
-        let mut sent = Vec::new();
-        for i in 0..24u64 {
-            let sizes = [0; 4].map(|_| common::draw_size(&mut rng));
-            let (m, data) = mixed(i, sizes)?;
-            writes.push(actix::spawn(pipe.send(Write::new(m))));
-            sent.push(data);
-        }
-        for (i, data) in sent.iter().enumerate() {
-            let done = pipe.send(Receive::new()).await.map_err(fail)?;
-            done.result.map_err(fail)?;
-            let m = &done.message;
-            if m.metadata != (i as u64).to_le_bytes() {
-                return Err(fail(format!("message {i} came back out of order")));
-            }
-            // Across processes cpu->cuda has no channel (cuda_basic is not carried yet): that
-            // tensor lands in host memory; cuda->cuda comes back on the GPU.
-            let devices: Vec<Device> = m.tensors.iter().map(|t| t.buffer.device()).collect();
-            let want = [Device::Cpu, Device::Cuda(0), Device::Cpu, Device::Cpu];
-            if devices != want {
-                return Err(fail(format!("message {i} came back on {devices:?}")));
-            }
-            done.cuda.wait().map_err(fail)?;
-            for (k, t) in m.tensors.iter().enumerate() {
-                if bytes(&t.buffer, None)? != data[k] {
-                    return Err(fail(format!("message {i} tensor {k}: bytes differ")));
-                }
-            }
-        }
-        for (i, w) in writes.into_iter().enumerate() {
-            let done = w.await.map_err(fail)?.map_err(fail)?;
-            done.result.map_err(fail)?;
-            if done.message.tensors[1].buffer.as_cuda().is_none() {
-                return Err(fail(format!(
-                    "write {i}: the CUDA buffer did not come back"
-                )));
-            }
-        }
+        mixed_round_trips(&pipe, 0x1bc).await?;
         // Stale handle: free, allocate at the same address, send again.
         let len = 8 << 20;
         let (a, data_a) = filled(0, 1000, len)?;
@@ -177,6 +212,39 @@ pub fn round_trips() -> Outcome {
         if n.get(2).copied().unwrap_or(0) == 0 {
             return Err(fail("the peer's open cache never hit on the resend"));
         }
+        Ok(())
+    })
+}
+
+/// The same mixed messages over `cuda_basic` alone (our side does not offer cuda_ipc): every
+/// CUDA device pair staged through pinned chunks on the channel's own connection, cpu->cuda
+/// included; large tensors (up to 64 MiB) cross many chunks.
+pub fn basic_round_trips() -> Outcome {
+    run(async {
+        let (_child, pipe, _s) = peer_with(
+            ECHO,
+            Context::builder().without("cuda_ipc"),
+            "cuda_basic",
+            &["cuda->cuda", "cpu->cuda", "cuda->cpu"],
+        )
+        .await?;
+        mixed_round_trips(&pipe, 0xba5e).await?;
+        // Sizes around the chunk boundaries, one at a time.
+        let chunk = actorpipe::channel::cuda_basic::CHUNK;
+        for (i, len) in [1, chunk - 1, chunk, chunk + 1, 5 * chunk + 3]
+            .into_iter()
+            .enumerate()
+        {
+            let (b, data) = filled(0, 700 + i as u64, len)?;
+            echo_once(
+                &pipe,
+                Message::new().with_tensor(Tensor::cuda(b)),
+                &data,
+                "boundary",
+            )
+            .await?;
+        }
+        pipe.send(Close::because("test over")).await.map_err(fail)?;
         Ok(())
     })
 }

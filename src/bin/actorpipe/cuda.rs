@@ -6,8 +6,11 @@
 //! - `cuda_ipc`: the echoing side is this program again, started as a child process
 //!   (`ACTORPIPE_BENCH_CUDA_ECHO` names the listener), so every tensor crosses processes.
 //!   The run sets `ACTORPIPE_CUDA_IPC=1` for both, as the channel is offered only on request
-//!   (docs/cuda.md).
-//! - `cuda_basic` is not carried by the pipe yet: refused with that reason.
+//!   (docs/cuda.md) until its GPU trials have run.
+//! - `cuda_basic`: both pipes in this process, whose contexts leave the other CUDA channels
+//!   out; the raw baseline is then the driver's pinned device-to-host plus host-to-device copy
+//!   each way (what one staged transfer does), not a device-to-device copy. The run sets
+//!   `ACTORPIPE_CUDA_BASIC=1`.
 //!
 //! Each round trip: write, `Receive` into the last round's buffers, the echo's stream ordered
 //! after the copy with `wait_on` (no CPU wait), write back, `Receive`, blocking `wait`.
@@ -83,18 +86,10 @@ fn failed<E: std::fmt::Display>(what: &str) -> impl Fn(E) -> Failure + '_ {
 /// Measures and prints the table.
 pub fn run(args: &RunArgs) -> Result<(), Failure> {
     let backend = args.backend.as_deref().unwrap_or_default();
-    match backend {
-        "cuda_xth" | "cuda_ipc" => {}
-        "cuda_basic" => {
-            return Err(bad(
-                "cuda_basic is not carried by the pipe yet (docs/cuda.md): nothing to measure",
-            ))
-        }
-        other => {
-            return Err(bad(format!(
-                "unknown CUDA channel {other:?}: use cuda_xth or cuda_ipc"
-            )))
-        }
+    if !matches!(backend, "cuda_xth" | "cuda_ipc" | "cuda_basic") {
+        return Err(bad(format!(
+            "unknown CUDA channel {backend:?}: use cuda_xth, cuda_ipc or cuda_basic"
+        )));
     }
     if args.json || args.listen.is_some() || args.transport.is_some() {
         return Err(bad(
@@ -102,10 +97,9 @@ pub fn run(args: &RunArgs) -> Result<(), Failure> {
         ));
     }
     cuda::available().map_err(|why| Failure::Failed(format!("no CUDA GPU here: {why}")))?;
-    if backend == "cuda_ipc" {
-        // Before any context reads it; the child inherits it.
-        std::env::set_var(actorpipe::channel::cuda_ipc::OPT_IN, "1");
-    }
+    // Before any context reads them; the child inherits them.
+    std::env::set_var(actorpipe::channel::cuda_ipc::OPT_IN, "1");
+    std::env::set_var(actorpipe::channel::cuda_basic::OPT_IN, "1");
     let gpu = cuda::gpu(0).map_err(failed("GPU 0"))?;
     let name = cuda::devices()
         .ok()
@@ -121,12 +115,17 @@ pub fn run(args: &RunArgs) -> Result<(), Failure> {
             " by another context of this process"
         }
     );
+    let raw = if backend == "cuda_basic" {
+        "cuMemcpyDtoHAsync into pinned memory + cuMemcpyHtoDAsync back, each way, on one stream + synchronize (the driver's copies of the same path)"
+    } else {
+        "cuMemcpyDtoDAsync there and back on one stream + synchronize (the driver's copy of the same path)"
+    };
     out += &format!(
         "  machine:  {}\n  gpu:      {name}\n  date:     {}\n  command:  {}\n",
         p.machine, p.date, p.command
     );
     out += &format!("  negotiated: {}\n", rows.0);
-    out += "  raw: cuMemcpyDtoDAsync there and back on one stream + synchronize (the driver's copy of the same path)\n\n";
+    out += &format!("  raw: {raw}\n\n");
     out += "| size | pipe p50 | pipe GB/s | raw p50 | raw GB/s | pipe / raw |\n";
     out += "| --- | --- | --- | --- | --- | --- |\n";
     for (size, pipe, raw) in rows.1 {
@@ -151,7 +150,7 @@ async fn measure(
     args: &RunArgs,
     gpu: &std::sync::Arc<cuda::Gpu>,
 ) -> Result<Rows, Failure> {
-    let mut listening = listen().await?;
+    let mut listening = listen(backend).await?;
     let mut child = None;
     let (tx, echo_side) = if backend == "cuda_ipc" {
         let c = std::process::Command::new(std::env::current_exe()?)
@@ -161,7 +160,7 @@ async fn measure(
         child = Some(Kill(c));
         (listening.accept().await?, None)
     } else {
-        let other = Context::builder().start();
+        let other = builder(backend).start();
         let tx = other.send(Connect::new(&listening.url)).await??;
         let rx = listening.accept().await?;
         (tx, Some(actix::spawn(echo(rx))))
@@ -184,6 +183,14 @@ async fn measure(
         let warmup = args.warmup.unwrap_or((iters / 10).max(2));
         let a = CudaBuffer::alloc(0, len).map_err(failed("allocating"))?;
         let b = CudaBuffer::alloc(0, len).map_err(failed("allocating"))?;
+        let pinned = match backend {
+            "cuda_basic" => Some(
+                cuda::PinnedPool::new(len, 0)
+                    .take()
+                    .map_err(failed("pinned memory"))?,
+            ),
+            _ => None,
+        };
         let mut m = Message::new().with_tensor(Tensor::cuda(
             CudaBuffer::alloc(0, len).map_err(failed("allocating"))?,
         ));
@@ -193,16 +200,20 @@ async fn measure(
             for i in 0..warmup * u32::from(round == 0) + iters {
                 let t = Instant::now();
                 for (dst, src) in [(&b, &a), (&a, &b)] {
-                    // SAFETY: both buffers hold `len` bytes of device 0 and are alive.
-                    unsafe {
-                        cuda::copy_async(
-                            (dst.device_ptr(), gpu),
-                            (src.device_ptr(), gpu),
-                            len,
-                            &stream,
-                        )
+                    match &pinned {
+                        // SAFETY: both buffers hold `len` bytes of device 0 and are alive; the
+                        // pinned buffer holds `len` bytes.
+                        None => unsafe {
+                            cuda::copy_async(
+                                (dst.device_ptr(), gpu),
+                                (src.device_ptr(), gpu),
+                                len,
+                                &stream,
+                            )
+                        }
+                        .map_err(failed("raw copy"))?,
+                        Some(p) => staged_copy(gpu, dst, src, p, &stream)?,
                     }
-                    .map_err(failed("raw copy"))?;
                 }
                 stream.synchronize().map_err(failed("raw copy"))?;
                 let raw = t.elapsed();
@@ -244,8 +255,16 @@ struct Listening {
     url: String,
 }
 
-async fn listen() -> Result<Listening, Failure> {
-    let ctx = Context::builder().start();
+/// A context offering `backend` and no other CUDA channel that would win over it.
+fn builder(backend: &str) -> actorpipe::ContextBuilder {
+    match backend {
+        "cuda_basic" => Context::builder().without("cuda_xth").without("cuda_ipc"),
+        _ => Context::builder(),
+    }
+}
+
+async fn listen(backend: &str) -> Result<Listening, Failure> {
+    let ctx = builder(backend).start();
     let (r, accepted) = actorpipe::inbox::<actorpipe::Accepted>();
     let l = ctx.send(Listen::new(["tcp://127.0.0.1:0"], r)).await??;
     Ok(Listening {
@@ -275,6 +294,43 @@ impl Drop for Kill {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// The driver's copies of one staged transfer: `src` device-to-host into `pinned`, then
+/// host-to-device into `dst`, queued on `stream`.
+fn staged_copy(
+    gpu: &std::sync::Arc<cuda::Gpu>,
+    dst: &CudaBuffer,
+    src: &CudaBuffer,
+    pinned: &cuda::PinnedBuf,
+    stream: &cuda::StreamLease,
+) -> Result<(), Failure> {
+    use actorpipe::cuda::sys;
+    let len = src.len();
+    gpu.bind().map_err(failed("binding the GPU"))?;
+    let check = |call: &str, r: sys::CUresult| match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        e => Err(Failure::Failed(format!("raw copy: {call}: {e:?}"))),
+    };
+    // SAFETY: `src` and `dst` hold `len` bytes of this device, `pinned` at least `len` host
+    // bytes, all alive until the caller synchronizes the stream.
+    check("cuMemcpyDtoHAsync", unsafe {
+        sys::cuMemcpyDtoHAsync_v2(
+            pinned.as_ptr().cast(),
+            src.device_ptr(),
+            len,
+            stream.cu_stream(),
+        )
+    })?;
+    // SAFETY: as above; the host-to-device copy follows on the same stream.
+    check("cuMemcpyHtoDAsync", unsafe {
+        sys::cuMemcpyHtoDAsync_v2(
+            dst.device_ptr(),
+            pinned.as_ptr().cast(),
+            len,
+            stream.cu_stream(),
+        )
+    })
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
