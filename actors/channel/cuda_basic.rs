@@ -374,13 +374,12 @@ impl Channel {
                     (Memory::Region(r), Some(buf), (k * CHUNK) as u64)
                 }
                 Buffer::Cpu(v) => (Memory::Owned(std::mem::take(v)), None, 0),
+                // `Allocation::check` refuses read-only buffers before a read starts; skipping
+                // the bytes would put the connection out of step, so the channel fails.
                 _ => {
-                    t.issued = t.chunks;
-                    t.read = t.chunks;
-                    t.error = Some(Error::invalid(
+                    return Err(Error::invalid(
                         "cuda_basic: a read into read-only (shared) memory",
-                    ));
-                    continue;
+                    ))
                 }
             };
             t.issued += 1;
