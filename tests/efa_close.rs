@@ -236,9 +236,9 @@ mod close {
 
 fn main() {
     let args = Arguments::from_args();
-    let mut trials = Vec::new();
     #[cfg(feature = "efa")]
-    {
+    let trials = {
+        let mut trials = Vec::new();
         type Case = fn(&str);
         let cases: [(&str, Case, &[&str]); 3] = [
             (
@@ -271,12 +271,11 @@ fn main() {
                 });
             }
         }
-    }
+        trials
+    };
     #[cfg(not(feature = "efa"))]
-    trials.push(
-        Trial::test("efa_close", || Ok(()))
-            .with_ignored_flag(true)
-            .with_kind("skipped: built without the `efa` feature"),
-    );
+    let trials = vec![Trial::test("efa_close", || Ok(()))
+        .with_ignored_flag(true)
+        .with_kind("skipped: built without the `efa` feature")];
     libtest_mimic::run(&args, trials).exit();
 }

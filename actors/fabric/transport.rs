@@ -24,7 +24,7 @@ use super::stream::{FabricRead, FabricWrite, Shared, Wiring, BOUNCE};
 use super::{EndpointConfig, FabricAttach, FabricDescribe, FabricDetach, FabricEndpoint};
 use crate::error::{Error, Origin};
 use crate::fabric::InfoList;
-use crate::transport::tcp::TcpAcceptor;
+use crate::transport::tcp::{Bootstrap, BootstrapAcceptor, TcpAcceptor};
 use crate::transport::{Acceptor, BoxFuture, Stream, Transport, Url};
 
 /// The provider used when none is chosen: AWS's Elastic Fabric Adapter.
@@ -345,34 +345,9 @@ fn bootstrap_url(url: &str) -> Result<Url, Error> {
     Ok(u)
 }
 
-struct EfaAcceptor {
-    tcp: TcpAcceptor,
-    transport: Efa,
-}
-
-impl Acceptor for EfaAcceptor {
-    fn urls(&self) -> Vec<String> {
-        self.tcp
-            .urls()
-            .into_iter()
-            .map(|u| u.replacen("tcp://", "efa://", 1))
-            .collect()
-    }
-
-    fn accept(&mut self) -> BoxFuture<'_, std::io::Result<Stream>> {
-        Box::pin(async move {
-            loop {
-                let s = self.tcp.accept().await?;
-                let peer = s.peer.clone();
-                // A failed or silent hello is that peer's problem: keep accepting.
-                let hello = self.transport.bootstrap(s, peer);
-                match tokio::time::timeout(HELLO_TIMEOUT, hello).await {
-                    Ok(Ok(s)) => return Ok(s),
-                    Ok(Err(e)) => tracing::info!(error = %e, "efa bootstrap refused"),
-                    Err(_) => tracing::info!("efa bootstrap: no hello within {HELLO_TIMEOUT:?}"),
-                }
-            }
-        })
+impl Bootstrap for Efa {
+    fn set_up(&self, tcp: Stream, peer: String) -> BoxFuture<'_, Result<Stream, Error>> {
+        Box::pin(self.bootstrap(tcp, peer))
     }
 }
 
@@ -442,7 +417,12 @@ impl Transport for Efa {
                 id: self.id,
                 bootstrap_host: self.bootstrap_host,
             };
-            Ok(Box::new(EfaAcceptor { tcp, transport }) as Box<dyn Acceptor>)
+            Ok(Box::new(BootstrapAcceptor {
+                tcp,
+                scheme: "efa",
+                timeout: HELLO_TIMEOUT,
+                transport,
+            }) as Box<dyn Acceptor>)
         })
     }
 }

@@ -234,6 +234,64 @@ impl TcpAcceptor {
     }
 }
 
+#[cfg(any(feature = "efa", feature = "ibv"))]
+/// A transport that bootstraps over TCP (ibv, efa): turns an accepted TCP connection into a
+/// stream of its own (queue pairs or fabric addresses exchanged over it).
+pub(crate) trait Bootstrap {
+    /// Sets up the transport's stream over `tcp`, accepted from `peer`.
+    fn set_up(&self, tcp: Stream, peer: String) -> BoxFuture<'_, Result<Stream, Error>>;
+}
+
+#[cfg(any(feature = "efa", feature = "ibv"))]
+/// The listener of a transport that bootstraps over TCP: accepts TCP connections and sets each
+/// up with [`Bootstrap::set_up`] under `timeout`. A peer whose set-up fails or stalls is logged
+/// and skipped, so one bad peer never stops the listener (it is one connection at a time: a
+/// stalled peer delays the next for at most `timeout`).
+pub(crate) struct BootstrapAcceptor<B> {
+    /// The bound TCP listener.
+    pub tcp: TcpAcceptor,
+    /// The transport's URL scheme (`ibv`), which replaces `tcp` in the URLs it reports.
+    pub scheme: &'static str,
+    /// How long one peer's set-up may take.
+    pub timeout: Duration,
+    /// The transport.
+    pub transport: B,
+}
+
+#[cfg(any(feature = "efa", feature = "ibv"))]
+impl<B: Bootstrap> Acceptor for BootstrapAcceptor<B> {
+    fn urls(&self) -> Vec<String> {
+        let scheme = format!("{}://", self.scheme);
+        self.tcp
+            .urls()
+            .into_iter()
+            .map(|u| u.replacen("tcp://", &scheme, 1))
+            .collect()
+    }
+
+    fn accept(&mut self) -> BoxFuture<'_, std::io::Result<Stream>> {
+        Box::pin(async move {
+            loop {
+                let s = self.tcp.accept().await?;
+                let peer = s.peer.clone();
+                let set_up = self.transport.set_up(s, peer.clone());
+                match tokio::time::timeout(self.timeout, set_up).await {
+                    Ok(Ok(s)) => return Ok(s),
+                    Ok(Err(e)) => {
+                        tracing::info!(scheme = self.scheme, %peer, error = %e, "bootstrap refused")
+                    }
+                    Err(_) => tracing::info!(
+                        scheme = self.scheme,
+                        %peer,
+                        "bootstrap not done within {:?}",
+                        self.timeout
+                    ),
+                }
+            }
+        })
+    }
+}
+
 impl Acceptor for TcpAcceptor {
     fn urls(&self) -> Vec<String> {
         vec![self.url.clone()]

@@ -21,7 +21,7 @@ use std::time::Duration;
 use self::bootstrap::Hello;
 use self::conn::{Core, RemoteRing, Ring, MAX_CAPACITY, MIN_CAPACITY, SLACK};
 use self::halves::{Drive, IbvRead, IbvWrite, Shared};
-use super::tcp::{self, TcpAcceptor};
+use super::tcp::{self, Bootstrap, BootstrapAcceptor, TcpAcceptor};
 use super::{Acceptor, BoxFuture, Stream, Transport, Url};
 use crate::error::Error;
 use crate::verbs::{self, Access, Device, LinkLayer, QpCaps};
@@ -343,9 +343,11 @@ impl Transport for Ibv {
         Box::pin(async move {
             self.open().map_err(|e| self.unavailable(e))?;
             let inner = TcpAcceptor::bind(&tcp_url(url)?, None).await?;
-            Ok(Box::new(IbvAcceptor {
-                inner,
-                ibv: self.clone(),
+            Ok(Box::new(BootstrapAcceptor {
+                tcp: inner,
+                scheme: "ibv",
+                timeout: BOOTSTRAP_TIMEOUT,
+                transport: self.clone(),
             }) as Box<dyn Acceptor>)
         })
     }
@@ -370,32 +372,8 @@ async fn within(
         })
 }
 
-/// Accepts bootstrap connections and sets each one up.
-struct IbvAcceptor {
-    inner: TcpAcceptor,
-    ibv: Ibv,
-}
-
-impl Acceptor for IbvAcceptor {
-    fn urls(&self) -> Vec<String> {
-        self.inner
-            .urls()
-            .into_iter()
-            .map(|u| u.replacen("tcp://", "ibv://", 1))
-            .collect()
-    }
-
-    fn accept(&mut self) -> BoxFuture<'_, std::io::Result<Stream>> {
-        Box::pin(async move {
-            loop {
-                let stream = self.inner.accept().await?;
-                let peer = stream.peer.clone();
-                match within(self.ibv.setup(stream), &peer).await {
-                    Ok(s) => return Ok(s),
-                    // One peer's failed bootstrap must not stop the listener.
-                    Err(e) => tracing::info!("ibv: refused a connection from {peer}: {e}"),
-                }
-            }
-        })
+impl Bootstrap for Ibv {
+    fn set_up(&self, tcp: Stream, _peer: String) -> BoxFuture<'_, Result<Stream, Error>> {
+        Box::pin(self.setup(tcp))
     }
 }
