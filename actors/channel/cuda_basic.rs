@@ -144,10 +144,7 @@ impl Channel {
         }
         // The data-ready point on the tensor's stream, recorded now: the copies wait on it.
         let ready = match &buffer {
-            Buffer::Cuda(b) => match b.gpu().event(false).and_then(|e| {
-                e.record(b.stream())?;
-                Ok(e)
-            }) {
+            Buffer::Cuda(b) => match b.gpu().recorded(b.stream()) {
                 Ok(e) => Some(e),
                 Err(e) => {
                     return self.cuda_to_pipe(CudaDone::Wrote {
@@ -330,22 +327,7 @@ impl Channel {
             };
             o.written += 1;
             side.writing.push_back((seq, index, buf));
-            let reply = self.own();
-            let l = &mut self.lanes[LANE];
-            let ticket = l.out_ticket;
-            l.out_ticket += 1;
-            l.link.write(
-                OutOp::Tensor {
-                    ticket,
-                    seq,
-                    index,
-                    memory,
-                    offset,
-                    chunk_size: FRAME,
-                    reply,
-                },
-                lane_gone,
-            );
+            self.lane_tensor(LANE, true, seq, index, memory, offset, FRAME);
         }
     }
 
@@ -384,21 +366,7 @@ impl Channel {
             };
             t.issued += 1;
             side.reading.push_back((seq, index, k, buf));
-            let reply = self.own();
-            let l = &mut self.lanes[LANE];
-            let ticket = l.in_ticket;
-            l.in_ticket += 1;
-            l.link.read(
-                InOp::Tensor {
-                    ticket,
-                    seq,
-                    index,
-                    memory,
-                    offset,
-                    reply,
-                },
-                lane_gone,
-            );
+            self.lane_tensor(LANE, false, seq, index, memory, offset, FRAME);
         }
     }
 
@@ -569,34 +537,15 @@ impl Channel {
         };
         let gpu = buffer.as_cuda().expect("matched").gpu().clone();
         if data_complete {
-            let tx = self.cuda_reply.clone();
-            let (slot, in_fn) = {
-                let s = Arc::new(std::sync::Mutex::new(Some(done(buffer, None, Ok(())))));
-                (s.clone(), s)
-            };
-            let queued = crate::cuda::on_stream_done(&stream, move || {
-                if let (Some(d), Some(tx)) =
-                    (in_fn.lock().unwrap_or_else(|p| p.into_inner()).take(), tx)
-                {
-                    if let Err(mpsc::error::SendError(d)) = tx.send(d) {
-                        std::thread::spawn(move || drop(d));
-                    }
+            match &self.cuda_reply {
+                Some(tx) => {
+                    super::cuda_xth::post_when_done(&stream, tx, done(buffer, None, Ok(())))
                 }
-            });
-            if let Err(e) = queued {
-                if let Some(CudaDone::Read { buffer, .. }) =
-                    slot.lock().unwrap_or_else(|p| p.into_inner()).take()
-                {
-                    self.cuda_to_pipe(done(buffer, None, Err(e)));
-                }
+                None => tracing::error!("a CUDA completion with no pipe queue to go to"),
             }
             return;
         }
-        let event = gpu.event(false).and_then(|e| {
-            e.record(&stream)?;
-            Ok(e)
-        });
-        match event {
+        match gpu.recorded(&stream) {
             Ok(e) => self.cuda_to_pipe(done(buffer, Some((e, stream)), Ok(()))),
             Err(e) => self.cuda_to_pipe(done(buffer, None, Err(e))),
         }

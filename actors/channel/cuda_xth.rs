@@ -80,7 +80,47 @@ fn post(tx: &CudaReply, d: CudaDone) {
     }
 }
 
+/// Posts `d` once the work queued on `stream` so far has run (a host function queued after
+/// it); if the function cannot be queued, posts `d` at once with that error instead.
+pub(super) fn post_when_done(stream: &CudaStream, tx: &CudaReply, d: CudaDone) {
+    let slot = Arc::new(Mutex::new(Some(d)));
+    let (in_fn, later) = (slot.clone(), tx.clone());
+    let queued = crate::cuda::on_stream_done(stream, move || {
+        if let Some(d) = in_fn.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            post(&later, d)
+        }
+    });
+    if let Err(e) = queued {
+        if let Some(d) = slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            post(tx, d.failed(e))
+        }
+    }
+}
+
 impl CudaDone {
+    /// The same completion, failed with `e` (no event to wait on).
+    fn failed(self, e: Error) -> Self {
+        match self {
+            CudaDone::Wrote {
+                seq, index, buffer, ..
+            } => CudaDone::Wrote {
+                seq,
+                index,
+                buffer,
+                result: Err(e),
+            },
+            CudaDone::Read {
+                seq, index, buffer, ..
+            } => CudaDone::Read {
+                seq,
+                index,
+                buffer,
+                event: None,
+                result: Err(e),
+            },
+        }
+    }
+
     fn key(&self) -> (bool, u64, u32) {
         match self {
             CudaDone::Wrote { seq, index, .. } => (true, *seq, *index),
@@ -126,10 +166,7 @@ impl Channel {
             Buffer::Cuda(b) => {
                 // Captures the work the user queued on the tensor's stream so far; the copy
                 // waits for it on the GPU.
-                let ready = b.gpu().event(false).and_then(|e| {
-                    e.record(b.stream())?;
-                    Ok(e)
-                });
+                let ready = b.gpu().recorded(b.stream());
                 match ready {
                     Ok(e) => (
                         End::Device {
@@ -242,18 +279,7 @@ impl Channel {
                     // Completes once the copy has run: a host function after it on the same
                     // stream. The event is not needed.
                     drop(ev);
-                    let (later, slot) = (tx.clone(), Arc::new(Mutex::new(Some(done))));
-                    let in_fn = slot.clone();
-                    let queued = crate::cuda::on_stream_done(&stream, move || {
-                        if let Some(d) = in_fn.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                            post(&later, d(None, Ok(())))
-                        }
-                    });
-                    if let Err(e) = queued {
-                        if let Some(d) = slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                            post(&tx, d(None, Err(e)))
-                        }
-                    }
+                    post_when_done(&stream, &tx, done(None, Ok(())));
                 }
                 (Ok(Some(ev)), Some(stream)) => post(&tx, done(Some((ev, stream)), Ok(()))),
                 // Host memory: the bytes have landed.

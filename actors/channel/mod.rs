@@ -364,6 +364,55 @@ impl Channel {
         );
     }
 
+    /// Queues a piece of a tensor on lane `lane`: written from `memory` as chunk frames of up to
+    /// `chunk_size` bytes (`sending`), or read into it; `offset` is where it starts in the
+    /// tensor. Its end comes on the own queue.
+    #[allow(clippy::too_many_arguments)]
+    fn lane_tensor(
+        &mut self,
+        lane: usize,
+        sending: bool,
+        seq: u64,
+        index: u32,
+        memory: Memory,
+        offset: u64,
+        chunk_size: usize,
+    ) {
+        let reply = self.own();
+        let origin = &self.origin;
+        let l = &mut self.lanes[lane];
+        let gone = || Error::Closed {
+            reason: "lane already stopped".into(),
+            origin: origin.clone(),
+        };
+        if sending {
+            let ticket = l.out_ticket;
+            l.out_ticket += 1;
+            let op = OutOp::Tensor {
+                ticket,
+                seq,
+                index,
+                memory,
+                offset,
+                chunk_size,
+                reply,
+            };
+            l.link.write(op, gone);
+        } else {
+            let ticket = l.in_ticket;
+            l.in_ticket += 1;
+            let op = InOp::Tensor {
+                ticket,
+                seq,
+                index,
+                memory,
+                offset,
+                reply,
+            };
+            l.link.read(op, gone);
+        }
+    }
+
     /// Writes an acknowledgement frame, followed by `payloads`' bytes, on lane `lane`.
     fn lane_write_ack(&mut self, lane: usize, ack: Ack, payloads: Vec<crate::message::Payload>) {
         let reply = self.own();

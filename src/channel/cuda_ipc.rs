@@ -302,9 +302,7 @@ pub fn receive(
             // SAFETY: the mapping holds `offset + len` bytes (checked at decode) and is unmapped
             // only after a context synchronize (see `Opened`); `dst` is the caller's.
             unsafe { crate::cuda::copy_async((ptr, &gpu), (src, mapping.gpu()), len, stream)? };
-            let done = gpu.event(false)?;
-            done.record(stream)?;
-            Some(done)
+            Some(gpu.recorded(stream)?)
         }
         End::Host { ptr } => {
             mapping.gpu().bind()?;

@@ -320,13 +320,7 @@ pub fn peer_killed() -> Outcome {
         Ok(())
     })?;
     drop(ours_back);
-    if after + (64 << 20) < free_before {
-        return Err(fail(format!(
-            "{} MiB of GPU memory not given back",
-            (free_before - after) >> 20
-        )));
-    }
-    Ok(())
+    super::pipe::memory_given_back(free_before, after, 64 << 20)
 }
 
 /// Round trips of one CUDA tensor to the other process and back (it echoes into reused
@@ -362,18 +356,7 @@ pub fn measure() -> Outcome {
                     times.push(elapsed);
                 }
             }
-            let (r, p) = (super::median(raw), super::median(times));
-            println!(
-                "MEASURE pipe cuda_ipc round trip (two processes), {len} B: p50 {:.1} us; raw D2D there and back {:.1} us ({:.0} % of raw{})",
-                p * 1e6,
-                r * 1e6,
-                100.0 * r / p,
-                if len >= 1 << 20 {
-                    format!(", {:.1} GB/s each way", 2.0 * len as f64 / p / 1e9)
-                } else {
-                    String::new()
-                }
-            );
+            super::pipe::print_measure("cuda_ipc (two processes)", len, raw, times);
         }
         Ok(())
     })

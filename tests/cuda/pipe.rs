@@ -306,10 +306,15 @@ pub fn close_mid_transfer() -> Outcome {
         free_before >> 20,
         free_after >> 20
     );
-    if free_after + (16 << 20) < free_before {
+    memory_given_back(free_before, free_after, 16 << 20)
+}
+
+/// Fails unless the GPU's free memory `after` is back to `before`, give or take `slack` bytes.
+pub(super) fn memory_given_back(before: usize, after: usize, slack: usize) -> Outcome {
+    if after + slack < before {
         return Err(fail(format!(
             "{} MiB of GPU memory not given back",
-            (free_before - free_after) >> 20
+            (before - after) >> 20
         )));
     }
     Ok(())
@@ -338,6 +343,23 @@ pub fn across_two_gpus() -> Outcome {
         }
         Ok(())
     })
+}
+
+/// Prints one `MEASURE` line: the pipe's median round trip for `channel` next to the raw
+/// copies' (times in seconds).
+pub(super) fn print_measure(channel: &str, len: usize, raw: Vec<f64>, pipe: Vec<f64>) {
+    let (r, p) = (super::median(raw), super::median(pipe));
+    println!(
+        "MEASURE pipe {channel} round trip, {len} B: p50 {:.1} us; raw D2D there and back {:.1} us ({:.0} % of raw{})",
+        p * 1e6,
+        r * 1e6,
+        100.0 * r / p,
+        if len >= 1 << 20 {
+            format!(", {:.1} GB/s each way", 2.0 * len as f64 / p / 1e9)
+        } else {
+            String::new()
+        }
+    );
 }
 
 /// Times of `reps` raw device-to-device copies of `len` bytes there and back on `s` (the
@@ -412,18 +434,7 @@ pub fn measure() -> Outcome {
                     pipe.push(elapsed);
                 }
             }
-            let (r, p) = (super::median(raw), super::median(pipe));
-            println!(
-                "MEASURE pipe cuda_xth round trip, {len} B: p50 {:.1} us; raw D2D there and back {:.1} us ({:.0} % of raw{})",
-                p * 1e6,
-                r * 1e6,
-                100.0 * r / p,
-                if len >= 1 << 20 {
-                    format!(", {:.1} GB/s each way", 2.0 * len as f64 / p / 1e9)
-                } else {
-                    String::new()
-                }
-            );
+            print_measure("cuda_xth", len, raw, pipe);
         }
         Ok(())
     })
