@@ -35,7 +35,14 @@ pub(crate) struct IpcSide {
     /// Copies queued whose host function has not run yet, with the completion of a
     /// data-complete read (posted once the copy has run).
     copying: HashMap<(u64, u32), Option<CudaDone>>,
+    /// Acknowledgements that came before the pipe's hand-off of their tensor reached this actor
+    /// (its mailbox and the connection are separate queues), with their `ok`.
+    early: HashMap<(u64, u32), bool>,
 }
+
+/// Acknowledgements of tensors not handed over yet that a channel keeps; past that the peer is
+/// acknowledging what was never sent.
+const MAX_EARLY_ACKS: usize = 4096;
 
 impl IpcSide {
     pub(crate) fn new(caches: Arc<IpcCaches>) -> Self {
@@ -43,6 +50,7 @@ impl IpcSide {
             caches,
             sent: HashMap::new(),
             copying: HashMap::new(),
+            early: HashMap::new(),
         }
     }
 
@@ -94,10 +102,16 @@ impl Channel {
                 "cuda_ipc was negotiated without its connection",
                 &self.origin,
             )),
-            (Some(side), Some(out)) => {
-                side.sent.insert((seq, index), (buffer, out));
-                return self.arm_ack();
-            }
+            (Some(side), Some(out)) => match side.early.remove(&(seq, index)) {
+                Some(ok) => {
+                    let result = self.ack_result(ok);
+                    return self.ipc_release(seq, index, buffer, out, result);
+                }
+                None => {
+                    side.sent.insert((seq, index), (buffer, out));
+                    return self.arm_ack();
+                }
+            },
             // Nothing to copy: the receiver expects no acknowledgement either.
             (Some(_), None) if buffer.is_empty() => Ok(()),
             (None, _) => Err(self.ipc_missing()),
@@ -236,7 +250,12 @@ impl Channel {
                     }
                     Err(e) => self.ipc_fail_sent(e),
                 }
-                if self.ipc.as_ref().is_some_and(|s| !s.sent.is_empty()) {
+                // Early acks keep the reading going too: their tensors are on their way.
+                if self
+                    .ipc
+                    .as_ref()
+                    .is_some_and(|s| !s.sent.is_empty() || !s.early.is_empty())
+                {
                     self.arm_ack();
                 }
             }
@@ -253,11 +272,16 @@ impl Channel {
     }
 
     fn ipc_acked(&mut self, a: Ack) {
-        let Some((buffer, out)) = self
-            .ipc
-            .as_mut()
-            .and_then(|s| s.sent.remove(&(a.seq, a.tensor)))
-        else {
+        let Some(side) = self.ipc.as_mut() else {
+            return;
+        };
+        let key = (a.seq, a.tensor);
+        let Some((buffer, out)) = side.sent.remove(&key) else {
+            // The pipe's hand-off may still be in our mailbox; a flood of them is a peer
+            // acknowledging what was never sent.
+            if side.early.len() < MAX_EARLY_ACKS && side.early.insert(key, a.ok).is_none() {
+                return;
+            }
             let e = Error::protocol(
                 format!(
                     "cuda_ipc acknowledgement for message {} tensor {}, which is not waiting for one",
@@ -267,19 +291,19 @@ impl Channel {
             );
             return self.ipc_fail_sent(e);
         };
-        self.ipc_release(
-            a.seq,
-            a.tensor,
-            buffer,
-            out,
-            match a.ok {
-                true => Ok(()),
-                false => Err(Error::Device {
-                    detail: "the receiver could not open or copy this CUDA tensor".into(),
-                    origin: self.origin.clone(),
-                }),
-            },
-        );
+        let result = self.ack_result(a.ok);
+        self.ipc_release(a.seq, a.tensor, buffer, out, result);
+    }
+
+    /// What an acknowledgement says about the write.
+    fn ack_result(&self, ok: bool) -> Result<(), Error> {
+        match ok {
+            true => Ok(()),
+            false => Err(Error::Device {
+                detail: "the receiver could not open or copy this CUDA tensor".into(),
+                origin: self.origin.clone(),
+            }),
+        }
     }
 
     /// Completes a sent tensor: its ready event goes back to the pool, its staging copy to the
