@@ -16,7 +16,7 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use actix::{Actor, ArbiterHandle, Context, Handler, Message};
+use actix::{Actor, Context, Handler, Message};
 use tokio::io::BufReader;
 use tokio::sync::{mpsc, watch};
 
@@ -25,7 +25,7 @@ use crate::transport::liveness::Heartbeat;
 use std::future::Future;
 use std::sync::Arc;
 
-use super::pool::IoPool;
+use super::pool::{IoPool, IoThread};
 
 use crate::transport::stream::{read_loop, write_loop, Farewell, InOp, OutOp, Parking, Stop};
 use crate::transport::{BoxRead, BoxWrite};
@@ -55,7 +55,7 @@ struct ReadParts {
 /// threads stop only once the last loop on them has finished (a connection actor may stop
 /// before its loops have failed their queued operations).
 #[derive(Clone)]
-struct OnThread(ArbiterHandle, Arc<IoPool>);
+struct OnThread(IoThread, Arc<IoPool>);
 
 /// Runs a loop on `on` (an I/O thread of the pool), or on the current arbiter.
 fn spawn_loop(on: Option<&OnThread>, task: impl Future<Output = ()> + Send + 'static) {
@@ -64,7 +64,7 @@ fn spawn_loop(on: Option<&OnThread>, task: impl Future<Output = ()> + Send + 'st
             let pool = pool.clone();
             // A stopped thread drops the loop: its queue closes, and every op submitted to
             // it fails at once (`Link::write`, `Link::read`).
-            let _ = thread.spawn(async move {
+            let _ = thread.arbiter.spawn(async move {
                 task.await;
                 drop(pool);
             });
@@ -201,6 +201,13 @@ impl Connection {
         pool: Option<&Arc<IoPool>>,
     ) -> (actix::Addr<Connection>, Link) {
         let on = pool.and_then(|p| Some(OnThread(p.next()?, p.clone())));
+        // A lane's socket tells its own thread when it is ready, not the one it came from.
+        let (read, write) = match &on {
+            Some(OnThread(thread, _)) => {
+                crate::transport::tcp::rehome(read, write, &thread.runtime)
+            }
+            None => (read, write),
+        };
         let (out_tx, out_rx) = mpsc::unbounded_channel();
         let (stop_tx, stop_rx) = watch::channel(None);
         let parking = Arc::new(Parking::default());

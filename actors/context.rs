@@ -163,7 +163,11 @@ impl Default for ContextBuilder {
                 handshake_timeout: Duration::from_secs(10),
                 max_pending_pipes: DEFAULT_MAX_PENDING_PIPES,
                 cma_threads: 2,
-                io: Arc::new(super::pool::IoPool::new(0)),
+                // Sized from the machine (none on 2 cores or fewer); no thread starts until
+                // an mpt pipe has a second lane.
+                io: Arc::new(super::pool::IoPool::new(super::pool::default_threads(
+                    super::pool::available_cores(),
+                ))),
                 cma_inline_max: None,
                 metrics_addr: None,
                 secret: None,
@@ -252,17 +256,21 @@ impl ContextBuilder {
     /// Threads of the context's I/O pool, on which the read and write loops of a channel's own
     /// connections run (mpt's lanes, one thread per lane, round robin), so that a channel
     /// striped over several connections uses several cores. The pipe, its channels and its
-    /// control connection stay on the context's arbiter, which keeps ordering. 0, the default,
-    /// runs every loop on the context's arbiter. The threads start when the first lane needs
-    /// one and stop when the context and the last loop on them are gone.
+    /// control connection stay on the context's arbiter, which keeps ordering, and so does
+    /// each pipe's first lane, which carries the tensors too small to stripe. 0 runs every loop
+    /// on the context's arbiter. The default is [`io_threads_for_machine`]'s size: none on 2
+    /// cores or fewer, half the cores above that, at most 16. The threads start when the first
+    /// lane needs one and stop when the context and the last loop on them are gone.
+    ///
+    /// [`io_threads_for_machine`]: Self::io_threads_for_machine
     pub fn io_threads(mut self, n: usize) -> Self {
         self.config.io = Arc::new(super::pool::IoPool::new(n));
         self
     }
 
-    /// [`io_threads`](Self::io_threads) sized from this machine: none on 2 cores or fewer
-    /// (where a second thread only adds wake-ups to every lane operation), half the cores
-    /// above that, at most 16.
+    /// [`io_threads`](Self::io_threads) sized from this machine (the CPUs this process may
+    /// run on): none on 2 cores or fewer (where a second thread only adds wake-ups to every
+    /// lane operation), half the cores above that, at most 16. This is the default.
     pub fn io_threads_for_machine(self) -> Self {
         let n = super::pool::default_threads(super::pool::available_cores());
         self.io_threads(n)

@@ -1,19 +1,19 @@
-//! The I/O pool: a few threads on which a channel's own connections (mpt's lanes) run their
-//! read and write loops, so that a channel striped over several connections uses several cores.
+//! The I/O pool: a few threads on which a channel's own connections (mpt's lanes, all but a
+//! pipe's first) run their read and write loops, so that a channel striped over several
+//! connections uses several cores.
 //!
 //! Each thread is an actix [`Arbiter`]: one OS thread running a tokio current-thread runtime.
 //! Lanes are handed out round robin, so the lanes of one pipe land on different threads, and a
-//! lane's two loops stay on the thread it got for its whole life. Only the loops move: the pipe
-//! and channel actors stay on the context's arbiter and remain the single owners of ordering
-//! (tickets are taken there, completions come back through their queues).
+//! lane's two loops stay on the thread it got for its whole life; its socket is registered with
+//! that thread's reactor ([`IoThread::runtime`], `transport::tcp::rehome`). Only the loops
+//! move: the pipe and channel actors stay on the context's arbiter and remain the single owners
+//! of ordering (tickets are taken there, completions come back through their queues).
 //!
 //! The pool starts its threads on first use and stops them when the last holder (the context's
 //! [`Config`](super::context::Config) and every loop running on it) is gone: a loop holds the
 //! pool until it has failed or completed every operation it was given, even after its
-//! connection actor has stopped. With no threads (`ContextBuilder::io_threads(0)`),
-//! every loop runs on the context's arbiter, as it did before the pool existed: the default,
-//! until the pool has been measured on a many-core machine (`ContextBuilder::io_threads`,
-//! `ContextBuilder::io_threads_for_machine`).
+//! connection actor has stopped. With no threads (`ContextBuilder::io_threads(0)`, and the
+//! default on 2 cores or fewer: [`default_threads`]), every loop runs on the context's arbiter.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -39,8 +39,31 @@ pub fn available_cores() -> usize {
 /// A fixed set of I/O threads, started on first use.
 pub struct IoPool {
     size: usize,
-    threads: Mutex<Vec<Arbiter>>,
+    threads: Mutex<Vec<(Arbiter, tokio::runtime::Handle)>>,
     next: AtomicUsize,
+}
+
+/// One thread of the pool: where to spawn, and its runtime (whose reactor a socket can be
+/// registered with, so that the thread hears about its readiness itself).
+#[derive(Debug, Clone)]
+pub struct IoThread {
+    /// Spawns onto the thread.
+    pub arbiter: ArbiterHandle,
+    /// The thread's tokio runtime.
+    pub runtime: tokio::runtime::Handle,
+}
+
+/// Starts an arbiter and fetches its runtime's handle (waits for the thread to run once).
+fn start_thread() -> (Arbiter, tokio::runtime::Handle) {
+    let arbiter = Arbiter::new();
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    arbiter.spawn_fn(move || {
+        let _ = tx.send(tokio::runtime::Handle::current());
+    });
+    let runtime = rx
+        .recv()
+        .expect("a new arbiter runs what is spawned on it first");
+    (arbiter, runtime)
 }
 
 impl std::fmt::Debug for IoPool {
@@ -75,23 +98,27 @@ impl IoPool {
     /// The thread for the next connection, round robin, starting it if needed; `None` when the
     /// pool has no threads (the caller runs the loops on its own arbiter). Must be called
     /// inside an actix `System`.
-    pub fn next(&self) -> Option<ArbiterHandle> {
+    pub fn next(&self) -> Option<IoThread> {
         if self.size == 0 {
             return None;
         }
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.size;
         let mut threads = self.threads.lock().unwrap_or_else(|p| p.into_inner());
         while threads.len() <= i {
-            threads.push(Arbiter::new());
+            threads.push(start_thread());
         }
-        Some(threads[i].handle())
+        let (arbiter, runtime) = &threads[i];
+        Some(IoThread {
+            arbiter: arbiter.handle(),
+            runtime: runtime.clone(),
+        })
     }
 }
 
 impl Drop for IoPool {
     fn drop(&mut self) {
         let threads = self.threads.get_mut().unwrap_or_else(|p| p.into_inner());
-        for t in threads.drain(..) {
+        for (t, _) in threads.drain(..) {
             // Each thread finishes what it is running and exits; its tasks (the loops of
             // connections already stopped) are dropped.
             t.stop();
@@ -122,7 +149,7 @@ mod tests {
             let mut ids = Vec::new();
             for _ in 0..6 {
                 let (tx, rx) = std::sync::mpsc::channel();
-                assert!(pool.next().expect("a thread").spawn_fn(move || {
+                assert!(pool.next().expect("a thread").arbiter.spawn_fn(move || {
                     let _ = tx.send(std::thread::current().id());
                 }));
                 ids.push(rx.recv().unwrap());

@@ -77,11 +77,12 @@ async fn lanes_run_on_threads_of_their_own() {
         .filter(|t| !before.contains(t))
         .copied()
         .collect();
-    // Each context's pool started one thread per lane.
-    assert_eq!(pool.len(), 8, "pool threads {pool:?}");
+    // Each context's pool started one thread per lane but the first, which stays on the
+    // context's arbiter with the pipe (it carries the tensors too small to stripe).
+    assert_eq!(pool.len(), 6, "pool threads {pool:?}");
     within(120, "transfer", transfer(&tx, &rx, 4, 32 << 20)).await;
     let end = arbiter_threads();
-    // 4 × 32 MiB in 8 MiB stripes: every lane thread of both sides moved bytes. Copying 8 MiB
+    // 4 × 32 MiB in 8 MiB stripes: every pool thread of both sides moved bytes. Copying 8 MiB
     // per message through the kernel takes milliseconds; an idle arbiter uses microseconds.
     let busy = pool
         .iter()
@@ -89,7 +90,7 @@ async fn lanes_run_on_threads_of_their_own() {
         .count();
     assert_eq!(
         busy,
-        8,
+        6,
         "CPU ns per pool thread: {:?}",
         pool.iter()
             .map(|t| end.get(t).copied().unwrap_or(0) - start[t])

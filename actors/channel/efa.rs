@@ -470,8 +470,10 @@ impl StreamHandler<Finished> for Channel {
 
 /// A chunk's failure as the pipe's error: a connection to the peer that the provider found
 /// lost (`tcp;ofi_rxm` reports a dead peer as `ENOTCONN`, `ECONNRESET`, or `ECANCELED` with
-/// "not connected" in its own text) is `PeerClosed`, as on every other backend; anything else
-/// is an I/O error naming the provider.
+/// "not connected" in its own text; `shm` as `EIO`, its answer when the cross-memory copy
+/// to or from the peer's process fails, which for buffers the runtime holds means that process
+/// is gone) is `PeerClosed`, as on every other backend; anything else is an I/O error naming
+/// the provider. The provider's text stays in the reason either way.
 fn chunk_error(e: crate::fabric::FabricError, origin: &Origin) -> Error {
     let lost = [
         libc::ENOTCONN,
@@ -481,7 +483,8 @@ fn chunk_error(e: crate::fabric::FabricError, origin: &Origin) -> Error {
         libc::EHOSTUNREACH,
     ]
     .contains(&e.code)
-        || (e.code == libc::ECANCELED && e.text.contains("not connected"));
+        || (e.code == libc::ECANCELED && e.text.contains("not connected"))
+        || (e.code == libc::EIO && e.provider == "shm");
     if lost {
         return Error::PeerClosed {
             reason: e.to_string(),

@@ -339,16 +339,19 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
             }
             let lanes = lanes
                 .into_iter()
-                .map(|h| {
+                .enumerate()
+                .map(|(i, h)| {
                     Connection::start_lane(
                         h.read,
                         h.write,
                         config.limits,
                         origin.clone(),
                         config.heartbeat,
-                        // Lanes that stripe tensors get cores of their own; cma's side
-                        // connections (acknowledgements) stay with the pipe.
-                        matches!(kind, ChannelKind::Mpt { .. }).then_some(&config.io),
+                        // Lanes that stripe tensors get cores of their own, but the first:
+                        // it carries every tensor too small to stripe, which then costs no
+                        // hop between threads, and the pipe's thread moves its share. cma's
+                        // side connections (acknowledgements) stay with the pipe.
+                        (i > 0 && matches!(kind, ChannelKind::Mpt { .. })).then_some(&config.io),
                     )
                 })
                 .collect();

@@ -35,9 +35,19 @@ pub fn scheme(url: &str) -> Result<&str, Error> {
 }
 
 /// The read half of a connection.
-pub type BoxRead = Box<dyn AsyncRead + Send + Unpin>;
+pub type BoxRead = Box<dyn ReadHalf>;
 /// The write half of a connection.
-pub type BoxWrite = Box<dyn AsyncWrite + Send + Unpin>;
+pub type BoxWrite = Box<dyn WriteHalf>;
+
+/// What a [`BoxRead`] holds: any `AsyncRead` that is `Send`, `Unpin` and `'static` (a blanket
+/// impl covers them all). `Any` lets a transport recognise its own halves again, as
+/// [`tcp::rehome`] does to move a socket's readiness to another thread.
+pub trait ReadHalf: AsyncRead + Send + Unpin + std::any::Any {}
+impl<T: AsyncRead + Send + Unpin + std::any::Any> ReadHalf for T {}
+
+/// What a [`BoxWrite`] holds: any `AsyncWrite` that is `Send`, `Unpin` and `'static`.
+pub trait WriteHalf: AsyncWrite + Send + Unpin + std::any::Any {}
+impl<T: AsyncWrite + Send + Unpin + std::any::Any> WriteHalf for T {}
 /// A boxed future, as transports return them.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + 'a>>;
 

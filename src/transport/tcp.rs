@@ -125,6 +125,58 @@ pub fn into_stream_with(s: TcpStream, keepalive: Option<Keepalive>) -> std::io::
     })
 }
 
+/// Moves a TCP connection's readiness to the runtime `rt` (another thread's), so that the
+/// thread that runs its loops also hears from epoll about it, instead of through the thread
+/// whose runtime dialed or accepted it. The socket is duplicated, the copy registered with
+/// `rt`, and the original (with its registration) dropped: the connection itself, its options
+/// and the bytes in flight are untouched, and the read half keeps its buffer and what is in it.
+/// Halves that are not the two halves of one TCP socket (shm, in-memory pipes in tests) come
+/// back as they are, as does a socket whose copy cannot be made or registered (its readiness
+/// then keeps crossing threads, which costs time but nothing else).
+pub(crate) fn rehome(
+    mut read: tokio::io::BufReader<super::BoxRead>,
+    write: super::BoxWrite,
+    rt: &tokio::runtime::Handle,
+) -> (tokio::io::BufReader<super::BoxRead>, super::BoxWrite) {
+    use std::any::Any;
+    use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+    let tcp = (&**read.get_ref() as &dyn Any).is::<OwnedReadHalf>()
+        && (&*write as &dyn Any).is::<OwnedWriteHalf>();
+    if !tcp {
+        return (read, write);
+    }
+    // The buffer (and what it holds) stays; only the reader under it changes.
+    let r = std::mem::replace(read.get_mut(), Box::new(tokio::io::empty()));
+    let (r, w): (Box<dyn Any>, Box<dyn Any>) = (r, write);
+    let (Ok(r), Ok(w)) = (
+        r.downcast::<OwnedReadHalf>(),
+        w.downcast::<OwnedWriteHalf>(),
+    ) else {
+        unreachable!("checked above")
+    };
+    let (r, w) = match (*r).reunite(*w) {
+        Ok(s) => match moved(&s, rt) {
+            Ok(moved) => {
+                drop(s);
+                moved.into_split()
+            }
+            Err(_) => s.into_split(),
+        },
+        Err(tokio::net::tcp::ReuniteError(r, w)) => (r, w),
+    };
+    *read.get_mut() = Box::new(r);
+    (read, Box::new(w))
+}
+
+/// A second descriptor of `s`'s socket, registered with `rt`'s reactor.
+fn moved(s: &TcpStream, rt: &tokio::runtime::Handle) -> std::io::Result<TcpStream> {
+    use std::os::fd::AsFd;
+    // The copy shares the socket and its non-blocking flag (tokio set it on the socket).
+    let copy = std::net::TcpStream::from(s.as_fd().try_clone_to_owned()?);
+    let _in_rt = rt.enter();
+    TcpStream::from_std(copy)
+}
+
 /// Connects to every resolved address in turn until one answers.
 pub async fn connect(
     url: &Url,
@@ -342,5 +394,80 @@ impl Transport for Tcp {
             let a = TcpAcceptor::bind(&Url::parse(url)?, self.keepalive).await?;
             Ok(Box::new(a) as Box<dyn Acceptor>)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read as _, Write as _};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+
+    use super::*;
+    use crate::transport::{BoxRead, BoxWrite};
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn rehomed_halves_keep_their_bytes_and_work_once_the_old_runtime_is_gone() {
+        let (old, new) = (runtime(), runtime());
+        // A connection registered with `old`, whose read half has read ahead.
+        let (read, write, mut peer) = old.block_on(async {
+            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let ours = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+            let (mut peer, _) = l.accept().await.unwrap();
+            peer.write_all(b"hello world").await.unwrap();
+            let (r, w) = ours.into_split();
+            let mut read = BufReader::with_capacity(64, Box::new(r) as BoxRead);
+            let mut hello = [0; 5];
+            read.read_exact(&mut hello).await.unwrap();
+            assert_eq!(&hello, b"hello");
+            let peer = peer.into_std().unwrap();
+            peer.set_nonblocking(false).unwrap();
+            (read, Box::new(w) as BoxWrite, peer)
+        });
+        let (mut read, mut write) = rehome(read, write, new.handle());
+        // Halves still registered with `old` would fail from here on.
+        drop(old);
+        new.block_on(async {
+            let mut rest = [0; 6];
+            read.read_exact(&mut rest).await.unwrap();
+            assert_eq!(&rest, b" world", "bytes read ahead come first, in order");
+            write.write_all(b"ping").await.unwrap();
+            let mut got = [0; 4];
+            peer.read_exact(&mut got).unwrap();
+            assert_eq!(&got, b"ping");
+            peer.write_all(b"pong").unwrap();
+            read.read_exact(&mut got).await.unwrap();
+            assert_eq!(&got, b"pong");
+        });
+    }
+
+    #[test]
+    fn halves_of_other_kinds_come_back_as_they_are() {
+        let rt = runtime();
+        rt.block_on(async {
+            let (a, mut b) = tokio::io::duplex(64);
+            let (r, w) = tokio::io::split(a);
+            let (mut read, mut write) = rehome(
+                BufReader::new(Box::new(r) as BoxRead),
+                Box::new(w) as BoxWrite,
+                &tokio::runtime::Handle::current(),
+            );
+            let untouched = (&**read.get_ref() as &dyn std::any::Any)
+                .is::<tokio::io::ReadHalf<tokio::io::DuplexStream>>();
+            assert!(untouched, "not a TCP half: left as it was");
+            write.write_all(b"x").await.unwrap();
+            let mut one = [0; 1];
+            b.read_exact(&mut one).await.unwrap();
+            b.write_all(b"y").await.unwrap();
+            read.read_exact(&mut one).await.unwrap();
+            assert_eq!(&one, b"y");
+        });
     }
 }

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# A/B of two builds of `actorpipe` on the rows of docs/performance.md: each command runs twice,
+# alternating the old and the new binary, so a slow spell of a shared machine weighs on both.
+# Run it on an idle machine (it prints the load before each command):
+#
+#   bash scripts/bench-ab.sh OLD_BINARY NEW_BINARY | tee ab.md
+#
+# Build the old binary from a checkout of the older commit (`git archive COMMIT | tar -x -C DIR`,
+# then `cargo build --release --bin actorpipe` there).
+set -euo pipefail
+old=${1:?usage: bench-ab.sh OLD_BINARY NEW_BINARY}
+new=${2:?usage: bench-ab.sh OLD_BINARY NEW_BINARY}
+while read -r cmd; do
+    for rep in 1 2; do
+        for b in "$old" "$new"; do
+            echo "== $b | bench $cmd | load $(cut -d' ' -f1 /proc/loadavg)"
+            # shellcheck disable=SC2086 # the command's words split on purpose
+            "$b" bench $cmd 2>&1 | grep -E '^\| [0-9]|cores at'
+        done
+    done
+done <<'CMDS'
+transport --backend tcp --sizes 64,4K,1M,64M
+transport --backend shm --sizes 64,4K,1M,64M
+transport --backend shm --spin 20 --sizes 64,4K
+channel --backend basic --sizes 64,4K,1M,64M
+channel --backend mpt --sizes 64,4K,1M,64M
+pipe --sizes 64,4K,1M,64M
+CMDS
+echo "== end | load $(cut -d' ' -f1 /proc/loadavg)"
