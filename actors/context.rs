@@ -41,6 +41,9 @@ pub struct Config {
     pub(crate) heartbeat: Option<Heartbeat>,
     pub(crate) transports: Vec<(Arc<dyn Transport>, i32)>,
     pub(crate) channels: Vec<(Arc<dyn ChannelBackend>, i32)>,
+    /// The CUDA IPC handle caches of this context, one actor per device (made on first use).
+    #[cfg(feature = "cuda")]
+    pub(crate) ipc: Arc<crate::actors::hardware::cuda_ipc::IpcCaches>,
 }
 
 impl Config {
@@ -136,7 +139,9 @@ impl std::fmt::Debug for Config {
 ///
 /// With no settings it enables every backend that can run here: transports `tcp` and `shm`,
 /// channels `basic`, `xth`, `cma` (if a trial read of this process succeeds) and `mpt` (2 lanes),
-/// and with the `cuda` feature `cuda_xth` (one per device pair) where a CUDA GPU is.
+/// and with the `cuda` feature `cuda_xth` (one per device pair) where a CUDA GPU is, and
+/// `cuda_ipc` and `cuda_basic` there too when asked for (`ACTORPIPE_CUDA_IPC=1`,
+/// `ACTORPIPE_CUDA_BASIC=1`: docs/cuda.md).
 /// Every backend can be removed ([`without`](Self::without)), re-prioritised
 /// ([`priority`](Self::priority)) or replaced by one configured differently
 /// ([`transport`](Self::transport), [`channel`](Self::channel)).
@@ -169,6 +174,8 @@ impl Default for ContextBuilder {
                 heartbeat: Some(Heartbeat::default()),
                 transports: Vec::new(),
                 channels: Vec::new(),
+                #[cfg(feature = "cuda")]
+                ipc: Default::default(),
             },
         };
         b = b
@@ -190,6 +197,14 @@ impl Default for ContextBuilder {
         b = b.channel(Arc::new(Cma));
         #[cfg(feature = "cuda")]
         for c in crate::channel::cuda_xth::CudaXth::all() {
+            b = b.channel(c);
+        }
+        #[cfg(feature = "cuda")]
+        for c in crate::channel::cuda_ipc::CudaIpc::all() {
+            b = b.channel(c);
+        }
+        #[cfg(feature = "cuda")]
+        for c in crate::channel::cuda_basic::CudaBasic::all() {
             b = b.channel(c);
         }
         b
@@ -498,6 +513,43 @@ impl Context {
     /// binding failed. `None` if it was not asked.
     pub fn metrics_addr(&self) -> Option<Result<std::net::SocketAddr, Error>> {
         self.metrics.clone()
+    }
+}
+
+/// The counters of this context's CUDA IPC handle cache for a device (exports, opened memory,
+/// opened events); `None` if no pipe of the context has used CUDA IPC on that device yet.
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone, Copy)]
+pub struct IpcCacheStats(pub u32);
+
+#[cfg(feature = "cuda")]
+impl actix::Message for IpcCacheStats {
+    type Result = Option<(
+        crate::cuda::cache::Stats,
+        crate::cuda::cache::Stats,
+        crate::cuda::cache::Stats,
+    )>;
+}
+
+#[cfg(feature = "cuda")]
+impl Handler<IpcCacheStats> for Context {
+    type Result = ResponseFuture<<IpcCacheStats as actix::Message>::Result>;
+
+    fn handle(&mut self, m: IpcCacheStats, _: &mut Self::Context) -> Self::Result {
+        use crate::actors::hardware::cuda_ipc::GetStats;
+        let cache = self
+            .config
+            .ipc
+            .devices()
+            .contains(&m.0)
+            .then(|| self.config.ipc.device(m.0).ok())
+            .flatten();
+        Box::pin(async move {
+            match cache {
+                Some(c) => c.addr.send(GetStats).await.ok(),
+                None => None,
+            }
+        })
     }
 }
 

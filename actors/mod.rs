@@ -20,6 +20,8 @@ mod pool;
 #[cfg(feature = "ibv")]
 pub(crate) mod queue_pair;
 
+#[cfg(feature = "cuda")]
+pub use context::IpcCacheStats;
 pub use context::{Config, Context, ContextBuilder};
 pub use ext::{Call, ContextExt, PipeExt};
 pub use inbox::{inbox, Inbox};

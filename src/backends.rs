@@ -125,24 +125,27 @@ mod tests {
         }
         #[cfg(feature = "cuda")]
         {
-            // Each CUDA channel once per device pair. cuda_xth, which the pipe carries, is
-            // available exactly where CUDA is; the others are offered only once the pipe
-            // carries them, and the reason says why not: no CUDA here, or not carried yet.
+            // Each CUDA channel once per device pair, all three carried by the pipe. cuda_xth
+            // is available exactly where CUDA is; cuda_ipc and cuda_basic where CUDA is and they
+            // were asked for (ACTORPIPE_CUDA_IPC=1, ACTORPIPE_CUDA_BASIC=1) until their GPU
+            // trials have run; the reason says why not.
             let cuda: Vec<_> = r.iter().filter(|b| b.name.starts_with("cuda_")).collect();
             assert_eq!(cuda.len(), 3 + 2 + 3, "{cuda:?}");
-            let cuda_ok = crate::cuda::available();
-            let why = match &cuda_ok {
-                Ok(_) => crate::channel::CUDA_NOT_CARRIED.to_string(),
-                Err(e) => e.clone(),
-            };
+            let cuda_ok = crate::cuda::available().map(drop);
+            let ipc = cuda_ok
+                .clone()
+                .and_then(|_| crate::channel::cuda_ipc::opted_in());
+            let basic = cuda_ok
+                .clone()
+                .and_then(|_| crate::channel::cuda_basic::opted_in());
             for b in cuda {
-                if b.name == "cuda_xth" {
-                    assert_eq!(b.available, cuda_ok.is_ok(), "{b:?}");
-                    assert_eq!(b.reason, cuda_ok.clone().err(), "{b:?}");
-                } else {
-                    assert!(!b.available, "{b:?}");
-                    assert_eq!(b.reason.as_deref(), Some(why.as_str()), "{b:?}");
-                }
+                let want = match b.name.as_str() {
+                    "cuda_xth" => &cuda_ok,
+                    "cuda_ipc" => &ipc,
+                    _ => &basic,
+                };
+                assert_eq!(b.available, want.is_ok(), "{b:?}");
+                assert_eq!(b.reason, want.clone().err(), "{b:?}");
             }
         }
         for b in r.iter().filter(|b| always.contains(&b.name.as_str())) {

@@ -6,6 +6,8 @@
 //! docs/cuda.md says how to build it here and run it on a GPU machine.
 
 mod common;
+#[path = "cuda/ipc_pipe.rs"]
+mod ipc_pipe;
 #[path = "cuda/pipe.rs"]
 mod pipe;
 
@@ -32,6 +34,10 @@ fn main() {
             }
         });
     }
+    // cuda_ipc and cuda_basic are offered only on request until these trials have run on a GPU
+    // (the child processes inherit the setting).
+    std::env::set_var(actorpipe::channel::cuda_ipc::OPT_IN, "1");
+    std::env::set_var(actorpipe::channel::cuda_basic::OPT_IN, "1");
     let args = Arguments::from_args();
     let skip = cuda::available().err();
     let gpus = cuda::device_count();
@@ -89,6 +95,22 @@ fn main() {
     );
     add("pipe_cuda_xth_across_two_gpus", 2, pipe::across_two_gpus);
     add("pipe_cuda_xth_measure_round_trips", 1, pipe::measure);
+    add(
+        "pipe_cuda_ipc_round_trips_between_processes",
+        1,
+        ipc_pipe::round_trips,
+    );
+    add(
+        "pipe_cuda_ipc_peer_killed_leaks_nothing",
+        1,
+        ipc_pipe::peer_killed,
+    );
+    add("pipe_cuda_ipc_measure_round_trips", 1, ipc_pipe::measure);
+    add(
+        "pipe_cuda_basic_round_trips_between_processes",
+        1,
+        ipc_pipe::basic_round_trips,
+    );
     libtest_mimic::run(&args, trials).exit();
 }
 
@@ -296,6 +318,8 @@ fn ipc_other_process() -> Outcome {
 fn child(role: &str) -> Outcome {
     match role {
         "ipc_recv" => ipc_receiver(),
+        ipc_pipe::ECHO => ipc_pipe::echo(),
+        ipc_pipe::SEND_AND_HANG => ipc_pipe::send_and_hang(),
         "ipc_send" => ipc_sender(),
         "ipc_open" => {
             let mut line = String::new();

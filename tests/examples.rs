@@ -210,3 +210,49 @@ fn connect_burst_dials_at_once_and_checks_every_pipe() {
     assert!(text.contains(": 12 ok"), "{text}");
     assert!(text.contains("12 of 12 pipes carried an echo"), "{text}");
 }
+
+/// `bench channel --backend cuda_*` says why it cannot run (without the feature, without a GPU,
+/// an unknown name); where a GPU is, each of the three channels runs a short measurement for
+/// real.
+#[test]
+fn bench_cuda_channels_run_or_say_why_not() {
+    let run = |backend: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_actorpipe"))
+            .args(["bench", "channel", "--backend", backend])
+            .args(["--sizes", "4K,5M", "--iters", "3", "--rounds", "1"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        (
+            out.status.code(),
+            err,
+            String::from_utf8_lossy(&out.stdout).to_string(),
+        )
+    };
+    let (code, err, _) = run("cuda_gdr");
+    assert_eq!(code, Some(2), "{err}");
+    for backend in ["cuda_xth", "cuda_ipc", "cuda_basic"] {
+        let (code, err, out) = run(backend);
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = &out;
+            assert_eq!(code, Some(2), "{err}");
+            assert!(err.contains("--features cuda"), "{err}");
+        }
+        #[cfg(feature = "cuda")]
+        match actorpipe::cuda::available() {
+            Err(why) => {
+                assert_eq!(code, Some(1), "{err}");
+                assert!(
+                    err.contains("no CUDA GPU here") && err.contains(&why),
+                    "{err}"
+                );
+            }
+            Ok(_) => {
+                assert_eq!(code, Some(0), "{err}");
+                assert!(out.contains(&format!("{backend} (cuda->cuda)")), "{out}");
+                assert!(out.contains("| size | pipe p50"), "{out}");
+            }
+        }
+    }
+}

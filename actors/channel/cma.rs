@@ -95,7 +95,12 @@ impl Channel {
     /// the acks already queued still go out, then the peer reads end-of-stream and knows it may
     /// hand back the buffers it was keeping for us. Our read side stays open for its acks.
     pub(super) fn close_acks(&mut self) {
-        if !matches!(self.kind, ChannelKind::Cma { .. }) {
+        if !self.acked_by_peer() {
+            return;
+        }
+        // cuda_ipc: the copies from the peer's memory must have run (and been acknowledged).
+        #[cfg(feature = "cuda")]
+        if self.ipc.as_ref().is_some_and(|s| s.copying()) {
             return;
         }
         if let Some(l) = self.lanes.get_mut(CMA_ACKS) {

@@ -47,6 +47,8 @@ pub(crate) struct SendCuda {
     pub seq: u64,
     pub index: u32,
     pub buffer: Buffer,
+    /// For `cuda_ipc`: what the pipe exported for the descriptor (`None` for an empty tensor).
+    pub ipc: Option<crate::channel::cuda_ipc::Outgoing>,
 }
 
 impl Message for SendCuda {
@@ -78,7 +80,47 @@ fn post(tx: &CudaReply, d: CudaDone) {
     }
 }
 
+/// Posts `d` once the work queued on `stream` so far has run (a host function queued after
+/// it); if the function cannot be queued, posts `d` at once with that error instead.
+pub(super) fn post_when_done(stream: &CudaStream, tx: &CudaReply, d: CudaDone) {
+    let slot = Arc::new(Mutex::new(Some(d)));
+    let (in_fn, later) = (slot.clone(), tx.clone());
+    let queued = crate::cuda::on_stream_done(stream, move || {
+        if let Some(d) = in_fn.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            post(&later, d)
+        }
+    });
+    if let Err(e) = queued {
+        if let Some(d) = slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            post(tx, d.failed(e))
+        }
+    }
+}
+
 impl CudaDone {
+    /// The same completion, failed with `e` (no event to wait on).
+    fn failed(self, e: Error) -> Self {
+        match self {
+            CudaDone::Wrote {
+                seq, index, buffer, ..
+            } => CudaDone::Wrote {
+                seq,
+                index,
+                buffer,
+                result: Err(e),
+            },
+            CudaDone::Read {
+                seq, index, buffer, ..
+            } => CudaDone::Read {
+                seq,
+                index,
+                buffer,
+                event: None,
+                result: Err(e),
+            },
+        }
+    }
+
     fn key(&self) -> (bool, u64, u32) {
         match self {
             CudaDone::Wrote { seq, index, .. } => (true, *seq, *index),
@@ -109,7 +151,7 @@ impl Channel {
         )
     }
 
-    fn cuda_to_pipe(&self, d: CudaDone) {
+    pub(super) fn cuda_to_pipe(&self, d: CudaDone) {
         match &self.cuda_reply {
             Some(tx) => post(tx, d),
             None => tracing::error!("a CUDA completion with no pipe queue to go to"),
@@ -117,15 +159,14 @@ impl Channel {
     }
 
     pub(super) fn send_cuda_xth(&mut self, pipe: u64, m: SendCuda) {
-        let SendCuda { seq, index, buffer } = m;
+        let SendCuda {
+            seq, index, buffer, ..
+        } = m;
         let (src, ready) = match &buffer {
             Buffer::Cuda(b) => {
                 // Captures the work the user queued on the tensor's stream so far; the copy
                 // waits for it on the GPU.
-                let ready = b.gpu().event(false).and_then(|e| {
-                    e.record(b.stream())?;
-                    Ok(e)
-                });
+                let ready = b.gpu().recorded(b.stream());
                 match ready {
                     Ok(e) => (
                         End::Device {
@@ -238,18 +279,7 @@ impl Channel {
                     // Completes once the copy has run: a host function after it on the same
                     // stream. The event is not needed.
                     drop(ev);
-                    let (later, slot) = (tx.clone(), Arc::new(Mutex::new(Some(done))));
-                    let in_fn = slot.clone();
-                    let queued = crate::cuda::on_stream_done(&stream, move || {
-                        if let Some(d) = in_fn.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                            post(&later, d(None, Ok(())))
-                        }
-                    });
-                    if let Err(e) = queued {
-                        if let Some(d) = slot.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                            post(&tx, d(None, Err(e)))
-                        }
-                    }
+                    post_when_done(&stream, &tx, done(None, Ok(())));
                 }
                 (Ok(Some(ev)), Some(stream)) => post(&tx, done(Some((ev, stream)), Ok(()))),
                 // Host memory: the bytes have landed.
@@ -299,6 +329,8 @@ impl Handler<SendCuda> for Channel {
     fn handle(&mut self, m: SendCuda, ctx: &mut Self::Context) {
         match self.kind {
             ChannelKind::CudaXth { pipe } => self.send_cuda_xth(pipe, m),
+            ChannelKind::CudaIpc { .. } => self.send_cuda_ipc(m),
+            ChannelKind::CudaBasic => self.send_cuda_basic(m, ctx),
             _ => self.cuda_to_pipe(CudaDone::Wrote {
                 seq: m.seq,
                 index: m.index,
@@ -316,6 +348,8 @@ impl Handler<RecvCuda> for Channel {
     fn handle(&mut self, m: RecvCuda, ctx: &mut Self::Context) {
         match self.kind {
             ChannelKind::CudaXth { .. } => self.recv_cuda_xth(m),
+            ChannelKind::CudaIpc { .. } => self.recv_cuda_ipc(m, ctx),
+            ChannelKind::CudaBasic => self.recv_cuda_basic(m, ctx),
             _ => self.cuda_to_pipe(CudaDone::Read {
                 seq: m.seq,
                 index: m.index,

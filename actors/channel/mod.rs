@@ -54,6 +54,15 @@ pub(crate) enum ChannelKind {
     /// CUDA tensors between two contexts of one process (feature `cuda`).
     #[cfg(feature = "cuda")]
     CudaXth { pipe: u64 },
+    /// CUDA tensors between two processes of one host through CUDA IPC handles (feature
+    /// `cuda`); `pipe` is this pipe's id, the key of its entries in the handle caches. The
+    /// receiver acknowledges each tensor on the channel's side connection once its copy has run.
+    #[cfg(feature = "cuda")]
+    CudaIpc { pipe: u64 },
+    /// CUDA tensors through pinned staging chunks on the channel's own connection (feature
+    /// `cuda`): any two peers.
+    #[cfg(feature = "cuda")]
+    CudaBasic,
     /// RDMA writes into the receiver's registered buffer (feature `ibv`). Tensors of
     /// 1..=`inline_max` bytes (at least the 31 under the verbs minimum) travel like basic ones.
     #[cfg(feature = "ibv")]
@@ -88,7 +97,9 @@ impl ChannelKind {
             ChannelKind::Ibv { .. } => Carried::NoData,
             ChannelKind::Xth { .. } | ChannelKind::Mpt { .. } => Carried::Nothing,
             #[cfg(feature = "cuda")]
-            ChannelKind::CudaXth { .. } => Carried::Nothing,
+            ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
+                Carried::Nothing
+            }
             #[cfg(feature = "efa")]
             ChannelKind::Efa => Carried::Nothing,
         }
@@ -104,7 +115,9 @@ impl ChannelKind {
             ChannelKind::Ibv { chunk_size, .. } => chunk_size,
             ChannelKind::Xth { .. } => usize::MAX,
             #[cfg(feature = "cuda")]
-            ChannelKind::CudaXth { .. } => usize::MAX,
+            ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
+                usize::MAX
+            }
             #[cfg(feature = "efa")]
             ChannelKind::Efa => usize::MAX,
         }
@@ -115,7 +128,9 @@ impl ChannelKind {
     pub(crate) fn carries_cuda(&self) -> bool {
         match self {
             #[cfg(feature = "cuda")]
-            ChannelKind::CudaXth { .. } => true,
+            ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
+                true
+            }
             _ => false,
         }
     }
@@ -181,6 +196,12 @@ pub struct Channel {
     /// Parked CUDA tensors, with their direction (`true` when sending).
     #[cfg(feature = "cuda")]
     cuda_keys: Vec<(bool, crate::channel::cuda_xth::Key)>,
+    /// The `cuda_ipc` channel's state.
+    #[cfg(feature = "cuda")]
+    ipc: Option<cuda_ipc::IpcSide>,
+    /// The `cuda_basic` channel's state, made on first use.
+    #[cfg(feature = "cuda")]
+    cuda_basic: Option<cuda_basic::BasicSide>,
     /// cma reads running on blocking threads.
     reading: usize,
     stopping: bool,
@@ -261,6 +282,10 @@ impl Channel {
             cuda_rx: None,
             #[cfg(feature = "cuda")]
             cuda_keys: Vec::new(),
+            #[cfg(feature = "cuda")]
+            ipc: None,
+            #[cfg(feature = "cuda")]
+            cuda_basic: None,
             reading: 0,
             stopping: false,
             fallbacks,
@@ -337,6 +362,55 @@ impl Channel {
             },
             lane_gone,
         );
+    }
+
+    /// Queues a piece of a tensor on lane `lane`: written from `memory` as chunk frames of up to
+    /// `chunk_size` bytes (`sending`), or read into it; `offset` is where it starts in the
+    /// tensor. Its end comes on the own queue.
+    #[allow(clippy::too_many_arguments)]
+    fn lane_tensor(
+        &mut self,
+        lane: usize,
+        sending: bool,
+        seq: u64,
+        index: u32,
+        memory: Memory,
+        offset: u64,
+        chunk_size: usize,
+    ) {
+        let reply = self.own();
+        let origin = &self.origin;
+        let l = &mut self.lanes[lane];
+        let gone = || Error::Closed {
+            reason: "lane already stopped".into(),
+            origin: origin.clone(),
+        };
+        if sending {
+            let ticket = l.out_ticket;
+            l.out_ticket += 1;
+            let op = OutOp::Tensor {
+                ticket,
+                seq,
+                index,
+                memory,
+                offset,
+                chunk_size,
+                reply,
+            };
+            l.link.write(op, gone);
+        } else {
+            let ticket = l.in_ticket;
+            l.in_ticket += 1;
+            let op = InOp::Tensor {
+                ticket,
+                seq,
+                index,
+                memory,
+                offset,
+                reply,
+            };
+            l.link.read(op, gone);
+        }
     }
 
     /// Writes an acknowledgement frame, followed by `payloads`' bytes, on lane `lane`.
@@ -419,7 +493,10 @@ impl Channel {
             self.close_acks();
         }
         #[cfg(feature = "cuda")]
-        if !self.cuda_keys.is_empty() {
+        if !self.cuda_keys.is_empty()
+            || self.ipc.as_ref().is_some_and(|s| s.busy())
+            || self.cuda_basic.as_ref().is_some_and(|s| s.busy())
+        {
             return;
         }
         #[cfg(feature = "ibv")]
@@ -442,6 +519,18 @@ impl Channel {
     }
 
     fn on_own(&mut self, d: Done, ctx: &mut Context<Self>) {
+        #[cfg(feature = "cuda")]
+        match self.kind {
+            ChannelKind::CudaIpc { .. } => {
+                self.ipc_lane(d);
+                return self.maybe_stop(ctx);
+            }
+            ChannelKind::CudaBasic => {
+                self.basic_lane(d, ctx);
+                return self.maybe_stop(ctx);
+            }
+            _ => {}
+        }
         #[cfg(feature = "efa")]
         if self.kind == ChannelKind::Efa {
             self.efa_lane(d, ctx);
@@ -602,12 +691,14 @@ impl Handler<SendTensor> for Channel {
                 self.stripe(m.seq, m.index, m.buffer, true, chunk_size)
             }
             #[cfg(feature = "cuda")]
-            ChannelKind::CudaXth { .. } => self.to_pipe(Done::WroteTensor {
-                seq: m.seq,
-                index: m.index,
-                memory: m.buffer,
-                result: Err(self.misrouted()),
-            }),
+            ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
+                self.to_pipe(Done::WroteTensor {
+                    seq: m.seq,
+                    index: m.index,
+                    memory: m.buffer,
+                    result: Err(self.misrouted()),
+                })
+            }
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { .. } => {
                 self.send_ibv(m);
@@ -641,12 +732,14 @@ impl Handler<RecvTensor> for Channel {
                 self.stripe(m.seq, m.index, Memory::Owned(m.buffer), false, chunk_size)
             }
             #[cfg(feature = "cuda")]
-            ChannelKind::CudaXth { .. } => self.to_pipe(Done::Tensor {
-                seq: m.seq,
-                index: m.index,
-                memory: Memory::Owned(m.buffer),
-                result: Err(self.misrouted()),
-            }),
+            ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
+                self.to_pipe(Done::Tensor {
+                    seq: m.seq,
+                    index: m.index,
+                    memory: Memory::Owned(m.buffer),
+                    result: Err(self.misrouted()),
+                })
+            }
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { .. } => {
                 self.recv_ibv(m);
@@ -677,13 +770,17 @@ impl Handler<StopChannel> for Channel {
         }
         #[cfg(feature = "cuda")]
         self.withdraw_cuda(&e);
+        #[cfg(feature = "cuda")]
+        if let ChannelKind::CudaBasic = self.kind {
+            self.basic_stop(e.clone(), ctx);
+        }
         #[cfg(feature = "efa")]
         if self.kind == ChannelKind::Efa {
             self.efa_stop(ctx);
             self.poll_own(ctx);
             return;
         }
-        if let ChannelKind::Cma { .. } = self.kind {
+        if self.acked_by_peer() {
             // A peer may be reading our buffers right now: they go back to the user only once
             // it acknowledges or hangs up its side connection (it does when its reads are
             // over), or after a grace period if it is frozen.
@@ -702,6 +799,19 @@ impl Handler<StopChannel> for Channel {
 }
 
 /// The error for an operation submitted to a lane whose loops are gone.
+impl Channel {
+    /// Whether the peer acknowledges our tensors on a side connection (cma, cuda_ipc): a
+    /// stopping channel then waits for its acks or its hang-up before handing buffers back.
+    fn acked_by_peer(&self) -> bool {
+        match self.kind {
+            ChannelKind::Cma { .. } => true,
+            #[cfg(feature = "cuda")]
+            ChannelKind::CudaIpc { .. } => true,
+            _ => false,
+        }
+    }
+}
+
 fn lane_gone() -> Error {
     Error::Closed {
         reason: "the channel's connection already stopped".into(),
@@ -710,6 +820,10 @@ fn lane_gone() -> Error {
 }
 
 mod cma;
+#[cfg(feature = "cuda")]
+mod cuda_basic;
+#[cfg(feature = "cuda")]
+mod cuda_ipc;
 #[cfg(feature = "cuda")]
 mod cuda_xth;
 #[cfg(feature = "efa")]

@@ -21,43 +21,8 @@ impl Channel {
             // in `self.held` untouched until every stripe's operation has completed (`release`
             // waits for `out == 0`, and a stopping channel waits for `held` to empty).
             let region = unsafe { Region::new(base.add(offset as usize), n as usize) };
-            let reply = self.own();
-            let l = &mut self.lanes[lane as usize];
-            let origin = &self.origin;
-            let gone = || Error::Closed {
-                reason: "lane already stopped".into(),
-                origin: origin.clone(),
-            };
-            if sending {
-                let ticket = l.out_ticket;
-                l.out_ticket += 1;
-                l.link.write(
-                    OutOp::Tensor {
-                        ticket,
-                        seq,
-                        index,
-                        memory: Memory::Region(region),
-                        offset,
-                        chunk_size: chunk,
-                        reply,
-                    },
-                    gone,
-                );
-            } else {
-                let ticket = l.in_ticket;
-                l.in_ticket += 1;
-                l.link.read(
-                    InOp::Tensor {
-                        ticket,
-                        seq,
-                        index,
-                        memory: Memory::Region(region),
-                        offset,
-                        reply,
-                    },
-                    gone,
-                );
-            }
+            let memory = Memory::Region(region);
+            self.lane_tensor(lane as usize, sending, seq, index, memory, offset, chunk);
             out += 1;
         }
         self.hold((sending, seq, index), buffer, out);

@@ -150,6 +150,12 @@ pub struct Pipe {
     /// Completions of CUDA-routed tensors, until `started` polls them.
     #[cfg(feature = "cuda")]
     cuda_completions: Option<mpsc::UnboundedReceiver<super::channel::CudaDone>>,
+    /// The context's CUDA IPC handle caches, if a channel of this pipe is `cuda_ipc`, and what
+    /// was exported for the message being written, per tensor (reused).
+    #[cfg(feature = "cuda")]
+    ipc: Option<Arc<crate::actors::hardware::cuda_ipc::IpcCaches>>,
+    #[cfg(feature = "cuda")]
+    ipc_out: Vec<Option<crate::channel::cuda_ipc::Outgoing>>,
     conn: Option<(Addr<Connection>, Link)>,
     channels: Vec<Addr<Channel>>,
     fallbacks: Arc<AtomicU64>,
@@ -301,6 +307,10 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                 "mpt" => ChannelKind::Mpt { chunk_size },
                 #[cfg(feature = "cuda")]
                 "cuda_xth" => ChannelKind::CudaXth { pipe: id },
+                #[cfg(feature = "cuda")]
+                "cuda_ipc" => ChannelKind::CudaIpc { pipe: id },
+                #[cfg(feature = "cuda")]
+                "cuda_basic" => ChannelKind::CudaBasic,
                 #[cfg(feature = "ibv")]
                 "ibv" => ChannelKind::Ibv {
                     chunk_size,
@@ -353,9 +363,12 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                 fallbacks.clone(),
             );
             #[cfg(feature = "cuda")]
-            let channel = match kind.carries_cuda() {
-                true => channel.with_cuda(cuda_reply.clone()),
-                false => channel,
+            let channel = match kind {
+                ChannelKind::CudaIpc { .. } => channel
+                    .with_cuda(cuda_reply.clone())
+                    .with_ipc(config.ipc.clone()),
+                k if k.carries_cuda() => channel.with_cuda(cuda_reply.clone()),
+                _ => channel,
             };
             #[cfg(feature = "efa")]
             let channel = match kind {
@@ -391,6 +404,13 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         route_buf: Vec::new(),
         #[cfg(feature = "cuda")]
         cuda_completions: Some(cuda_completions),
+        #[cfg(feature = "cuda")]
+        ipc: kinds
+            .iter()
+            .any(|k| matches!(k, ChannelKind::CudaIpc { .. }))
+            .then(|| config.ipc.clone()),
+        #[cfg(feature = "cuda")]
+        ipc_out: Vec::new(),
         conn: Some((conn, link)),
         channels,
         fallbacks,
@@ -449,6 +469,8 @@ impl Actor for Pipe {
     }
 
     fn stopped(&mut self, _: &mut Self::Context) {
+        #[cfg(feature = "cuda")]
+        self.close_ipc();
         if !self.closed_sent {
             // Torn down without closing (its system stopped): it is not open any more either.
             self.metrics.closed(&Error::Closed {
@@ -576,6 +598,17 @@ impl Pipe {
         self.pump_writes();
     }
 
+    /// Every CUDA IPC handle cached for this pipe goes (`ClosePeer` to each device's cache
+    /// actor; a mapping is unmapped after a context synchronize, so copies queued from it run
+    /// first). Sent when the pipe is closed and again when its actor stops: the second finds
+    /// nothing.
+    #[cfg(feature = "cuda")]
+    fn close_ipc(&self) {
+        if let Some(ipc) = &self.ipc {
+            ipc.close_peer(self.id);
+        }
+    }
+
     fn maybe_closed(&mut self) {
         if self.closed_sent
             || self.error.is_none()
@@ -585,6 +618,8 @@ impl Pipe {
             return;
         }
         self.closed_sent = true;
+        #[cfg(feature = "cuda")]
+        self.close_ipc();
         let error = self.error.clone().expect("checked");
         self.metrics.closed(&error);
         for s in self.subscribers.drain(..) {

@@ -200,6 +200,33 @@ mod tests {
 
     #[cfg(feature = "cuda")]
     #[test]
+    fn between_processes_cuda_ipc_carries_the_pairs_it_serves() {
+        // What two processes of one host negotiate: cuda_ipc for cuda->cuda and cuda->cpu,
+        // nothing for cpu->cuda (cuda_basic is not carried).
+        let i = ChannelKind::CudaIpc { pipe: 3 };
+        let c = choice(&[
+            ("basic", Cpu, Cpu),
+            ("cuda_ipc", Cuda, Cuda),
+            ("cuda_ipc", Cuda, Cpu),
+        ]);
+        let r = Routes::new(&c, &[BASIC, i, i], 0);
+        assert_eq!(r.for_tensor(Device::Cuda(0), None), Some(1));
+        assert_eq!(
+            r.for_tensor(Device::Cuda(1), Some(Device::Cuda(0))),
+            Some(1)
+        );
+        assert_eq!(r.for_tensor(Device::Cuda(0), Some(Device::Cpu)), Some(2));
+        assert_eq!(r.for_tensor(Device::Cpu, Some(Device::Cuda(0))), Some(0));
+        assert_eq!(
+            r.check(2, Device::Cuda(0), Some(Device::Cpu)),
+            Ok(Some(Device::Cpu))
+        );
+        assert_eq!(r.check(1, Device::Cuda(0), None), Ok(None));
+        assert!(r.check(1, Device::Cpu, Some(Device::Cuda(0))).is_err());
+    }
+
+    #[cfg(feature = "cuda")]
+    #[test]
     fn without_a_pair_channel_a_cuda_tensor_stays_on_its_kind() {
         let x = ChannelKind::CudaXth { pipe: 7 };
         let c = choice(&[("basic", Cpu, Cpu), ("cuda_xth", Cuda, Cuda)]);

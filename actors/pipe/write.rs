@@ -30,6 +30,8 @@ impl Pipe {
             ChannelKind::Cma { .. } => crate::channel::cma::REMOTE_BUFFER_LEN,
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { .. } => 8,
+            #[cfg(feature = "cuda")]
+            ChannelKind::CudaIpc { .. } => crate::channel::cuda_ipc::IPC_TENSOR_LEN,
             k if k.carries_cuda() => 8,
             _ => 0,
         }
@@ -112,7 +114,10 @@ impl Pipe {
                     Ok(())
                 });
                 self.route_buf = routes;
-                routed.and_then(|_| self.check_limits(&message)).err()
+                routed
+                    .and_then(|_| self.check_limits(&message))
+                    .and_then(|_| self.ipc_export(&message))
+                    .err()
             }
         };
         let Some(link) = self
@@ -121,6 +126,8 @@ impl Pipe {
             .map(|c| &c.1)
             .filter(|_| refusal.is_none())
         else {
+            #[cfg(feature = "cuda")]
+            self.ipc_out.clear();
             w.error = refusal.map(Box::new);
             w.message = message;
             self.writes.push_back(w);
@@ -133,10 +140,18 @@ impl Pipe {
         let cpu = self.cpu_channel as u8;
         let (kind, id_bytes) = (self.cpu_kind, self.id.to_le_bytes());
         let routes = &self.route_buf;
+        #[cfg(feature = "cuda")]
+        let ipc_out = &self.ipc_out;
         encode_frame(&mut frame, FrameKind::Descriptor, |b| {
             wire::encode_descriptor(b, seq, &message, |i, data| {
                 if routes[i] != cpu {
-                    // A CUDA channel: cuda_xth finds the sender's buffers by pipe id.
+                    // A CUDA channel: cuda_ipc's export, or the pipe id cuda_xth finds the
+                    // sender's buffers by.
+                    #[cfg(feature = "cuda")]
+                    if let Some(Some(o)) = ipc_out.get(i) {
+                        data.set(&o.data.encode());
+                        return routes[i];
+                    }
                     data.set(&id_bytes);
                     return routes[i];
                 }
@@ -172,6 +187,8 @@ impl Pipe {
             }));
             w.message = message;
             self.frames.push(frame);
+            #[cfg(feature = "cuda")]
+            self.ipc_out.clear();
             self.writes.push_back(w);
             self.pump_writes();
             return;
@@ -209,7 +226,11 @@ impl Pipe {
         for (i, t) in message.tensors.iter_mut().enumerate() {
             let ch = self.route_buf[i] as usize;
             if ch != self.cpu_channel {
-                self.send_cuda(ch, seq, i as u32, mem::take(&mut t.buffer));
+                #[cfg(feature = "cuda")]
+                let ipc = self.ipc_out.get_mut(i).and_then(Option::take);
+                #[cfg(not(feature = "cuda"))]
+                let ipc = None;
+                self.send_cuda(ch, seq, i as u32, mem::take(&mut t.buffer), ipc);
                 tensors_out += 1;
                 continue;
             }
@@ -269,16 +290,69 @@ impl Pipe {
         }
     }
 
-    /// Hands a tensor to the CUDA channel it was routed to.
+    /// Hands a tensor to the CUDA channel it was routed to, with what cuda_ipc exported for it.
     #[cfg(feature = "cuda")]
-    fn send_cuda(&self, ch: usize, seq: u64, index: u32, buffer: Buffer) {
-        self.channels[ch].do_send(super::super::channel::SendCuda { seq, index, buffer });
+    fn send_cuda(
+        &self,
+        ch: usize,
+        seq: u64,
+        index: u32,
+        buffer: Buffer,
+        ipc: Option<crate::channel::cuda_ipc::Outgoing>,
+    ) {
+        self.channels[ch].do_send(super::super::channel::SendCuda {
+            seq,
+            index,
+            buffer,
+            ipc,
+        });
     }
 
     /// Without the `cuda` feature every tensor is routed to the CPU channel.
     #[cfg(not(feature = "cuda"))]
-    fn send_cuda(&self, _: usize, _: u64, _: u32, _: Buffer) {
+    fn send_cuda(&self, _: usize, _: u64, _: u32, _: Buffer, _: Option<std::convert::Infallible>) {
         unreachable!("no CUDA channel in this build")
+    }
+
+    /// Exports each non-empty tensor routed to a `cuda_ipc` channel for the descriptor (the
+    /// ready event recorded on its stream, the allocation's handle from the cache of its
+    /// device), into `ipc_out`. The CPU does not wait for the GPU. On failure nothing is kept.
+    #[cfg(feature = "cuda")]
+    fn ipc_export(&mut self, message: &Message) -> Result<(), Error> {
+        self.ipc_out.clear();
+        let Some(caches) = &self.ipc else {
+            return Ok(());
+        };
+        for (t, &ch) in message.tensors.iter().zip(&self.route_buf) {
+            let out = match (self.routes.kind(ch as usize), t.buffer.as_cuda()) {
+                (Some(ChannelKind::CudaIpc { .. }), Some(b)) if !b.is_empty() => {
+                    let cache = caches.device(b.device())?;
+                    let mut shared = cache.lock();
+                    let shared = &mut *shared;
+                    match crate::channel::cuda_ipc::send(
+                        &mut shared.cache,
+                        &mut shared.staging,
+                        self.id,
+                        b,
+                    ) {
+                        Ok(o) => Some(o),
+                        Err(e) => {
+                            self.ipc_out.clear();
+                            return Err(e);
+                        }
+                    }
+                }
+                _ => None,
+            };
+            self.ipc_out.push(out);
+        }
+        Ok(())
+    }
+
+    /// Without the `cuda` feature there is nothing to export.
+    #[cfg(not(feature = "cuda"))]
+    fn ipc_export(&mut self, _: &Message) -> Result<(), Error> {
+        Ok(())
     }
 
     pub(super) fn pump_writes(&mut self) {

@@ -54,10 +54,38 @@ impl ChannelBackend for CudaBasic {
         self.devices
     }
 
-    fn viable(&self) -> Result<(), String> {
-        crate::cuda::available()?;
-        Err(super::CUDA_NOT_CARRIED.into())
+    /// One connection of its own: the chunks travel on it, both ways.
+    fn connections(&self) -> u32 {
+        1
     }
+
+    fn viable(&self) -> Result<(), String> {
+        // Carried by the pipe (actors/channel/cuda_basic.rs); offered only on request until
+        // its pipe-level GPU trials have run.
+        crate::cuda::available()?;
+        opted_in()
+    }
+}
+
+/// The environment variable that offers `cuda_basic` (`1`).
+pub const OPT_IN: &str = "ACTORPIPE_CUDA_BASIC";
+
+/// Why `cuda_basic` is not offered although CUDA works here.
+pub const NOT_VERIFIED: &str = "carried by the pipe, but its pipe-level GPU trials have not \
+     run yet: offered only with ACTORPIPE_CUDA_BASIC=1 (docs/cuda.md)";
+
+/// `Ok` when the user asked for `cuda_basic` ([`OPT_IN`] is `1`).
+pub fn opted_in() -> Result<(), String> {
+    match std::env::var(OPT_IN).as_deref() {
+        Ok("1") => Ok(()),
+        _ => Err(NOT_VERIFIED.into()),
+    }
+}
+
+/// The process's pool of pinned staging chunks ([`CHUNK`] bytes; up to 4 × [`DEPTH`] idle).
+pub fn pool() -> &'static Arc<crate::cuda::PinnedPool> {
+    static POOL: std::sync::OnceLock<Arc<crate::cuda::PinnedPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| crate::cuda::PinnedPool::new(CHUNK, 4 * DEPTH))
 }
 
 /// Which legs a tensor of this pair takes through host memory: (device-to-host on the sender,

@@ -240,9 +240,7 @@ fn copy(s: &Sent, w: &Wanted, on: &Arc<CudaStream>) -> Result<Option<Event>, Err
             // SAFETY: both ranges are `len` bytes of live device memory: the sender's buffer is
             // held until `on_free`, the receiver's until its read completes.
             unsafe { crate::cuda::copy_async((*dst, dg), (*src, sg), s.len, on)? };
-            let done = dg.event(false)?;
-            done.record(on)?;
-            Ok(Some(done))
+            Ok(Some(dg.recorded(on)?))
         }
         (End::Host { ptr: src }, End::Device { ptr: dst, gpu: dg }) => {
             dg.bind()?;
@@ -253,9 +251,7 @@ fn copy(s: &Sent, w: &Wanted, on: &Arc<CudaStream>) -> Result<Option<Event>, Err
                     sys::cuMemcpyHtoDAsync_v2(*dst, *src as *const _, s.len, stream)
                 })?;
             }
-            let done = dg.event(false)?;
-            done.record(on)?;
-            Ok(Some(done))
+            Ok(Some(dg.recorded(on)?))
         }
         (End::Device { ptr: src, gpu: sg }, End::Host { ptr: dst }) => {
             sg.bind()?;

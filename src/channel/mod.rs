@@ -46,13 +46,6 @@ pub fn cuda_pairs() -> [DevicePair; 3] {
     ]
 }
 
-/// Why a CUDA channel is not offered although CUDA works here: the pipe does not carry its
-/// tensors yet. Checked after the CUDA availability check, so `actorpipe info` names the first
-/// reason that applies.
-#[cfg(feature = "cuda")]
-pub const CUDA_NOT_CARRIED: &str =
-    "pipes do not carry CUDA tensors yet; the engine is tested on its own (docs/cuda.md)";
-
 /// A channel backend, as a context offers it.
 pub trait ChannelBackend: Send + Sync + 'static {
     /// Name in brochures (`basic`).

@@ -38,6 +38,14 @@ impl std::fmt::Debug for Event {
 }
 
 impl Gpu {
+    /// An event from this device's pool (not interprocess), recorded on `stream` now: the
+    /// point a later wait orders after.
+    pub fn recorded(self: &Arc<Self>, stream: &CudaStream) -> crate::Result<Event> {
+        let e = self.event(false)?;
+        e.record(stream)?;
+        Ok(e)
+    }
+
     /// An event from this device's pool (created if the pool is empty). `ipc` asks for an
     /// interprocess event, whose handle another process can open ([`super::ipc::export_event`]).
     pub fn event(self: &Arc<Self>, ipc: bool) -> crate::Result<Event> {

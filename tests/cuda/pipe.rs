@@ -15,7 +15,7 @@ use libtest_mimic::Failed;
 use super::{common, fail, filled, gpu0, Outcome};
 
 /// Runs `f` in an actix system, bounded so a bug fails the trial instead of hanging the suite.
-fn run<F: Future<Output = Outcome>>(f: F) -> Outcome {
+pub(super) fn run<F: Future<Output = Outcome>>(f: F) -> Outcome {
     actix::System::new().block_on(async move {
         match tokio::time::timeout(Duration::from_secs(120), f).await {
             Ok(r) => r,
@@ -44,7 +44,7 @@ async fn xth_pair() -> Result<(Addr<Pipe>, Addr<Pipe>, common::Server), Failed> 
 
 /// The bytes of a buffer, read on `stream` when given (ordered only by what that stream waited
 /// for), else on the buffer's own stream.
-fn bytes(b: &Buffer, stream: Option<&cuda::StreamLease>) -> Result<Vec<u8>, Failed> {
+pub(super) fn bytes(b: &Buffer, stream: Option<&cuda::StreamLease>) -> Result<Vec<u8>, Failed> {
     match b {
         Buffer::Cpu(v) => Ok(v.clone()),
         Buffer::Cuda(c) => match stream {
@@ -90,7 +90,7 @@ async fn descriptor(rx: &Addr<Pipe>) -> Result<actorpipe::Descriptor, Failed> {
 }
 
 /// One message of each device pair: host, cuda->cuda, cpu->cuda, cuda->cpu, with a payload.
-fn mixed(i: u64, sizes: [usize; 4]) -> Result<(Message, Vec<Vec<u8>>), Failed> {
+pub(super) fn mixed(i: u64, sizes: [usize; 4]) -> Result<(Message, Vec<Vec<u8>>), Failed> {
     let data: Vec<Vec<u8>> = (0..4)
         .map(|k| common::pattern(i * 8 + k, sizes[k as usize]))
         .collect();
@@ -306,10 +306,15 @@ pub fn close_mid_transfer() -> Outcome {
         free_before >> 20,
         free_after >> 20
     );
-    if free_after + (16 << 20) < free_before {
+    memory_given_back(free_before, free_after, 16 << 20)
+}
+
+/// Fails unless the GPU's free memory `after` is back to `before`, give or take `slack` bytes.
+pub(super) fn memory_given_back(before: usize, after: usize, slack: usize) -> Outcome {
+    if after + slack < before {
         return Err(fail(format!(
             "{} MiB of GPU memory not given back",
-            (free_before - free_after) >> 20
+            (before - after) >> 20
         )));
     }
     Ok(())
@@ -340,6 +345,47 @@ pub fn across_two_gpus() -> Outcome {
     })
 }
 
+/// Prints one `MEASURE` line: the pipe's median round trip for `channel` next to the raw
+/// copies' (times in seconds).
+pub(super) fn print_measure(channel: &str, len: usize, raw: Vec<f64>, pipe: Vec<f64>) {
+    let (r, p) = (super::median(raw), super::median(pipe));
+    println!(
+        "MEASURE pipe {channel} round trip, {len} B: p50 {:.1} us; raw D2D there and back {:.1} us ({:.0} % of raw{})",
+        p * 1e6,
+        r * 1e6,
+        100.0 * r / p,
+        if len >= 1 << 20 {
+            format!(", {:.1} GB/s each way", 2.0 * len as f64 / p / 1e9)
+        } else {
+            String::new()
+        }
+    );
+}
+
+/// Times of `reps` raw device-to-device copies of `len` bytes there and back on `s` (the
+/// baseline of the round-trip measures).
+pub(super) fn raw_round_trips(
+    g: &std::sync::Arc<cuda::Gpu>,
+    s: &cuda::StreamLease,
+    len: usize,
+    reps: usize,
+) -> Result<Vec<f64>, Failed> {
+    let a = CudaBuffer::alloc(0, len).map_err(fail)?;
+    let b = CudaBuffer::alloc(0, len).map_err(fail)?;
+    let mut raw = Vec::new();
+    for _ in 0..reps {
+        let t = std::time::Instant::now();
+        for (dst, src) in [(&b, &a), (&a, &b)] {
+            // SAFETY: both buffers hold `len` bytes of device 0 and are alive.
+            unsafe { cuda::copy_async((dst.device_ptr(), g), (src.device_ptr(), g), len, s) }
+                .map_err(fail)?;
+        }
+        s.synchronize().map_err(fail)?;
+        raw.push(t.elapsed().as_secs_f64());
+    }
+    Ok(raw)
+}
+
 /// Prints round trips of one CUDA tensor through a pipe pair (cuda_xth, both directions, the
 /// receive into the spare buffers of the last one) next to the raw device-to-device copy of the
 /// same size, twice (there and back). Nothing is asserted on time.
@@ -350,22 +396,7 @@ pub fn measure() -> Outcome {
         let s = g.lease_stream().map_err(fail)?;
         for len in [4usize << 10, 64 << 20, 1 << 30] {
             let reps = if len >= 1 << 30 { 8 } else { 200 };
-            let a = CudaBuffer::alloc(0, len).map_err(fail)?;
-            let b = CudaBuffer::alloc(0, len).map_err(fail)?;
-            let mut raw = Vec::new();
-            for _ in 0..reps {
-                let t = std::time::Instant::now();
-                for (dst, src) in [(&b, &a), (&a, &b)] {
-                    // SAFETY: both buffers hold `len` bytes of device 0 and are alive.
-                    unsafe {
-                        cuda::copy_async((dst.device_ptr(), &g), (src.device_ptr(), &g), len, &s)
-                    }
-                    .map_err(fail)?;
-                }
-                s.synchronize().map_err(fail)?;
-                raw.push(t.elapsed().as_secs_f64());
-            }
-            drop((a, b));
+            let raw = raw_round_trips(&g, &s, len, reps)?;
             // Spare buffers for each side's receive, reused from one round to the next.
             let (mut at_rx, mut at_tx) = (None::<Allocation>, None::<Allocation>);
             let mut m =
@@ -403,18 +434,7 @@ pub fn measure() -> Outcome {
                     pipe.push(elapsed);
                 }
             }
-            let (r, p) = (super::median(raw), super::median(pipe));
-            println!(
-                "MEASURE pipe cuda_xth round trip, {len} B: p50 {:.1} us; raw D2D there and back {:.1} us ({:.0} % of raw{})",
-                p * 1e6,
-                r * 1e6,
-                100.0 * r / p,
-                if len >= 1 << 20 {
-                    format!(", {:.1} GB/s each way", 2.0 * len as f64 / p / 1e9)
-                } else {
-                    String::new()
-                }
-            );
+            print_measure("cuda_xth", len, raw, pipe);
         }
         Ok(())
     })

@@ -47,7 +47,9 @@ pub enum BenchCommand {
     /// --backend basic|xth|cma|mpt|ibv-sim (default basic). xth works only inside one process, so
     /// its run has both sides in this process (two contexts on two threads). ibv-sim (feature
     /// ibv) is the ibv channel over the ibv transport on the SIMULATED device, both sides in this
-    /// process: it measures the code's own overhead, not an HCA.
+    /// process: it measures the code's own overhead, not an HCA. cuda_xth and cuda_ipc (feature
+    /// cuda) echo one CUDA tensor on GPU 0, next to the driver's device-to-device copy there and
+    /// back; cuda_ipc's echo runs in a second process (cuda_basic is not carried yet).
     Channel(RunArgs),
     /// A message with 1 payload of 64 B and 1 tensor of each size, echoed back, through what the
     /// two contexts negotiate.

@@ -11,6 +11,8 @@
 mod baseline;
 mod bench;
 mod cli;
+#[cfg(feature = "cuda")]
+mod cuda;
 #[cfg(feature = "efa")]
 mod efa;
 #[cfg(feature = "efa")]
@@ -35,6 +37,9 @@ use failure::Failure;
 use plan::Kind;
 
 fn main() {
+    // The echoing side of `bench channel --backend cuda_ipc` (never returns there).
+    #[cfg(feature = "cuda")]
+    cuda::echo_child();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Info { json } => {
@@ -58,6 +63,19 @@ fn bench_command(what: BenchCommand) -> Result<(), Failure> {
         #[cfg(feature = "efa")]
         BenchCommand::Efa(a) => return efa::run(&a),
     };
+    if kind == Kind::Channel
+        && args
+            .backend
+            .as_deref()
+            .is_some_and(|b| b.starts_with("cuda_"))
+    {
+        #[cfg(feature = "cuda")]
+        return cuda::run(&args);
+        #[cfg(not(feature = "cuda"))]
+        return Err(failure::bad(
+            "the cuda_* channels need a build with --features cuda",
+        ));
+    }
     if scaling::wanted(kind, &args) {
         return scaling::run(&args);
     }

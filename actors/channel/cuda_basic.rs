@@ -1,0 +1,618 @@
+//! The `cuda_basic` side of the channel actor (feature `cuda`): CUDA tensors through pinned host
+//! staging buffers over the channel's own connection (the pipe's transport: TCP between hosts),
+//! with the legs of [`crate::channel::cuda_basic`].
+//!
+//! - **Sending.** A device tensor is copied device-to-host in chunks of [`CHUNK`] bytes into
+//!   pinned buffers, on a stream of the channel's per device that first waits on the tensor's
+//!   ready event (no CPU wait); each landed chunk (a host function tells this actor) is written
+//!   on the connection, in tensor and chunk order whatever order they land in, while the next
+//!   chunks copy. A host tensor (cpu->cuda) is written as it is. At most [`DEPTH`] chunks are
+//!   staged or being written at once; a pinned buffer goes back to the pool when its write
+//!   completes. The write completes once its last chunk has been written.
+//! - **Receiving.** Chunks are read in order into pinned buffers (up to [`DEPTH`] at once) and
+//!   each is copied host-to-device on the destination's stream as soon as it is read; after the
+//!   last one the tensor completes with an event recorded on that stream (or, for a
+//!   data-complete read, once a host function after the last copy has run). Into host memory
+//!   (cuda->cpu) the bytes are read in place.
+//! - **Failures.** A lane error, or a copy that cannot be queued, fails the channel: its
+//!   connection is shut, nothing more is issued, and every tensor completes with the error once
+//!   its operations in flight have come back.
+
+use std::collections::VecDeque;
+
+use super::*;
+use crate::channel::cuda_basic::{self as engine, CHUNK, DEPTH};
+use crate::cuda::{PinnedBuf, StreamLease};
+use crate::message::Buffer;
+
+/// The lane the chunks travel on (both ways).
+const LANE: usize = 0;
+
+/// The largest chunk frame on the lane (a divisor of [`CHUNK`], so that no frame straddles two
+/// staging chunks whatever the other side's buffer kind).
+const FRAME: usize = 1 << 20;
+
+/// A tensor being sent.
+struct Out {
+    seq: u64,
+    index: u32,
+    buffer: Buffer,
+    chunks: usize,
+    /// Chunks handed to the GPU (or, for host memory, the one write) so far.
+    staged: usize,
+    /// Chunks written on the lane so far, and those whose write has completed.
+    written: usize,
+    completed: usize,
+    /// Landed chunks not written yet, by chunk number.
+    landed: HashMap<usize, PinnedBuf>,
+    /// Device-to-host copies queued whose chunk has not landed yet.
+    in_flight: usize,
+    ready: Option<crate::cuda::Event>,
+    error: Option<Error>,
+}
+
+/// A tensor being received.
+struct In {
+    seq: u64,
+    index: u32,
+    buffer: Buffer,
+    chunks: usize,
+    /// Chunk reads issued, and chunks read (and, for device memory, their copies queued).
+    issued: usize,
+    read: usize,
+    data_complete: bool,
+    error: Option<Error>,
+}
+
+/// The state of a `cuda_basic` channel.
+#[derive(Default)]
+pub(crate) struct BasicSide {
+    out: VecDeque<Out>,
+    /// Lane writes in flight, oldest first: (seq, index, pinned buffer of a staged chunk).
+    writing: VecDeque<(u64, u32, Option<PinnedBuf>)>,
+    /// Chunks staged or being written.
+    out_chunks: usize,
+    inq: VecDeque<In>,
+    /// Lane reads in flight, oldest first: (seq, index, chunk, pinned buffer for device memory).
+    reading: VecDeque<(u64, u32, usize, Option<PinnedBuf>)>,
+    /// Pinned buffers being read into or copied host-to-device.
+    in_chunks: usize,
+    /// Copies and host functions queued whose callback has not come back.
+    callbacks: usize,
+    streams: Vec<(u32, StreamLease)>,
+    failed: Option<Error>,
+}
+
+impl BasicSide {
+    pub(super) fn busy(&self) -> bool {
+        !self.out.is_empty() || !self.inq.is_empty() || self.callbacks > 0
+    }
+}
+
+/// A staged chunk has landed in its pinned buffer.
+struct Landed {
+    seq: u64,
+    index: u32,
+    chunk: usize,
+    buf: PinnedBuf,
+}
+
+impl Message for Landed {
+    type Result = ();
+}
+
+/// A pinned buffer whose host-to-device copy has run.
+struct Freed(PinnedBuf);
+
+impl Message for Freed {
+    type Result = ();
+}
+
+fn chunks(len: usize) -> usize {
+    len.div_ceil(CHUNK)
+}
+
+fn chunk_len(len: usize, k: usize) -> usize {
+    CHUNK.min(len - k * CHUNK)
+}
+
+impl Channel {
+    fn basic(&mut self) -> &mut BasicSide {
+        self.cuda_basic.get_or_insert_with(Default::default)
+    }
+
+    pub(super) fn send_cuda_basic(&mut self, m: SendCuda, ctx: &mut Context<Self>) {
+        let SendCuda {
+            seq, index, buffer, ..
+        } = m;
+        let len = buffer.len() as usize;
+        if let Some(e) = self.basic().failed.clone() {
+            return self.cuda_to_pipe(CudaDone::Wrote {
+                seq,
+                index,
+                buffer,
+                result: Err(e),
+            });
+        }
+        if len == 0 {
+            return self.cuda_to_pipe(CudaDone::Wrote {
+                seq,
+                index,
+                buffer,
+                result: Ok(()),
+            });
+        }
+        // The data-ready point on the tensor's stream, recorded now: the copies wait on it.
+        let ready = match &buffer {
+            Buffer::Cuda(b) => match b.gpu().recorded(b.stream()) {
+                Ok(e) => Some(e),
+                Err(e) => {
+                    return self.cuda_to_pipe(CudaDone::Wrote {
+                        seq,
+                        index,
+                        buffer,
+                        result: Err(e),
+                    })
+                }
+            },
+            _ => None,
+        };
+        let chunks = if ready.is_some() { chunks(len) } else { 1 };
+        self.basic().out.push_back(Out {
+            seq,
+            index,
+            buffer,
+            chunks,
+            staged: 0,
+            written: 0,
+            completed: 0,
+            landed: HashMap::new(),
+            in_flight: 0,
+            ready,
+            error: None,
+        });
+        self.basic_pump(ctx);
+    }
+
+    pub(super) fn recv_cuda_basic(&mut self, m: RecvCuda, ctx: &mut Context<Self>) {
+        let RecvCuda {
+            seq,
+            index,
+            buffer,
+            data_complete,
+            ..
+        } = m;
+        let len = buffer.len() as usize;
+        let failed = self.basic().failed.clone();
+        if len == 0 || failed.is_some() {
+            return self.cuda_to_pipe(CudaDone::Read {
+                seq,
+                index,
+                buffer,
+                event: None,
+                result: failed.map_or(Ok(()), Err),
+            });
+        }
+        let chunks = match &buffer {
+            Buffer::Cuda(_) => chunks(len),
+            _ => 1,
+        };
+        self.basic().inq.push_back(In {
+            seq,
+            index,
+            buffer,
+            chunks,
+            issued: 0,
+            read: 0,
+            data_complete,
+            error: None,
+        });
+        self.basic_pump(ctx);
+    }
+
+    /// The channel's stream on `device` (leased once, kept).
+    fn basic_stream(&mut self, device: u32) -> Result<Arc<crate::cuda::CudaStream>, Error> {
+        let side = self.basic();
+        if let Some((_, s)) = side.streams.iter().find(|(d, _)| *d == device) {
+            return Ok(s.arc().clone());
+        }
+        let lease = crate::cuda::gpu(device)?.lease_stream()?;
+        let s = lease.arc().clone();
+        side.streams.push((device, lease));
+        Ok(s)
+    }
+
+    /// Issues what can be issued: copies out, writes of landed chunks in order, reads in.
+    fn basic_pump(&mut self, ctx: &mut Context<Self>) {
+        if self.lanes.is_empty() {
+            let e = Error::protocol(
+                "cuda_basic was negotiated without its connection",
+                &self.origin,
+            );
+            self.basic_fail(e);
+        }
+        if let Err(e) = self.basic_stage(ctx) {
+            self.basic_fail(e);
+        }
+        self.basic_write();
+        if let Err(e) = self.basic_read() {
+            self.basic_fail(e);
+        }
+        self.basic_finish();
+    }
+
+    /// Stages chunks device-to-host while fewer than [`DEPTH`] are out.
+    fn basic_stage(&mut self, ctx: &mut Context<Self>) -> Result<(), Error> {
+        loop {
+            let side = self.basic();
+            if side.failed.is_some() || side.out_chunks >= DEPTH {
+                return Ok(());
+            }
+            let Some(i) = side.out.iter().position(|o| o.staged < o.chunks) else {
+                return Ok(());
+            };
+            let o = &mut side.out[i];
+            let (seq, index, k) = (o.seq, o.index, o.staged);
+            o.staged += 1;
+            side.out_chunks += 1;
+            let Buffer::Cuda(b) = &o.buffer else {
+                // Host memory (cpu->cuda) goes out as it is: "landed" at once.
+                continue;
+            };
+            let (gpu, src, n, device) = (
+                b.gpu().clone(),
+                b.device_ptr() + (k * CHUNK) as u64,
+                chunk_len(b.len(), k),
+                b.device(),
+            );
+            let ready = o.ready.take();
+            let stream = self.basic_stream(device)?;
+            if let Some(ev) = ready {
+                ev.wait_on(&stream)?;
+            }
+            let buf = engine::pool().take()?;
+            let me = ctx.address();
+            let side = self.basic();
+            side.callbacks += 1;
+            side.out[i].in_flight += 1;
+            // SAFETY: `src` is `n` bytes inside the tensor, which this channel holds until its
+            // last chunk has been written (after this copy has landed).
+            let queued = unsafe {
+                engine::stage_out(&gpu, src, n, buf, &stream, move |buf| {
+                    me.do_send(Landed {
+                        seq,
+                        index,
+                        chunk: k,
+                        buf,
+                    })
+                })
+            };
+            if let Err(e) = queued {
+                let side = self.basic();
+                side.callbacks -= 1;
+                side.out[i].in_flight -= 1;
+                return Err(e);
+            }
+        }
+    }
+
+    /// Writes the landed chunks at the front of the order.
+    fn basic_write(&mut self) {
+        loop {
+            let side = self.basic();
+            if side.failed.is_some() {
+                return;
+            }
+            let Some(o) = side.out.iter_mut().find(|o| o.written < o.chunks) else {
+                return;
+            };
+            let k = o.written;
+            let (seq, index) = (o.seq, o.index);
+            let (memory, buf, offset) = match &mut o.buffer {
+                Buffer::Cuda(b) => {
+                    let Some(buf) = o.landed.remove(&k) else {
+                        return;
+                    };
+                    let n = chunk_len(b.len(), k);
+                    // SAFETY: the pinned buffer travels in `writing` until this write's `Done`.
+                    let r = unsafe { Region::new(buf.as_ptr(), n) };
+                    (Memory::Region(r), Some(buf), (k * CHUNK) as u64)
+                }
+                host => {
+                    if o.staged == 0 {
+                        return;
+                    }
+                    (Memory::from(std::mem::take(host)), None, 0)
+                }
+            };
+            o.written += 1;
+            side.writing.push_back((seq, index, buf));
+            self.lane_tensor(LANE, true, seq, index, memory, offset, FRAME);
+        }
+    }
+
+    /// Issues chunk reads in order while fewer than [`DEPTH`] pinned buffers are out.
+    fn basic_read(&mut self) -> Result<(), Error> {
+        loop {
+            let side = self.basic();
+            if side.failed.is_some() {
+                return Ok(());
+            }
+            let Some(t) = side.inq.iter_mut().find(|t| t.issued < t.chunks) else {
+                return Ok(());
+            };
+            let k = t.issued;
+            let (seq, index) = (t.seq, t.index);
+            let (memory, buf, offset) = match &mut t.buffer {
+                Buffer::Cuda(b) => {
+                    if side.in_chunks >= DEPTH {
+                        return Ok(());
+                    }
+                    let n = chunk_len(b.len(), k);
+                    let buf = engine::pool().take()?;
+                    side.in_chunks += 1;
+                    // SAFETY: the pinned buffer travels in `reading` until this read's `Done`.
+                    let r = unsafe { Region::new(buf.as_ptr(), n) };
+                    (Memory::Region(r), Some(buf), (k * CHUNK) as u64)
+                }
+                Buffer::Cpu(v) => (Memory::Owned(std::mem::take(v)), None, 0),
+                // `Allocation::check` refuses read-only buffers before a read starts; skipping
+                // the bytes would put the connection out of step, so the channel fails.
+                _ => {
+                    return Err(Error::invalid(
+                        "cuda_basic: a read into read-only (shared) memory",
+                    ))
+                }
+            };
+            t.issued += 1;
+            side.reading.push_back((seq, index, k, buf));
+            self.lane_tensor(LANE, false, seq, index, memory, offset, FRAME);
+        }
+    }
+
+    /// A completion on the lane.
+    pub(super) fn basic_lane(&mut self, d: Done, ctx: &mut Context<Self>) {
+        match d {
+            Done::WroteTensor { memory, result, .. } => {
+                let side = self.basic();
+                let Some((seq, index, buf)) = side.writing.pop_front() else {
+                    return;
+                };
+                // Every write is of one staged unit (a chunk, or a whole host tensor).
+                side.out_chunks -= 1;
+                drop(buf);
+                if let Some(o) = side
+                    .out
+                    .iter_mut()
+                    .find(|o| (o.seq, o.index) == (seq, index))
+                {
+                    o.completed += 1;
+                    if let Memory::Owned(_) | Memory::Shared(_) = memory {
+                        o.buffer = memory.into_buffer();
+                    }
+                    if let Err(e) = &result {
+                        o.error.get_or_insert(e.clone());
+                    }
+                }
+                if let Err(e) = result {
+                    self.basic_fail(e);
+                }
+            }
+            Done::Tensor { memory, result, .. } => {
+                let side = self.basic();
+                let Some((seq, index, k, buf)) = side.reading.pop_front() else {
+                    return;
+                };
+                let Some(pos) = side
+                    .inq
+                    .iter()
+                    .position(|t| (t.seq, t.index) == (seq, index))
+                else {
+                    return;
+                };
+                let t = &mut side.inq[pos];
+                if let (Memory::Owned(v), Buffer::Cpu(dst)) = (memory, &mut t.buffer) {
+                    *dst = v;
+                }
+                match (result, buf) {
+                    (Err(e), buf) => {
+                        t.read += 1;
+                        t.error.get_or_insert(e.clone());
+                        if buf.is_some() {
+                            side.in_chunks -= 1;
+                        }
+                        self.basic_fail(e);
+                    }
+                    (Ok(()), None) => t.read += 1,
+                    (Ok(()), Some(buf)) => {
+                        if let Err(e) = self.basic_land(pos, k, buf, ctx) {
+                            self.basic_fail(e);
+                        }
+                    }
+                }
+            }
+            other => tracing::debug!(?other, "cuda_basic lane completion"),
+        }
+        self.basic_pump(ctx);
+    }
+
+    /// Copies a chunk read into `buf` to the device, and completes the tensor after its last.
+    fn basic_land(
+        &mut self,
+        pos: usize,
+        k: usize,
+        buf: PinnedBuf,
+        ctx: &mut Context<Self>,
+    ) -> Result<(), Error> {
+        let me = ctx.address();
+        let side = self.basic();
+        let t = &mut side.inq[pos];
+        t.read += 1;
+        let Buffer::Cuda(b) = &t.buffer else {
+            side.in_chunks -= 1;
+            return Ok(());
+        };
+        let (n, dst, stream) = (
+            chunk_len(b.len(), k),
+            b.device_ptr() + (k * CHUNK) as u64,
+            b.stream().clone(),
+        );
+        let gpu = b.gpu().clone();
+        side.callbacks += 1;
+        let back = me.clone();
+        // SAFETY: `dst` is `n` bytes inside the destination, which the pipe does not hand back
+        // before the tensor completes (after this copy is queued, ordered by its event).
+        let queued = unsafe {
+            engine::stage_in(&gpu, dst, n, buf, &stream, move |buf| {
+                back.do_send(Freed(buf))
+            })
+        };
+        if let Err(e) = queued {
+            let side = self.basic();
+            side.callbacks -= 1;
+            side.in_chunks -= 1;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Completes the tensors at the front of both queues that have nothing out any more.
+    fn basic_finish(&mut self) {
+        loop {
+            let side = self.basic();
+            let failed = side.failed.clone();
+            let Some(o) = side.out.front() else { break };
+            let idle = o.completed == o.written && o.in_flight == 0;
+            let over = o.completed == o.chunks || (failed.is_some() && idle);
+            if !over {
+                break;
+            }
+            let o = side.out.pop_front().expect("front exists");
+            let result = match (o.error, failed) {
+                (Some(e), _) => Err(e),
+                (None, Some(e)) if o.completed < o.chunks => Err(e),
+                _ => Ok(()),
+            };
+            self.cuda_to_pipe(CudaDone::Wrote {
+                seq: o.seq,
+                index: o.index,
+                buffer: o.buffer,
+                result,
+            });
+        }
+        loop {
+            let side = self.basic();
+            let failed = side.failed.clone();
+            let Some(t) = side.inq.front() else { break };
+            let over = t.read == t.chunks || (failed.is_some() && t.read == t.issued);
+            if !over {
+                break;
+            }
+            let t = side.inq.pop_front().expect("front exists");
+            let error = t.error.or(if t.read < t.chunks { failed } else { None });
+            self.basic_complete(t.seq, t.index, t.buffer, t.data_complete, error);
+        }
+    }
+
+    /// Completes a received tensor: with the event after its last copy, or once that copy has
+    /// run (a data-complete read), or at once (host memory, or an error).
+    fn basic_complete(
+        &mut self,
+        seq: u64,
+        index: u32,
+        buffer: Buffer,
+        data_complete: bool,
+        error: Option<Error>,
+    ) {
+        let done = |buffer, event, result| CudaDone::Read {
+            seq,
+            index,
+            buffer,
+            event,
+            result,
+        };
+        let stream = match (&buffer, &error) {
+            (Buffer::Cuda(b), None) => b.stream().clone(),
+            _ => return self.cuda_to_pipe(done(buffer, None, error.map_or(Ok(()), Err))),
+        };
+        let gpu = buffer.as_cuda().expect("matched").gpu().clone();
+        if data_complete {
+            match &self.cuda_reply {
+                Some(tx) => {
+                    super::cuda_xth::post_when_done(&stream, tx, done(buffer, None, Ok(())))
+                }
+                None => tracing::error!("a CUDA completion with no pipe queue to go to"),
+            }
+            return;
+        }
+        match gpu.recorded(&stream) {
+            Ok(e) => self.cuda_to_pipe(done(buffer, Some((e, stream)), Ok(()))),
+            Err(e) => self.cuda_to_pipe(done(buffer, None, Err(e))),
+        }
+    }
+
+    /// Stops issuing; the lane is shut, so everything in flight comes back with an error.
+    fn basic_fail(&mut self, e: Error) {
+        let side = self.basic();
+        if side.failed.is_some() {
+            return;
+        }
+        side.failed = Some(e);
+        // Landed chunks that will never be written go back to the pool.
+        for o in &mut side.out {
+            side.out_chunks -= o.landed.len();
+            o.landed.clear();
+        }
+        self.shutdown_lanes();
+    }
+
+    /// The pipe is closing: nothing new is issued and everything out fails.
+    pub(super) fn basic_stop(&mut self, e: Error, ctx: &mut Context<Self>) {
+        self.basic_fail(e);
+        self.basic_pump(ctx);
+    }
+}
+
+impl Handler<Landed> for Channel {
+    type Result = ();
+
+    fn handle(&mut self, m: Landed, ctx: &mut Self::Context) {
+        let side = self.basic();
+        side.callbacks -= 1;
+        let failed = side.failed.is_some();
+        let o = side
+            .out
+            .iter_mut()
+            .find(|o| (o.seq, o.index) == (m.seq, m.index));
+        if let Some(o) = o {
+            o.in_flight -= 1;
+            if !failed {
+                o.landed.insert(m.chunk, m.buf);
+                return self.after_callback(ctx);
+            }
+        }
+        // Never to be written.
+        side.out_chunks -= 1;
+        self.after_callback(ctx);
+    }
+}
+
+impl Channel {
+    fn after_callback(&mut self, ctx: &mut Context<Self>) {
+        self.basic_pump(ctx);
+        self.maybe_stop(ctx);
+        self.poll_own(ctx);
+    }
+}
+
+impl Handler<Freed> for Channel {
+    type Result = ();
+
+    fn handle(&mut self, m: Freed, ctx: &mut Self::Context) {
+        drop(m.0);
+        let side = self.basic();
+        side.callbacks -= 1;
+        side.in_chunks -= 1;
+        self.after_callback(ctx);
+    }
+}
