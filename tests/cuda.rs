@@ -34,10 +34,6 @@ fn main() {
             }
         });
     }
-    // cuda_ipc and cuda_basic are offered only on request until these trials have run on a GPU
-    // (the child processes inherit the setting).
-    std::env::set_var(actorpipe::channel::cuda_ipc::OPT_IN, "1");
-    std::env::set_var(actorpipe::channel::cuda_basic::OPT_IN, "1");
     let args = Arguments::from_args();
     let skip = cuda::available().err();
     let gpus = cuda::device_count();

@@ -60,25 +60,8 @@ impl ChannelBackend for CudaBasic {
     }
 
     fn viable(&self) -> Result<(), String> {
-        // Carried by the pipe (actors/channel/cuda_basic.rs); offered only on request until
-        // its pipe-level GPU trials have run.
-        crate::cuda::available()?;
-        opted_in()
-    }
-}
-
-/// The environment variable that offers `cuda_basic` (`1`).
-pub const OPT_IN: &str = "ACTORPIPE_CUDA_BASIC";
-
-/// Why `cuda_basic` is not offered although CUDA works here.
-pub const NOT_VERIFIED: &str = "carried by the pipe, but its pipe-level GPU trials have not \
-     run yet: offered only with ACTORPIPE_CUDA_BASIC=1 (docs/cuda.md)";
-
-/// `Ok` when the user asked for `cuda_basic` ([`OPT_IN`] is `1`).
-pub fn opted_in() -> Result<(), String> {
-    match std::env::var(OPT_IN).as_deref() {
-        Ok("1") => Ok(()),
-        _ => Err(NOT_VERIFIED.into()),
+        // Carried by the pipe (actors/channel/cuda_basic.rs).
+        crate::cuda::available().map(drop)
     }
 }
 

@@ -102,30 +102,12 @@ impl ChannelBackend for CudaIpc {
 
     fn viable(&self) -> Result<(), String> {
         // Carried by the pipe (actors/channel/cuda_ipc.rs), on a host whose boot id can be
-        // read; offered only on request until its pipe-level GPU trials have run.
+        // read.
         crate::cuda::available()?;
         if std::fs::metadata("/proc/sys/kernel/random/boot_id").is_err() {
             return Err("cannot read the boot id: no way to tell peers of this host".into());
         }
-        opted_in()
-    }
-}
-
-/// The environment variable that offers `cuda_ipc` (`1`).
-pub const OPT_IN: &str = "ACTORPIPE_CUDA_IPC";
-
-/// Why `cuda_ipc` is not offered although CUDA works here.
-pub const NOT_VERIFIED: &str = "carried by the pipe, but its pipe-level GPU trials have not run \
-     yet: offered only with ACTORPIPE_CUDA_IPC=1 (docs/cuda.md)";
-
-/// `Ok` when the user asked for `cuda_ipc` ([`OPT_IN`] is `1`). The pipe carries its tensors
-/// (actors/channel/cuda_ipc.rs) and its engine is tested on an H100, but the trials of the
-/// whole path through pipes of two processes (`pipe_cuda_ipc_*` in the GPU suite) have not run
-/// on a GPU yet; until they have, it is not offered by default.
-pub fn opted_in() -> Result<(), String> {
-    match std::env::var(OPT_IN).as_deref() {
-        Ok("1") => Ok(()),
-        _ => Err(NOT_VERIFIED.into()),
+        Ok(())
     }
 }
 

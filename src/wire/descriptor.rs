@@ -39,16 +39,35 @@ pub struct ChunkHeader {
     pub length: u64,
 }
 
+/// The most channel data one tensor carries in a descriptor (`cuda_ipc`'s 164 bytes: two
+/// CUDA IPC handles, the allocation's identity and offset, the device).
+pub const MAX_CHANNEL_DATA: usize = 192;
+
 /// A channel's per-tensor bytes in a descriptor, kept inline so encoding allocates nothing.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ChannelData {
     len: u8,
-    bytes: [u8; 32],
+    bytes: [u8; MAX_CHANNEL_DATA],
+}
+
+impl Default for ChannelData {
+    fn default() -> Self {
+        ChannelData {
+            len: 0,
+            bytes: [0; MAX_CHANNEL_DATA],
+        }
+    }
 }
 
 impl ChannelData {
-    /// Sets the bytes (at most 32).
+    /// Sets the bytes (at most [`MAX_CHANNEL_DATA`]; a channel never sets more, and a longer
+    /// slice is a bug that the debug build catches rather than a truncation the peer sees).
     pub fn set(&mut self, b: &[u8]) {
+        debug_assert!(
+            b.len() <= MAX_CHANNEL_DATA,
+            "channel data of {} bytes",
+            b.len()
+        );
         let n = b.len().min(self.bytes.len());
         self.bytes[..n].copy_from_slice(&b[..n]);
         self.len = n as u8;

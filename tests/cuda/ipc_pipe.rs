@@ -389,7 +389,9 @@ pub fn echo() -> Outcome {
                 .send(spare.take().map_or_else(Receive::new, Receive::reusing))
                 .await
                 .map_err(fail)?;
-            if got.result.is_err() {
+            if let Err(e) = &got.result {
+                // The parent sees the pipe fail; the cause is on this side.
+                eprintln!("echo child: receive ended: {e}");
                 break;
             }
             for t in &got.message.tensors {
@@ -398,7 +400,8 @@ pub fn echo() -> Outcome {
                 }
             }
             let back = pipe.send(Write::new(got.message)).await.map_err(fail)?;
-            if back.result.is_err() {
+            if let Err(e) = &back.result {
+                eprintln!("echo child: write ended: {e}");
                 break;
             }
             spare = Some(Allocation::from(back.message));

@@ -5,12 +5,9 @@
 //! - `cuda_xth`: both pipes in this process (two contexts on one thread).
 //! - `cuda_ipc`: the echoing side is this program again, started as a child process
 //!   (`ACTORPIPE_BENCH_CUDA_ECHO` names the listener), so every tensor crosses processes.
-//!   The run sets `ACTORPIPE_CUDA_IPC=1` for both, as the channel is offered only on request
-//!   (docs/cuda.md) until its GPU trials have run.
 //! - `cuda_basic`: both pipes in this process, whose contexts leave the other CUDA channels
 //!   out; the raw baseline is then the driver's pinned device-to-host plus host-to-device copy
-//!   each way (what one staged transfer does), not a device-to-device copy. The run sets
-//!   `ACTORPIPE_CUDA_BASIC=1`.
+//!   each way (what one staged transfer does), not a device-to-device copy.
 //!
 //! Each round trip: write, `Receive` into the last round's buffers, the echo's stream ordered
 //! after the copy with `wait_on` (no CPU wait), write back, `Receive`, blocking `wait`.
@@ -97,9 +94,6 @@ pub fn run(args: &RunArgs) -> Result<(), Failure> {
         ));
     }
     cuda::available().map_err(|why| Failure::Failed(format!("no CUDA GPU here: {why}")))?;
-    // Before any context reads them; the child inherits them.
-    std::env::set_var(actorpipe::channel::cuda_ipc::OPT_IN, "1");
-    std::env::set_var(actorpipe::channel::cuda_basic::OPT_IN, "1");
     let gpu = cuda::gpu(0).map_err(failed("GPU 0"))?;
     let name = cuda::devices()
         .ok()
