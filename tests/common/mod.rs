@@ -354,6 +354,16 @@ impl Drop for ChildProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // A child killed with SIGKILL never unlinks the regions libfabric's shm provider made
+        // for it (`/dev/shm/PID:N:M`, 16 MiB each; docs/efa.md): remove them once it is reaped.
+        let prefix = format!("{}:", self.child.id());
+        if let Ok(dir) = std::fs::read_dir("/dev/shm") {
+            for e in dir.flatten() {
+                if e.file_name().to_string_lossy().starts_with(&prefix) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
         // Its stdout is closed now, so the reader ends and our end of the pipe is closed.
         if let Some(r) = self.reader.take() {
             let _ = r.join();
