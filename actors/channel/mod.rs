@@ -673,9 +673,10 @@ impl Handler<SendTensor> for Channel {
     type Result = ();
 
     fn handle(&mut self, m: SendTensor, ctx: &mut Self::Context) {
-        if self.kind.sends_on_control(m.buffer.len() as u64) {
-            // The pipe queues these on its connection itself; one here is a bug: fail it
-            // rather than lose the buffer or the order.
+        if self.kind.sends_on_control(m.buffer.len() as u64) || self.kind.carries_cuda() {
+            // The pipe queues these on its connection itself, and hands CUDA channels their
+            // tensors as `SendCuda`; one here is a bug: fail it rather than lose the buffer or
+            // the order.
             return self.to_pipe(Done::WroteTensor {
                 seq: m.seq,
                 index: m.index,
@@ -692,12 +693,7 @@ impl Handler<SendTensor> for Channel {
             }
             #[cfg(feature = "cuda")]
             ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
-                self.to_pipe(Done::WroteTensor {
-                    seq: m.seq,
-                    index: m.index,
-                    memory: m.buffer,
-                    result: Err(self.misrouted()),
-                })
+                unreachable!("refused above")
             }
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { .. } => {
@@ -715,8 +711,9 @@ impl Handler<RecvTensor> for Channel {
     type Result = ();
 
     fn handle(&mut self, m: RecvTensor, ctx: &mut Self::Context) {
-        if self.kind.carried().carries(&m.data) {
-            // As for `SendTensor`: the pipe reads these itself.
+        if self.kind.carried().carries(&m.data) || self.kind.carries_cuda() {
+            // As for `SendTensor`: the pipe reads these itself, or hands them over as
+            // `RecvCuda`.
             return self.to_pipe(Done::Tensor {
                 seq: m.seq,
                 index: m.index,
@@ -733,12 +730,7 @@ impl Handler<RecvTensor> for Channel {
             }
             #[cfg(feature = "cuda")]
             ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
-                self.to_pipe(Done::Tensor {
-                    seq: m.seq,
-                    index: m.index,
-                    memory: Memory::Owned(m.buffer),
-                    result: Err(self.misrouted()),
-                })
+                unreachable!("refused above")
             }
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { .. } => {

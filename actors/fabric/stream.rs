@@ -90,6 +90,19 @@ pub struct FabricRead {
     _shared: Arc<Shared>,
 }
 
+/// Posts receives `0..n` of `size` bytes, tagged for `stream` of `pipe` (sequence = op id).
+fn post_receives(ep: &Addr<FabricEndpoint>, stream: TagStream, pipe: u32, n: u32, size: usize) {
+    let ops = (0..n)
+        .map(|seq| Op {
+            kind: Kind::Recv,
+            tag: tag::make(stream, pipe, seq),
+            mem: vec![0; size],
+            id: seq as u64,
+        })
+        .collect();
+    ep.do_send(FabricPost { pipe, ops });
+}
+
 impl FabricRead {
     /// The half, with its `WINDOW` receives posted.
     pub fn new(
@@ -99,18 +112,7 @@ impl FabricRead {
         bounce: usize,
         shared: Arc<Shared>,
     ) -> FabricRead {
-        let ops = (0..WINDOW)
-            .map(|seq| Op {
-                kind: Kind::Recv,
-                tag: tag::make(TagStream::Control, wiring.read, seq),
-                mem: vec![0; bounce],
-                id: seq as u64,
-            })
-            .collect();
-        ep.do_send(FabricPost {
-            pipe: wiring.read,
-            ops,
-        });
+        post_receives(&ep, TagStream::Control, wiring.read, WINDOW, bounce);
         FabricRead {
             ep,
             wiring,
@@ -234,18 +236,7 @@ impl FabricWrite {
         bounce: usize,
         shared: Arc<Shared>,
     ) -> FabricWrite {
-        let ops = (0..CREDIT_RECVS)
-            .map(|seq| Op {
-                kind: Kind::Recv,
-                tag: tag::make(TagStream::Credit, wiring.write, seq),
-                mem: vec![0; 4],
-                id: seq as u64,
-            })
-            .collect();
-        ep.do_send(FabricPost {
-            pipe: wiring.write,
-            ops,
-        });
+        post_receives(&ep, TagStream::Credit, wiring.write, CREDIT_RECVS, 4);
         FabricWrite {
             ep,
             wiring,

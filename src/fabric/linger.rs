@@ -24,6 +24,10 @@
 //!
 //! Cost: a short-lived endpoint that talked to a long-lived one of the same process stays open
 //! (parked, idle) until that one closes too. Peers in other processes are not affected.
+//!
+//! The registry's first member also removes the regions a killed process with this pid left in
+//! `/dev/shm` (the provider creates its region exclusively, so they would make this process's
+//! `fi_endpoint` fail with `EBUSY`): see `sweep_stale_regions_of_this_pid`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard, OnceLock};
