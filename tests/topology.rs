@@ -2,6 +2,7 @@
 //! this machine's own tree.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use actorpipe::topology::{distance, materialize, Topology, CROSS_ROOT};
 
@@ -10,9 +11,13 @@ struct Tree(PathBuf);
 
 impl Tree {
     fn new(fixture: &str) -> Tree {
+        // Tests run in parallel and two of them may read the same fixture: each tree gets its
+        // own directory, or one test's cleanup deletes the other's tree mid-write.
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
-            "actorpipe-topology-{}-{fixture}",
-            std::process::id()
+            "actorpipe-topology-{}-{}-{fixture}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
         ));
         let _ = std::fs::remove_dir_all(&dir);
         let listing = std::fs::read_to_string(
