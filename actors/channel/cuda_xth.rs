@@ -74,7 +74,7 @@ impl Message for RecvCuda {
 /// Posts a completion from wherever it happens (the device's watcher thread included). A
 /// watcher callback must not call the CUDA API, and dropping a buffer can (`cuMemFree`):
 /// if nobody takes the completion any more, it is dropped on a thread of its own.
-fn post(tx: &CudaReply, d: CudaDone) {
+pub(super) fn post(tx: &CudaReply, d: CudaDone) {
     if let Err(mpsc::error::SendError(d)) = tx.send(d) {
         std::thread::spawn(move || drop(d));
     }
@@ -144,7 +144,7 @@ impl Channel {
     }
 
     /// The error for a CUDA-routed tensor that reached a channel of another kind.
-    fn not_cuda(&self) -> Error {
+    pub(super) fn not_cuda(&self) -> Error {
         Error::protocol(
             "internal: a CUDA-routed tensor reached a channel that does not carry CUDA tensors",
             &self.origin,
@@ -331,6 +331,8 @@ impl Handler<SendCuda> for Channel {
             ChannelKind::CudaXth { pipe } => self.send_cuda_xth(pipe, m),
             ChannelKind::CudaIpc { .. } => self.send_cuda_ipc(m),
             ChannelKind::CudaBasic => self.send_cuda_basic(m, ctx),
+            #[cfg(feature = "ibv")]
+            ChannelKind::CudaGdr => self.send_cuda_gdr(m, ctx),
             _ => self.cuda_to_pipe(CudaDone::Wrote {
                 seq: m.seq,
                 index: m.index,
@@ -350,6 +352,8 @@ impl Handler<RecvCuda> for Channel {
             ChannelKind::CudaXth { .. } => self.recv_cuda_xth(m),
             ChannelKind::CudaIpc { .. } => self.recv_cuda_ipc(m, ctx),
             ChannelKind::CudaBasic => self.recv_cuda_basic(m, ctx),
+            #[cfg(feature = "ibv")]
+            ChannelKind::CudaGdr => self.recv_cuda_gdr(m, ctx),
             _ => self.cuda_to_pipe(CudaDone::Read {
                 seq: m.seq,
                 index: m.index,

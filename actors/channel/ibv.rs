@@ -1,5 +1,6 @@
 //! The `ibv` side of the channel actor (feature `ibv`): the pipe's tensors by RDMA write into
-//! the receiver's registered buffer (`src/channel/ibv/`). The actor owns the channel's queue
+//! the receiver's registered buffer (`src/channel/ibv/`); `cuda_gdr` (cuda_gdr.rs) runs on it
+//! too. The actor owns the channel's queue
 //! pair (through [`Rdma`]), bootstraps it over its one lane, wakes on its completion queue's
 //! descriptor and on the lane's hang-up, and hands every finished tensor back to the pipe.
 
@@ -12,7 +13,7 @@ use crate::handshake::Halves;
 
 /// The channel's queue pair, or why there is none (every tensor then fails with it).
 pub(super) struct IbvSide {
-    rdma: Result<Arc<Mutex<Rdma>>, Error>,
+    pub(super) rdma: Result<Arc<Mutex<Rdma>>, Error>,
     /// The lane and the port's link layer and number, until the bootstrap starts.
     setup: Option<(Halves, (crate::verbs::LinkLayer, u8))>,
     /// The watch on the completion queue and the lane, once bootstrapped. Cancelled once the
@@ -153,7 +154,14 @@ impl Channel {
                 }
             }
             for f in r.take_done() {
-                let memory = f.buffer;
+                #[cfg(feature = "cuda")]
+                if let Some(g) = self.gdr.as_mut() {
+                    g.finished(f, self.cuda_reply.as_ref());
+                    continue;
+                }
+                let Some(memory) = f.buffer.into_memory() else {
+                    continue; // GPU memory goes to the `cuda_gdr` branch above
+                };
                 let _ = self.reply.send(if f.sending {
                     Done::WroteTensor {
                         seq: f.seq,

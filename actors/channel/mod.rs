@@ -67,6 +67,10 @@ pub(crate) enum ChannelKind {
     /// 1..=`inline_max` bytes (at least the 31 under the verbs minimum) travel like basic ones.
     #[cfg(feature = "ibv")]
     Ibv { chunk_size: usize, inline_max: u64 },
+    /// CUDA tensors by RDMA write between registered buffers (features `cuda` and `ibv`): the
+    /// ibv channel's queue pair and protocol, GPU memory registered.
+    #[cfg(all(feature = "cuda", feature = "ibv"))]
+    CudaGdr,
     /// Tagged messages on a libfabric endpoint, in place (its state is in `Channel::fabric`).
     #[cfg(feature = "efa")]
     Efa,
@@ -100,6 +104,8 @@ impl ChannelKind {
             ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
                 Carried::Nothing
             }
+            #[cfg(all(feature = "cuda", feature = "ibv"))]
+            ChannelKind::CudaGdr => Carried::Nothing,
             #[cfg(feature = "efa")]
             ChannelKind::Efa => Carried::Nothing,
         }
@@ -118,6 +124,8 @@ impl ChannelKind {
             ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
                 usize::MAX
             }
+            #[cfg(all(feature = "cuda", feature = "ibv"))]
+            ChannelKind::CudaGdr => usize::MAX,
             #[cfg(feature = "efa")]
             ChannelKind::Efa => usize::MAX,
         }
@@ -131,6 +139,8 @@ impl ChannelKind {
             ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
                 true
             }
+            #[cfg(all(feature = "cuda", feature = "ibv"))]
+            ChannelKind::CudaGdr => true,
             _ => false,
         }
     }
@@ -206,9 +216,12 @@ pub struct Channel {
     reading: usize,
     stopping: bool,
     fallbacks: Arc<AtomicU64>,
-    /// The ibv channel's queue pair.
+    /// The ibv channel's queue pair (the `ibv` and `cuda_gdr` channels).
     #[cfg(feature = "ibv")]
     ibv: Option<ibv::IbvSide>,
+    /// The `cuda_gdr` channel's CUDA state around that queue pair.
+    #[cfg(all(feature = "cuda", feature = "ibv"))]
+    gdr: Option<cuda_gdr::GdrSide>,
     /// The `efa` channel's state.
     #[cfg(feature = "efa")]
     fabric: Option<efa::Fabric>,
@@ -291,6 +304,8 @@ impl Channel {
             fallbacks,
             #[cfg(feature = "ibv")]
             ibv: None,
+            #[cfg(all(feature = "cuda", feature = "ibv"))]
+            gdr: None,
             #[cfg(feature = "efa")]
             fabric: None,
         }
@@ -318,6 +333,13 @@ impl Channel {
         lanes: Vec<crate::handshake::Halves>,
     ) -> Self {
         self.ibv = Some(ibv::IbvSide::new(backend, lanes, &self.origin));
+        self
+    }
+
+    /// Makes an ibv queue pair (see [`Self::with_ibv`]) carry CUDA tensors: `cuda_gdr`.
+    #[cfg(all(feature = "cuda", feature = "ibv"))]
+    pub(crate) fn with_gdr(mut self) -> Self {
+        self.gdr = Some(cuda_gdr::GdrSide::new());
         self
     }
 
@@ -503,6 +525,10 @@ impl Channel {
         if !self.ibv_idle() {
             return;
         }
+        #[cfg(all(feature = "cuda", feature = "ibv"))]
+        if self.gdr.as_ref().is_some_and(|g| !g.idle()) {
+            return;
+        }
         #[cfg(feature = "efa")]
         if self.fabric.as_ref().is_some_and(|f| f.busy()) {
             return;
@@ -646,6 +672,8 @@ impl Actor for Channel {
         self.poll_own(ctx);
         #[cfg(feature = "ibv")]
         self.ibv_start(ctx);
+        #[cfg(all(feature = "cuda", feature = "ibv"))]
+        self.gdr_start(ctx);
     }
 
     fn stopped(&mut self, _: &mut Self::Context) {
@@ -695,6 +723,8 @@ impl Handler<SendTensor> for Channel {
             ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
                 unreachable!("refused above")
             }
+            #[cfg(all(feature = "cuda", feature = "ibv"))]
+            ChannelKind::CudaGdr => unreachable!("refused above"),
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { .. } => {
                 self.send_ibv(m);
@@ -732,6 +762,8 @@ impl Handler<RecvTensor> for Channel {
             ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
                 unreachable!("refused above")
             }
+            #[cfg(all(feature = "cuda", feature = "ibv"))]
+            ChannelKind::CudaGdr => unreachable!("refused above"),
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { .. } => {
                 self.recv_ibv(m);
@@ -814,6 +846,8 @@ fn lane_gone() -> Error {
 mod cma;
 #[cfg(feature = "cuda")]
 mod cuda_basic;
+#[cfg(all(feature = "cuda", feature = "ibv"))]
+mod cuda_gdr;
 #[cfg(feature = "cuda")]
 mod cuda_ipc;
 #[cfg(feature = "cuda")]

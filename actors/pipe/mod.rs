@@ -311,6 +311,8 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                 "cuda_ipc" => ChannelKind::CudaIpc { pipe: id },
                 #[cfg(feature = "cuda")]
                 "cuda_basic" => ChannelKind::CudaBasic,
+                #[cfg(all(feature = "cuda", feature = "ibv"))]
+                "cuda_gdr" => ChannelKind::CudaGdr,
                 #[cfg(feature = "ibv")]
                 "ibv" => ChannelKind::Ibv {
                     chunk_size,
@@ -335,6 +337,21 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                     fallbacks.clone(),
                 )
                 .with_ibv(&backend, lanes)
+                .start();
+            }
+            // So does cuda_gdr, on the device of its own ibv channel.
+            #[cfg(all(feature = "cuda", feature = "ibv"))]
+            if let (ChannelKind::CudaGdr, Some(backend)) = (kind, gdr_backend(config)) {
+                return Channel::new(
+                    kind,
+                    Vec::new(),
+                    reply.clone(),
+                    origin.clone(),
+                    fallbacks.clone(),
+                )
+                .with_ibv(backend.ibv(), lanes)
+                .with_gdr()
+                .with_cuda(cuda_reply.clone())
                 .start();
             }
             let lanes = lanes
@@ -873,6 +890,16 @@ use completion::deferred;
 pub(crate) use completion::Completer;
 pub use completion::Deferred;
 use routes::Routes;
+
+/// The context's `cuda_gdr` channel backend (its instances share one ibv channel).
+#[cfg(all(feature = "cuda", feature = "ibv"))]
+fn gdr_backend(config: &Config) -> Option<crate::channel::cuda_gdr::CudaGdr> {
+    config
+        .channels
+        .iter()
+        .find(|(c, _)| c.name() == "cuda_gdr")
+        .and_then(|(c, _)| c.as_any()?.downcast_ref().cloned())
+}
 
 /// The context's `ibv` channel backend.
 #[cfg(feature = "ibv")]

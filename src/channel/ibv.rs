@@ -50,6 +50,7 @@ struct Inner {
     ibv: Ibv,
     inline_max: u64,
     keep: u64,
+    chunk_limit: u64,
     caches: OnceLock<Opened>,
 }
 
@@ -75,6 +76,7 @@ impl IbvChannel {
             ibv,
             inline_max: MIN_INLINE,
             keep: 0,
+            chunk_limit: crate::verbs::MAX_OP_BYTES,
             caches: OnceLock::new(),
         }))
     }
@@ -84,6 +86,7 @@ impl IbvChannel {
             ibv: self.0.ibv.clone(),
             inline_max: self.0.inline_max,
             keep: self.0.keep,
+            chunk_limit: self.0.chunk_limit,
             caches: OnceLock::new(),
         };
         f(&mut inner);
@@ -103,6 +106,12 @@ impl IbvChannel {
     /// invalidation rule of [`crate::verbs::regcache`].
     pub fn with_registration_keep(self, bytes: u64) -> IbvChannel {
         self.edit(|i| i.keep = bytes)
+    }
+
+    /// Splits each tensor into RDMA writes of at most `bytes` (default and maximum 1 GiB, the
+    /// verbs limit; at least 64 bytes). For tests that exercise chunking with small tensors.
+    pub fn with_chunk_limit(self, bytes: u64) -> IbvChannel {
+        self.edit(|i| i.chunk_limit = bytes)
     }
 
     /// The largest tensor sent inline.
@@ -173,7 +182,9 @@ pub(crate) fn create(backend: &IbvChannel, origin: &Origin) -> Result<Rdma, Erro
     let qp = device
         .create_qp(backend.0.ibv.caps())
         .map_err(|e| verbs_error("creating the channel's queue pair", e, origin))?;
-    Rdma::new(&*device, qp, caches, origin.clone())
+    let mut rdma = Rdma::new(&*device, qp, caches, origin.clone())?;
+    rdma.set_chunk_limit(backend.0.chunk_limit);
+    Ok(rdma)
 }
 
 /// Bootstraps the channel's queue pair over its lane, then returns what to watch: the queue

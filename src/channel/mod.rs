@@ -13,6 +13,8 @@ pub mod basic;
 pub mod cma;
 #[cfg(feature = "cuda")]
 pub mod cuda_basic;
+#[cfg(all(feature = "cuda", feature = "ibv"))]
+pub mod cuda_gdr;
 #[cfg(feature = "cuda")]
 pub mod cuda_ipc;
 #[cfg(feature = "cuda")]

@@ -166,17 +166,50 @@ mod imp {
             len: usize,
             access: Access,
         ) -> Result<Box<dyn MemoryRegion>, VerbsError> {
-            let mut flags = AccessFlags::LocalWrite;
-            if access.remote_write {
-                flags |= AccessFlags::RemoteWrite;
-            }
-            if access.remote_read {
-                flags |= AccessFlags::RemoteRead;
-            }
+            let flags = flags_of(access);
             // SAFETY: the caller keeps the memory allocated until the registration is dropped
             // (this function's contract).
             let mr = unsafe { self.pd.reg_mr(addr as usize, len, flags) }
                 .map_err(|e| lib("ibv_reg_mr", e))?;
+            Ok(Box::new(HwMr(mr)))
+        }
+
+        /// GPUDirect RDMA. First dma-buf (Linux 5.12+, rdma-core 34+, NVIDIA's open kernel
+        /// modules): the range exported by the CUDA driver as a dma-buf descriptor, registered
+        /// at I/O virtual address `addr` so remote addresses are device pointers. Then, where
+        /// that fails, `ibv_reg_mr` of the device pointer itself, which works where the
+        /// `nvidia-peermem` module lets the HCA driver resolve GPU addresses. Never run on real
+        /// hardware (none was reachable): see docs/ibv.md.
+        unsafe fn register_gpu(
+            &self,
+            gpu: Arc<dyn GpuMemory>,
+            addr: u64,
+            len: usize,
+            access: Access,
+        ) -> Result<Box<dyn MemoryRegion>, VerbsError> {
+            let flags = flags_of(access);
+            let page = 4096u64;
+            let span = (len as u64).div_ceil(page) * page;
+            let dmabuf = gpu.dmabuf(addr, span).and_then(|fd| {
+                // SAFETY: `fd` is a dma-buf of `span` bytes of device memory at `addr`, which the
+                // caller keeps allocated until the registration is dropped; the registration
+                // holds its own reference to the dma-buf, so `fd` may close after the call.
+                unsafe { self.pd.reg_dmabuf_mr(0, len, addr, fd.as_raw_fd(), flags) }
+                    .map_err(|e| format!("ibv_reg_dmabuf_mr: {e}"))
+            });
+            let mr = match dmabuf {
+                Ok(mr) => mr,
+                // SAFETY: as for `register`: the caller keeps the memory allocated.
+                Err(why) => unsafe { self.pd.reg_mr(addr as usize, len, flags) }.map_err(|e| {
+                    VerbsError::Library {
+                        call: "registering GPU memory",
+                        detail: format!(
+                            "dma-buf: {why}; ibv_reg_mr of the device pointer (nvidia-peermem): \
+                             {e}"
+                        ),
+                    }
+                })?,
+            };
             Ok(Box::new(HwMr(mr)))
         }
 
@@ -233,6 +266,18 @@ mod imp {
                 unacked: 0,
             }))
         }
+    }
+
+    /// libibverbs access flags for `access` (local write always: libibverbs' usual flags).
+    fn flags_of(access: Access) -> AccessFlags {
+        let mut flags = AccessFlags::LocalWrite;
+        if access.remote_write {
+            flags |= AccessFlags::RemoteWrite;
+        }
+        if access.remote_read {
+            flags |= AccessFlags::RemoteRead;
+        }
+        flags
     }
 
     struct HwMr(Arc<sideway::ibverbs::memory_region::MemoryRegion>);

@@ -367,6 +367,19 @@ pub trait QueuePair: Send {
     fn ack_notifications(&mut self) -> Result<(), VerbsError>;
 }
 
+/// What the verbs layer needs from the GPU side to register device memory (implemented by
+/// the `cuda_gdr` channel with the CUDA driver; the verbs layer itself has no CUDA dependency).
+pub trait GpuMemory: Send + Sync {
+    /// The device's ordinal.
+    fn ordinal(&self) -> u32;
+    /// A dma-buf file descriptor for `len` bytes of device memory at `addr` (page-aligned: an
+    /// allocation's base, its size rounded up to whole pages), for `ibv_reg_dmabuf_mr`.
+    fn dmabuf(&self, addr: u64, len: u64) -> Result<std::os::fd::OwnedFd, String>;
+    /// Copies `len` bytes from `src` to `dst`, either of them device memory (unified
+    /// addressing), and returns once they have landed: the simulated device's DMA engine.
+    fn copy(&self, dst: u64, src: u64, len: u64) -> Result<(), String>;
+}
+
 /// One opened port of one device, with its protection domain.
 pub trait Device: Send + Sync {
     /// The device.
@@ -384,6 +397,26 @@ pub trait Device: Send + Sync {
         len: usize,
         access: Access,
     ) -> Result<Box<dyn MemoryRegion>, VerbsError>;
+    /// Registers `len` bytes of GPU memory at `addr` (a whole allocation: its base and size),
+    /// for GPUDirect RDMA. Hardware tries a dma-buf registration first (the range exported by
+    /// `gpu` as a dma-buf descriptor, `ibv_reg_dmabuf_mr`), then a plain `ibv_reg_mr` of the
+    /// device pointer, which works where the `nvidia-peermem` kernel module is loaded. The
+    /// simulated device moves the bytes of such a registration with `gpu`'s copies.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until the returned registration is dropped.
+    unsafe fn register_gpu(
+        &self,
+        gpu: std::sync::Arc<dyn GpuMemory>,
+        addr: u64,
+        len: usize,
+        access: Access,
+    ) -> Result<Box<dyn MemoryRegion>, VerbsError> {
+        let _ = (gpu, addr, len, access);
+        Err(VerbsError::Invalid(
+            "this device does not register GPU memory".into(),
+        ))
+    }
     /// Creates an RC queue pair in the INIT state with its own completion queue.
     fn create_qp(&self, caps: QpCaps) -> Result<Box<dyn QueuePair>, VerbsError>;
 }

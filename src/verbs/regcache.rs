@@ -23,15 +23,22 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use super::{Access, Device, MemoryRegion, VerbsError, MAX_OP_BYTES, MIN_OP_BYTES};
+use super::{Access, Device, GpuMemory, MemoryRegion, VerbsError, MAX_OP_BYTES, MIN_OP_BYTES};
 
 /// Splits `len` bytes into RDMA operations of at most 1 GiB and at least 32 bytes each, as even
 /// as possible: `(offset, length)` pairs. Empty for `len` under 32 (send such bytes inline).
 pub fn chunks(len: u64) -> Vec<(u64, u64)> {
+    chunks_of(len, MAX_OP_BYTES)
+}
+
+/// [`chunks`] with operations of at most `max` bytes (clamped to 64 B ..= 1 GiB, so that even
+/// pieces never fall under 32 bytes): tests use a small limit to exercise chunking.
+pub fn chunks_of(len: u64, max: u64) -> Vec<(u64, u64)> {
+    let max = max.clamp(2 * MIN_OP_BYTES, MAX_OP_BYTES);
     if len < MIN_OP_BYTES {
         return Vec::new();
     }
-    let n = len.div_ceil(MAX_OP_BYTES);
+    let n = len.div_ceil(max);
     let base = len / n;
     let extra = len % n;
     let mut off = 0;
@@ -47,6 +54,8 @@ pub fn chunks(len: u64) -> Vec<(u64, u64)> {
 
 struct Entry {
     mr: Arc<dyn MemoryRegion>,
+    /// The memory's identity: 0 for host memory, the allocation's buffer id for GPU memory.
+    tag: u64,
     leases: usize,
     last_use: u64,
 }
@@ -57,6 +66,7 @@ struct State {
     clock: u64,
     idle_bytes: u64,
     registrations: u64,
+    stale: u64,
 }
 
 /// The cache. Shared by the pipes of one device.
@@ -88,6 +98,7 @@ impl RegCache {
                 clock: 0,
                 idle_bytes: 0,
                 registrations: 0,
+                stale: 0,
             }),
         })
     }
@@ -102,32 +113,99 @@ impl RegCache {
     /// The memory must stay allocated while the lease lives, and (with a `keep` budget) until
     /// it is invalidated or the cache dropped.
     pub unsafe fn lease(self: &Arc<Self>, addr: *mut u8, len: usize) -> Result<Lease, VerbsError> {
-        let (a, l) = (addr as u64, len as u64);
+        let (device, access) = (&self.device, self.access);
+        // SAFETY: forwarded from this function's contract.
+        self.lease_with(addr as u64, len as u64, 0, || unsafe {
+            device.register(addr, len, access)
+        })
+    }
+
+    /// The registration covering `len` bytes of GPU memory at `addr`, inside the allocation
+    /// `alloc` (base, size, the driver's buffer id): a miss registers the whole allocation
+    /// ([`Device::register_gpu`]), so every tensor of it shares one registration. Entries are
+    /// keyed by address range (in the process's unified address space a range names one
+    /// allocation of one GPU) and carry the buffer id: an idle entry whose id differs belongs to
+    /// freed memory and is replaced, never reused.
+    ///
+    /// # Safety
+    /// As [`Self::lease`].
+    pub unsafe fn lease_gpu(
+        self: &Arc<Self>,
+        gpu: Arc<dyn GpuMemory>,
+        addr: u64,
+        len: u64,
+        alloc: (u64, u64, u64),
+    ) -> Result<Lease, VerbsError> {
+        let (device, access) = (&self.device, self.access);
+        let (base, size, id) = alloc;
+        // SAFETY: forwarded from this function's contract.
+        self.lease_with(addr, len, id, || unsafe {
+            device.register_gpu(gpu, base, size as usize, access)
+        })
+    }
+
+    /// The entry covering `len` bytes at `addr` with identity `tag` (0 for host memory), or a
+    /// new one from `register`. An idle entry over the same start with another tag is stale and
+    /// goes first; one in use is an error (memory freed while the runtime holds a buffer in it).
+    fn lease_with(
+        self: &Arc<Self>,
+        addr: u64,
+        len: u64,
+        tag: u64,
+        register: impl FnOnce() -> Result<Box<dyn MemoryRegion>, VerbsError>,
+    ) -> Result<Lease, VerbsError> {
         let mut s = self.lock();
         s.clock += 1;
         let now = s.clock;
-        let hit = s
+        let covering = s
             .entries
-            .range(..=a)
+            .range(..=addr)
             .next_back()
-            .filter(|(_, e)| e.mr.sge(a, l).is_some())
-            .map(|(k, _)| *k);
+            .filter(|(_, e)| e.mr.sge(addr, len).is_some())
+            .map(|(k, e)| (*k, e.tag == tag, e.leases));
+        let hit = match covering {
+            Some((k, true, _)) => Some(k),
+            Some((k, false, 0)) => {
+                let e = s.entries.remove(&k).expect("present");
+                s.idle_bytes -= e.mr.len();
+                s.stale += 1;
+                None
+            }
+            Some((_, false, _)) => {
+                return Err(VerbsError::Invalid(format!(
+                    "memory at {addr:#x} belongs to another allocation than the registration in \
+                     use there (freed while a pipe held a buffer in it?)"
+                )))
+            }
+            None => None,
+        };
         let start = match hit {
             Some(k) => k,
             None => {
-                // SAFETY: forwarded from this function's contract.
-                let mr: Arc<dyn MemoryRegion> =
-                    Arc::from(unsafe { self.device.register(addr, len, self.access) }?);
+                let mr: Arc<dyn MemoryRegion> = Arc::from(register()?);
+                let start = mr.addr();
+                if let Some(old) = s.entries.remove(&start) {
+                    // Another entry starting there that does not cover this range: replace it
+                    // if idle, keep both impossible (one entry per start).
+                    if old.leases > 0 {
+                        s.entries.insert(start, old);
+                        return Err(VerbsError::Invalid(format!(
+                            "a registration in use already starts at {start:#x}"
+                        )));
+                    }
+                    s.idle_bytes -= old.mr.len();
+                }
                 s.registrations += 1;
                 s.entries.insert(
-                    a,
+                    start,
                     Entry {
                         mr,
+                        tag,
                         leases: 0,
                         last_use: now,
                     },
                 );
-                a
+                start
             }
         };
         let e = s.entries.get_mut(&start).expect("present");
@@ -193,6 +271,12 @@ impl RegCache {
     /// Registrations made so far (misses).
     pub fn registrations(&self) -> u64 {
         self.lock().registrations
+    }
+
+    /// Idle entries replaced because their memory was freed and reallocated (GPU memory: the
+    /// buffer id changed).
+    pub fn stale_replaced(&self) -> u64 {
+        self.lock().stale
     }
 
     /// Entries alive (in use or idle).
@@ -274,5 +358,55 @@ mod tests {
             c.invalidate(b.as_ptr() as u64, b.len() as u64);
         }
         assert!(c.is_empty());
+    }
+
+    /// A GPU that is never touched: registering does not copy.
+    struct Untouched;
+
+    impl GpuMemory for Untouched {
+        fn ordinal(&self) -> u32 {
+            0
+        }
+        fn dmabuf(&self, _: u64, _: u64) -> Result<std::os::fd::OwnedFd, String> {
+            Err("none".into())
+        }
+        fn copy(&self, _: u64, _: u64, _: u64) -> Result<(), String> {
+            Err("none".into())
+        }
+    }
+
+    #[test]
+    fn gpu_entries_cover_their_allocation_and_a_new_buffer_id_is_a_new_registration() {
+        let c = cache(1 << 20); // a keep budget: idle entries stay, the dangerous case
+        let gpu: Arc<dyn GpuMemory> = Arc::new(Untouched);
+        let base = 0x7f00_0000_0000u64; // a device address: the simulation never reads it here
+        let lease = |addr, len, id| {
+            // SAFETY: nothing is read or written through these registrations.
+            unsafe { c.lease_gpu(gpu.clone(), addr, len, (base, 1 << 16, id)) }
+        };
+        let a = lease(base + 256, 100, 11).unwrap();
+        assert_eq!(
+            (a.mr.addr(), a.mr.len()),
+            (base, 1 << 16),
+            "the whole allocation"
+        );
+        let b = lease(base + 4096, 64, 11).unwrap();
+        assert_eq!(a.mr.rkey(), b.mr.rkey(), "one registration per allocation");
+        assert!(
+            lease(base, 64, 12).is_err(),
+            "another allocation under a registration in use is refused"
+        );
+        let old = a.mr.rkey();
+        drop((a, b));
+        drop(lease(base, 64, 11).unwrap());
+        assert_eq!(
+            c.registrations(),
+            1,
+            "an idle entry of the same allocation is a hit"
+        );
+        // Freed and reallocated at the same address: the driver gives a new buffer id.
+        let fresh = lease(base, 64, 12).unwrap();
+        assert_ne!(fresh.mr.rkey(), old, "never the stale registration");
+        assert_eq!((c.registrations(), c.stale_replaced()), (2, 1));
     }
 }

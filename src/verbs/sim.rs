@@ -41,12 +41,14 @@ use super::*;
 use crate::transport::shm::fd::EventFd;
 
 /// A registration in the fabric's table.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 struct Mr {
     pd: u64,
     addr: u64,
     len: u64,
     access: Access,
+    /// GPU memory: the device whose copies stand in for the NIC's peer-to-peer DMA.
+    gpu: Option<Arc<dyn GpuMemory>>,
 }
 
 impl Mr {
@@ -166,6 +168,11 @@ impl Fabric {
             })
     }
 
+    /// The GPU behind registration `key`, if it covers GPU memory.
+    fn gpu_of(&self, key: u32) -> Option<Arc<dyn GpuMemory>> {
+        self.mrs.get(&key).and_then(|mr| mr.gpu.clone())
+    }
+
     /// Runs `wr` from queue pair `qpn`: checks, copies, completes at the peer.
     fn run(&mut self, qpn: u32, wr: &SendWr) -> Outcome {
         let len = wr.local.len;
@@ -237,7 +244,25 @@ impl Fabric {
             }
             (_, None, None) => unreachable!("a send always takes a receive"),
         };
-        if len > 0 {
+        let gpu = self.gpu_of(wr.local.lkey).or_else(|| match wr.op {
+            SendOp::Write { rkey, .. }
+            | SendOp::WriteImm { rkey, .. }
+            | SendOp::Read { rkey, .. } => self.gpu_of(rkey),
+            SendOp::Send => recv.and_then(|r| self.gpu_of(r.local.lkey)),
+        });
+        let peer_slot = self.qps.get_mut(&peer).expect("checked above");
+        if let (Some(gpu), true) = (gpu, len > 0) {
+            // SIMULATED GPUDirect RDMA: the NIC's DMA to or from GPU memory is the CUDA
+            // driver's copy (unified addressing: either end may be host memory), done before
+            // the completion, as the NIC's writes land before its completion.
+            if let Err(e) = gpu.copy(dst, src, len) {
+                tracing::warn!(error = %e, "simulated GPU DMA failed");
+                if let Some(recv) = recv {
+                    peer_slot.complete(flushed(recv.wr_id, Opcode::Recv));
+                }
+                return Outcome::Done(Status::Other(2)); // IBV_WC_LOC_QP_OP_ERR
+            }
+        } else if len > 0 {
             // SAFETY: both ranges were checked to lie inside live registrations (under the
             // fabric lock, so neither can be dropped meanwhile); `Device::register`'s contract
             // keeps registered memory allocated until its registration is dropped. `copy`
@@ -366,7 +391,35 @@ impl Device for SimDevice {
         len: usize,
         access: Access,
     ) -> Result<Box<dyn MemoryRegion>, VerbsError> {
-        if addr.is_null() && len > 0 {
+        self.add_mr(addr as u64, len, access, None)
+    }
+
+    /// SIMULATED GPUDirect RDMA: the registration records the GPU, whose driver copies then
+    /// move the bytes (keys, bounds and access are checked exactly as for host memory).
+    unsafe fn register_gpu(
+        &self,
+        gpu: Arc<dyn GpuMemory>,
+        addr: u64,
+        len: usize,
+        access: Access,
+    ) -> Result<Box<dyn MemoryRegion>, VerbsError> {
+        self.add_mr(addr, len, access, Some(gpu))
+    }
+
+    fn create_qp(&self, caps: QpCaps) -> Result<Box<dyn QueuePair>, VerbsError> {
+        self.new_qp(caps)
+    }
+}
+
+impl SimDevice {
+    fn add_mr(
+        &self,
+        addr: u64,
+        len: usize,
+        access: Access,
+        gpu: Option<Arc<dyn GpuMemory>>,
+    ) -> Result<Box<dyn MemoryRegion>, VerbsError> {
+        if addr == 0 && len > 0 {
             return Err(VerbsError::Invalid("registering a null address".into()));
         }
         let mut f = fabric();
@@ -376,19 +429,20 @@ impl Device for SimDevice {
             key,
             Mr {
                 pd: self.pd,
-                addr: addr as u64,
+                addr,
                 len: len as u64,
                 access,
+                gpu,
             },
         );
         Ok(Box::new(SimMr {
             key,
-            addr: addr as u64,
+            addr,
             len: len as u64,
         }))
     }
 
-    fn create_qp(&self, caps: QpCaps) -> Result<Box<dyn QueuePair>, VerbsError> {
+    fn new_qp(&self, caps: QpCaps) -> Result<Box<dyn QueuePair>, VerbsError> {
         if caps.max_send_wr == 0 || caps.max_recv_wr == 0 {
             return Err(VerbsError::Invalid(
                 "queue depths must be at least 1".into(),

@@ -1,5 +1,7 @@
 //! One test per rule the simulated device enforces (see `sim.rs`).
 
+use std::sync::Arc;
+
 use super::sim::SimDevice;
 use super::*;
 
@@ -358,5 +360,92 @@ fn hardware_listing_says_why_there_is_none() {
         Err(VerbsError::NoDevice(why)) => assert!(!why.is_empty()),
         Ok(devs) => assert!(!devs.is_empty()),
         Err(e) => panic!("unexpected error: {e}"),
+    }
+}
+
+/// A stand-in GPU for the SIMULATED GPUDirect path without a GPU: its "device memory" is host
+/// memory, its copies are counted (and can be made to fail).
+struct FakeGpu {
+    copies: std::sync::atomic::AtomicU64,
+    fail: bool,
+}
+
+impl GpuMemory for FakeGpu {
+    fn ordinal(&self) -> u32 {
+        0
+    }
+    fn dmabuf(&self, _: u64, _: u64) -> Result<std::os::fd::OwnedFd, String> {
+        Err("no dma-buf in the simulation".into())
+    }
+    fn copy(&self, dst: u64, src: u64, len: u64) -> Result<(), String> {
+        if self.fail {
+            return Err("injected copy failure".into());
+        }
+        self.copies
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // SAFETY: the fabric checked both ranges against live registrations of host memory.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
+        Ok(())
+    }
+}
+
+#[test]
+fn simulated_gpu_registrations_move_bytes_with_the_gpus_copies_and_keep_the_rules() {
+    use std::sync::atomic::Ordering::Relaxed;
+    for fail in [false, true] {
+        let gpu = Arc::new(FakeGpu {
+            copies: Default::default(),
+            fail,
+        });
+        let (da, db) = (SimDevice::open(0), SimDevice::open(1));
+        let mut src: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+        let mut dev_mem = vec![0u8; 4096];
+        // SAFETY: both buffers outlive their registrations (dropped at the end of the loop body,
+        // before the buffers, in reverse declaration order).
+        let mr_src = unsafe { da.register(src.as_mut_ptr(), 4096, Access::LOCAL) }.unwrap();
+        // SAFETY: as above.
+        let mr = unsafe {
+            db.register_gpu(
+                gpu.clone(),
+                dev_mem.as_mut_ptr() as u64,
+                4096,
+                Access::REMOTE_WRITE,
+            )
+        }
+        .unwrap();
+        let mut a = da.create_qp(QpCaps::default()).unwrap();
+        let mut b = db.create_qp(QpCaps::default()).unwrap();
+        let (ea, eb) = (a.endpoint(), b.endpoint());
+        a.connect(&eb).unwrap();
+        b.connect(&ea).unwrap();
+        b.post_recv(&recv(1)).unwrap();
+        let write = |off: u64, len: u64| SendWr {
+            wr_id: 7,
+            op: SendOp::WriteImm {
+                remote_addr: mr.addr() + off,
+                rkey: mr.rkey(),
+                imm: 3,
+            },
+            local: mr_src.sge(mr_src.addr(), len).unwrap(),
+        };
+        a.post_send(&write(0, 4096)).unwrap();
+        let c = drain(&mut a);
+        if fail {
+            assert_eq!(
+                c[0].status,
+                Status::Other(2),
+                "a failed DMA fails the request"
+            );
+            continue;
+        }
+        assert_eq!(c[0].status, Status::Success);
+        assert_eq!(dev_mem, src, "landed through the GPU's copy");
+        assert_eq!(gpu.copies.load(Relaxed), 1);
+        assert_eq!(drain(&mut b)[0].imm, Some(3));
+        // Bounds are the registration's, as for host memory.
+        b.post_recv(&recv(2)).unwrap();
+        a.post_send(&write(64, 4096)).unwrap();
+        assert_eq!(drain(&mut a)[0].status, Status::RemoteAccess);
+        assert_eq!(gpu.copies.load(Relaxed), 1, "nothing copied");
     }
 }

@@ -31,7 +31,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Origin};
 use crate::transport::stream::Memory;
-use crate::verbs::regcache::{chunks, Lease, RegCache};
+use crate::verbs::regcache::{chunks_of, Lease, RegCache};
 use crate::verbs::sendq::{self, SendQueue, POLL_BATCH};
 use crate::verbs::{
     Access, Completion, Device, MemoryRegion, Opcode, QueuePair, RecvWr, SendOp, SendWr, Sge,
@@ -91,6 +91,88 @@ impl Request {
     }
 }
 
+/// A buffer the protocol moves: host bytes (the `ibv` channel, and the host end of a
+/// `cuda_gdr` pair) or GPU memory (`cuda_gdr`).
+#[derive(Debug)]
+pub enum RdmaBuf {
+    /// Host memory, owned or shared (shared only as the source of writes).
+    Host(Memory),
+    /// Device memory, registered whole allocation at a time (`cuda_gdr`).
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::CudaBuffer),
+}
+
+impl From<Memory> for RdmaBuf {
+    fn from(m: Memory) -> Self {
+        RdmaBuf::Host(m)
+    }
+}
+
+impl From<Vec<u8>> for RdmaBuf {
+    fn from(v: Vec<u8>) -> Self {
+        RdmaBuf::Host(Memory::Owned(v))
+    }
+}
+
+impl RdmaBuf {
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            RdmaBuf::Host(m) => m.len(),
+            #[cfg(feature = "cuda")]
+            RdmaBuf::Cuda(b) => b.len(),
+        }
+    }
+
+    /// Whether it holds no byte.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Where its first byte is (a device pointer for GPU memory).
+    fn addr(&mut self) -> u64 {
+        match self {
+            RdmaBuf::Host(m) => m.base_ptr() as u64,
+            #[cfg(feature = "cuda")]
+            RdmaBuf::Cuda(b) => b.device_ptr(),
+        }
+    }
+
+    /// The host bytes (empty for GPU memory).
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            RdmaBuf::Host(m) => m.as_slice(),
+            #[cfg(feature = "cuda")]
+            RdmaBuf::Cuda(_) => &[],
+        }
+    }
+
+    /// The host memory, if it is host memory.
+    pub fn into_memory(self) -> Option<Memory> {
+        match self {
+            RdmaBuf::Host(m) => Some(m),
+            #[cfg(feature = "cuda")]
+            RdmaBuf::Cuda(_) => None,
+        }
+    }
+
+    /// Its registration from `cache`: host memory by its own range, GPU memory by the whole
+    /// allocation holding it (`cuda_gdr`).
+    ///
+    /// # Safety
+    /// The buffer must stay where it is (it does: a heap block or device memory never moves
+    /// while the channel holds it) until the lease is dropped.
+    unsafe fn lease(&mut self, cache: &Arc<RegCache>) -> Result<Lease, crate::verbs::VerbsError> {
+        match self {
+            // SAFETY: forwarded.
+            RdmaBuf::Host(m) => unsafe { cache.lease(m.base_ptr(), m.len()) },
+            // SAFETY: forwarded.
+            #[cfg(feature = "cuda")]
+            RdmaBuf::Cuda(b) => unsafe { crate::channel::cuda_gdr::lease(cache, b) },
+        }
+    }
+}
+
 /// A tensor the channel has finished with, for the pipe: sent (`sending`) or received.
 #[derive(Debug)]
 pub struct Finished {
@@ -101,7 +183,7 @@ pub struct Finished {
     /// Its index.
     pub index: u32,
     /// The buffer, back (what was sent: owned or shared; what was received: owned).
-    pub buffer: Memory,
+    pub buffer: RdmaBuf,
     /// How it went.
     pub result: Result<(), Error>,
 }
@@ -130,14 +212,14 @@ impl Caches {
 struct Outgoing {
     seq: u64,
     index: u32,
-    buffer: Memory,
+    buffer: RdmaBuf,
 }
 
 struct Writing {
     n: u32,
     seq: u64,
     index: u32,
-    buffer: Memory,
+    buffer: RdmaBuf,
     /// Writes posted or backlogged and not yet completed.
     out: usize,
     _lease: Lease,
@@ -147,7 +229,7 @@ struct Reading {
     n: u32,
     seq: u64,
     index: u32,
-    buffer: Vec<u8>,
+    buffer: RdmaBuf,
     lease: Option<Lease>,
 }
 
@@ -209,6 +291,8 @@ pub struct Rdma {
     done: Vec<Finished>,
     origin: Origin,
     scratch: Vec<Completion>,
+    /// The most bytes per RDMA write (1 GiB; less in tests, to exercise chunking).
+    max_op: u64,
     /// Its counters.
     pub stats: RdmaStats,
 }
@@ -254,8 +338,15 @@ impl Rdma {
             done: Vec::new(),
             origin,
             scratch: Vec::with_capacity(POLL_BATCH),
+            max_op: crate::verbs::MAX_OP_BYTES,
             stats: RdmaStats::default(),
         })
+    }
+
+    /// Splits writes at `bytes` instead of 1 GiB (clamped to 64 B ..= 1 GiB; see
+    /// [`chunks_of`]).
+    pub fn set_chunk_limit(&mut self, bytes: u64) {
+        self.max_op = bytes;
     }
 
     /// The queue pair is connected: requests may go out.
@@ -284,8 +375,10 @@ impl Rdma {
         self.done.drain(..)
     }
 
-    /// Sends a tensor of at least 32 bytes (owned or shared bytes) once the peer asks for it.
-    pub fn send(&mut self, seq: u64, index: u32, buffer: Memory) {
+    /// Sends a tensor of at least 32 bytes (owned or shared bytes, or GPU memory) once the peer
+    /// asks for it.
+    pub fn send(&mut self, seq: u64, index: u32, buffer: impl Into<RdmaBuf>) {
+        let buffer = buffer.into();
         if let Some(e) = &self.failed {
             let result = Err(e.clone());
             return self.finish(true, seq, index, buffer, result);
@@ -294,11 +387,17 @@ impl Rdma {
         self.match_requests();
     }
 
-    /// Receives a tensor of at least 32 bytes into `buffer`: registers it and asks the peer.
-    pub fn recv(&mut self, seq: u64, index: u32, mut buffer: Vec<u8>) {
+    /// Receives a tensor of at least 32 bytes into `buffer` (owned host bytes, or GPU memory):
+    /// registers it and asks the peer.
+    pub fn recv(&mut self, seq: u64, index: u32, buffer: impl Into<RdmaBuf>) {
+        let mut buffer = buffer.into();
         if let Some(e) = &self.failed {
             let result = Err(e.clone());
-            return self.finish(false, seq, index, Memory::Owned(buffer), result);
+            return self.finish(false, seq, index, buffer, result);
+        }
+        if matches!(buffer, RdmaBuf::Host(Memory::Shared(_) | Memory::Region(_))) {
+            let e = Error::invalid("an ibv channel read into memory it does not own");
+            return self.finish(false, seq, index, buffer, Err(e));
         }
         if (buffer.len() as u64) < MIN_OP_BYTES {
             let e = Error::protocol(
@@ -308,23 +407,23 @@ impl Rdma {
                 ),
                 &self.origin,
             );
-            self.finish(false, seq, index, Memory::Owned(buffer), Err(e.clone()));
+            self.finish(false, seq, index, buffer, Err(e.clone()));
             return self.fail(e);
         }
-        // SAFETY: the buffer stays in `reading` (its heap block never moves) until the lease
-        // is dropped, which happens before the buffer is handed back.
-        let lease = match unsafe { self.caches.recv.lease(buffer.as_mut_ptr(), buffer.len()) } {
+        // SAFETY: the buffer stays in `reading` (its heap block or device memory never moves)
+        // until the lease is dropped, which happens before the buffer is handed back.
+        let lease = match unsafe { buffer.lease(&self.caches.recv) } {
             Ok(l) => l,
             Err(e) => {
                 let e = verbs_error("registering a receive buffer", e, &self.origin);
-                self.finish(false, seq, index, Memory::Owned(buffer), Err(e.clone()));
+                self.finish(false, seq, index, buffer, Err(e.clone()));
                 return self.fail(e);
             }
         };
         self.unsent.push_back(Request {
             seq,
             index,
-            addr: buffer.as_ptr() as u64,
+            addr: buffer.addr(),
             rkey: lease.mr.rkey(),
             len: buffer.len() as u64,
         });
@@ -390,8 +489,7 @@ impl Rdma {
             // bytes stay alive while referenced) until its writes have completed and the lease
             // is dropped with the entry. Nothing is written through the registration (the
             // HCA only reads the source of a write).
-            let lease = match unsafe { self.caches.send.lease(t.buffer.base_ptr(), t.buffer.len()) }
-            {
+            let lease = match unsafe { t.buffer.lease(&self.caches.send) } {
                 Ok(l) => l,
                 Err(e) => {
                     self.to_send.push_front(t);
@@ -401,8 +499,8 @@ impl Rdma {
             };
             let n = self.sent_n;
             self.sent_n = self.sent_n.wrapping_add(1);
-            let plan = chunks(r.len);
-            let base = t.buffer.base_ptr() as u64;
+            let plan = chunks_of(r.len, self.max_op);
+            let base = t.buffer.addr();
             let local = |off: u64, len: u64| lease.mr.sge(base + off, len).expect("inside");
             let wrs: Vec<SendWr> = plan
                 .iter()
@@ -471,7 +569,7 @@ impl Rdma {
         sending: bool,
         seq: u64,
         index: u32,
-        buffer: Memory,
+        buffer: RdmaBuf,
         result: Result<(), Error>,
     ) {
         self.done.push(Finished {
@@ -504,13 +602,7 @@ impl Rdma {
             // The queue pair is in error (the peer can no longer write here) and the
             // registration goes before the buffer does.
             drop(r.lease.take());
-            self.finish(
-                false,
-                r.seq,
-                r.index,
-                Memory::Owned(r.buffer),
-                Err(e.clone()),
-            );
+            self.finish(false, r.seq, r.index, r.buffer, Err(e.clone()));
         }
     }
 
@@ -590,7 +682,7 @@ impl sendq::Progress for Rdma {
                 Some(r) if r.n == n => {
                     let mut r = self.reading.pop_front().expect("present");
                     drop(r.lease.take()); // deregistered before the user sees the buffer
-                    self.finish(false, r.seq, r.index, Memory::Owned(r.buffer), Ok(()));
+                    self.finish(false, r.seq, r.index, r.buffer, Ok(()));
                 }
                 _ => {
                     let e = Error::protocol(

@@ -1,0 +1,333 @@
+//! The `cuda_gdr` side of the channel actor (features `cuda` and `ibv`): CUDA tensors by RDMA
+//! write between registered buffers (`src/channel/cuda_gdr.rs`). The queue pair, its bootstrap,
+//! its watch and the protocol are the `ibv` channel's ([`super::ibv`], `src/channel/ibv/`);
+//! this file adds what CUDA memory needs around them:
+//!
+//! - **Sending.** A tensor in GPU memory goes to the queue pair only once its stream has run the
+//!   work queued before the write (a watcher callback, [`crate::cuda::on_stream_done`]); tensors
+//!   go in the order the pipe handed them over, whatever order their streams finish in.
+//! - **Receiving.** Once the last write has landed, the read completes with an event recorded on
+//!   the destination's stream (after `cuFlushGPUDirectRDMAWrites`), or, for a data-complete
+//!   read, once a watcher callback after it has run. Host destinations (cuda->cpu) complete
+//!   when the bytes are in.
+//! - **Under 32 bytes** (the verbs minimum): both sides stage the tensor through a 32-byte host
+//!   buffer, with a blocking copy on the tensor's stream (at most 31 bytes).
+
+use std::collections::{HashMap, VecDeque};
+
+use super::cuda_xth::{post, post_when_done};
+use super::*;
+use crate::channel::ibv::core::{Finished, RdmaBuf};
+use crate::channel::ibv::{self as chan};
+use crate::message::Buffer;
+use crate::verbs::MIN_OP_BYTES;
+
+/// A sent tensor's stream has run the work queued before its write.
+#[derive(Debug)]
+pub(crate) struct GdrReady {
+    seq: u64,
+    index: u32,
+}
+
+/// A sent tensor waiting for its stream, in pipe order.
+struct Gated {
+    seq: u64,
+    index: u32,
+    buffer: Buffer,
+    ready: bool,
+}
+
+/// What a receive needs once its bytes are in.
+struct Landing {
+    data_complete: bool,
+    /// The destination of a tensor under 32 bytes, received through a 32-byte host buffer.
+    staged: Option<Buffer>,
+}
+
+/// The channel's CUDA state around the ibv queue pair.
+pub(super) struct GdrSide {
+    gate: VecDeque<Gated>,
+    ready_tx: mpsc::UnboundedSender<GdrReady>,
+    ready_rx: Option<mpsc::UnboundedReceiver<GdrReady>>,
+    landing: HashMap<(u64, u32), Landing>,
+    /// Sent tensors under 32 bytes: the user's buffer, while a 32-byte copy travels.
+    staged_out: HashMap<(u64, u32), Buffer>,
+}
+
+impl GdrSide {
+    pub(super) fn new() -> GdrSide {
+        let (ready_tx, rx) = mpsc::unbounded_channel();
+        GdrSide {
+            gate: VecDeque::new(),
+            ready_tx,
+            ready_rx: Some(rx),
+            landing: HashMap::new(),
+            staged_out: HashMap::new(),
+        }
+    }
+
+    /// Whether no sent tensor waits for its stream.
+    pub(super) fn idle(&self) -> bool {
+        self.gate.is_empty()
+    }
+
+    /// A finished tensor, for the pipe's CUDA queue.
+    pub(super) fn finished(&mut self, f: Finished, reply: Option<&CudaReply>) {
+        let key = (f.seq, f.index);
+        let d = if f.sending {
+            let buffer = self
+                .staged_out
+                .remove(&key)
+                .unwrap_or_else(|| to_buffer(f.buffer));
+            CudaDone::Wrote {
+                seq: f.seq,
+                index: f.index,
+                buffer,
+                result: f.result,
+            }
+        } else {
+            let landing = self.landing.remove(&key);
+            return landed(f, landing, reply);
+        };
+        match reply {
+            Some(tx) => post(tx, d),
+            None => tracing::error!("a cuda_gdr completion with no pipe queue to go to"),
+        }
+    }
+}
+
+/// The buffer as the pipe knows it.
+fn to_buffer(b: RdmaBuf) -> Buffer {
+    match b {
+        RdmaBuf::Host(Memory::Owned(v)) => Buffer::Cpu(v),
+        RdmaBuf::Host(Memory::Shared(b)) => Buffer::Shared(b),
+        RdmaBuf::Host(Memory::Region(_)) => Buffer::Cpu(Vec::new()), // never handed to the channel
+        RdmaBuf::Cuda(b) => Buffer::Cuda(b),
+    }
+}
+
+/// The bytes of a tensor under 32 bytes, padded to 32 (a blocking copy for GPU memory).
+fn padded(b: &Buffer) -> Result<Vec<u8>, Error> {
+    let mut v = match b {
+        Buffer::Cuda(c) => c.to_vec()?,
+        other => other.as_cpu().map(<[u8]>::to_vec).unwrap_or_default(),
+    };
+    v.resize(MIN_OP_BYTES as usize, 0);
+    Ok(v)
+}
+
+/// A received tensor's completion: unstage, then an event (GPU memory) or nothing (host).
+fn landed(f: Finished, landing: Option<Landing>, reply: Option<&CudaReply>) {
+    let (seq, index) = (f.seq, f.index);
+    let (data_complete, staged) = landing.map_or((false, None), |l| (l.data_complete, l.staged));
+    let mut result = f.result;
+    let mut buffer = match staged {
+        Some(mut dst) => {
+            if result.is_ok() {
+                let n = dst.len() as usize;
+                let bytes = &f.buffer.as_slice()[..n];
+                result = match &mut dst {
+                    Buffer::Cuda(c) => c.copy_from_host(bytes),
+                    Buffer::Cpu(v) => {
+                        v.copy_from_slice(bytes);
+                        Ok(())
+                    }
+                    _ => Err(Error::invalid("cuda_gdr: a read into shared memory")),
+                };
+            }
+            dst
+        }
+        None => to_buffer(f.buffer),
+    };
+    let Some(tx) = reply else {
+        return tracing::error!("a cuda_gdr completion with no pipe queue to go to");
+    };
+    let done = |buffer, event, result| CudaDone::Read {
+        seq,
+        index,
+        buffer,
+        event,
+        result,
+    };
+    let Buffer::Cuda(c) = &mut buffer else {
+        // Host memory: the bytes are in.
+        return post(tx, done(buffer, None, result));
+    };
+    if let Err(e) = result {
+        return post(tx, done(buffer, None, Err(e)));
+    }
+    let (gpu, stream) = (c.gpu().clone(), c.stream().clone());
+    let event =
+        crate::channel::cuda_gdr::flush_rdma_writes(&gpu).and_then(|_| gpu.recorded(&stream));
+    match event {
+        Err(e) => post(tx, done(buffer, None, Err(e))),
+        Ok(ev) if data_complete => {
+            drop(ev);
+            post_when_done(&stream, tx, done(buffer, None, Ok(())));
+        }
+        Ok(ev) => post(tx, done(buffer, Some((ev, stream)), Ok(()))),
+    }
+}
+
+impl Channel {
+    /// Starts watching the ready callbacks of sent tensors (the actor is starting).
+    pub(super) fn gdr_start(&mut self, ctx: &mut Context<Self>) {
+        if let Some(rx) = self.gdr.as_mut().and_then(|g| g.ready_rx.take()) {
+            ctx.add_stream(Queue(rx));
+        }
+    }
+
+    /// Sends one CUDA-routed tensor: once its stream is done with what came before the write.
+    pub(super) fn send_cuda_gdr(&mut self, m: SendCuda, ctx: &mut Context<Self>) {
+        let SendCuda {
+            seq, index, buffer, ..
+        } = m;
+        let Some(g) = self.gdr.as_mut() else {
+            let e = self.not_cuda();
+            return self.cuda_to_pipe(CudaDone::Wrote {
+                seq,
+                index,
+                buffer,
+                result: Err(e),
+            });
+        };
+        if buffer.is_empty() {
+            return self.cuda_to_pipe(CudaDone::Wrote {
+                seq,
+                index,
+                buffer,
+                result: Ok(()),
+            });
+        }
+        let wait = match &buffer {
+            Buffer::Cuda(c) => {
+                let tx = g.ready_tx.clone();
+                crate::cuda::on_stream_done(c.stream(), move || {
+                    let _ = tx.send(GdrReady { seq, index });
+                })
+                .map(|_| true)
+            }
+            _ => Ok(false),
+        };
+        match wait {
+            Ok(waits) => g.gate.push_back(Gated {
+                seq,
+                index,
+                buffer,
+                ready: !waits,
+            }),
+            Err(e) => {
+                return self.cuda_to_pipe(CudaDone::Wrote {
+                    seq,
+                    index,
+                    buffer,
+                    result: Err(e),
+                })
+            }
+        }
+        self.gdr_pump(ctx);
+    }
+
+    /// Hands the ready tensors at the front of the gate to the queue pair, in order.
+    fn gdr_pump(&mut self, ctx: &mut Context<Self>) {
+        let (Some(g), Some(Ok(rdma))) = (self.gdr.as_mut(), self.ibv.as_ref().map(|s| &s.rdma))
+        else {
+            return;
+        };
+        let mut r = chan::lock(rdma);
+        while g.gate.front().is_some_and(|t| t.ready) {
+            let t = g.gate.pop_front().expect("present");
+            let buffer = if t.buffer.len() < MIN_OP_BYTES {
+                match padded(&t.buffer) {
+                    Ok(v) => {
+                        g.staged_out.insert((t.seq, t.index), t.buffer);
+                        RdmaBuf::from(v)
+                    }
+                    Err(e) => {
+                        // The queue pair's protocol has this tensor next: fail the channel.
+                        g.staged_out.insert((t.seq, t.index), t.buffer);
+                        r.fail(e);
+                        r.send(t.seq, t.index, Vec::new());
+                        continue;
+                    }
+                }
+            } else {
+                match t.buffer {
+                    Buffer::Cuda(c) => RdmaBuf::Cuda(c),
+                    host => RdmaBuf::Host(Memory::from(host)),
+                }
+            };
+            r.send(t.seq, t.index, buffer);
+        }
+        drop(r);
+        self.ibv_flush(ctx);
+    }
+
+    /// Receives one CUDA-routed tensor into the buffer the user allocated.
+    pub(super) fn recv_cuda_gdr(&mut self, m: RecvCuda, ctx: &mut Context<Self>) {
+        let RecvCuda {
+            seq,
+            index,
+            buffer,
+            data_complete,
+            ..
+        } = m;
+        let refuse = |buffer, result| CudaDone::Read {
+            seq,
+            index,
+            buffer,
+            event: None,
+            result,
+        };
+        let (Some(g), Some(Ok(rdma))) = (self.gdr.as_mut(), self.ibv.as_ref().map(|s| &s.rdma))
+        else {
+            let e = self.not_cuda();
+            return self.cuda_to_pipe(refuse(buffer, Err(e)));
+        };
+        if buffer.is_empty() {
+            return self.cuda_to_pipe(refuse(buffer, Ok(())));
+        }
+        let (into, staged) = if buffer.len() < MIN_OP_BYTES {
+            (
+                RdmaBuf::from(vec![0u8; MIN_OP_BYTES as usize]),
+                Some(buffer),
+            )
+        } else {
+            match buffer {
+                Buffer::Cuda(c) => (RdmaBuf::Cuda(c), None),
+                Buffer::Cpu(v) => (RdmaBuf::from(v), None),
+                // `Allocation::check` refuses read-only buffers before a read starts.
+                shared => {
+                    let e = Error::invalid("cuda_gdr: a read into read-only (shared) memory");
+                    return self.cuda_to_pipe(refuse(shared, Err(e)));
+                }
+            }
+        };
+        g.landing.insert(
+            (seq, index),
+            Landing {
+                data_complete,
+                staged,
+            },
+        );
+        chan::lock(rdma).recv(seq, index, into);
+        self.ibv_flush(ctx);
+    }
+}
+
+impl StreamHandler<GdrReady> for Channel {
+    fn handle(&mut self, r: GdrReady, ctx: &mut Self::Context) {
+        if let Some(g) = self.gdr.as_mut() {
+            if let Some(t) = g
+                .gate
+                .iter_mut()
+                .find(|t| (t.seq, t.index) == (r.seq, r.index))
+            {
+                t.ready = true;
+            }
+        }
+        self.gdr_pump(ctx);
+    }
+
+    fn finished(&mut self, _: &mut Self::Context) {}
+}
