@@ -1,0 +1,342 @@
+//! The `cuda_gdr` channel on the SIMULATED RDMA device, with a real GPU: CUDA tensors through
+//! pipes between two contexts of this process, moved by simulated RDMA writes whose "DMA" is the
+//! CUDA driver's copies (docs/ibv.md, `cuda_gdr`). No real HCA is involved anywhere: every trial
+//! name says `sim`.
+//!
+//! `harness = false` (libtest-mimic): where no CUDA GPU is, every trial is reported as ignored
+//! with the reason. Build here, run on a GPU machine: see docs/ibv.md, "Running the cuda_gdr
+//! trials".
+
+mod common;
+
+use std::future::Future;
+use std::time::Duration;
+
+use actix::Addr;
+use actorpipe::channel::cuda_gdr::CudaGdr;
+use actorpipe::channel::ibv::IbvChannel;
+use actorpipe::cuda::{self, CudaBuffer};
+use actorpipe::transport::ibv::Ibv;
+use actorpipe::{
+    Buffer, Close, Context, ContextBuilder, Device, GetInfo, Message, Pipe, Receive, Tensor, Write,
+};
+use libtest_mimic::{Arguments, Failed, Trial};
+
+type Outcome = Result<(), Failed>;
+
+fn fail(e: impl std::fmt::Display) -> Failed {
+    e.to_string().into()
+}
+
+/// The chunk limit in these trials (1 GiB in use): tensors over 64 KiB take several writes.
+const CHUNK: u64 = 64 << 10;
+
+fn main() {
+    let args = Arguments::from_args();
+    let skip = cuda::available().err();
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let trials = [
+        (
+            "sim_gdr_moves_every_pair_in_order",
+            moves_every_pair as fn() -> Outcome,
+        ),
+        ("sim_gdr_waits_for_the_senders_stream", sender_stream_order),
+        (
+            "sim_gdr_close_mid_transfer_leaks_nothing",
+            close_mid_transfer,
+        ),
+        (
+            "sim_gdr_reallocated_memory_is_registered_anew",
+            stale_registration,
+        ),
+    ]
+    .into_iter()
+    .map(|(name, f)| {
+        let t = Trial::test(name, move || {
+            // One at a time: free GPU memory is compared before and after.
+            let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+            f()
+        });
+        match &skip {
+            Some(why) => t
+                .with_ignored_flag(true)
+                .with_kind(format!("skipped: {why}")),
+            None => t,
+        }
+    })
+    .collect();
+    libtest_mimic::run(&args, trials).exit();
+}
+
+/// Runs `f` in an actix system, bounded so a bug fails the trial instead of hanging.
+fn run<F: Future<Output = Outcome>>(f: F) -> Outcome {
+    actix::System::new().block_on(async move {
+        match tokio::time::timeout(Duration::from_secs(120), f).await {
+            Ok(r) => r,
+            Err(_) => Err(fail("did not finish within 120 s")),
+        }
+    })
+}
+
+/// A context with only `basic` (host tensors) and `cuda_gdr` on its own simulated device,
+/// over loopback TCP.
+fn gdr_context(keep: u64) -> (ContextBuilder, CudaGdr) {
+    let chan = IbvChannel::new(Ibv::simulated())
+        .with_chunk_limit(CHUNK)
+        .with_registration_keep(keep);
+    let all = CudaGdr::all(chan);
+    let first = all[0]
+        .as_any()
+        .and_then(|a| a.downcast_ref::<CudaGdr>())
+        .expect("a CudaGdr")
+        .clone();
+    let b = all.into_iter().fold(
+        Context::builder().without("shm").only_channels(&["basic"]),
+        |b, c| b.channel(c),
+    );
+    (b, first)
+}
+
+/// Two pipes whose CUDA pairs all run on cuda_gdr, and the two sides' backends.
+async fn gdr_pair(
+    keep: u64,
+) -> Result<(Addr<Pipe>, Addr<Pipe>, common::Server, CudaGdr, CudaGdr), Failed> {
+    let ((a, ga), (b, gb)) = (gdr_context(keep), gdr_context(keep));
+    let (tx, rx, s) = common::pair(a, b).await;
+    let info = tx.send(GetInfo).await.map_err(fail)?;
+    for pair in ["cpu->cuda", "cuda->cpu", "cuda->cuda"] {
+        let want = format!("cuda_gdr ({pair})");
+        if !info.channels.iter().any(|c| c.to_string() == want) {
+            return Err(fail(format!(
+                "{want} not negotiated: {}",
+                info.channel_list()
+            )));
+        }
+    }
+    Ok((tx, rx, s, ga, gb))
+}
+
+fn filled(seed: u64, len: usize) -> Result<(CudaBuffer, Vec<u8>), Failed> {
+    let data = common::pattern(seed, len);
+    let mut b = CudaBuffer::alloc(0, len).map_err(fail)?;
+    b.copy_from_host(&data).map_err(fail)?;
+    Ok((b, data))
+}
+
+fn bytes(b: &Buffer) -> Result<Vec<u8>, Failed> {
+    match b {
+        Buffer::Cpu(v) => Ok(v.clone()),
+        Buffer::Cuda(c) => c.to_vec().map_err(fail),
+        _ => Err(fail("a buffer of an unknown kind")),
+    }
+}
+
+/// A size: tiny (under the 32-byte verbs minimum), around the chunk limit, or several chunks.
+fn size(rng: &mut common::Rng) -> usize {
+    match rng.next() % 4 {
+        0 => (rng.next() % 40) as usize,
+        1 => CHUNK as usize - 1 + (rng.next() % 3) as usize,
+        2 => (rng.next() % (5 * CHUNK)) as usize,
+        _ => common::draw_size(rng).min(8 << 20),
+    }
+}
+
+/// 24 messages in flight, each with a host tensor and one tensor of each CUDA pair: every byte
+/// checked, order kept, each tensor landing where its route says, the sender's buffers back.
+fn moves_every_pair() -> Outcome {
+    run(async {
+        let (tx, rx, _s, _, _) = gdr_pair(0).await?;
+        let mut rng = common::Rng(0x9d7);
+        let mut writes = Vec::new();
+        let mut sent = Vec::new();
+        for i in 0..24u64 {
+            let n = [0; 4].map(|_| size(&mut rng));
+            let (dev, d1) = filled(i * 8 + 1, n[1])?;
+            let (down, d3) = filled(i * 8 + 3, n[3])?;
+            let (d0, d2) = (
+                common::pattern(i * 8, n[0]),
+                common::pattern(i * 8 + 2, n[2]),
+            );
+            let mut up = Tensor::cpu(d2.clone());
+            up.target_device = Some(Device::Cuda(0));
+            let mut down = Tensor::cuda(down);
+            down.target_device = Some(Device::Cpu);
+            let m = Message::new()
+                .with_metadata(i.to_le_bytes().to_vec())
+                .with_tensor(Tensor::cpu(d0.clone()))
+                .with_tensor(Tensor::cuda(dev))
+                .with_tensor(up)
+                .with_tensor(down);
+            writes.push(actix::spawn(tx.send(Write::new(m))));
+            sent.push([d0, d1, d2, d3]);
+        }
+        for (i, data) in sent.iter().enumerate() {
+            let done = rx.send(Receive::new()).await.map_err(fail)?;
+            done.result.map_err(fail)?;
+            let m = &done.message;
+            if m.metadata != (i as u64).to_le_bytes() {
+                return Err(fail(format!("message {i} arrived out of order")));
+            }
+            let devices: Vec<Device> = m.tensors.iter().map(|t| t.buffer.device()).collect();
+            if devices != [Device::Cpu, Device::Cuda(0), Device::Cuda(0), Device::Cpu] {
+                return Err(fail(format!("message {i} landed on {devices:?}")));
+            }
+            done.cuda.wait().map_err(fail)?;
+            for (k, t) in m.tensors.iter().enumerate() {
+                if bytes(&t.buffer)? != data[k] {
+                    return Err(fail(format!(
+                        "message {i} tensor {k} ({} bytes): bytes differ",
+                        data[k].len()
+                    )));
+                }
+            }
+        }
+        for (i, w) in writes.into_iter().enumerate() {
+            let done = w.await.map_err(fail)?.map_err(fail)?;
+            done.result.map_err(fail)?;
+            if done.message.tensors[1].buffer.as_cuda().is_none() {
+                return Err(fail(format!(
+                    "write {i}: the CUDA buffer did not come back"
+                )));
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Work queued on the sender's stream before the write is part of what is sent: a 64 MiB
+/// device copy into the tensor is still running when the write is issued.
+fn sender_stream_order() -> Outcome {
+    run(async {
+        let (tx, rx, _s, _, _) = gdr_pair(0).await?;
+        let g = cuda::gpu(0).map_err(fail)?;
+        let len = 64 << 20;
+        let (src, data) = filled(77, len)?;
+        let t = CudaBuffer::alloc(0, len).map_err(fail)?;
+        // SAFETY: both are `len` bytes of device 0, alive until the transfer is over.
+        unsafe {
+            cuda::copy_async(
+                (t.device_ptr(), &g),
+                (src.device_ptr(), &g),
+                len,
+                t.stream(),
+            )
+        }
+        .map_err(fail)?;
+        let w = tx.send(Write::new(Message::new().with_tensor(Tensor::cuda(t))));
+        let done = rx.send(Receive::new()).await.map_err(fail)?;
+        done.result.map_err(fail)?;
+        done.cuda.wait().map_err(fail)?;
+        if bytes(&done.message.tensors[0].buffer)? != data {
+            return Err(fail(
+                "the receiver did not see the work queued before the write",
+            ));
+        }
+        w.await.map_err(fail)?.result.map_err(fail)?;
+        Ok(())
+    })
+}
+
+/// The receiver closes with CUDA writes in flight: every write completes in order (the first
+/// `Ok`, the rest with an error), each with its buffer, and no GPU memory is left behind.
+fn close_mid_transfer() -> Outcome {
+    let g = cuda::gpu(0).map_err(fail)?;
+    g.synchronize().map_err(fail)?;
+    let free_before = g.memory().map_err(fail)?.0;
+    run(async {
+        let (tx, rx, _s, _, gb) = gdr_pair(0).await?;
+        let mut writes = Vec::new();
+        for i in 0..6u64 {
+            let (b, _) = filled(i, 8 << 20)?;
+            writes.push(tx.send(Write::new(Message::new().with_tensor(Tensor::cuda(b)))));
+        }
+        let first = rx.send(Receive::new()).await.map_err(fail)?;
+        first.cuda.wait().map_err(fail)?;
+        first.result.map_err(fail)?;
+        rx.send(Close::because("test: receiver gone"))
+            .await
+            .map_err(fail)?;
+        let mut last = None;
+        for (i, w) in writes.into_iter().enumerate() {
+            let done = w.await.map_err(fail)?;
+            if last.is_some_and(|id| done.id <= id) {
+                return Err(fail("write completions out of order"));
+            }
+            last = Some(done.id);
+            match (i, &done.result) {
+                (0, Ok(())) | (1.., Err(_)) => {}
+                (i, r) => return Err(fail(format!("write {i}: {r:?}"))),
+            }
+            if done.message.tensors[0].buffer.as_cuda().is_none() {
+                return Err(fail(format!(
+                    "write {i}: the CUDA buffer did not come back"
+                )));
+            }
+        }
+        let (_, caches) = gb.ibv().caches().map_err(fail)?;
+        if !caches.recv.is_empty() {
+            return Err(fail("a receive registration outlived the close"));
+        }
+        Ok(())
+    })?;
+    g.synchronize().map_err(fail)?;
+    let free_after = g.memory().map_err(fail)?.0;
+    println!(
+        "free GPU memory: {} MiB before, {} MiB after",
+        free_before >> 20,
+        free_after >> 20
+    );
+    if free_after + (2 << 20) < free_before {
+        return Err(fail(format!(
+            "GPU memory leaked: {} MiB free before, {} MiB after",
+            free_before >> 20,
+            free_after >> 20
+        )));
+    }
+    Ok(())
+}
+
+/// With idle registrations kept (the dangerous setting), a tensor freed and another allocated
+/// at the same address is registered anew (its buffer id differs) and the receiver gets the new
+/// bytes.
+fn stale_registration() -> Outcome {
+    run(async {
+        let (tx, rx, _s, ga, _) = gdr_pair(1 << 30).await?;
+        let (_, caches) = ga.ibv().caches().map_err(fail)?;
+        let len = 1 << 20;
+        let mut addr = None;
+        for round in 0..3u64 {
+            let (b, data) = filled(round + 100, len)?;
+            let reused = addr == Some(b.device_ptr());
+            addr = Some(b.device_ptr());
+            let (stale_before, regs_before) =
+                (caches.send.stale_replaced(), caches.send.registrations());
+            let w = tx.send(Write::new(Message::new().with_tensor(Tensor::cuda(b))));
+            let done = rx.send(Receive::new()).await.map_err(fail)?;
+            done.result.map_err(fail)?;
+            done.cuda.wait().map_err(fail)?;
+            if bytes(&done.message.tensors[0].buffer)? != data {
+                return Err(fail(format!("round {round}: the receiver got other bytes")));
+            }
+            let back = w.await.map_err(fail)?;
+            back.result.as_ref().map_err(fail)?;
+            println!(
+                "round {round}: address {:#x} {}, registrations {} -> {}, stale {} -> {}",
+                addr.unwrap_or(0),
+                if reused { "reused" } else { "new" },
+                regs_before,
+                caches.send.registrations(),
+                stale_before,
+                caches.send.stale_replaced()
+            );
+            if reused && caches.send.stale_replaced() != stale_before + 1 {
+                return Err(fail(format!(
+                    "round {round}: reallocated memory at the same address reused a stale \
+                     registration"
+                )));
+            }
+            drop(back); // frees the tensor: the next allocation may take its address
+        }
+        Ok(())
+    })
+}
