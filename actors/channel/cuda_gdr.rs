@@ -79,12 +79,7 @@ impl GdrSide {
                 .staged_out
                 .remove(&key)
                 .unwrap_or_else(|| to_buffer(f.buffer));
-            CudaDone::Wrote {
-                seq: f.seq,
-                index: f.index,
-                buffer,
-                result: f.result,
-            }
+            CudaDone::wrote(f.seq, f.index, buffer, f.result)
         } else {
             let landing = self.landing.remove(&key);
             return landed(f, landing, reply);
@@ -151,10 +146,10 @@ fn landed(f: Finished, landing: Option<Landing>, reply: Option<&CudaReply>) {
     };
     let Buffer::Cuda(c) = &mut buffer else {
         // Host memory: the bytes are in.
-        return post(tx, done(buffer, None, result));
+        return post(tx, CudaDone::landed(seq, index, buffer, result));
     };
     if let Err(e) = result {
-        return post(tx, done(buffer, None, Err(e)));
+        return post(tx, CudaDone::landed(seq, index, buffer, Err(e)));
     }
     let (gpu, stream) = (c.gpu().clone(), c.stream().clone());
     let event =
@@ -184,20 +179,10 @@ impl Channel {
         } = m;
         let Some(g) = self.gdr.as_mut() else {
             let e = self.not_cuda();
-            return self.cuda_to_pipe(CudaDone::Wrote {
-                seq,
-                index,
-                buffer,
-                result: Err(e),
-            });
+            return self.cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Err(e)));
         };
         if buffer.is_empty() {
-            return self.cuda_to_pipe(CudaDone::Wrote {
-                seq,
-                index,
-                buffer,
-                result: Ok(()),
-            });
+            return self.cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Ok(())));
         }
         let wait = match &buffer {
             Buffer::Cuda(c) => {
@@ -216,14 +201,7 @@ impl Channel {
                 buffer,
                 ready: !waits,
             }),
-            Err(e) => {
-                return self.cuda_to_pipe(CudaDone::Wrote {
-                    seq,
-                    index,
-                    buffer,
-                    result: Err(e),
-                })
-            }
+            Err(e) => return self.cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Err(e))),
         }
         self.gdr_pump(ctx);
     }
@@ -272,13 +250,7 @@ impl Channel {
             data_complete,
             ..
         } = m;
-        let refuse = |buffer, result| CudaDone::Read {
-            seq,
-            index,
-            buffer,
-            event: None,
-            result,
-        };
+        let refuse = |buffer, result| CudaDone::landed(seq, index, buffer, result);
         let (Some(g), Some(Ok(rdma))) = (self.gdr.as_mut(), self.ibv.as_ref().map(|s| &s.rdma))
         else {
             let e = self.not_cuda();

@@ -98,26 +98,36 @@ pub(super) fn post_when_done(stream: &CudaStream, tx: &CudaReply, d: CudaDone) {
 }
 
 impl CudaDone {
+    /// A sent tensor's completion.
+    pub(super) fn wrote(seq: u64, index: u32, buffer: Buffer, result: Result<(), Error>) -> Self {
+        CudaDone::Wrote {
+            seq,
+            index,
+            buffer,
+            result,
+        }
+    }
+
+    /// A received tensor's completion with nothing to wait on (landed, or failed).
+    pub(super) fn landed(seq: u64, index: u32, buffer: Buffer, result: Result<(), Error>) -> Self {
+        CudaDone::Read {
+            seq,
+            index,
+            buffer,
+            event: None,
+            result,
+        }
+    }
+
     /// The same completion, failed with `e` (no event to wait on).
     fn failed(self, e: Error) -> Self {
         match self {
             CudaDone::Wrote {
                 seq, index, buffer, ..
-            } => CudaDone::Wrote {
-                seq,
-                index,
-                buffer,
-                result: Err(e),
-            },
+            } => CudaDone::wrote(seq, index, buffer, Err(e)),
             CudaDone::Read {
                 seq, index, buffer, ..
-            } => CudaDone::Read {
-                seq,
-                index,
-                buffer,
-                event: None,
-                result: Err(e),
-            },
+            } => CudaDone::landed(seq, index, buffer, Err(e)),
         }
     }
 

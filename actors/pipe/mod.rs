@@ -326,33 +326,26 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                 _ => ChannelKind::Basic { chunk_size },
             };
             kinds.push(kind);
-            // The ibv channel bootstraps its queue pair over its lane itself.
+            // The ibv and cuda_gdr channels bootstrap their queue pair over their lane
+            // themselves.
             #[cfg(feature = "ibv")]
-            if let (ChannelKind::Ibv { .. }, Some(backend)) = (kind, ibv_backend(config)) {
-                return Channel::new(
+            if let Some((backend, gdr)) = queue_pair_backend(kind, config) {
+                let channel = Channel::new(
                     kind,
                     Vec::new(),
                     reply.clone(),
                     origin.clone(),
                     fallbacks.clone(),
                 )
-                .with_ibv(&backend, lanes)
-                .start();
-            }
-            // So does cuda_gdr, on the device of its own ibv channel.
-            #[cfg(all(feature = "cuda", feature = "ibv"))]
-            if let (ChannelKind::CudaGdr, Some(backend)) = (kind, gdr_backend(config)) {
-                return Channel::new(
-                    kind,
-                    Vec::new(),
-                    reply.clone(),
-                    origin.clone(),
-                    fallbacks.clone(),
-                )
-                .with_ibv(backend.ibv(), lanes)
-                .with_gdr()
-                .with_cuda(cuda_reply.clone())
-                .start();
+                .with_ibv(&backend, lanes);
+                #[cfg(feature = "cuda")]
+                let channel = match gdr {
+                    true => channel.with_gdr().with_cuda(cuda_reply.clone()),
+                    false => channel,
+                };
+                #[cfg(not(feature = "cuda"))]
+                let _ = gdr;
+                return channel.start();
             }
             let lanes = lanes
                 .into_iter()
@@ -891,22 +884,34 @@ pub(crate) use completion::Completer;
 pub use completion::Deferred;
 use routes::Routes;
 
-/// The context's `cuda_gdr` channel backend (its instances share one ibv channel).
-#[cfg(all(feature = "cuda", feature = "ibv"))]
-fn gdr_backend(config: &Config) -> Option<crate::channel::cuda_gdr::CudaGdr> {
+/// The context's channel backend called `name`, as its concrete type.
+#[cfg(feature = "ibv")]
+fn backend_of<T: Clone + 'static>(config: &Config, name: &str) -> Option<T> {
     config
         .channels
         .iter()
-        .find(|(c, _)| c.name() == "cuda_gdr")
-        .and_then(|(c, _)| c.as_any()?.downcast_ref().cloned())
+        .find(|(c, _)| c.name() == name)
+        .and_then(|(c, _)| c.as_any()?.downcast_ref::<T>().cloned())
 }
 
 /// The context's `ibv` channel backend.
 #[cfg(feature = "ibv")]
 fn ibv_backend(config: &Config) -> Option<crate::channel::ibv::IbvChannel> {
-    config
-        .channels
-        .iter()
-        .find(|(c, _)| c.name() == "ibv")
-        .and_then(|(c, _)| c.as_any()?.downcast_ref().cloned())
+    backend_of(config, "ibv")
+}
+
+/// For a channel of `kind` that runs on an ibv queue pair: the ibv channel backend whose device
+/// it uses, and whether it carries CUDA tensors (`cuda_gdr`, whose instances share one).
+#[cfg(feature = "ibv")]
+fn queue_pair_backend(
+    kind: ChannelKind,
+    config: &Config,
+) -> Option<(crate::channel::ibv::IbvChannel, bool)> {
+    match kind {
+        ChannelKind::Ibv { .. } => ibv_backend(config).map(|b| (b, false)),
+        #[cfg(feature = "cuda")]
+        ChannelKind::CudaGdr => backend_of::<crate::channel::cuda_gdr::CudaGdr>(config, "cuda_gdr")
+            .map(|g| (g.ibv().clone(), true)),
+        _ => None,
+    }
 }

@@ -281,24 +281,7 @@ pub fn close_mid_transfer() -> Outcome {
         rx.send(Close::because("test: receiver gone"))
             .await
             .map_err(fail)?;
-        let mut last = None;
-        for (i, w) in writes.into_iter().enumerate() {
-            let done = w.await.map_err(fail)?;
-            if last.is_some_and(|id| done.id <= id) {
-                return Err(fail("write completions out of order"));
-            }
-            last = Some(done.id);
-            match (i, &done.result) {
-                (0, Ok(())) | (1.., Err(_)) => {}
-                (i, r) => return Err(fail(format!("write {i}: {r:?}"))),
-            }
-            if done.message.tensors[0].buffer.as_cuda().is_none() {
-                return Err(fail(format!(
-                    "write {i}: the CUDA buffer did not come back"
-                )));
-            }
-        }
-        Ok(())
+        first_ok_then_errors_in_order(writes).await
     })?;
     let free_after = g.memory().map_err(fail)?.0;
     println!(
@@ -307,6 +290,33 @@ pub fn close_mid_transfer() -> Outcome {
         free_after >> 20
     );
     memory_given_back(free_before, free_after, 16 << 20)
+}
+
+/// Awaits writes of one CUDA tensor each, issued in this order, of which the receiver read the
+/// first before closing: that one `Ok`, every later one an error, completions in order, every
+/// CUDA buffer back.
+pub(super) async fn first_ok_then_errors_in_order<W>(writes: Vec<W>) -> Outcome
+where
+    W: Future<Output = Result<actorpipe::WriteDone, actix::MailboxError>>,
+{
+    let mut last = None;
+    for (i, w) in writes.into_iter().enumerate() {
+        let done = w.await.map_err(fail)?;
+        if last.is_some_and(|id| done.id <= id) {
+            return Err(fail("write completions out of order"));
+        }
+        last = Some(done.id);
+        match (i, &done.result) {
+            (0, Ok(())) | (1.., Err(_)) => {}
+            (i, r) => return Err(fail(format!("write {i}: {r:?}"))),
+        }
+        if done.message.tensors[0].buffer.as_cuda().is_none() {
+            return Err(fail(format!(
+                "write {i}: the CUDA buffer did not come back"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Fails unless the GPU's free memory `after` is back to `before`, give or take `slack` bytes.
