@@ -187,31 +187,7 @@ fn moves_every_pair() -> Outcome {
 fn sender_stream_order() -> Outcome {
     pipe::run(async {
         let (tx, rx, _s, _, _) = gdr_pair(0).await?;
-        let g = gpu0()?;
-        let len = 64 << 20;
-        let (src, data) = filled(0, 77, len)?;
-        let t = CudaBuffer::alloc(0, len).map_err(fail)?;
-        // SAFETY: both are `len` bytes of device 0, alive until the transfer is over.
-        unsafe {
-            cuda::copy_async(
-                (t.device_ptr(), &g),
-                (src.device_ptr(), &g),
-                len,
-                t.stream(),
-            )
-        }
-        .map_err(fail)?;
-        let w = tx.send(Write::new(Message::new().with_tensor(Tensor::cuda(t))));
-        let done = rx.send(Receive::new()).await.map_err(fail)?;
-        done.result.map_err(fail)?;
-        done.cuda.wait().map_err(fail)?;
-        if pipe::bytes(&done.message.tensors[0].buffer, None)? != data {
-            return Err(fail(
-                "the receiver did not see the work queued before the write",
-            ));
-        }
-        w.await.map_err(fail)?.result.map_err(fail)?;
-        Ok(())
+        pipe::sends_after_stream_work(&tx, &rx, 64 << 20).await
     })
 }
 

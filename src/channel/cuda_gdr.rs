@@ -167,10 +167,15 @@ pub(crate) unsafe fn lease(cache: &Arc<RegCache>, b: &mut CudaBuffer) -> Result<
 pub(crate) fn flush_rdma_writes(gpu: &Gpu) -> crate::Result<()> {
     gpu.bind()?;
     // SAFETY: the context is current; the call takes two enum values.
-    cuda::check("cuFlushGPUDirectRDMAWrites", unsafe {
+    let r = unsafe {
         sys::cuFlushGPUDirectRDMAWrites(
             sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
             sys::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER,
         )
-    })
+    };
+    match r {
+        // A device or platform without the flush orders RDMA writes without it.
+        sys::CUresult::CUDA_ERROR_NOT_SUPPORTED => Ok(()),
+        r => cuda::check("cuFlushGPUDirectRDMAWrites", r),
+    }
 }

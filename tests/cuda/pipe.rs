@@ -189,34 +189,43 @@ pub fn round_trips() -> Outcome {
 pub fn sender_stream_order() -> Outcome {
     run(async {
         let (tx, rx, _s) = xth_pair().await?;
-        let g = gpu0()?;
-        let len = 256 << 20;
-        let (src, data) = filled(0, 77, len)?;
-        let t = CudaBuffer::alloc(0, len).map_err(fail)?;
-        // SAFETY: both are `len` bytes of device 0, alive until the transfer is over (the
-        // source until the end of this function, the tensor until WriteDone).
-        unsafe {
-            cuda::copy_async(
-                (t.device_ptr(), &g),
-                (src.device_ptr(), &g),
-                len,
-                t.stream(),
-            )
-        }
-        .map_err(fail)?;
-        let w = tx.send(Write::new(Message::new().with_tensor(Tensor::cuda(t))));
-        let done = rx.send(Receive::new()).await.map_err(fail)?;
-        done.result.map_err(fail)?;
-        let lease = g.lease_stream().map_err(fail)?;
-        done.cuda.wait_on(&lease).map_err(fail)?;
-        if bytes(&done.message.tensors[0].buffer, Some(&lease))? != data {
-            return Err(fail(
-                "the receiver did not see the work queued before the write",
-            ));
-        }
-        w.await.map_err(fail)?.result.map_err(fail)?;
-        Ok(())
+        sends_after_stream_work(&tx, &rx, 256 << 20).await
     })
+}
+
+/// Writes a `len`-byte CUDA tensor from `tx` while a device copy into it is still queued on its
+/// stream, and checks that `rx` receives the copy's bytes.
+pub(super) async fn sends_after_stream_work(
+    tx: &Addr<Pipe>,
+    rx: &Addr<Pipe>,
+    len: usize,
+) -> Outcome {
+    let g = gpu0()?;
+    let (src, data) = filled(0, 77, len)?;
+    let t = CudaBuffer::alloc(0, len).map_err(fail)?;
+    // SAFETY: both are `len` bytes of device 0, alive until the transfer is over (the
+    // source until the end of this function, the tensor until WriteDone).
+    unsafe {
+        cuda::copy_async(
+            (t.device_ptr(), &g),
+            (src.device_ptr(), &g),
+            len,
+            t.stream(),
+        )
+    }
+    .map_err(fail)?;
+    let w = tx.send(Write::new(Message::new().with_tensor(Tensor::cuda(t))));
+    let done = rx.send(Receive::new()).await.map_err(fail)?;
+    done.result.map_err(fail)?;
+    let lease = g.lease_stream().map_err(fail)?;
+    done.cuda.wait_on(&lease).map_err(fail)?;
+    if bytes(&done.message.tensors[0].buffer, Some(&lease))? != data {
+        return Err(fail(
+            "the receiver did not see the work queued before the write",
+        ));
+    }
+    w.await.map_err(fail)?.result.map_err(fail)?;
+    Ok(())
 }
 
 /// `Read::data_complete`: `ReadDone` comes once the data has landed, with nothing to wait on;
