@@ -375,6 +375,21 @@ fn efa_both(provider: &str) -> ContextBuilder {
 pair_suite!(efa_tcp_efa, "efa", "efa", || efa_both("tcp;ofi_rxm"));
 #[cfg(feature = "efa")]
 pair_suite!(efa_shm_efa, "efa", "efa", || efa_both("shm"));
+// The efa channel on every domain of tcp;ofi_rxm (`lo` and `eth0` on the development VM):
+// tensors over 64 KiB striped over the domains both sides have (tests/efa_domains.rs checks
+// that each domain carries its share).
+#[cfg(feature = "efa")]
+pair_suite!(efa_tcp_efa_domains, "efa", "efa", || {
+    let t = actorpipe::actors::fabric::transport::Efa::new("tcp;ofi_rxm");
+    let c = actorpipe::channel::efa::Efa::over(&t)
+        .max_message(256 << 10)
+        .all_domains();
+    base()
+        .without("shm")
+        .transport(Arc::new(t))
+        .channel(Arc::new(c))
+        .only_channels(&["efa", "basic"])
+});
 transport_suite!(shm, "shm", || {
     base()
         .transport(Arc::new(Shm::new().with_capacity(RING)))
