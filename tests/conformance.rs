@@ -476,6 +476,21 @@ macro_rules! pair_suite {
 pair_suite!(ibv_rdma, "ibv", "ibv", || ibv_rdma(128));
 #[cfg(feature = "ibv")]
 pair_suite!(ibv_rdma_sq1, "ibv", "ibv", || ibv_rdma(1));
+// The channel on three simulated devices (sim0, sim1, sim2): large tensors striped over them.
+#[cfg(feature = "ibv")]
+pair_suite!(ibv_rdma_devices, "ibv", "ibv", || {
+    use actorpipe::channel::ibv::IbvChannel;
+    use actorpipe::transport::ibv::Ibv;
+    let ibv = Ibv::simulated()
+        .with_capacity(RING)
+        .auto_listen("ibv://127.0.0.1:0");
+    let further = vec![Ibv::simulated_device(1), Ibv::simulated_device(2)];
+    base()
+        .without("shm")
+        .transport(Arc::new(ibv.clone()))
+        .channel(Arc::new(IbvChannel::new(ibv).with_devices(further)))
+        .only_channels(&["ibv", "basic"])
+});
 // The same lanes with their loops on I/O threads of the context's pool (`io_threads`, off by
 // default), and more lanes than threads.
 channel_suite!(mpt_pool, "mpt", || base()

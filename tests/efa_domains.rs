@@ -227,43 +227,47 @@ mod domains {
     }
 }
 
-fn main() {
-    let args = Arguments::from_args();
-    let mut trials = Vec::new();
-    #[cfg(feature = "efa")]
-    {
-        type Case = fn();
-        let cases: [(&str, Case); 3] = [
-            (
-                "striped_over_every_domain",
-                domains::striped_over_every_domain,
-            ),
-            (
-                "one_sided_domains_use_the_common_one",
-                domains::one_sided_domains_use_the_common_one,
-            ),
-            (
-                "named_and_all_domains_agree",
-                domains::named_and_all_domains_agree,
-            ),
-        ];
-        let skip = domains::listed().err();
-        for (name, case) in cases {
+#[cfg(feature = "efa")]
+fn trials() -> Vec<Trial> {
+    type Case = fn();
+    let cases: [(&str, Case); 3] = [
+        (
+            "striped_over_every_domain",
+            domains::striped_over_every_domain,
+        ),
+        (
+            "one_sided_domains_use_the_common_one",
+            domains::one_sided_domains_use_the_common_one,
+        ),
+        (
+            "named_and_all_domains_agree",
+            domains::named_and_all_domains_agree,
+        ),
+    ];
+    let skip = domains::listed().err();
+    cases
+        .into_iter()
+        .map(|(name, case)| {
             let t = Trial::test(name, move || {
                 case();
                 Ok(())
             });
-            trials.push(match &skip {
+            match &skip {
                 Some(why) => t.with_ignored_flag(true).with_kind(why.clone()),
                 None => t,
-            });
-        }
-    }
-    #[cfg(not(feature = "efa"))]
-    trials.push(
-        Trial::test("efa_domains", || Ok(()))
-            .with_ignored_flag(true)
-            .with_kind("skipped: built without the `efa` feature"),
-    );
-    libtest_mimic::run(&args, trials).exit();
+            }
+        })
+        .collect()
+}
+
+#[cfg(not(feature = "efa"))]
+fn trials() -> Vec<Trial> {
+    vec![Trial::test("efa_domains", || Ok(()))
+        .with_ignored_flag(true)
+        .with_kind("skipped: built without the `efa` feature")]
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    libtest_mimic::run(&args, trials()).exit();
 }

@@ -147,7 +147,7 @@ struct Reading {
     n: u32,
     seq: u64,
     index: u32,
-    buffer: Vec<u8>,
+    buffer: Memory,
     lease: Option<Lease>,
 }
 
@@ -294,11 +294,16 @@ impl Rdma {
         self.match_requests();
     }
 
-    /// Receives a tensor of at least 32 bytes into `buffer`: registers it and asks the peer.
-    pub fn recv(&mut self, seq: u64, index: u32, mut buffer: Vec<u8>) {
+    /// Receives a tensor of at least 32 bytes into `buffer` (owned, or a region of a buffer
+    /// held elsewhere: a stripe): registers it and asks the peer.
+    pub fn recv(&mut self, seq: u64, index: u32, mut buffer: Memory) {
         if let Some(e) = &self.failed {
             let result = Err(e.clone());
-            return self.finish(false, seq, index, Memory::Owned(buffer), result);
+            return self.finish(false, seq, index, buffer, result);
+        }
+        if matches!(buffer, Memory::Shared(_)) {
+            let e = Error::protocol("receiving into shared, read-only bytes", &self.origin);
+            return self.finish(false, seq, index, buffer, Err(e));
         }
         if (buffer.len() as u64) < MIN_OP_BYTES {
             let e = Error::protocol(
@@ -308,23 +313,25 @@ impl Rdma {
                 ),
                 &self.origin,
             );
-            self.finish(false, seq, index, Memory::Owned(buffer), Err(e.clone()));
+            self.finish(false, seq, index, buffer, Err(e.clone()));
             return self.fail(e);
         }
-        // SAFETY: the buffer stays in `reading` (its heap block never moves) until the lease
-        // is dropped, which happens before the buffer is handed back.
-        let lease = match unsafe { self.caches.recv.lease(buffer.as_mut_ptr(), buffer.len()) } {
+        let base = buffer.base_ptr();
+        // SAFETY: the buffer stays in `reading` (an owned heap block never moves; a region's
+        // bytes stay with their holder until this one comes back) until the lease is dropped,
+        // which happens before the buffer is handed back.
+        let lease = match unsafe { self.caches.recv.lease(base, buffer.len()) } {
             Ok(l) => l,
             Err(e) => {
                 let e = verbs_error("registering a receive buffer", e, &self.origin);
-                self.finish(false, seq, index, Memory::Owned(buffer), Err(e.clone()));
+                self.finish(false, seq, index, buffer, Err(e.clone()));
                 return self.fail(e);
             }
         };
         self.unsent.push_back(Request {
             seq,
             index,
-            addr: buffer.as_ptr() as u64,
+            addr: base as u64,
             rkey: lease.mr.rkey(),
             len: buffer.len() as u64,
         });
@@ -504,13 +511,7 @@ impl Rdma {
             // The queue pair is in error (the peer can no longer write here) and the
             // registration goes before the buffer does.
             drop(r.lease.take());
-            self.finish(
-                false,
-                r.seq,
-                r.index,
-                Memory::Owned(r.buffer),
-                Err(e.clone()),
-            );
+            self.finish(false, r.seq, r.index, r.buffer, Err(e.clone()));
         }
     }
 
@@ -590,7 +591,7 @@ impl sendq::Progress for Rdma {
                 Some(r) if r.n == n => {
                     let mut r = self.reading.pop_front().expect("present");
                     drop(r.lease.take()); // deregistered before the user sees the buffer
-                    self.finish(false, r.seq, r.index, Memory::Owned(r.buffer), Ok(()));
+                    self.finish(false, r.seq, r.index, r.buffer, Ok(()));
                 }
                 _ => {
                     let e = Error::protocol(
