@@ -68,52 +68,20 @@ mod domains {
         v
     }
 
-    async fn check_efa(p: &Addr<Pipe>) {
-        let info = p.send(GetInfo).await.unwrap();
-        assert_eq!(info.transport, "efa");
-        assert!(
-            info.channels.iter().any(|c| c.name == "efa"),
-            "{:?}",
-            info.channels
-        );
-    }
-
     /// `n` messages of random shape (tensors from empty to 8 MiB), 8 writes in flight: each
-    /// arrives intact and in order; returns the tensor bytes sent. `tx` has made `before`
-    /// writes already.
-    async fn stream(tx: &Addr<Pipe>, rx: &Addr<Pipe>, n: u64, seed: u64, before: u64) -> u64 {
+    /// arrives intact and in order; returns the tensor bytes sent.
+    async fn stream(tx: &Addr<Pipe>, rx: &Addr<Pipe>, n: u64, seed: u64) -> u64 {
         const TENSORS: [usize; 8] = [0, 1, 4097, 65_536, 65_537, 300_001, 1 << 20, 8 << 20];
-        let (done_to, mut done) = inbox::<WriteDone>();
-        let mut total = 0;
-        let writer = async {
-            let mut rng = Rng(seed);
-            let mut next = 0;
-            for i in 0..n {
-                let payloads: Vec<usize> = (0..rng.below(2))
-                    .map(|_| rng.below(2000) as usize)
-                    .collect();
-                let tensors: Vec<usize> = (0..1 + rng.below(3))
-                    .map(|_| TENSORS[rng.below(TENSORS.len() as u64) as usize])
-                    .collect();
-                total += tensors.iter().sum::<usize>() as u64;
-                tx.do_send(
-                    Write::new(checked_message(i, &payloads, &tensors)).notify(done_to.clone()),
-                );
-                while i + 1 - next >= 8 || (i == n - 1 && next < n) {
-                    let d = done.recv().await.unwrap();
-                    assert_eq!(d.id, before + next, "write completions in order");
-                    d.result.expect("write");
-                    next += 1;
-                }
-            }
-        };
-        let reader = async {
-            for i in 0..n {
-                assert_eq!(verify(&read_one(rx).await.expect("read")), i);
-            }
-        };
-        tokio::join!(writer, reader);
-        total
+        random_stream(tx, rx, n, 8, seed, |rng| {
+            let payloads = (0..rng.below(2))
+                .map(|_| rng.below(2000) as usize)
+                .collect();
+            let tensors = (0..1 + rng.below(3))
+                .map(|_| TENSORS[rng.below(TENSORS.len() as u64) as usize])
+                .collect();
+            (payloads, tensors)
+        })
+        .await
     }
 
     /// Both peers on every domain: messages arrive intact and in order, and each domain's
@@ -124,8 +92,8 @@ mod domains {
             let (cb, ct) = context(Some(&[]));
             let (sb, st) = context(Some(&[]));
             let (tx, rx, _s) = pair(cb, sb).await;
-            check_efa(&tx).await;
-            check_efa(&rx).await;
+            check_backends(&tx, "efa", "efa").await;
+            check_backends(&rx, "efa", "efa").await;
             let (c0, s0) = (bytes(&ct, &names).await, bytes(&st, &names).await);
             // One 64 MiB tensor: stripes of 64 MiB / domains each.
             let big = 64 << 20;
@@ -149,7 +117,7 @@ mod domains {
             // Then random shapes, both directions at once.
             let (c2, s2) = (bytes(&ct, &names).await, bytes(&st, &names).await);
             let (sent, back) = within(240, "random shapes both ways", async {
-                tokio::join!(stream(&tx, &rx, 60, 5, 1), stream(&rx, &tx, 60, 6, 0))
+                tokio::join!(stream(&tx, &rx, 60, 5), stream(&rx, &tx, 60, 6))
             })
             .await;
             let (c3, s3) = (bytes(&ct, &names).await, bytes(&st, &names).await);
@@ -173,10 +141,10 @@ mod domains {
             let (cb, ct) = context(Some(&[]));
             let (sb, _st) = context(None);
             let (tx, rx, _s) = pair(cb, sb).await;
-            check_efa(&tx).await;
+            check_backends(&tx, "efa", "efa").await;
             let before = bytes(&ct, &names).await;
             let own = ct.domain_name().expect("domain");
-            within(120, "messages", stream(&tx, &rx, 20, 9, 0)).await;
+            within(120, "messages", stream(&tx, &rx, 20, 9)).await;
             let after = bytes(&ct, &names).await;
             for (i, d) in names.iter().enumerate() {
                 let moved = after[i] - before[i];
@@ -205,7 +173,7 @@ mod domains {
             let (cb, ct) = context(Some(&[]));
             let (sb, st) = context(Some(&other[..1]));
             let (tx, rx, _s) = pair(cb, sb).await;
-            check_efa(&tx).await;
+            check_backends(&tx, "efa", "efa").await;
             let (c0, s0) = (bytes(&ct, &names).await, bytes(&st, &names).await);
             let big = 16 << 20;
             tx.do_send(Write::new(checked_message(0, &[], &[big])));

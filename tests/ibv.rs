@@ -204,18 +204,22 @@ async fn the_writers_or_readers_channel_queue_pair_errors_mid_transfer() {
 /// the two read are `Ok`, every other write fails, in order, with its buffer; the reader's next
 /// read fails.
 async fn channel_qp_error_mid_transfer(which: usize) {
+    qp_error_mid_transfer_on(ibv_rdma, sim::queue_pairs, 4, which).await;
+}
+
+/// The same with the pipes `builder` makes: of the queue pairs `qps` lists that the pair adds
+/// (`count` of them), the `which`-th goes to error.
+async fn qp_error_mid_transfer_on(
+    builder: fn() -> ContextBuilder,
+    qps: fn() -> Vec<u32>,
+    count: usize,
+    which: usize,
+) {
     let _g = SERIAL.lock().await;
-    let before = sim::queue_pairs();
-    let (tx, rx, _s) = pair(ibv_rdma(), ibv_rdma()).await;
-    let ours: Vec<u32> = sim::queue_pairs()
-        .into_iter()
-        .filter(|q| !before.contains(q))
-        .collect();
-    assert_eq!(
-        ours.len(),
-        4,
-        "a transport and a channel queue pair per side"
-    );
+    let before = qps();
+    let (tx, rx, _s) = pair(builder(), builder()).await;
+    let ours: Vec<u32> = qps().into_iter().filter(|q| !before.contains(q)).collect();
+    assert_eq!(ours.len(), count, "new queue pairs");
     let (done_to, mut done) = inbox::<WriteDone>();
     for i in 0..6u64 {
         tx.do_send(Write::new(checked_message(i, &[], &[4 << 20])).notify(done_to.clone()));
@@ -313,38 +317,18 @@ fn ibv_rdma_on(further: &[usize]) -> ContextBuilder {
 /// Random shapes (tensors from 0 B to 6 MiB), 8 writes in flight, both directions at once:
 /// every message intact and in order, writes completing in order.
 async fn random_both_ways(tx: &actix::Addr<Pipe>, rx: &actix::Addr<Pipe>, n: u64) {
-    async fn one_way(tx: &actix::Addr<Pipe>, rx: &actix::Addr<Pipe>, n: u64, seed: u64) {
-        const TENSORS: [usize; 7] = [0, 31, 32, 65_537, 300_001, 1 << 20, 6 << 20];
-        let (done_to, mut done) = inbox::<WriteDone>();
-        let writer = async {
-            let mut rng = Rng(seed);
-            let mut next = 0;
-            // Write ids count the pipe's earlier writes too: the first completion gives the base.
-            let mut base = None;
-            for i in 0..n {
-                let tensors: Vec<usize> = (0..1 + rng.below(3))
-                    .map(|_| TENSORS[rng.below(TENSORS.len() as u64) as usize])
-                    .collect();
-                let m = checked_message(i, &[rng.below(500) as usize], &tensors);
-                tx.do_send(Write::new(m).notify(done_to.clone()));
-                while i + 1 - next >= 8 || (i == n - 1 && next < n) {
-                    let d = done.recv().await.unwrap();
-                    let base = *base.get_or_insert(d.id);
-                    assert_eq!(d.id - base, next, "write completions in order");
-                    d.result.expect("write");
-                    next += 1;
-                }
-            }
-        };
-        let reader = async {
-            for i in 0..n {
-                assert_eq!(verify(&read_one(rx).await.expect("read")), i);
-            }
-        };
-        tokio::join!(writer, reader);
-    }
+    const TENSORS: [usize; 7] = [0, 31, 32, 65_537, 300_001, 1 << 20, 6 << 20];
+    let shape = |rng: &mut Rng| {
+        let tensors = (0..1 + rng.below(3))
+            .map(|_| TENSORS[rng.below(TENSORS.len() as u64) as usize])
+            .collect();
+        (vec![rng.below(500) as usize], tensors)
+    };
     within(120, "random shapes both ways", async {
-        tokio::join!(one_way(tx, rx, n, 3), one_way(rx, tx, n, 4))
+        tokio::join!(
+            random_stream(tx, rx, n, 8, 3, shape),
+            random_stream(rx, tx, n, 8, 4, shape)
+        )
     })
     .await;
 }
@@ -404,37 +388,7 @@ async fn simulated_devices_the_peer_lacks_are_left_out() {
 #[actix::test]
 async fn a_further_simulated_devices_queue_pair_errors_mid_transfer() {
     for which in [0, 1] {
-        let _g = SERIAL.lock().await;
-        let before = sim::queue_pairs_of(16);
-        let (tx, rx, _s) = pair(ibv_rdma_on(&[16]), ibv_rdma_on(&[16])).await;
-        let ours: Vec<u32> = sim::queue_pairs_of(16)
-            .into_iter()
-            .filter(|q| !before.contains(q))
-            .collect();
-        assert_eq!(ours.len(), 2, "one further queue pair per side");
-        let (done_to, mut done) = inbox::<WriteDone>();
-        for i in 0..6u64 {
-            tx.do_send(Write::new(checked_message(i, &[], &[4 << 20])).notify(done_to.clone()));
-        }
-        for i in 0..2 {
-            assert_eq!(verify(&within(20, "read", read_one(&rx)).await.unwrap()), i);
-        }
-        assert!(sim::inject_error(ours[which]));
-        for i in 0..6 {
-            let d = within(20, "write completion", done.recv()).await.unwrap();
-            assert_eq!(d.id, i, "in order");
-            assert_eq!(d.message.tensors[0].buffer.len(), 4 << 20, "buffer back");
-            if i < 2 {
-                d.result.expect("read before the error");
-            } else {
-                let e = d.result.unwrap_err();
-                assert!(matches!(e.class(), "io" | "peer_closed" | "closed"), "{e}");
-            }
-        }
-        let e = within(20, "read after the error", read_one(&rx))
-            .await
-            .unwrap_err();
-        assert!(matches!(e.class(), "io" | "peer_closed" | "closed"), "{e}");
+        qp_error_mid_transfer_on(|| ibv_rdma_on(&[16]), || sim::queue_pairs_of(16), 2, which).await;
     }
 }
 

@@ -426,24 +426,6 @@ impl Channel {
         self.efa_move(sending, seq, index, buffer, ctx);
     }
 
-    fn hand_back(&self, sending: bool, seq: u64, index: u32, memory: Memory, r: Result<(), Error>) {
-        self.to_pipe(if sending {
-            Done::WroteTensor {
-                seq,
-                index,
-                memory,
-                result: r,
-            }
-        } else {
-            Done::Tensor {
-                seq,
-                index,
-                memory,
-                result: r,
-            }
-        });
-    }
-
     /// Posts a tensor's chunks, straight from or into its buffer, which stays in `held` until
     /// every chunk has ended: stripe `k` of mpt's plan on link `k`, chunked.
     fn efa_move(

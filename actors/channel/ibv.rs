@@ -185,7 +185,7 @@ impl Channel {
             .unwrap_or_default();
         let Some(first) = links.first() else {
             let e = self.misrouted();
-            return self.piece_back(sending, seq, index, buffer, Err(e));
+            return self.hand_back(sending, seq, index, buffer, Err(e));
         };
         let put = |link: &Mutex<Rdma>, memory: Memory| {
             let mut r = chan::lock(link);
@@ -214,32 +214,6 @@ impl Channel {
         }
     }
 
-    /// Hands a whole tensor back to the pipe.
-    fn piece_back(
-        &self,
-        sending: bool,
-        seq: u64,
-        index: u32,
-        memory: Memory,
-        r: Result<(), Error>,
-    ) {
-        let _ = self.reply.send(if sending {
-            Done::WroteTensor {
-                seq,
-                index,
-                memory,
-                result: r,
-            }
-        } else {
-            Done::Tensor {
-                seq,
-                index,
-                memory,
-                result: r,
-            }
-        });
-    }
-
     /// Fails the queue pairs (the channel is stopping): everything they hold comes back.
     pub(super) fn stop_ibv(&mut self, e: Error) {
         let Some(side) = self.ibv.as_mut() else {
@@ -251,7 +225,7 @@ impl Channel {
         }
         let waiting = std::mem::take(&mut side.waiting);
         for (sending, seq, index, buffer) in waiting {
-            self.piece_back(sending, seq, index, buffer, Err(e.clone()));
+            self.hand_back(sending, seq, index, buffer, Err(e.clone()));
         }
     }
 
@@ -299,7 +273,7 @@ impl Channel {
                 // A stripe (a region of the held tensor): the tensor goes back with the last.
                 self.piece_done(key, f.result);
             } else {
-                self.piece_back(f.sending, f.seq, f.index, f.buffer, f.result);
+                self.hand_back(f.sending, f.seq, f.index, f.buffer, f.result);
             }
         }
         self.maybe_stop(ctx);

@@ -432,6 +432,26 @@ impl Channel {
         );
     }
 
+    /// Hands a whole tensor back to the pipe: sent (`sending`) or received, with `r`.
+    #[cfg(any(feature = "efa", feature = "ibv"))]
+    fn hand_back(&self, sending: bool, seq: u64, index: u32, memory: Memory, r: Result<(), Error>) {
+        self.to_pipe(if sending {
+            Done::WroteTensor {
+                seq,
+                index,
+                memory,
+                result: r,
+            }
+        } else {
+            Done::Tensor {
+                seq,
+                index,
+                memory,
+                result: r,
+            }
+        });
+    }
+
     /// Holds a tensor's buffer while `out` operations over it run, then hands it back (now, if
     /// there are none).
     fn hold(&mut self, key: HeldKey, buffer: Memory, out: usize) {
