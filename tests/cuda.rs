@@ -38,8 +38,14 @@ fn main() {
     let skip = cuda::available().err();
     let gpus = cuda::device_count();
     let mut trials = Vec::new();
+    // One trial at a time: several check the GPU's free memory before and after, and one
+    // trial's allocations (or a child's mappings) would read as another's leak.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let mut add = |name: &'static str, need: u32, f: fn() -> Outcome| {
-        let t = Trial::test(name, f);
+        let t = Trial::test(name, move || {
+            let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+            f()
+        });
         trials.push(match (&skip, gpus < need) {
             (Some(why), _) => t
                 .with_ignored_flag(true)
@@ -54,6 +60,11 @@ fn main() {
     add("buffers_round_trip_through_host", 1, buffers_round_trip);
     add("pools_reuse_events_and_streams", 1, pools_reuse);
     add("completion_waits_block_and_order", 1, completion_waits);
+    add(
+        "stream_done_callbacks_follow_their_work_in_order",
+        1,
+        stream_done_callbacks,
+    );
     add("cudarc_slices_are_taken_without_copy", 1, cudarc_slices);
     add("ipc_handle_opens_in_another_process", 1, ipc_other_process);
     add("ipc_export_names_the_allocation", 1, ipc_export_offsets);
@@ -196,6 +207,52 @@ fn completion_waits() -> Outcome {
     done.wait().map_err(fail)?;
     if !done.is_complete().map_err(fail)? {
         return Err(fail("complete after a blocking wait"));
+    }
+    Ok(())
+}
+
+/// `on_stream_done` (the device's watcher): each callback runs once, in queue order on one
+/// stream; on two streams, an idle one's callback does not wait for the other's copies.
+fn stream_done_callbacks() -> Outcome {
+    use std::sync::mpsc;
+    let g = gpu0()?;
+    let len = 256 << 20;
+    let (src, _) = filled(0, 5, len)?;
+    let dst = CudaBuffer::alloc(0, len).map_err(fail)?;
+    // Fresh streams: a pooled one may still carry another trial's work.
+    let long = g.context().new_stream().map_err(fail)?;
+    let short = g.context().new_stream().map_err(fail)?;
+    let (tx, rx) = mpsc::channel();
+    for i in 0..8u32 {
+        // SAFETY: both buffers are `len` bytes of device 0 and live until the end.
+        unsafe { cuda::copy_async((dst.device_ptr(), &g), (src.device_ptr(), &g), len, &long) }
+            .map_err(fail)?;
+        let tx = tx.clone();
+        cuda::on_stream_done(&long, move || {
+            let _ = tx.send(("long", i));
+        })
+        .map_err(fail)?;
+    }
+    let tx2 = tx.clone();
+    cuda::on_stream_done(&short, move || {
+        let _ = tx2.send(("short", 0));
+    })
+    .map_err(fail)?;
+    drop(tx);
+    let got: Vec<_> = rx.iter().collect();
+    if got.len() != 9 {
+        return Err(fail(format!("{} callbacks ran, not 9", got.len())));
+    }
+    let longs: Vec<u32> = got.iter().filter(|c| c.0 == "long").map(|c| c.1).collect();
+    if longs != (0..8).collect::<Vec<_>>() {
+        return Err(fail(format!(
+            "callbacks of one stream out of order: {longs:?}"
+        )));
+    }
+    if got.last().map(|c| c.0) == Some("short") {
+        return Err(fail(
+            "the idle stream's callback waited for 2 GiB of copies on another stream",
+        ));
     }
     Ok(())
 }

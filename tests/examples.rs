@@ -216,10 +216,11 @@ fn connect_burst_dials_at_once_and_checks_every_pipe() {
 /// real.
 #[test]
 fn bench_cuda_channels_run_or_say_why_not() {
-    let run = |backend: &str| {
+    let run_with = |backend: &str, extra: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_actorpipe"))
             .args(["bench", "channel", "--backend", backend])
             .args(["--sizes", "4K,5M", "--iters", "3", "--rounds", "1"])
+            .args(extra)
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr).to_string();
@@ -229,8 +230,15 @@ fn bench_cuda_channels_run_or_say_why_not() {
             String::from_utf8_lossy(&out.stdout).to_string(),
         )
     };
+    let run = |backend: &str| run_with(backend, &[]);
     let (code, err, _) = run("cuda_gdr");
     assert_eq!(code, Some(2), "{err}");
+    #[cfg(feature = "cuda")]
+    {
+        let (code, err, _) = run_with("cuda_ipc", &["--spin", "20"]);
+        assert_eq!(code, Some(2), "--spin without shm: {err}");
+        assert!(err.contains("--transport shm"), "{err}");
+    }
     for backend in ["cuda_xth", "cuda_ipc", "cuda_basic"] {
         let (code, err, out) = run(backend);
         #[cfg(not(feature = "cuda"))]
@@ -252,6 +260,15 @@ fn bench_cuda_channels_run_or_say_why_not() {
                 assert_eq!(code, Some(0), "{err}");
                 assert!(out.contains(&format!("{backend} (cuda->cuda)")), "{out}");
                 assert!(out.contains("| size | pipe p50"), "{out}");
+                match backend {
+                    "cuda_ipc" => assert!(out.contains("raw 2-proc p50"), "{out}"),
+                    "cuda_basic" => assert!(out.contains("cpu channel p50"), "{out}"),
+                    _ => {}
+                }
+                // The control stream over shm, spinning.
+                let (code, err, out) = run_with(backend, &["--transport", "shm", "--spin", "20"]);
+                assert_eq!(code, Some(0), "{err}");
+                assert!(out.contains("control:  shm, spinning 20 us"), "{out}");
             }
         }
     }

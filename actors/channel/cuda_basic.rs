@@ -4,7 +4,7 @@
 //!
 //! - **Sending.** A device tensor is copied device-to-host in chunks of [`CHUNK`] bytes into
 //!   pinned buffers, on a stream of the channel's per device that first waits on the tensor's
-//!   ready event (no CPU wait); each landed chunk (a host function tells this actor) is written
+//!   ready event (no CPU wait); each landed chunk (a watcher callback tells this actor) is written
 //!   on the connection, in tensor and chunk order whatever order they land in, while the next
 //!   chunks copy. A host tensor (cpu->cuda) is written as it is. At most [`DEPTH`] chunks are
 //!   staged or being written at once; a pinned buffer goes back to the pool when its write
@@ -12,7 +12,7 @@
 //! - **Receiving.** Chunks are read in order into pinned buffers (up to [`DEPTH`] at once) and
 //!   each is copied host-to-device on the destination's stream as soon as it is read; after the
 //!   last one the tensor completes with an event recorded on that stream (or, for a
-//!   data-complete read, once a host function after the last copy has run). Into host memory
+//!   data-complete read, once the last copy has run (a watcher callback)). Into host memory
 //!   (cuda->cpu) the bytes are read in place.
 //! - **Failures.** A lane error, or a copy that cannot be queued, fails the channel: its
 //!   connection is shut, nothing more is issued, and every tensor completes with the error once
@@ -77,7 +77,7 @@ pub(crate) struct BasicSide {
     reading: VecDeque<(u64, u32, usize, Option<PinnedBuf>)>,
     /// Pinned buffers being read into or copied host-to-device.
     in_chunks: usize,
-    /// Copies and host functions queued whose callback has not come back.
+    /// Copies queued whose watcher callback has not come back.
     callbacks: usize,
     streams: Vec<(u32, StreamLease)>,
     failed: Option<Error>,

@@ -12,7 +12,7 @@
 //! - **Receiving.** The channel opens the handles through the cache of the landing device,
 //!   queues the copy on the destination's stream after the ready event, and completes the
 //!   tensor at once with the event recorded after the copy (or, for a data-complete read, once
-//!   the copy has run). A host function queued after the copy tells this actor it has run; the
+//!   the copy has run). A watcher callback queued after the copy tells this actor it has run; the
 //!   actor then acknowledges the tensor on the side connection.
 //! - **Closing.** A stopping channel waits for its copies to run and half-closes its side of the
 //!   connection; the tensors it sent go back when the peer acknowledges or hangs up (or after a
@@ -32,7 +32,7 @@ pub(crate) struct IpcSide {
     caches: Arc<IpcCaches>,
     /// Tensors sent, waiting for the receiver's acknowledgement.
     sent: HashMap<(u64, u32), (Buffer, Outgoing)>,
-    /// Copies queued whose host function has not run yet, with the completion of a
+    /// Copies queued whose watcher callback has not run yet, with the completion of a
     /// data-complete read (posted once the copy has run).
     copying: HashMap<(u64, u32), Option<CudaDone>>,
     /// Acknowledgements that came before the pipe's hand-off of their tensor reached this actor
@@ -65,7 +65,7 @@ impl IpcSide {
     }
 }
 
-/// A copy from a peer's memory has run (posted by its host function).
+/// A copy from a peer's memory has run (posted by its watcher callback).
 struct IpcCopied {
     seq: u64,
     index: u32,

@@ -5,8 +5,8 @@
 //! the receiver parks its destination and stream. Whichever arrives second queues one copy on the
 //! receiver's stream after the ready event and records the receiver's completion event. The
 //! receiver's tensor completes as soon as the copy is enqueued, with that event (or, for a
-//! [`Read::data_complete`](crate::Read::data_complete) read, once a host function queued after
-//! the copy has run); the sender's once the copy has run (a host function on the receiver's
+//! [`Read::data_complete`](crate::Read::data_complete) read, once a watcher callback queued after
+//! the copy has run); the sender's once the copy has run (a watcher callback on the receiver's
 //! stream). Completions come back here first, so the channel knows what is still parked when its
 //! pipe closes, then go on to the pipe's CUDA completion queue.
 
@@ -71,8 +71,8 @@ impl Message for RecvCuda {
     type Result = ();
 }
 
-/// Posts a completion from wherever it happens (a driver thread running a host function
-/// included). A host function must not call the CUDA API, and dropping a buffer can (`cuMemFree`):
+/// Posts a completion from wherever it happens (the device's watcher thread included). A
+/// watcher callback must not call the CUDA API, and dropping a buffer can (`cuMemFree`):
 /// if nobody takes the completion any more, it is dropped on a thread of its own.
 fn post(tx: &CudaReply, d: CudaDone) {
     if let Err(mpsc::error::SendError(d)) = tx.send(d) {
@@ -80,7 +80,7 @@ fn post(tx: &CudaReply, d: CudaDone) {
     }
 }
 
-/// Posts `d` once the work queued on `stream` so far has run (a host function queued after
+/// Posts `d` once the work queued on `stream` so far has run (a watcher callback queued after
 /// it); if the function cannot be queued, posts `d` at once with that error instead.
 pub(super) fn post_when_done(stream: &CudaStream, tx: &CudaReply, d: CudaDone) {
     let slot = Arc::new(Mutex::new(Some(d)));
@@ -276,7 +276,7 @@ impl Channel {
             };
             match (r, on) {
                 (Ok(Some(ev)), Some(stream)) if data_complete => {
-                    // Completes once the copy has run: a host function after it on the same
+                    // Completes once the copy has run: a watcher callback after it on the same
                     // stream. The event is not needed.
                     drop(ev);
                     post_when_done(&stream, &tx, done(None, Ok(())));

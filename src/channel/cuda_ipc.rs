@@ -15,8 +15,8 @@
 //!    event handle.
 //! 2. The receiving stream waits on the ready event (`cuStreamWaitEvent`), then copies from the
 //!    mapping on the GPU; the receiver records its completion event after the copy.
-//! 3. A host function queued after the copy (`cuLaunchHostFunc`) acknowledges the tensor to the
-//!    sender once the copy has run: only then does the sender hand the buffer back. Neither side
+//! 3. A callback of the device's watcher ([`crate::cuda::on_stream_done`]) acknowledges the
+//!    tensor to the sender once the copy has run: only then does the sender hand the buffer back. Neither side
 //!    blocks its CPU on the GPU.
 //!
 //! Memory that cannot be exported (the stream-ordered allocator's pools, which cudarc uses where

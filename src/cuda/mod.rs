@@ -24,6 +24,7 @@ mod device;
 pub mod ipc;
 mod pinned;
 mod pool;
+mod watch;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -86,6 +87,9 @@ pub struct Gpu {
     streams: Mutex<Vec<Arc<CudaStream>>>,
     events: Mutex<Vec<pool::IdleEvent>>,
     ipc_events: Mutex<Vec<pool::IdleEvent>>,
+    blocking_events: Mutex<Vec<pool::IdleEvent>>,
+    /// The thread that runs [`on_stream_done`]'s callbacks, started on first use.
+    watcher: OnceLock<watch::Watcher>,
     /// The stream [`CudaBuffer::alloc`] puts on buffers it allocates.
     alloc_stream: OnceLock<Arc<CudaStream>>,
 }
@@ -127,6 +131,8 @@ pub fn gpu(ordinal: u32) -> crate::Result<Arc<Gpu>> {
         streams: Mutex::new(Vec::new()),
         events: Mutex::new(Vec::new()),
         ipc_events: Mutex::new(Vec::new()),
+        blocking_events: Mutex::new(Vec::new()),
+        watcher: OnceLock::new(),
         alloc_stream: OnceLock::new(),
     });
     map.insert(ordinal, g.clone());
@@ -245,32 +251,14 @@ pub unsafe fn copy_async(
     }
 }
 
-/// Runs `f` on a driver thread once the work queued on `stream` so far has completed, without
-/// blocking the caller (`cuLaunchHostFunc`). `f` must not call the CUDA API; sending on a
-/// channel is what it is for. If the stream fails, the driver may never run `f`: it is then
-/// leaked with its captures, which is why it should hold little.
+/// Runs `f` once the work queued on `stream` so far has completed, without blocking the caller
+/// or the stream: a pooled event is recorded on `stream` and the device's watcher thread runs `f`
+/// when it completes (`watch.rs` says why not `cuLaunchHostFunc`). `f` must be short and must not
+/// call the CUDA API; sending on a channel is what it is for. If the stream's context fails, `f`
+/// still runs (the failure surfaces in the work's own completion).
 pub fn on_stream_done(stream: &CudaStream, f: impl FnOnce() + Send + 'static) -> crate::Result<()> {
-    type Job = Box<dyn FnOnce() + Send>;
-    unsafe extern "C" fn run(data: *mut std::ffi::c_void) {
-        // SAFETY: `data` is the `Box<Job>` leaked below, run exactly once by the driver.
-        let job = unsafe { Box::from_raw(data.cast::<Job>()) };
-        // A panic must not unwind into the driver.
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
-    }
-    let job: Box<Job> = Box::new(Box::new(f));
-    let data = Box::into_raw(job).cast::<std::ffi::c_void>();
-    stream
-        .context()
-        .bind_to_thread()
-        .map_err(|e| driver_error("cuCtxSetCurrent", e))?;
-    // SAFETY: `run` matches the host-function signature and takes ownership of `data` once.
-    let r = unsafe { sys::cuLaunchHostFunc(stream.cu_stream(), Some(run), data) };
-    if r != sys::CUresult::CUDA_SUCCESS {
-        // Not enqueued: the driver will never call `run`, so take the job back.
-        // SAFETY: `data` came from `Box::into_raw` above and was not handed over.
-        drop(unsafe { Box::from_raw(data.cast::<Job>()) });
-    }
-    check("cuLaunchHostFunc", r)
+    let ordinal = u32::try_from(stream.context().ordinal()).unwrap_or(u32::MAX);
+    watch::after(&gpu(ordinal)?, stream, f)
 }
 
 #[cfg(test)]

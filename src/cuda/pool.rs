@@ -17,12 +17,24 @@ pub(crate) struct IdleEvent(sys::CUevent);
 // SAFETY: an idle event is a driver handle nobody uses until it leaves the pool.
 unsafe impl Send for IdleEvent {}
 
+/// The three kinds of pooled event (each kind has its own pool).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Timing disabled.
+    Plain,
+    /// Timing disabled, interprocess.
+    Ipc,
+    /// Timing disabled, blocking sync: a thread that synchronizes on it sleeps instead of
+    /// spinning (what the device's watcher waits on, [`super::watch`]).
+    Blocking,
+}
+
 /// A CUDA event from a device's pool (timing disabled; interprocess when asked for). It goes
 /// back to the pool when dropped.
 pub struct Event {
     raw: sys::CUevent,
     gpu: Arc<Gpu>,
-    ipc: bool,
+    kind: Kind,
 }
 
 // SAFETY: a CUevent is a driver handle usable from any thread once its context is current, which
@@ -49,16 +61,35 @@ impl Gpu {
     /// An event from this device's pool (created if the pool is empty). `ipc` asks for an
     /// interprocess event, whose handle another process can open ([`super::ipc::export_event`]).
     pub fn event(self: &Arc<Self>, ipc: bool) -> crate::Result<Event> {
-        let pool = if ipc { &self.ipc_events } else { &self.events };
-        let reused = pool.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        self.event_of(if ipc { Kind::Ipc } else { Kind::Plain })
+    }
+
+    /// The pool of events of `kind`.
+    fn event_pool(&self, kind: Kind) -> &std::sync::Mutex<Vec<IdleEvent>> {
+        match kind {
+            Kind::Plain => &self.events,
+            Kind::Ipc => &self.ipc_events,
+            Kind::Blocking => &self.blocking_events,
+        }
+    }
+
+    /// An event of `kind` from its pool (created if the pool is empty).
+    pub(crate) fn event_of(self: &Arc<Self>, kind: Kind) -> crate::Result<Event> {
+        let reused = self
+            .event_pool(kind)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop();
         let raw = match reused {
             Some(IdleEvent(raw)) => raw,
             None => {
                 self.bind()?;
                 let mut flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-                if ipc {
-                    flags |= sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32;
-                }
+                flags |= match kind {
+                    Kind::Plain => 0,
+                    Kind::Ipc => sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32,
+                    Kind::Blocking => sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32,
+                };
                 let mut raw = std::ptr::null_mut();
                 // SAFETY: the context is current; the call writes `raw`.
                 check("cuEventCreate", unsafe {
@@ -71,7 +102,7 @@ impl Gpu {
         Ok(Event {
             raw,
             gpu: self.clone(),
-            ipc,
+            kind,
         })
     }
 
@@ -116,7 +147,7 @@ impl Event {
 
     /// Whether it is an interprocess event.
     pub fn is_ipc(&self) -> bool {
-        self.ipc
+        self.kind == Kind::Ipc
     }
 
     /// Captures the work queued on `stream` so far (a stream of this event's device).
@@ -163,12 +194,11 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        let pool = if self.ipc {
-            &self.gpu.ipc_events
-        } else {
-            &self.gpu.events
-        };
-        let mut pool = pool.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pool = self
+            .gpu
+            .event_pool(self.kind)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         if pool.len() < EVENTS_KEPT {
             pool.push(IdleEvent(self.raw));
         } else {

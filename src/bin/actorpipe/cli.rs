@@ -48,8 +48,10 @@ pub enum BenchCommand {
     /// its run has both sides in this process (two contexts on two threads). ibv-sim (feature
     /// ibv) is the ibv channel over the ibv transport on the SIMULATED device, both sides in this
     /// process: it measures the code's own overhead, not an HCA. cuda_xth and cuda_ipc (feature
-    /// cuda) echo one CUDA tensor on GPU 0, next to the driver's device-to-device copy there and
-    /// back; cuda_ipc's echo runs in a second process (cuda_basic is not carried yet).
+    /// cuda) echo one CUDA tensor (on --device), next to the driver's copy of the same path, over
+    /// --transport tcp (default) or shm (with --spin); cuda_ipc's echo runs in a second process
+    /// and also gets a raw cross-process baseline; cuda_basic's rows add a host tensor through
+    /// the same pipes (the CPU channel under it).
     Channel(RunArgs),
     /// A message with 1 payload of 64 B and 1 tensor of each size, echoed back, through what the
     /// two contexts negotiate.
@@ -169,6 +171,12 @@ pub struct RunArgs {
     /// to measure what they cost.
     #[arg(long)]
     pub no_keepalive: bool,
+
+    /// cuda_* channels only: the GPU of the sent tensor and the GPU the echoing side lands it
+    /// on (`--device 0,1`: across two GPUs, next to the driver's peer copy). One ordinal: both
+    /// sides on it. [default: 0]
+    #[arg(long, value_name = "GPU[,GPU]", value_delimiter = ',', num_args = 1..=2)]
+    pub device: Vec<u32>,
 
     /// Print the results as JSON on stdout (no progress bar).
     #[arg(long)]

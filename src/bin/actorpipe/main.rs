@@ -76,6 +76,9 @@ fn bench_command(what: BenchCommand) -> Result<(), Failure> {
             "the cuda_* channels need a build with --features cuda",
         ));
     }
+    if !args.device.is_empty() {
+        return Err(failure::bad("--device is for the cuda_* channels"));
+    }
     if scaling::wanted(kind, &args) {
         return scaling::run(&args);
     }
