@@ -186,7 +186,7 @@ impl Default for ContextBuilder {
             // Offered only where its provider runs (efa, or ACTORPIPE_EFA_PROVIDER).
             let efa = crate::actors::fabric::transport::Efa::from_env();
             if efa.viable().is_ok() {
-                let channel = crate::channel::efa::Efa::over(&efa);
+                let channel = crate::channel::efa::Efa::over(&efa).domains_from_env();
                 b = b.transport(Arc::new(efa)).channel(Arc::new(channel));
             }
         }
@@ -371,6 +371,21 @@ impl ContextBuilder {
     pub fn efa(self, provider: &str) -> Self {
         let t = crate::actors::fabric::transport::Efa::new(provider);
         let c = crate::channel::efa::Efa::over(&t);
+        self.transport(Arc::new(t)).channel(Arc::new(c))
+    }
+
+    /// [`Self::efa`], with the `efa` channel also on these domains of the provider (empty: every
+    /// domain it lists here): large tensors are striped over the domains both peers reach (one
+    /// shared endpoint per domain). See docs/efa.md, "Several domains".
+    #[cfg(feature = "efa")]
+    pub fn efa_domains(self, provider: &str, domains: &[&str]) -> Self {
+        let t = crate::actors::fabric::transport::Efa::new(provider);
+        let c = crate::channel::efa::Efa::over(&t);
+        let c = if domains.is_empty() {
+            c.all_domains()
+        } else {
+            c.domains(domains)
+        };
         self.transport(Arc::new(t)).channel(Arc::new(c))
     }
 

@@ -68,6 +68,9 @@ pub const EFA_COMPLETIONS: &str = "actorpipe_efa_completions_total";
 pub const EFA_ERRORS: &str = "actorpipe_efa_errors_total";
 /// Operations waiting in an endpoint's `-FI_EAGAIN` backlog, by provider (gauge; feature `efa`).
 pub const EFA_BACKLOG: &str = "actorpipe_efa_backlog_operations";
+/// Bytes moved by successful libfabric operations (sends and receives), by provider and domain
+/// (counter; feature `efa`): a channel striped over domains shows on each.
+pub const EFA_BYTES: &str = "actorpipe_efa_bytes_total";
 
 /// Histogram buckets for operation latencies: 1 µs to 10 s.
 pub const LATENCY_BUCKETS: [f64; 22] = [
@@ -117,6 +120,10 @@ fn describe() {
     describe_counter!(EFA_COMPLETIONS, "libfabric completions read.");
     describe_counter!(EFA_ERRORS, "libfabric failed posts and error completions.");
     describe_gauge!(EFA_BACKLOG, "Operations in libfabric -FI_EAGAIN backlogs.");
+    describe_counter!(
+        EFA_BYTES,
+        "Bytes moved by libfabric operations, by provider and domain."
+    );
 }
 
 struct Exporter {

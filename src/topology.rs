@@ -174,6 +174,29 @@ impl Topology {
         v.sort_by(|a, b| a.1.cmp(&b.1).then_with(|| a.0.cmp(&b.0)));
         v
     }
+
+    /// The NICs for the GPU at PCI address `gpu`, in the order a channel should use them
+    /// (its first device, then further ones to stripe over): the GPU's own NIC by [`assign`]
+    /// (so GPUs spread over the NICs), then the other NICs of its root complex, nearest first
+    /// (a NIC across the root complexes would send the GPU's bytes over the CPUs'
+    /// interconnect), at most `max` in all. Empty for an unknown GPU or no NIC.
+    pub fn nics_for_gpu(&self, gpu: &str, max: usize) -> Vec<String> {
+        let Some(dev) = self.devices.get(gpu) else {
+            return Vec::new();
+        };
+        let own = self
+            .gpu_nics()
+            .into_iter()
+            .find(|(g, _)| g == gpu)
+            .map(|(_, n)| n);
+        let rest: Vec<String> = self
+            .nics_by_distance(dev)
+            .into_iter()
+            .filter(|(n, d)| *d < CROSS_ROOT && Some(n) != own.as_ref())
+            .map(|(n, _)| n)
+            .collect();
+        own.into_iter().chain(rest).take(max).collect()
+    }
 }
 
 impl Topology {

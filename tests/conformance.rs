@@ -375,6 +375,21 @@ fn efa_both(provider: &str) -> ContextBuilder {
 pair_suite!(efa_tcp_efa, "efa", "efa", || efa_both("tcp;ofi_rxm"));
 #[cfg(feature = "efa")]
 pair_suite!(efa_shm_efa, "efa", "efa", || efa_both("shm"));
+// The efa channel on every domain of tcp;ofi_rxm (`lo` and `eth0` on the development VM):
+// tensors over 64 KiB striped over the domains both sides have (tests/efa_domains.rs checks
+// that each domain carries its share).
+#[cfg(feature = "efa")]
+pair_suite!(efa_tcp_efa_domains, "efa", "efa", || {
+    let t = actorpipe::actors::fabric::transport::Efa::new("tcp;ofi_rxm");
+    let c = actorpipe::channel::efa::Efa::over(&t)
+        .max_message(256 << 10)
+        .all_domains();
+    base()
+        .without("shm")
+        .transport(Arc::new(t))
+        .channel(Arc::new(c))
+        .only_channels(&["efa", "basic"])
+});
 transport_suite!(shm, "shm", || {
     base()
         .transport(Arc::new(Shm::new().with_capacity(RING)))
@@ -461,6 +476,21 @@ macro_rules! pair_suite {
 pair_suite!(ibv_rdma, "ibv", "ibv", || ibv_rdma(128));
 #[cfg(feature = "ibv")]
 pair_suite!(ibv_rdma_sq1, "ibv", "ibv", || ibv_rdma(1));
+// The channel on three simulated devices (sim0, sim1, sim2): large tensors striped over them.
+#[cfg(feature = "ibv")]
+pair_suite!(ibv_rdma_devices, "ibv", "ibv", || {
+    use actorpipe::channel::ibv::IbvChannel;
+    use actorpipe::transport::ibv::Ibv;
+    let ibv = Ibv::simulated()
+        .with_capacity(RING)
+        .auto_listen("ibv://127.0.0.1:0");
+    let further = vec![Ibv::simulated_device(1), Ibv::simulated_device(2)];
+    base()
+        .without("shm")
+        .transport(Arc::new(ibv.clone()))
+        .channel(Arc::new(IbvChannel::new(ibv).with_devices(further)))
+        .only_channels(&["ibv", "basic"])
+});
 // The same lanes with their loops on I/O threads of the context's pool (`io_threads`, off by
 // default), and more lanes than threads.
 channel_suite!(mpt_pool, "mpt", || base()

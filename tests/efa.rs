@@ -262,47 +262,20 @@ mod pipes {
         (b, t)
     }
 
-    async fn check_efa(p: &Addr<Pipe>) {
-        let info = p.send(GetInfo).await.unwrap();
-        assert_eq!(info.transport, "efa");
-        assert!(
-            info.channels.iter().any(|c| c.name == "efa"),
-            "{:?}",
-            info.channels
-        );
-    }
-
     /// `n` random-shape messages from `tx` to `rx`, up to `window` writes in flight: each
     /// arrives intact and in order, and writes complete in order.
     pub async fn stream(tx: &Addr<Pipe>, rx: &Addr<Pipe>, n: u64, window: u64, seed: u64) {
         const TENSORS: [usize; 7] = [0, 1, 31, 4096, 65_536, 65_537, 300_001];
-        let (done_to, mut done) = inbox::<WriteDone>();
-        let writer = async {
-            let mut rng = Rng(seed);
-            let mut next = 0;
-            for i in 0..n {
-                let payloads: Vec<usize> = (0..rng.below(3))
-                    .map(|_| rng.below(2000) as usize)
-                    .collect();
-                let tensors: Vec<usize> = (0..rng.below(4))
-                    .map(|_| TENSORS[rng.below(TENSORS.len() as u64) as usize])
-                    .collect();
-                let m = checked_message(i, &payloads, &tensors);
-                tx.do_send(Write::new(m).notify(done_to.clone()));
-                while i + 1 - next >= window || (i == n - 1 && next < n) {
-                    let d = done.recv().await.unwrap();
-                    assert_eq!(d.id, next, "write completions in order");
-                    d.result.expect("write");
-                    next += 1;
-                }
-            }
-        };
-        let reader = async {
-            for i in 0..n {
-                assert_eq!(verify(&read_one(rx).await.expect("read")), i);
-            }
-        };
-        tokio::join!(writer, reader);
+        random_stream(tx, rx, n, window, seed, |rng| {
+            let payloads = (0..rng.below(3))
+                .map(|_| rng.below(2000) as usize)
+                .collect();
+            let tensors = (0..rng.below(4))
+                .map(|_| TENSORS[rng.below(TENSORS.len() as u64) as usize])
+                .collect();
+            (payloads, tensors)
+        })
+        .await;
     }
 
     pub fn eagain_storm(provider: &str) {
@@ -317,7 +290,7 @@ mod pipes {
             };
             let b = || efa_context(provider, config);
             let (tx, rx, _s) = pair(b(), b()).await;
-            check_efa(&tx).await;
+            check_backends(&tx, "efa", "efa").await;
             within(240, "10 000 messages", stream(&tx, &rx, 10_000, 32, 7)).await;
         });
     }
@@ -338,7 +311,7 @@ mod pipes {
                     .unwrap()
                     .expect("connect");
                 let rx = server.next().await;
-                check_efa(&tx).await;
+                check_backends(&tx, "efa", "efa").await;
                 pairs.push((tx, rx));
             }
             let runs: Vec<_> = pairs
@@ -367,7 +340,7 @@ mod pipes {
             };
             let (client, t) = with_transport(provider, config);
             let (tx, rx, _s) = pair(client, efa_context(provider, config)).await;
-            check_efa(&tx).await;
+            check_backends(&tx, "efa", "efa").await;
             within(120, "registered messages", stream(&tx, &rx, 300, 8, 3)).await;
             let ep = t.endpoint_actor().expect("the client's endpoint");
             let stats = ep.send(FabricStats).await.unwrap();
@@ -406,7 +379,7 @@ mod pipes {
                 });
             });
             let victim = server.next().await;
-            check_efa(&victim).await;
+            check_backends(&victim, "efa", "efa").await;
             let survivor_client = efa_context(provider, config).start();
             let live_tx = survivor_client
                 .send(Connect::new(&server.url))

@@ -1,5 +1,5 @@
 //! The ibv transport and the ibv channel on the simulated device: negotiation, a queue pair that
-//! errors mid-transfer, peer death. (The conformance suite runs them too: `ibv_sim`,
+//! errors mid-transfer, peer death; the channel striped over several simulated devices. (The conformance suite runs them too: `ibv_sim`,
 //! `ibv_sim_sq1`, `ibv_rdma` and `ibv_rdma_sq1` in tests/conformance.rs.) Hardware runs are in
 //! tests/ibv_hw.rs.
 #![cfg(feature = "ibv")]
@@ -204,18 +204,22 @@ async fn the_writers_or_readers_channel_queue_pair_errors_mid_transfer() {
 /// the two read are `Ok`, every other write fails, in order, with its buffer; the reader's next
 /// read fails.
 async fn channel_qp_error_mid_transfer(which: usize) {
+    qp_error_mid_transfer_on(ibv_rdma, sim::queue_pairs, 4, which).await;
+}
+
+/// The same with the pipes `builder` makes: of the queue pairs `qps` lists that the pair adds
+/// (`count` of them), the `which`-th goes to error.
+async fn qp_error_mid_transfer_on(
+    builder: fn() -> ContextBuilder,
+    qps: fn() -> Vec<u32>,
+    count: usize,
+    which: usize,
+) {
     let _g = SERIAL.lock().await;
-    let before = sim::queue_pairs();
-    let (tx, rx, _s) = pair(ibv_rdma(), ibv_rdma()).await;
-    let ours: Vec<u32> = sim::queue_pairs()
-        .into_iter()
-        .filter(|q| !before.contains(q))
-        .collect();
-    assert_eq!(
-        ours.len(),
-        4,
-        "a transport and a channel queue pair per side"
-    );
+    let before = qps();
+    let (tx, rx, _s) = pair(builder(), builder()).await;
+    let ours: Vec<u32> = qps().into_iter().filter(|q| !before.contains(q)).collect();
+    assert_eq!(ours.len(), count, "new queue pairs");
     let (done_to, mut done) = inbox::<WriteDone>();
     for i in 0..6u64 {
         tx.do_send(Write::new(checked_message(i, &[], &[4 << 20])).notify(done_to.clone()));
@@ -290,4 +294,119 @@ async fn doomed_peer(
         .expect("connect");
     pipe.await.unwrap();
     (arbiter, tx)
+}
+
+// Several (simulated) devices: the ibv channel on sim0 plus further devices, large tensors
+// striped over the devices both peers have. Each test uses further device numbers of its own,
+// so that the per-device byte counters (`sim::bytes_moved`) see only its traffic.
+
+/// The ibv transport and channel on sim0, the channel also on `sim<further>`.
+fn ibv_rdma_on(further: &[usize]) -> ContextBuilder {
+    let ibv = Ibv::simulated()
+        .with_capacity(64 << 10)
+        .auto_listen("ibv://127.0.0.1:0");
+    let devices = further.iter().map(|&i| Ibv::simulated_device(i)).collect();
+    Context::builder()
+        .without("shm")
+        .transport(Arc::new(ibv.clone()))
+        .channel(Arc::new(IbvChannel::new(ibv).with_devices(devices)))
+        .only_channels(&["ibv", "basic"])
+        .chunk_size(64 << 10)
+}
+
+/// Random shapes (tensors from 0 B to 6 MiB), 8 writes in flight, both directions at once:
+/// every message intact and in order, writes completing in order.
+async fn random_both_ways(tx: &actix::Addr<Pipe>, rx: &actix::Addr<Pipe>, n: u64) {
+    const TENSORS: [usize; 7] = [0, 31, 32, 65_537, 300_001, 1 << 20, 6 << 20];
+    let shape = |rng: &mut Rng| {
+        let tensors = (0..1 + rng.below(3))
+            .map(|_| TENSORS[rng.below(TENSORS.len() as u64) as usize])
+            .collect();
+        (vec![rng.below(500) as usize], tensors)
+    };
+    within(120, "random shapes both ways", async {
+        tokio::join!(
+            random_stream(tx, rx, n, 8, 3, shape),
+            random_stream(rx, tx, n, 8, 4, shape)
+        )
+    })
+    .await;
+}
+
+#[actix::test]
+async fn simulated_devices_stripe_a_large_tensor_over_each() {
+    let _g = SERIAL.lock().await;
+    let further = [11, 12];
+    let (tx, rx, _s) = pair(ibv_rdma_on(&further), ibv_rdma_on(&further)).await;
+    assert_eq!(
+        tx.send(GetInfo).await.unwrap().channel_list(),
+        "ibv (cpu->cpu)"
+    );
+    let before: Vec<u64> = further.iter().map(|&d| sim::bytes_moved(d)).collect();
+    // 24 MiB over three devices: 8 MiB on each further one.
+    let big = 24 << 20;
+    let w = tx.send(Write::new(checked_message(0, &[], &[big])));
+    assert_eq!(verify(&within(30, "read", read_one(&rx)).await.unwrap()), 0);
+    w.await.unwrap().result.unwrap();
+    for (i, &d) in further.iter().enumerate() {
+        let moved = sim::bytes_moved(d) - before[i];
+        assert!(
+            moved >= big as u64 / 3,
+            "simulated device sim{d} moved {moved} bytes, expected its stripe of {}",
+            big / 3
+        );
+    }
+    random_both_ways(&tx, &rx, 40).await;
+}
+
+#[actix::test]
+async fn simulated_devices_the_peer_lacks_are_left_out() {
+    let _g = SERIAL.lock().await;
+    // The client has sim13 and sim14, the server only sim14: they pair sim13 (the client's
+    // first further device) with sim14 (the server's first), which reach each other (one
+    // simulated fabric); the client's sim14 finds no partner and moves nothing.
+    let (tx, rx, _s) = pair(ibv_rdma_on(&[13, 14]), ibv_rdma_on(&[14])).await;
+    let before = [sim::bytes_moved(13), sim::bytes_moved(14)];
+    let big = 16 << 20;
+    let w = tx.send(Write::new(checked_message(0, &[], &[big])));
+    assert_eq!(verify(&within(30, "read", read_one(&rx)).await.unwrap()), 0);
+    w.await.unwrap().result.unwrap();
+    // The client writes half on sim13 (its further link); the server's sim14 queue pair only
+    // sends requests (32 B each), so sim14 moved no tensor bytes.
+    assert!(sim::bytes_moved(13) - before[0] >= big as u64 / 2);
+    assert!(sim::bytes_moved(14) - before[1] < 4096);
+    // A peer with no further device: one link, nothing on the further one.
+    let (tx, rx, _s) = pair(ibv_rdma_on(&[15]), ibv_rdma()).await;
+    let before = sim::bytes_moved(15);
+    random_both_ways(&tx, &rx, 10).await;
+    assert_eq!(sim::bytes_moved(15), before, "sim15 has no partner");
+}
+
+/// Six writes of 4 MiB tensors striped over sim0 and sim16, two read, then one side's queue
+/// pair on the further device goes to error: the channel fails as a whole, every other write
+/// fails in order with its buffer, and the next read fails.
+#[actix::test]
+async fn a_further_simulated_devices_queue_pair_errors_mid_transfer() {
+    for which in [0, 1] {
+        qp_error_mid_transfer_on(|| ibv_rdma_on(&[16]), || sim::queue_pairs_of(16), 2, which).await;
+    }
+}
+
+#[actix::test]
+async fn peer_death_fails_striped_writes_in_order() {
+    let _g = SERIAL.lock().await;
+    let (arbiter, tx) = doomed_peer(|| ibv_rdma_on(&[17]), ibv_rdma_on(&[17])).await;
+    let (done_to, mut done) = inbox::<WriteDone>();
+    for i in 0..3u64 {
+        tx.do_send(Write::new(checked_message(i, &[], &[4 << 20])).notify(done_to.clone()));
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    arbiter.stop();
+    for i in 0..3 {
+        let d = within(20, "write completion", done.recv()).await.unwrap();
+        assert_eq!(d.id, i, "in order");
+        assert_eq!(d.message.tensors[0].buffer.len(), 4 << 20, "buffer back");
+        let e = d.result.unwrap_err();
+        assert!(matches!(e.class(), "peer_closed" | "io"), "{e}");
+    }
 }

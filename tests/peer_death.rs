@@ -161,6 +161,19 @@ const BACKENDS: &[Backend] = &[
                 .only_channels(&["efa", "basic"])
         },
     },
+    // The efa channel striped over every domain of tcp;ofi_rxm (lo and eth0 here).
+    #[cfg(feature = "efa")]
+    Backend {
+        name: "efa_tcp_efa_domains",
+        transport: "efa",
+        channel: "efa",
+        builder: || {
+            Context::builder()
+                .without("shm")
+                .efa_domains("tcp;ofi_rxm", &[])
+                .only_channels(&["efa", "basic"])
+        },
+    },
     #[cfg(feature = "efa")]
     Backend {
         name: "efa_shm_efa",
@@ -561,6 +574,12 @@ fn peer_killed_mid_transfer_efa_shm_basic() {
 #[test]
 fn peer_killed_mid_transfer_efa_tcp_efa() {
     survive("efa_tcp_efa", Death::Kill)
+}
+
+#[cfg(feature = "efa")]
+#[test]
+fn peer_killed_mid_transfer_efa_tcp_efa_domains() {
+    survive("efa_tcp_efa_domains", Death::Kill)
 }
 
 #[cfg(feature = "efa")]

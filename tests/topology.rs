@@ -142,3 +142,34 @@ fn the_gpu_machine_two_h200_no_rdma_nic() {
     assert_eq!(distance(gpus[0], net), 2);
     assert!(t.report().contains("net: gpu 0000:00:07.0 -> 0000:00:03.0"));
 }
+
+#[test]
+fn a_gpus_nics_for_striping_start_with_its_own_and_stay_on_its_root_complex() {
+    let tree = Tree::new("dgx1_v100_4nic");
+    let t = tree.topology();
+    let gpus: Vec<String> = t.gpus().iter().map(|g| g.address.clone()).collect();
+    // GPU 0: its switch's NIC, then the other NIC of its root complex; socket 1's are left out.
+    assert_eq!(t.nics_for_gpu(&gpus[0], 8), ["mlx5_0", "mlx5_1"]);
+    // GPU 3 shares mlx5_1's switch: that one first.
+    assert_eq!(t.nics_for_gpu(&gpus[3], 8), ["mlx5_1", "mlx5_0"]);
+    assert_eq!(t.nics_for_gpu(&gpus[7], 1), ["mlx5_3"]);
+    assert!(t.nics_for_gpu("0000:ff:00.0", 8).is_empty());
+
+    // Only the A100 tree's storage HCAs, on another root complex: each GPU gets the one
+    // `assign` spreads it to, and no second to stripe over.
+    let tree = Tree::new("dgx_a100_8nic");
+    let mut t = tree.topology();
+    let first = t.nics_for_gpu(&t.gpus()[0].address.clone(), 8);
+    assert_eq!(first[0], "mlx5_0");
+    assert_eq!(first.get(1).map(String::as_str), Some("mlx5_1"));
+    t.rdma
+        .retain(|name, _| name == "mlx5_8" || name == "mlx5_9");
+    let lists: Vec<Vec<String>> = t
+        .gpus()
+        .iter()
+        .map(|g| t.nics_for_gpu(&g.address, 8))
+        .collect();
+    assert!(lists.iter().all(|l| l.len() == 1), "{lists:?}");
+    let on_8 = lists.iter().filter(|l| l[0] == "mlx5_8").count();
+    assert_eq!(on_8, 4, "{lists:?}");
+}

@@ -5,24 +5,32 @@
 //! Set-up on the lane, both sides at once (neither waits for the other before writing):
 //!
 //! ```text
-//! Ack{seq: our chunk limit, tensor: address length, ok} + our endpoint address   ───►
-//!   (the peer's address goes into our AV: FabricAttach gives our pipe number)
-//! Ack{seq: our pipe number, tensor: 0, ok}                                       ───►
+//! Ack{seq: our chunk limit, tensor: list length, ok} + our domains' list        ───►
+//!   list: per domain (ours first), u16 length + fabric, u16 length + endpoint address
+//!   (both sides pair the lists: `pair_domains`; each pair is a link; the peer's address
+//!    of each link goes into that link's endpoint's AV: FabricAttach gives our pipe number)
+//! Ack{seq: our pipe number on link k, tensor: k, ok}, for each link k in order   ───►
 //! ```
 //!
-//! (Two `Ack` frames, so the wire format has no frame kind for this channel alone.) Tensors the
-//! pipe hands over before the set-up is done wait, in order. The lane then stays open with one
-//! read posted: its end, or a failed set-up, fails every pending operation in order
-//! (`FabricDetach`) and every later one at once.
+//! (`Ack` frames only, so the wire format has no frame kind for this channel alone.) Tensors
+//! the pipe hands over before the set-up is done wait, in order. The lane then stays open with
+//! one read posted: its end, or a failed set-up, fails every pending operation in order
+//! (`FabricDetach` on every link) and every later one at once.
+//!
+//! With several links, a tensor is cut into mpt's stripes (`channel::mpt::stripes`), stripe
+//! `k` on link `k`, each chunked at the agreed size; every link numbers its own chunks.
 
 use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
 
 use super::*;
 use crate::actors::fabric::{
     fabric_error, EndpointInfo, FabricAttach, FabricDescribe, FabricDetach, FabricEndpoint,
     FabricPostRegions, FabricQuarantine, RegionOp,
 };
-use crate::channel::efa::ChannelPort;
+use crate::channel::efa::{pair_domains, ChannelPort};
 use crate::fabric::engine::{Finished, Kind, Region};
 use crate::fabric::tag::{self, Stream as TagStream};
 use crate::message::Payload;
@@ -31,8 +39,11 @@ use actix::fut::wrap_future;
 /// The lane's index.
 const LANE: usize = 0;
 
-/// The longest endpoint address accepted from a peer.
-const MAX_NAME: u32 = 1024;
+/// The longest domain list accepted from a peer (bytes).
+const MAX_HELLO: u32 = 64 << 10;
+
+/// The most domains a list may name.
+const MAX_DOMAINS: usize = 64;
 
 /// Where the set-up stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,17 +62,14 @@ enum Step {
     Ready,
 }
 
-/// The channel's state on the fabric.
-pub(super) struct Fabric {
-    ep: Option<Addr<FabricEndpoint>>,
-    step: Step,
-    failed: Option<Error>,
-    chunk: usize,
-    name: Vec<u8>,
+/// One pair of endpoints (ours on one domain, the peer's on the same fabric) and the channel's
+/// pipe on it.
+struct Link {
+    ep: Addr<FabricEndpoint>,
+    /// The peer endpoint's address (until attached).
+    peer: Vec<u8>,
     pipe: Option<u32>,
     peer_pipe: u32,
-    /// Tensors handed over before the set-up finished: (sending, seq, index, buffer).
-    waiting: VecDeque<(bool, u64, u32, Memory)>,
     /// The tensor of each chunk posted, in post order (the endpoint ends them in that order).
     sends: VecDeque<HeldKey>,
     /// Same for receives, with the chunk's length.
@@ -70,33 +78,104 @@ pub(super) struct Fabric {
     recv_seq: u32,
 }
 
+/// The channel's state on the fabric.
+pub(super) struct Fabric {
+    /// Our endpoints: the transport's domain first, then the further ones.
+    eps: Vec<Addr<FabricEndpoint>>,
+    /// What each said of itself (`None`: not yet, or it stopped: left out).
+    infos: Vec<Option<EndpointInfo>>,
+    /// Descriptions still awaited.
+    describing: usize,
+    step: Step,
+    failed: Option<Error>,
+    chunk: usize,
+    /// The links, in stripe order (set once the peer's list is in).
+    links: Vec<Link>,
+    /// Attaches still out.
+    attaching: usize,
+    /// The next link whose peer pipe number is due.
+    next_peer: usize,
+    /// Tensors handed over before the set-up finished: (sending, seq, index, buffer).
+    waiting: VecDeque<(bool, u64, u32, Memory)>,
+}
+
 impl Fabric {
     pub(super) fn new(port: ChannelPort) -> Fabric {
-        let (ep, failed) = match port.endpoint {
-            Ok(ep) => (Some(ep), None),
-            Err(e) => (None, Some(e)),
+        let (eps, failed) = match port.endpoint {
+            Ok(ep) => (std::iter::once(ep).chain(port.extra).collect(), None),
+            Err(e) => (Vec::new(), Some(e)),
         };
         Fabric {
-            ep,
+            infos: vec![None; eps.len()],
+            eps,
+            describing: 0,
             step: Step::Describing,
             failed,
             chunk: port.max_message.max(1),
-            name: Vec::new(),
-            pipe: None,
-            peer_pipe: 0,
+            links: Vec::new(),
+            attaching: 0,
+            next_peer: 0,
             waiting: VecDeque::new(),
-            sends: VecDeque::new(),
-            recvs: VecDeque::new(),
-            send_seq: 0,
-            recv_seq: 0,
         }
     }
 
     /// Whether the actor must stay for the fabric's sake (an attach is under way: its pipe
     /// must be detached once it comes back).
     pub(super) fn busy(&self) -> bool {
-        self.step == Step::Attaching
+        self.attaching > 0
     }
+}
+
+/// A link's ends, tagged with the link (pipe numbers of different endpoints may be equal).
+struct LinkEnds {
+    link: usize,
+    rx: mpsc::UnboundedReceiver<Finished>,
+}
+
+/// One op's end on a link.
+pub(super) struct LinkEnd(usize, Finished);
+
+impl futures_core::Stream for LinkEnds {
+    type Item = LinkEnd;
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<Option<LinkEnd>> {
+        let link = self.link;
+        self.rx.poll_recv(cx).map(|f| f.map(|f| LinkEnd(link, f)))
+    }
+}
+
+/// Our domains' list for the hello: per domain, its fabric and endpoint address.
+fn encode_domains(infos: &[&EndpointInfo]) -> Vec<u8> {
+    let mut b = Vec::new();
+    for i in infos {
+        for part in [i.attributes.fabric.as_bytes(), &i.name] {
+            b.extend_from_slice(&(part.len() as u16).to_le_bytes());
+            b.extend_from_slice(part);
+        }
+    }
+    b
+}
+
+/// The peer's list: (fabric, endpoint address) per domain; `None` if malformed.
+fn decode_domains(mut b: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
+    let take = |b: &mut &[u8]| -> Option<Vec<u8>> {
+        let n = u16::from_le_bytes(b.get(..2)?.try_into().ok()?) as usize;
+        let v = b.get(2..2 + n)?.to_vec();
+        *b = &b[2 + n..];
+        Some(v)
+    };
+    let mut out = Vec::new();
+    while !b.is_empty() {
+        let fabric = String::from_utf8(take(&mut b)?).ok()?;
+        let name = take(&mut b)?;
+        if name.is_empty() || out.len() == MAX_DOMAINS {
+            return None;
+        }
+        out.push((fabric, name));
+    }
+    (!out.is_empty()).then_some(out)
 }
 
 impl Channel {
@@ -106,33 +185,55 @@ impl Channel {
             .expect("an efa channel has its fabric state")
     }
 
-    /// Starts the set-up (from `started`).
+    /// Starts the set-up (from `started`): every endpoint describes itself.
     pub(super) fn efa_start(&mut self, ctx: &mut Context<Self>) {
-        let Some(ep) = self.fabric().ep.clone() else {
-            return;
-        };
-        let ask = ep.send(FabricDescribe);
-        ctx.spawn(wrap_future::<_, Self>(ask).map(|r, act, ctx| match r {
-            Ok(info) => act.efa_described(info),
-            Err(_) => act.efa_fail(gone(&act.origin), ctx),
-        }));
+        let eps = self.fabric().eps.clone();
+        self.fabric().describing = eps.len();
+        for (i, ep) in eps.into_iter().enumerate() {
+            let ask = ep.send(FabricDescribe);
+            ctx.spawn(wrap_future::<_, Self>(ask).map(move |r, act, ctx| {
+                let f = act.fabric();
+                f.describing -= 1;
+                match r {
+                    Ok(info) => f.infos[i] = Some(info),
+                    // The transport's own endpoint is needed; a further one is left out.
+                    Err(_) if i == 0 => return act.efa_fail(gone(&act.origin), ctx),
+                    Err(_) => {}
+                }
+                if act.fabric().describing == 0 {
+                    act.efa_described();
+                }
+            }));
+        }
     }
 
-    fn efa_described(&mut self, info: EndpointInfo) {
-        let max = usize::try_from(info.attributes.max_msg_size).unwrap_or(usize::MAX);
+    /// Every endpoint has answered: our hello goes out.
+    fn efa_described(&mut self) {
         let f = self.fabric();
         if f.failed.is_some() {
             return;
         }
-        f.chunk = f.chunk.min(max).max(1);
-        f.name = info.name.clone();
+        // Endpoints that stopped before answering are left out (the first cannot be).
+        let mut kept = Vec::new();
+        let mut infos = Vec::new();
+        for (ep, info) in f.eps.drain(..).zip(f.infos.drain(..)) {
+            if let Some(info) = info {
+                let max = usize::try_from(info.attributes.max_msg_size).unwrap_or(usize::MAX);
+                f.chunk = f.chunk.min(max).max(1);
+                kept.push(ep);
+                infos.push(Some(info));
+            }
+        }
+        f.eps = kept;
+        f.infos = infos;
         f.step = Step::Hello;
+        let list = encode_domains(&f.infos.iter().flatten().collect::<Vec<_>>());
         let hello = Ack {
             seq: f.chunk as u64,
-            tensor: info.name.len() as u32,
+            tensor: list.len() as u32,
             ok: true,
         };
-        self.lane_write_ack(LANE, hello, vec![Payload::new(info.name)]);
+        self.lane_write_ack(LANE, hello, vec![Payload::new(list)]);
         self.lane_read_frame(LANE);
     }
 
@@ -155,7 +256,7 @@ impl Channel {
                 },
                 Step::Hello,
             ) => {
-                if a.tensor == 0 || a.tensor > MAX_NAME || a.seq == 0 {
+                if a.tensor == 0 || a.tensor > MAX_HELLO || a.seq == 0 {
                     let e = bad("a malformed hello", &self.origin);
                     return self.efa_fail(e, ctx);
                 }
@@ -183,8 +284,11 @@ impl Channel {
                 },
                 Step::Name,
             ) => {
-                let peer = buffers.pop().unwrap_or_default();
-                self.efa_attach(peer, ctx);
+                let Some(theirs) = decode_domains(&buffers.pop().unwrap_or_default()) else {
+                    let e = bad("a malformed domain list", &self.origin);
+                    return self.efa_fail(e, ctx);
+                };
+                self.efa_attach(theirs, ctx);
             }
             (
                 Done::Frame {
@@ -193,18 +297,17 @@ impl Channel {
                 },
                 Step::PeerPipe,
             ) => {
-                let Ok(p) = u32::try_from(a.seq).map_err(drop).and_then(|p| {
-                    if p <= tag::MAX_PIPE {
-                        Ok(p)
-                    } else {
-                        Err(())
-                    }
-                }) else {
-                    let e = bad("a pipe number out of range", &self.origin);
+                let f = self.fabric();
+                let pipe = u32::try_from(a.seq).ok().filter(|p| *p <= tag::MAX_PIPE);
+                let (Some(p), true) = (pipe, a.tensor as usize == f.next_peer) else {
+                    let e = bad("a pipe number out of range or order", &self.origin);
                     return self.efa_fail(e, ctx);
                 };
-                let f = self.fabric();
-                f.peer_pipe = p;
+                f.links[f.next_peer].peer_pipe = p;
+                f.next_peer += 1;
+                if f.next_peer < f.links.len() {
+                    return self.lane_read_frame(LANE);
+                }
                 f.step = Step::Ready;
                 // The read that tells when the lane ends.
                 self.lane_read_frame(LANE);
@@ -230,41 +333,77 @@ impl Channel {
         }
     }
 
-    fn efa_attach(&mut self, peer: Vec<u8>, ctx: &mut Context<Self>) {
-        let Some(ep) = self.fabric().ep.clone() else {
-            return;
-        };
-        self.fabric().step = Step::Attaching;
-        let (sink, ends) = mpsc::unbounded_channel();
-        ctx.add_stream(Queue(ends));
-        let ask = ep.send(FabricAttach { peer, sink });
-        ctx.spawn(wrap_future::<_, Self>(ask).map(|r, act, ctx| {
-            act.fabric().step = Step::PeerPipe;
-            match r {
-                Ok(Ok(pipe)) => {
-                    act.fabric().pipe = Some(pipe);
-                    if act.stopping || act.fabric().failed.is_some() {
-                        let e = act
-                            .fabric()
-                            .failed
-                            .clone()
-                            .unwrap_or_else(|| stopping(&act.origin));
-                        return act.efa_fail(e, ctx);
-                    }
-                    let ack = Ack {
-                        seq: pipe as u64,
-                        tensor: 0,
-                        ok: true,
-                    };
-                    act.lane_write_ack(LANE, ack, Vec::new());
-                    act.lane_read_frame(LANE);
-                    act.poll_own(ctx);
+    /// Pairs our domains with the peer's (`theirs`: fabric and address each) and attaches a
+    /// pipe on each pair's endpoint.
+    fn efa_attach(&mut self, theirs: Vec<(String, Vec<u8>)>, ctx: &mut Context<Self>) {
+        let f = self.fabric();
+        let ours: Vec<String> = f
+            .infos
+            .iter()
+            .flatten()
+            .map(|i| i.attributes.fabric.clone())
+            .collect();
+        let fabrics: Vec<String> = theirs.iter().map(|(fabric, _)| fabric.clone()).collect();
+        f.links = pair_domains(&ours, &fabrics)
+            .into_iter()
+            .map(|(i, j)| Link {
+                ep: f.eps[i].clone(),
+                peer: theirs[j].1.clone(),
+                pipe: None,
+                peer_pipe: 0,
+                sends: VecDeque::new(),
+                recvs: VecDeque::new(),
+                send_seq: 0,
+                recv_seq: 0,
+            })
+            .collect();
+        f.step = Step::Attaching;
+        f.attaching = f.links.len();
+        for k in 0..f.links.len() {
+            let f = self.fabric();
+            let (sink, rx) = mpsc::unbounded_channel();
+            ctx.add_stream(LinkEnds { link: k, rx });
+            let l = &mut f.links[k];
+            let ask = l.ep.send(FabricAttach {
+                peer: std::mem::take(&mut l.peer),
+                sink,
+            });
+            ctx.spawn(wrap_future::<_, Self>(ask).map(move |r, act, ctx| {
+                act.fabric().attaching -= 1;
+                match r {
+                    Ok(Ok(pipe)) => act.fabric().links[k].pipe = Some(pipe),
+                    Ok(Err(e)) => act.efa_fail(e, ctx),
+                    Err(_) => act.efa_fail(gone(&act.origin), ctx),
                 }
-                Ok(Err(e)) => act.efa_fail(e, ctx),
-                Err(_) => act.efa_fail(gone(&act.origin), ctx),
-            }
-            act.maybe_stop(ctx);
-        }));
+                if act.fabric().attaching == 0 {
+                    act.efa_attached(ctx);
+                }
+                act.maybe_stop(ctx);
+            }));
+        }
+    }
+
+    /// Every attach has answered: our pipe numbers go out (or, after a failure, the pipes are
+    /// detached).
+    fn efa_attached(&mut self, ctx: &mut Context<Self>) {
+        let stop = self.stopping;
+        let f = self.fabric();
+        f.step = Step::PeerPipe;
+        if stop || f.failed.is_some() {
+            let e = f.failed.clone().unwrap_or_else(|| stopping(&self.origin));
+            return self.efa_fail(e, ctx);
+        }
+        let pipes: Vec<Option<u32>> = f.links.iter().map(|l| l.pipe).collect();
+        for (k, pipe) in pipes.into_iter().enumerate() {
+            let ack = Ack {
+                seq: pipe.unwrap_or_default() as u64,
+                tensor: k as u32,
+                ok: true,
+            };
+            self.lane_write_ack(LANE, ack, Vec::new());
+        }
+        self.lane_read_frame(LANE);
+        self.poll_own(ctx);
     }
 
     /// Sends (`sending`) or receives a tensor: now if the set-up is done, else later.
@@ -287,26 +426,8 @@ impl Channel {
         self.efa_move(sending, seq, index, buffer, ctx);
     }
 
-    fn hand_back(&self, sending: bool, seq: u64, index: u32, memory: Memory, r: Result<(), Error>) {
-        self.to_pipe(if sending {
-            Done::WroteTensor {
-                seq,
-                index,
-                memory,
-                result: r,
-            }
-        } else {
-            Done::Tensor {
-                seq,
-                index,
-                memory,
-                result: r,
-            }
-        });
-    }
-
     /// Posts a tensor's chunks, straight from or into its buffer, which stays in `held` until
-    /// every chunk has ended.
+    /// every chunk has ended: stripe `k` of mpt's plan on link `k`, chunked.
     fn efa_move(
         &mut self,
         sending: bool,
@@ -320,58 +441,74 @@ impl Channel {
         // Shared bytes come only with `sending`: they are sent from, never received into.
         let base = buffer.base_ptr() as usize;
         let f = self.fabric.as_mut().expect("efa state");
-        let (Some(ep), Some(pipe)) = (f.ep.clone(), f.pipe) else {
+        let ready =
+            !f.links.is_empty() && f.links.iter().all(|l| l.pipe.is_some() && l.ep.connected());
+        if !ready {
             let e = f.failed.clone().unwrap_or_else(|| gone(&self.origin));
             return self.hand_back(sending, seq, index, buffer, Err(e));
-        };
-        if !ep.connected() {
-            return self.hand_back(sending, seq, index, buffer, Err(gone(&self.origin)));
         }
-        let mut ops = Vec::new();
-        for (offset, n) in crate::channel::efa::chunks(len, f.chunk) {
-            let (kind, t) = if sending {
-                let t = tag::make(TagStream::Tensor, f.peer_pipe, f.send_seq);
-                f.send_seq = f.send_seq.wrapping_add(1);
-                f.sends.push_back(key);
-                (Kind::Send, t)
-            } else {
-                let t = tag::make(TagStream::Tensor, pipe, f.recv_seq);
-                f.recv_seq = f.recv_seq.wrapping_add(1);
-                f.recvs.push_back((key, n));
-                (Kind::Recv, t)
-            };
-            ops.push(RegionOp {
-                kind,
-                tag: t,
-                region: Region {
-                    base,
-                    buffer_len: len,
-                    offset,
-                    len: n,
-                },
-                id: seq,
-            });
+        let mut posts: Vec<Vec<RegionOp>> = vec![Vec::new(); f.links.len()];
+        let stripes = crate::channel::mpt::stripes(len as u64, f.links.len() as u32);
+        for (k, start, n) in stripes {
+            let l = &mut f.links[k as usize];
+            let start = start as usize;
+            for (offset, n) in crate::channel::efa::chunks(n as usize, f.chunk) {
+                let (kind, t) = if sending {
+                    let t = tag::make(TagStream::Tensor, l.peer_pipe, l.send_seq);
+                    l.send_seq = l.send_seq.wrapping_add(1);
+                    l.sends.push_back(key);
+                    (Kind::Send, t)
+                } else {
+                    let pipe = l.pipe.unwrap_or_default();
+                    let t = tag::make(TagStream::Tensor, pipe, l.recv_seq);
+                    l.recv_seq = l.recv_seq.wrapping_add(1);
+                    l.recvs.push_back((key, n));
+                    (Kind::Recv, t)
+                };
+                posts[k as usize].push(RegionOp {
+                    kind,
+                    tag: t,
+                    region: Region {
+                        base,
+                        buffer_len: len,
+                        offset: start + offset,
+                        len: n,
+                    },
+                    id: seq,
+                });
+            }
         }
-        let out = ops.len();
+        let out = posts.iter().map(Vec::len).sum();
+        let targets: Vec<(Addr<FabricEndpoint>, u32)> = f
+            .links
+            .iter()
+            .map(|l| (l.ep.clone(), l.pipe.unwrap_or_default()))
+            .collect();
         self.hold(key, buffer, out);
-        if out > 0 {
-            // SAFETY: every region lies inside the tensor's buffer, whose heap memory stays in
-            // `self.held`, untouched, until each op has ended (`efa_finished` counts them down;
-            // `release` waits for zero; a failing channel hands back a stand-in and leaves the
-            // buffer with the endpoint; a channel torn down with ops out forgets the buffer
-            // rather than free it).
-            ep.do_send(unsafe { FabricPostRegions::new(pipe, ops) });
+        for ((ep, pipe), ops) in targets.into_iter().zip(posts) {
+            if !ops.is_empty() {
+                // SAFETY: every region lies inside the tensor's buffer (the stripes and their
+                // chunks are disjoint ranges of it), whose heap memory stays in `self.held`,
+                // untouched, until each op has ended (`efa_finished` counts them down;
+                // `release` waits for zero; a failing channel hands back a stand-in and leaves
+                // the buffer with the endpoints; a channel torn down with ops out forgets the
+                // buffer rather than free it).
+                ep.do_send(unsafe { FabricPostRegions::new(pipe, ops) });
+            }
         }
         self.maybe_stop(ctx);
     }
 
-    /// One chunk ended (from the endpoint's queue for our pipe, in post order).
-    pub(super) fn efa_finished(&mut self, done: Finished, ctx: &mut Context<Self>) {
+    /// One chunk ended on link `link` (from that endpoint's queue for our pipe, in post order).
+    pub(super) fn efa_finished(&mut self, link: usize, done: Finished, ctx: &mut Context<Self>) {
         let origin = self.origin.clone();
         let f = self.fabric();
+        let Some(l) = f.links.get_mut(link) else {
+            return tracing::warn!("efa channel: an end on no link");
+        };
         let (key, want) = match done.kind {
-            Kind::Send => (f.sends.pop_front(), None),
-            Kind::Recv => match f.recvs.pop_front() {
+            Kind::Send => (l.sends.pop_front(), None),
+            Kind::Recv => match l.recvs.pop_front() {
                 Some((k, n)) => (Some(k), Some(n)),
                 None => (None, None),
             },
@@ -380,7 +517,7 @@ impl Channel {
             return tracing::warn!("efa channel: an end for no posted chunk");
         };
         let result = match (done.result, want) {
-            // Once the channel has failed (and detached its pipe), its ops end with that error.
+            // Once the channel has failed (and detached its pipes), its ops end with that error.
             (Err(e), _) => Err(f.failed.clone().unwrap_or_else(|| chunk_error(e, &origin))),
             // Short or long chunks: the two sides cut differently, and every later tag is off.
             (Ok(n), Some(w)) if n != w => Err(Error::protocol(
@@ -397,57 +534,64 @@ impl Channel {
         self.maybe_stop(ctx);
     }
 
-    /// Fails the channel: waiting tensors go back with `e` now, and so do held ones: the pipe
-    /// is detached from the endpoint (its ops end with the error, in order), but a posted op the
-    /// provider cannot take back (a send to a dead peer) may hold its memory until the
+    /// Fails the channel: waiting tensors go back with `e` now, and so do held ones: the pipes
+    /// are detached from their endpoints (their ops end with the error, in order), but a posted
+    /// op the provider cannot take back (a send to a dead peer) may hold its memory until the
     /// endpoint closes. So a held tensor goes back as a copy (a send's bytes; a receive's,
-    /// which failed anyway, as zeros), and its own buffer is left with the endpoint
-    /// (`FabricQuarantine`), which drops it once the provider has let go of it. Later tensors
-    /// fail at once.
+    /// which failed anyway, as zeros), and its own buffer is left with the endpoints
+    /// (`FabricQuarantine`, shared by every link's), dropped once each has let go of it. Later
+    /// tensors fail at once.
     pub(super) fn efa_fail(&mut self, e: Error, ctx: &mut Context<Self>) {
         let f = self.fabric();
         if f.failed.is_none() {
             f.failed = Some(e.clone());
         }
         let waiting = std::mem::take(&mut f.waiting);
-        let detach = match (f.pipe.take(), &f.ep) {
-            (Some(pipe), Some(ep)) => Some((pipe, ep.clone())),
-            _ => None,
-        };
+        let detach: Vec<(u32, Addr<FabricEndpoint>)> = f
+            .links
+            .iter_mut()
+            .filter_map(|l| Some((l.pipe.take()?, l.ep.clone())))
+            .collect();
         for (sending, seq, index, buffer) in waiting {
             self.hand_back(sending, seq, index, buffer, Err(e.clone()));
         }
-        if let Some((pipe, ep)) = detach {
+        if detach.is_empty() {
+            return self.maybe_stop(ctx);
+        }
+        for (pipe, ep) in &detach {
             ep.do_send(FabricDetach {
-                pipe,
+                pipe: *pipe,
                 reason: e.to_string(),
             });
-            let keys: Vec<HeldKey> = self.held.keys().copied().collect();
-            let mut originals = Vec::new();
-            for k in keys {
-                if let Some(h) = self.held.get_mut(&k).filter(|h| h.out > 0) {
-                    let stand_in = match &h.buffer {
-                        Memory::Shared(b) => Memory::Shared(b.clone()),
-                        m if h.sending => Memory::Owned(m.as_slice().to_vec()),
-                        m => Memory::Owned(vec![0; m.len()]),
-                    };
-                    originals.push(std::mem::replace(&mut h.buffer, stand_in));
-                    h.out = 0;
-                    h.error.get_or_insert(e.clone());
-                }
-                self.release(k);
+        }
+        let keys: Vec<HeldKey> = self.held.keys().copied().collect();
+        let mut originals = Vec::new();
+        for k in keys {
+            if let Some(h) = self.held.get_mut(&k).filter(|h| h.out > 0) {
+                let stand_in = match &h.buffer {
+                    Memory::Shared(b) => Memory::Shared(b.clone()),
+                    m if h.sending => Memory::Owned(m.as_slice().to_vec()),
+                    m => Memory::Owned(vec![0; m.len()]),
+                };
+                originals.push(std::mem::replace(&mut h.buffer, stand_in));
+                h.out = 0;
+                h.error.get_or_insert(e.clone());
             }
-            if !originals.is_empty() {
+            self.release(k);
+        }
+        if !originals.is_empty() {
+            let kept = Arc::new(Mutex::new(originals));
+            for (pipe, ep) in detach {
                 ep.do_send(FabricQuarantine {
                     pipe,
-                    buffers: originals,
+                    buffers: kept.clone(),
                 });
             }
         }
         self.maybe_stop(ctx);
     }
 
-    /// `StopChannel` for an efa channel: anything still out is failed through the endpoint.
+    /// `StopChannel` for an efa channel: anything still out is failed through the endpoints.
     pub(super) fn efa_stop(&mut self, ctx: &mut Context<Self>) {
         self.shutdown_lanes();
         let e = self
@@ -455,14 +599,14 @@ impl Channel {
             .failed
             .clone()
             .unwrap_or_else(|| stopping(&self.origin));
-        // While an attach is under way, its answer sees `failed` and detaches the pipe.
+        // While attaches are under way, their answers see `failed` and detach the pipes.
         self.efa_fail(e, ctx);
     }
 }
 
-impl StreamHandler<Finished> for Channel {
-    fn handle(&mut self, f: Finished, ctx: &mut Self::Context) {
-        self.efa_finished(f, ctx);
+impl StreamHandler<LinkEnd> for Channel {
+    fn handle(&mut self, LinkEnd(link, f): LinkEnd, ctx: &mut Self::Context) {
+        self.efa_finished(link, f, ctx);
     }
 
     fn finished(&mut self, _: &mut Self::Context) {}

@@ -1,29 +1,43 @@
 //! The `ibv` side of the channel actor (feature `ibv`): the pipe's tensors by RDMA write into
-//! the receiver's registered buffer (`src/channel/ibv/`); `cuda_gdr` (cuda_gdr.rs) runs on it
-//! too. The actor owns the channel's queue
-//! pair (through [`Rdma`]), bootstraps it over its one lane, wakes on its completion queue's
-//! descriptor and on the lane's hang-up, and hands every finished tensor back to the pipe.
+//! the receiver's registered buffer (`src/channel/ibv/`). The actor owns the channel's queue
+//! pairs (through [`Rdma`]: one per device, usually one), bootstraps them over its one lane,
+//! wakes on each completion queue's descriptor and on the lane's hang-up, and hands every
+//! finished tensor back to the pipe. With several devices (links), a large tensor is cut into
+//! mpt's stripes, one per link, held here until every stripe is back.
+//! `cuda_gdr` (cuda_gdr.rs) runs on the first queue pair too.
 
+use std::collections::VecDeque;
 use std::sync::Mutex;
 
 use super::*;
 use crate::channel::ibv::core::Rdma;
 use crate::channel::ibv::{self as chan, Event, IbvChannel};
 use crate::handshake::Halves;
+use crate::verbs::LinkLayer;
 
-/// The channel's queue pair, or why there is none (every tensor then fails with it).
+/// The channel's queue pairs, or why there are none (every tensor then fails with it).
 pub(super) struct IbvSide {
     pub(super) rdma: Result<Arc<Mutex<Rdma>>, Error>,
+    /// Queue pairs on further devices, with their ports, until the bootstrap starts.
+    further: Vec<chan::FurtherQp>,
+    /// The links: the first device's queue pair, then (after the bootstrap) each further one
+    /// that paired with the peer's.
+    links: Vec<Arc<Mutex<Rdma>>>,
+    /// Whether tensors wait for the bootstrap (further devices: the number of links is known
+    /// only then).
+    hold_back: bool,
+    /// Tensors waiting for it: (sending, seq, index, buffer).
+    waiting: VecDeque<(bool, u64, u32, Memory)>,
     /// The lane and the port's link layer and number, until the bootstrap starts.
-    setup: Option<(Halves, (crate::verbs::LinkLayer, u8))>,
-    /// The watch on the completion queue and the lane, once bootstrapped. Cancelled once the
-    /// queue pair has failed: that closes the lane, which tells the peer at once.
-    watch: Option<SpawnHandle>,
+    setup: Option<(Halves, (LinkLayer, u8))>,
+    /// The watches on the completion queues (and the lane), once bootstrapped. Cancelled once
+    /// every queue pair has failed: that closes the lane, which tells the peer at once.
+    watches: Vec<SpawnHandle>,
 }
 
 impl IbvSide {
-    /// Creates the queue pair now (tensors can queue on it at once); the bootstrap over `lanes`
-    /// (exactly one) starts with the actor.
+    /// Creates the queue pairs now (tensors can queue on them at once); the bootstrap over
+    /// `lanes` (exactly one) starts with the actor.
     pub(crate) fn new(backend: &IbvChannel, mut lanes: Vec<Halves>, origin: &Origin) -> IbvSide {
         let port = backend
             .caches()
@@ -40,16 +54,27 @@ impl IbvSide {
             )),
             (r, _) => r,
         };
+        let further = match &rdma {
+            Ok(_) => chan::create_further(backend, origin)
+                .into_iter()
+                .map(|(r, port)| (Arc::new(Mutex::new(r)), port))
+                .collect(),
+            Err(_) => Vec::new(),
+        };
         IbvSide {
+            links: rdma.iter().cloned().collect(),
+            hold_back: !further.is_empty(),
             rdma,
+            further,
+            waiting: VecDeque::new(),
             setup,
-            watch: None,
+            watches: Vec::new(),
         }
     }
 }
 
 impl Channel {
-    /// Starts the bootstrap of the channel's queue pair (the actor is starting).
+    /// Starts the bootstrap of the channel's queue pairs (the actor is starting).
     pub(super) fn ibv_start(&mut self, ctx: &mut Context<Self>) {
         let Some(side) = self.ibv.as_mut() else {
             return;
@@ -57,19 +82,35 @@ impl Channel {
         let (Ok(rdma), Some((lane, port))) = (&side.rdma, side.setup.take()) else {
             return;
         };
-        let fut = chan::connect(rdma.clone(), lane, port, self.origin.clone());
-        ctx.spawn(fut.into_actor(self).map(|result, act, ctx| {
+        let further = std::mem::take(&mut side.further);
+        let paired: Vec<Arc<Mutex<Rdma>>> = further.iter().map(|(r, _)| r.clone()).collect();
+        let fut = chan::connect(rdma.clone(), further, lane, port, self.origin.clone());
+        ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+            let Some(side) = act.ibv.as_mut() else {
+                return;
+            };
             match result {
-                Ok(watch) => {
-                    let handle = ctx.add_stream(watch);
-                    if let Some(side) = act.ibv.as_mut() {
-                        side.watch = Some(handle);
+                Ok((kept, watches)) => {
+                    side.links
+                        .extend(kept.into_iter().map(|k| paired[k].clone()));
+                    for w in watches {
+                        let handle = ctx.add_stream(w);
+                        if let Some(side) = act.ibv.as_mut() {
+                            side.watches.push(handle);
+                        }
                     }
                 }
                 Err(e) => {
-                    if let Some(Ok(rdma)) = act.ibv.as_ref().map(|s| &s.rdma) {
+                    if let Ok(rdma) = &side.rdma {
                         chan::lock(rdma).fail(e);
                     }
+                }
+            }
+            if let Some(side) = act.ibv.as_mut() {
+                side.hold_back = false;
+                let waiting = std::mem::take(&mut side.waiting);
+                for (sending, seq, index, buffer) in waiting {
+                    act.ibv_dispatch(sending, seq, index, buffer);
                 }
             }
             act.ibv_flush(ctx);
@@ -82,10 +123,7 @@ impl Channel {
             Ok(())
         } else {
             match self.ibv.as_ref().map(|s| &s.rdma) {
-                Some(Ok(rdma)) => {
-                    chan::lock(rdma).send(m.seq, m.index, m.buffer);
-                    return;
-                }
+                Some(Ok(_)) => return self.ibv_tensor(true, m.seq, m.index, m.buffer),
                 Some(Err(e)) => Err(e.clone()),
                 None => Err(self.misrouted()),
             }
@@ -113,9 +151,9 @@ impl Channel {
             Ok(())
         } else {
             match self.ibv.as_ref().map(|s| &s.rdma) {
-                Some(Ok(rdma)) => {
-                    chan::lock(rdma).recv(m.seq, m.index, m.buffer);
-                    return;
+                Some(Ok(_)) => {
+                    let buffer = Memory::Owned(m.buffer);
+                    return self.ibv_tensor(false, m.seq, m.index, buffer);
                 }
                 Some(Err(e)) => Err(e.clone()),
                 None => Err(self.misrouted()),
@@ -129,69 +167,140 @@ impl Channel {
         });
     }
 
-    /// Fails the queue pair (the channel is stopping): everything it holds comes back.
-    pub(super) fn stop_ibv(&mut self, e: Error) {
-        if let Some(Ok(rdma)) = self.ibv.as_ref().map(|s| &s.rdma) {
-            chan::lock(rdma).fail(e);
+    /// A tensor for the queue pairs: now, or after the bootstrap if it decides the links.
+    fn ibv_tensor(&mut self, sending: bool, seq: u64, index: u32, buffer: Memory) {
+        if let Some(side) = self.ibv.as_mut().filter(|s| s.hold_back) {
+            side.waiting.push_back((sending, seq, index, buffer));
+            return;
+        }
+        self.ibv_dispatch(sending, seq, index, buffer);
+    }
+
+    /// Puts a tensor on the links: whole on the first, or (large, several links) one stripe
+    /// of mpt's plan per link, the tensor held here until every stripe is back.
+    fn ibv_dispatch(&mut self, sending: bool, seq: u64, index: u32, mut buffer: Memory) {
+        let links = self
+            .ibv
+            .as_ref()
+            .map(|s| s.links.clone())
+            .unwrap_or_default();
+        let Some(first) = links.first() else {
+            let e = self.misrouted();
+            return self.hand_back(sending, seq, index, buffer, Err(e));
+        };
+        let put = |link: &Mutex<Rdma>, memory: Memory| {
+            let mut r = chan::lock(link);
+            if sending {
+                r.send(seq, index, memory);
+            } else {
+                r.recv(seq, index, memory);
+            }
+        };
+        let stripes: Vec<(u32, u64, u64)> =
+            crate::channel::mpt::stripes(buffer.len() as u64, links.len() as u32).collect();
+        if stripes.len() <= 1 {
+            return put(first, buffer);
+        }
+        // Shared bytes come only with `sending`: regions of them are written from, never into.
+        let base = buffer.base_ptr();
+        self.hold((sending, seq, index), buffer, stripes.len());
+        for (k, offset, n) in stripes {
+            // SAFETY: the stripes are disjoint ranges inside the tensor's buffer, whose heap
+            // memory stays in `self.held` untouched until every stripe has come back from its
+            // queue pair (`piece_done` counts them; `release` waits for zero; a queue pair
+            // hands a stripe back only once the HCA can no longer touch it: its registration
+            // dropped, its writes completed or flushed).
+            let region = unsafe { Region::new(base.add(offset as usize), n as usize) };
+            put(&links[k as usize], Memory::Region(region));
         }
     }
 
-    /// Progresses the queue pair and hands every finished tensor to the pipe.
+    /// Fails the queue pairs (the channel is stopping): everything they hold comes back.
+    pub(super) fn stop_ibv(&mut self, e: Error) {
+        let Some(side) = self.ibv.as_mut() else {
+            return;
+        };
+        side.hold_back = false;
+        for l in &side.links {
+            chan::lock(l).fail(e.clone());
+        }
+        let waiting = std::mem::take(&mut side.waiting);
+        for (sending, seq, index, buffer) in waiting {
+            self.hand_back(sending, seq, index, buffer, Err(e.clone()));
+        }
+    }
+
+    /// Progresses the queue pairs and hands every finished tensor to the pipe. A failure on one
+    /// link fails them all.
     pub(super) fn ibv_flush(&mut self, ctx: &mut Context<Self>) {
-        if let Some(IbvSide {
-            rdma: Ok(rdma),
-            watch,
-            ..
-        }) = self.ibv.as_mut()
-        {
-            let mut r = chan::lock(rdma);
+        let Some(side) = self.ibv.as_mut() else {
+            return self.maybe_stop(ctx);
+        };
+        let links = side.links.clone();
+        let mut failure = None;
+        for l in &links {
+            let mut r = chan::lock(l);
             r.progress();
-            if r.failure().is_some() && r.is_idle() {
-                if let Some(w) = watch.take() {
-                    // The queue pair carries nothing more and its flush completions are all
-                    // in: hang up the lane so the peer knows.
-                    ctx.cancel_future(w);
-                }
+            if failure.is_none() {
+                failure = r.failure().cloned();
             }
-            for f in r.take_done() {
-                #[cfg(feature = "cuda")]
-                if let Some(g) = self.gdr.as_mut() {
-                    g.finished(f, self.cuda_reply.as_ref());
-                    continue;
-                }
+        }
+        if let Some(e) = failure.filter(|_| links.len() > 1) {
+            for l in &links {
+                let mut r = chan::lock(l);
+                r.fail(e.clone());
+                r.progress();
+            }
+        }
+        let ended = !links.is_empty()
+            && links.iter().all(|l| {
+                let r = chan::lock(l);
+                r.failure().is_some() && r.is_idle()
+            });
+        if ended {
+            // The queue pairs carry nothing more and their flush completions are all in: hang
+            // up the lane so the peer knows.
+            for w in side.watches.drain(..) {
+                ctx.cancel_future(w);
+            }
+        }
+        let mut done = Vec::new();
+        for l in &links {
+            done.extend(chan::lock(l).take_done());
+        }
+        for f in done {
+            // cuda_gdr (its tensors use the first device only): on to the pipe's CUDA queue.
+            #[cfg(feature = "cuda")]
+            if let Some(g) = self.gdr.as_mut() {
+                g.finished(f, self.cuda_reply.as_ref());
+                continue;
+            }
+            let key = (f.sending, f.seq, f.index);
+            if self.held.contains_key(&key) {
+                // A stripe (a region of the held tensor): the tensor goes back with the last.
+                self.piece_done(key, f.result);
+            } else {
                 let Some(memory) = f.buffer.into_memory() else {
-                    continue; // GPU memory goes to the `cuda_gdr` branch above
+                    continue; // GPU memory: only `cuda_gdr` has it (above)
                 };
-                let _ = self.reply.send(if f.sending {
-                    Done::WroteTensor {
-                        seq: f.seq,
-                        index: f.index,
-                        memory,
-                        result: f.result,
-                    }
-                } else {
-                    Done::Tensor {
-                        seq: f.seq,
-                        index: f.index,
-                        memory,
-                        result: f.result,
-                    }
-                });
+                self.hand_back(f.sending, f.seq, f.index, memory, f.result);
             }
         }
         self.maybe_stop(ctx);
     }
 
-    /// Whether the queue pair holds no tensor.
+    /// Whether the queue pairs hold no tensor (and none waits for them).
     pub(super) fn ibv_idle(&self) -> bool {
-        match self.ibv.as_ref().map(|s| &s.rdma) {
-            Some(Ok(rdma)) => chan::lock(rdma).is_idle(),
-            _ => true,
+        match self.ibv.as_ref() {
+            Some(side) => {
+                side.waiting.is_empty() && side.links.iter().all(|l| chan::lock(l).is_idle())
+            }
+            None => true,
         }
     }
 
-    /// The actor is going away with tensors still on the queue pair (the system stopping):
-    /// leak them, queue pair included, rather than free memory the HCA may still touch.
+    /// The actor is going away with tensors still on the queue pairs (the system stopping):
+    /// leak them, queue pairs included, rather than free memory the HCA may still touch.
     pub(super) fn ibv_forget(&mut self) {
         if !self.ibv_idle() {
             if let Some(side) = self.ibv.take() {
@@ -203,23 +312,34 @@ impl Channel {
 
 impl StreamHandler<Event> for Channel {
     fn handle(&mut self, ev: Event, ctx: &mut Self::Context) {
-        if let Some(Ok(rdma)) = self.ibv.as_ref().map(|s| &s.rdma) {
-            let mut r = chan::lock(rdma);
-            match ev {
-                Event::Completions => chan::on_completions(&mut r),
-                Event::PeerGone(why) => {
+        let links = self
+            .ibv
+            .as_ref()
+            .map(|s| s.links.clone())
+            .unwrap_or_default();
+        match ev {
+            Event::Completions(k) => {
+                if let Some(l) = links.get(k) {
+                    chan::on_completions(&mut chan::lock(l));
+                }
+            }
+            Event::PeerGone(why) => {
+                let e = Error::PeerClosed {
+                    reason: why,
+                    graceful: false,
+                    origin: self.origin.clone(),
+                };
+                for l in &links {
+                    let mut r = chan::lock(l);
                     // Whatever landed before the hang-up counts.
                     r.progress();
-                    let e = Error::PeerClosed {
-                        reason: why,
-                        graceful: false,
-                        origin: self.origin.clone(),
-                    };
-                    r.fail(e);
+                    r.fail(e.clone());
                 }
-                Event::Broken(why) => {
-                    let e = Error::io("ibv channel", std::io::Error::other(why), &self.origin);
-                    r.fail(e);
+            }
+            Event::Broken(why) => {
+                let e = Error::io("ibv channel", std::io::Error::other(why), &self.origin);
+                for l in &links {
+                    chan::lock(l).fail(e.clone());
                 }
             }
         }

@@ -21,6 +21,7 @@ pub mod stream;
 pub mod transport;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::rc::Rc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actix::fut::wrap_future;
@@ -80,7 +81,7 @@ pub struct FabricEndpoint {
     engine: Engine,
     // After `engine` (dropped after the endpoint closes): buffers of detached pipes that the
     // provider may still touch, kept until the engine has forgotten their pipe.
-    quarantine: HashMap<u32, Vec<Memory>>,
+    quarantine: HashMap<u32, Vec<Arc<Mutex<Vec<Memory>>>>>,
     config: EndpointConfig,
     sinks: HashMap<u32, mpsc::UnboundedSender<Finished>>,
     driver: Driver,
@@ -310,6 +311,12 @@ impl FabricEndpoint {
             .increment(s.completions - p.completions);
         metrics::counter!(crate::metrics::EFA_ERRORS, &labels).increment(s.errors - p.errors);
         metrics::gauge!(crate::metrics::EFA_BACKLOG, &labels).set(s.backlog as f64);
+        let a = self.engine.attributes();
+        let domain = [
+            ("provider", a.provider.clone()),
+            ("domain", a.domain.clone()),
+        ];
+        metrics::counter!(crate::metrics::EFA_BYTES, &domain).increment(s.bytes - p.bytes);
         self.published = s;
     }
 }
@@ -393,15 +400,16 @@ impl FabricPostRegions {
 }
 
 /// Hands the endpoint buffers of a detached pipe that its provider may still read or write
-/// (ops it could not cancel): they are dropped once the engine has forgotten the pipe (every op
-/// back), or after the endpoint has closed.
+/// (ops it could not cancel): the endpoint keeps its reference until the engine has forgotten
+/// the pipe (every op back), or until it has closed. Several endpoints may share one set (a
+/// channel striped over domains): the buffers are dropped when the last lets go.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct FabricQuarantine {
     /// The pipe.
     pub pipe: u32,
     /// The buffers (owned, or references to shared bytes).
-    pub buffers: Vec<Memory>,
+    pub buffers: Arc<Mutex<Vec<Memory>>>,
 }
 
 /// Asks for the endpoint's address and attributes.
@@ -492,7 +500,7 @@ impl Handler<FabricQuarantine> for FabricEndpoint {
     type Result = ();
     fn handle(&mut self, m: FabricQuarantine, _: &mut Context<Self>) {
         if self.engine.attached(m.pipe) {
-            self.quarantine.entry(m.pipe).or_default().extend(m.buffers);
+            self.quarantine.entry(m.pipe).or_default().push(m.buffers);
         }
     }
 }

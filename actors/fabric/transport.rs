@@ -107,12 +107,12 @@ impl Efa {
         &self.provider
     }
 
-    /// The (provider, fabric, domain) this transport would open, or why it cannot.
-    fn probe(&self) -> Result<(String, String), String> {
+    /// Every (fabric, domain) pair `fi_getinfo` lists for the provider, or why none.
+    fn probe_all(&self) -> Probe {
         static CACHE: OnceLock<std::sync::Mutex<HashMap<String, Probe>>> = OnceLock::new();
         let cache = CACHE.get_or_init(Default::default);
         let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
-        let found = cache
+        cache
             .entry(self.provider.clone())
             .or_insert_with(|| match InfoList::get(Some(&self.provider)) {
                 Ok(list) => Ok(list
@@ -127,8 +127,12 @@ impl Efa {
                     self.provider
                 )),
             })
-            .clone()?;
-        found
+            .clone()
+    }
+
+    /// The (fabric, domain) this transport would open, or why it cannot.
+    fn probe(&self) -> Result<(String, String), String> {
+        self.probe_all()?
             .into_iter()
             .find(|(_, d)| self.domain.as_ref().is_none_or(|want| want == d))
             .ok_or_else(|| {
@@ -169,6 +173,37 @@ impl Efa {
     /// counters (`FabricStats`) and description.
     pub fn endpoint_actor(&self) -> Result<Addr<FabricEndpoint>, Error> {
         self.endpoint()
+    }
+
+    /// The provider's RDM domains here, each once, in `fi_getinfo`'s order: `(fabric, domain)`
+    /// (a domain listed on several fabrics, as `eth0` on IPv4 and IPv6, counts with its first,
+    /// the one an endpoint opened by name gets).
+    pub fn domains(&self) -> Result<Vec<(String, String)>, String> {
+        let mut seen: Vec<(String, String)> = Vec::new();
+        for (fabric, domain) in self.probe_all()? {
+            if !seen.iter().any(|(_, d)| *d == domain) {
+                seen.push((fabric, domain));
+            }
+        }
+        Ok(seen)
+    }
+
+    /// The domain this transport's own endpoint is on (the one it names, or the provider's
+    /// first).
+    pub fn domain_name(&self) -> Result<String, String> {
+        self.probe().map(|(_, d)| d)
+    }
+
+    /// This thread's endpoint actor of this transport's provider on `domain`, shared like the
+    /// transport's own (the same actor when `domain` is the transport's): the `efa` channel's
+    /// further domains. Opened on first use.
+    pub fn endpoint_on(&self, domain: &str) -> Result<Addr<FabricEndpoint>, Error> {
+        if self.domain_name().is_ok_and(|d| d == domain) {
+            return self.endpoint();
+        }
+        let mut other = self.clone();
+        other.domain = Some(domain.into());
+        other.endpoint()
     }
 
     /// Runs the hello over the bootstrap connection and wires the two halves.

@@ -221,6 +221,7 @@ fn efa_port(config: &Config, origin: &Origin) -> crate::channel::efa::ChannelPor
                 "internal: the efa channel was negotiated but this context has none",
                 origin,
             )),
+            extra: Vec::new(),
             max_message: usize::MAX,
         })
 }

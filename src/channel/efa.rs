@@ -18,6 +18,14 @@
 //!   endpoint's registration cache ([`crate::fabric::regcache`]), whose invalidation rule keeps a
 //!   registration no longer than the runtime holds the buffer.
 //!
+//! - **Several domains (NICs).** With [`Efa::domains`] or [`Efa::all_domains`] the channel also
+//!   uses the context's endpoints on further domains of the provider (one shared endpoint actor
+//!   per domain). At set-up each side lists its domains (fabric and endpoint address); both
+//!   pair them the same way ([`pair_domains`]: the transport's own domain with the peer's, then
+//!   equal fabrics in order) and stripe each large tensor over the pairs with mpt's plan
+//!   ([`super::mpt::stripes`]: one stripe per pair, none under 64 KiB, so small tensors stay
+//!   whole on the first). Peers with no further domain in common use one, as before.
+//!
 //! Negotiation: the channel's domain descriptor is the transport's (`provider/fabric`, with the
 //! host's identity for `shm`), so two peers pick it only if they reach the same fabric.
 
@@ -30,19 +38,39 @@ use crate::error::Error;
 use crate::negotiate::DevicePair;
 
 /// What a new pipe's `efa` channel is given: its context's endpoint actor (or why there is
-/// none) and its chunk limit.
+/// none), the endpoints on its further domains, and its chunk limit.
 pub struct ChannelPort {
-    /// The endpoint actor the channel posts on.
+    /// The endpoint actor the channel posts on (the transport's domain).
     pub endpoint: Result<Addr<FabricEndpoint>, Error>,
+    /// Endpoint actors on further domains of the provider, to stripe large tensors over
+    /// (empty: one domain).
+    pub extra: Vec<Addr<FabricEndpoint>>,
     /// The largest message it sends (the provider's maximum may be smaller).
     pub max_message: usize,
 }
+
+/// Which domains of the provider an `efa` channel uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Domains {
+    /// The transport's one (the default).
+    One,
+    /// The transport's, then these (names as `fi_info` shows them: `lo`, `rdmap0s6-rdm`);
+    /// names the provider does not list here are left out.
+    Named(Vec<String>),
+    /// Every RDM domain the provider lists here.
+    All,
+}
+
+/// The environment variable that gives contexts built with defaults (the CLI) further domains:
+/// `all`, or a comma-separated list of domain names.
+pub const DOMAINS_ENV: &str = "ACTORPIPE_EFA_DOMAINS";
 
 /// The `efa` channel backend. See the module docs.
 #[derive(Debug, Clone)]
 pub struct Efa {
     port: EfaTransport,
     max_message: usize,
+    domains: Domains,
 }
 
 impl Efa {
@@ -57,7 +85,55 @@ impl Efa {
         Efa {
             port: transport.clone(),
             max_message: usize::MAX,
+            domains: Domains::One,
         }
+    }
+
+    /// Also uses these domains of the provider (beside the transport's), striping large tensors
+    /// over those the peer reaches too. See the module docs.
+    pub fn domains(mut self, names: &[&str]) -> Efa {
+        self.domains = Domains::Named(names.iter().map(|n| n.to_string()).collect());
+        self
+    }
+
+    /// Uses every RDM domain the provider lists here, striping large tensors over those the
+    /// peer reaches too.
+    pub fn all_domains(mut self) -> Efa {
+        self.domains = Domains::All;
+        self
+    }
+
+    /// The domains `ACTORPIPE_EFA_DOMAINS` names (`all`, or `lo,eth0`); unset: the one.
+    pub fn domains_from_env(self) -> Efa {
+        match std::env::var(DOMAINS_ENV).ok().as_deref().map(str::trim) {
+            Some("all") => self.all_domains(),
+            Some(list) if !list.is_empty() => {
+                let names: Vec<&str> = list.split(',').map(str::trim).collect();
+                self.domains(&names)
+            }
+            _ => self,
+        }
+    }
+
+    /// The further domains' names (not the transport's), in the order given or listed.
+    fn extra_domains(&self) -> Vec<String> {
+        let own = self.port.domain_name().ok();
+        let listed: Vec<String> = match self.port.domains() {
+            Ok(l) => l.into_iter().map(|(_, d)| d).collect(),
+            Err(_) => return Vec::new(),
+        };
+        let wanted: Vec<String> = match &self.domains {
+            Domains::One => return Vec::new(),
+            Domains::All => listed.clone(),
+            Domains::Named(names) => names.clone(),
+        };
+        let mut out: Vec<String> = Vec::new();
+        for d in wanted {
+            if listed.contains(&d) && own.as_ref() != Some(&d) && !out.contains(&d) {
+                out.push(d);
+            }
+        }
+        out
     }
 
     /// Chunks tensors at `bytes` (at least 1) when that is below the provider's maximum message
@@ -99,15 +175,81 @@ impl ChannelBackend for Efa {
     }
 
     fn fabric_port(&self) -> Option<ChannelPort> {
+        let extra = self
+            .extra_domains()
+            .into_iter()
+            .filter_map(|d| match self.port.endpoint_on(&d) {
+                Ok(a) => Some(a),
+                Err(e) => {
+                    tracing::warn!("efa channel: domain {d} left out: {e}");
+                    None
+                }
+            })
+            .collect();
         Some(ChannelPort {
             endpoint: self.port.endpoint(),
+            extra,
             max_message: self.max_message,
         })
     }
+}
+
+/// Pairs our domains with the peer's, the same way on both sides: `(ours, theirs)` indices
+/// into the two lists of fabrics, each side's first (its transport's domain, which negotiation
+/// matched) with the other's first, then, fabric by fabric in sorted order, the k-th further
+/// domain on a fabric with the peer's k-th on the same fabric. The result's order is the
+/// stripe order; swapping the arguments swaps each pair and keeps the order.
+pub fn pair_domains(ours: &[String], theirs: &[String]) -> Vec<(usize, usize)> {
+    if ours.is_empty() || theirs.is_empty() {
+        return Vec::new();
+    }
+    let mut pairs = vec![(0, 0)];
+    let mut fabrics: Vec<&String> = ours[1..]
+        .iter()
+        .filter(|f| theirs[1..].contains(f))
+        .collect();
+    fabrics.sort();
+    fabrics.dedup();
+    for f in fabrics {
+        let a = (1..ours.len()).filter(|&i| ours[i] == *f);
+        let b = (1..theirs.len()).filter(|&i| theirs[i] == *f);
+        pairs.extend(a.zip(b));
+    }
+    pairs
 }
 
 /// Splits `len` bytes into `(offset, length)` chunks of at most `chunk` bytes (see
 /// [`super::basic::chunks`]); both sides cut a tensor the same way.
 pub fn chunks(len: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
     super::basic::chunks(len as u64, chunk as u64).map(|(o, n)| (o as usize, n as usize))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pair_domains;
+
+    fn v(x: &[&str]) -> Vec<String> {
+        x.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn pairs_are_the_same_from_both_sides() {
+        let a = v(&["net", "lo", "net", "x"]);
+        let b = v(&["net", "net", "y", "lo", "net"]);
+        let ab = pair_domains(&a, &b);
+        let ba: Vec<_> = pair_domains(&b, &a)
+            .into_iter()
+            .map(|(x, y)| (y, x))
+            .collect();
+        assert_eq!(ab, ba);
+        // First with first; then "lo"; then the further "net"s in order; "x"/"y" unmatched.
+        assert_eq!(ab, vec![(0, 0), (1, 3), (2, 1)]);
+    }
+
+    #[test]
+    fn no_common_further_domain_leaves_the_first() {
+        assert_eq!(pair_domains(&v(&["a", "b"]), &v(&["a", "c"])), vec![(0, 0)]);
+        assert_eq!(pair_domains(&v(&["a"]), &v(&["a", "a"])), vec![(0, 0)]);
+        assert!(pair_domains(&[], &v(&["a"])).is_empty());
+    }
 }

@@ -13,6 +13,15 @@
 //! the simulation), so [`IbvChannel::new`] with [`Ibv::simulated`] runs on the simulated device.
 //! The domain is the transport's: peers on different subnets, link layers or simulations never
 //! pick it.
+//!
+//! **Several devices.** [`IbvChannel::with_devices`] adds further devices (NICs). The channel
+//! then creates one queue pair per device; after the first device's hellos, each side sends the
+//! count of its further devices and one hello each, and both pair their k-th further device
+//! with the peer's k-th where the two can reach each other ([`check_reach`], symmetric, so both
+//! sides keep the same pairs). Each pair is a link with its own queue pair, registration caches
+//! and completion watch; a tensor is cut by mpt's plan ([`super::mpt::stripes`]: one stripe per
+//! link, none under 64 KiB) and each stripe moves on its link as a tensor of its own, in the
+//! same order on both sides. A failure on any link fails them all.
 
 pub mod core;
 #[cfg(test)]
@@ -52,6 +61,8 @@ struct Inner {
     keep: u64,
     chunk_limit: u64,
     caches: OnceLock<Opened>,
+    /// Further devices, each with its caches once opened.
+    further: Vec<(Ibv, OnceLock<Opened>)>,
 }
 
 /// The `ibv` channel backend. Cheap to clone; clones share the device and its registration
@@ -78,6 +89,7 @@ impl IbvChannel {
             keep: 0,
             chunk_limit: crate::verbs::MAX_OP_BYTES,
             caches: OnceLock::new(),
+            further: Vec::new(),
         }))
     }
 
@@ -88,6 +100,12 @@ impl IbvChannel {
             keep: self.0.keep,
             chunk_limit: self.0.chunk_limit,
             caches: OnceLock::new(),
+            further: self
+                .0
+                .further
+                .iter()
+                .map(|(i, _)| (i.clone(), OnceLock::new()))
+                .collect(),
         };
         f(&mut inner);
         IbvChannel(Arc::new(inner))
@@ -114,9 +132,40 @@ impl IbvChannel {
         self.edit(|i| i.chunk_limit = bytes)
     }
 
+    /// Also uses these devices (further NICs of this host: [`Ibv::device`] for hardware,
+    /// [`Ibv::simulated_device`] for the simulation), striping large tensors over those the
+    /// peer reaches too (see the module docs). A further device that does not open is left
+    /// out. Where a tensor lives on a GPU (not yet a channel of its own), its NICs would come
+    /// from [`crate::topology::Topology::nics_by_distance`]; see docs/ibv.md.
+    pub fn with_devices(self, devices: Vec<Ibv>) -> IbvChannel {
+        self.edit(|i| i.further = devices.into_iter().map(|d| (d, OnceLock::new())).collect())
+    }
+
     /// The largest tensor sent inline.
     pub fn inline_max(&self) -> u64 {
         self.0.inline_max
+    }
+
+    /// The further devices that open, with their registration caches, in the order given.
+    pub fn further_caches(&self) -> Vec<(Ibv, Arc<dyn Device>, Caches)> {
+        self.0
+            .further
+            .iter()
+            .filter_map(|(ibv, cell)| {
+                let opened = cell.get_or_init(|| {
+                    let device = ibv.open()?;
+                    let caches = Caches::new(&device, self.0.keep);
+                    Ok((device, caches))
+                });
+                match opened {
+                    Ok((d, c)) => Some((ibv.clone(), d.clone(), c.clone())),
+                    Err(e) => {
+                        tracing::warn!("ibv channel: a further device left out: {e}");
+                        None
+                    }
+                }
+            })
+            .collect()
     }
 
     /// The device and its registration caches, opened on first use.
@@ -187,43 +236,131 @@ pub(crate) fn create(backend: &IbvChannel, origin: &Origin) -> Result<Rdma, Erro
     Ok(rdma)
 }
 
-/// Bootstraps the channel's queue pair over its lane, then returns what to watch: the queue
-/// pair's completions and the lane's hang-up (the [`Watch`] shares `rdma`, keeping its queue
-/// pair alive while it watches the queue pair's descriptor).
+/// A port: its link layer and number.
+pub(crate) type Port = (crate::verbs::LinkLayer, u8);
+
+/// A further device's channel state (shared with its watch) and its port.
+pub(crate) type FurtherQp = (Arc<Mutex<Rdma>>, Port);
+
+/// Creates a queue pair on each further device that opens (the same way), with its port.
+pub(crate) fn create_further(
+    backend: &IbvChannel,
+    origin: &Origin,
+) -> Vec<(Rdma, (crate::verbs::LinkLayer, u8))> {
+    let mut out = Vec::new();
+    for (ibv, device, caches) in backend.further_caches() {
+        let port = (device.port().link_layer, device.port().port);
+        let made = device
+            .create_qp(ibv.caps())
+            .map_err(|e| verbs_error("creating a further queue pair", e, origin))
+            .and_then(|qp| Rdma::new(&*device, qp, caches, origin.clone()));
+        match made {
+            Ok(r) => out.push((r, port)),
+            Err(e) => tracing::warn!("ibv channel: a further device left out: {e}"),
+        }
+    }
+    out
+}
+
+/// The hello of `rdma`'s queue pair on `port`.
+fn hello_of(rdma: &Mutex<Rdma>, port: (crate::verbs::LinkLayer, u8)) -> Hello {
+    Hello {
+        link_layer: port.0,
+        port: port.1,
+        endpoint: lock(rdma).qp.endpoint(),
+        inbox_addr: 0,
+        inbox_rkey: 0,
+        inbox_cap: 0,
+    }
+}
+
+/// Sends the count of our further devices and their hellos; reads the peer's.
+async fn exchange_further(
+    read: &mut (impl tokio::io::AsyncRead + Unpin),
+    write: &mut (impl tokio::io::AsyncWrite + Unpin),
+    ours: &[Hello],
+) -> std::io::Result<Vec<Hello>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut b = vec![ours.len() as u8];
+    for h in ours {
+        b.extend_from_slice(&h.encode());
+    }
+    write.write_all(&b).await?;
+    write.flush().await?;
+    let n = read.read_u8().await?;
+    let mut theirs = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let mut h = [0u8; bootstrap::HELLO_LEN];
+        read.read_exact(&mut h).await?;
+        theirs.push(
+            Hello::decode(&h)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?,
+        );
+    }
+    Ok(theirs)
+}
+
+/// Which further devices pair: ours[k] with theirs[k] where they reach each other (the check
+/// is symmetric, so the peer keeps the same `k`s).
+pub fn pair_further(ours: &[Hello], theirs: &[Hello]) -> Vec<usize> {
+    ours.iter()
+        .zip(theirs)
+        .enumerate()
+        .filter(|(_, (a, b))| check_reach(a, b).is_ok())
+        .map(|(k, _)| k)
+        .collect()
+}
+
+/// Bootstraps the channel's queue pairs over its lane (the first device's, then the further
+/// ones': `further`, with their ports), then returns which further ones paired with the peer's
+/// (indices into `further`, in order) and what to watch: per link (the first device's, then
+/// each paired further one) its queue pair's completions, and on the first the lane's hang-up
+/// (a [`Watch`] shares its `rdma`, keeping the queue pair alive while it watches its
+/// descriptor).
 pub(crate) async fn connect(
     rdma: Arc<Mutex<Rdma>>,
+    further: Vec<FurtherQp>,
     lane: Halves,
     port: (crate::verbs::LinkLayer, u8),
     origin: Origin,
-) -> Result<Watch, Error> {
+) -> Result<(Vec<usize>, Vec<Watch>), Error> {
     let io = |op, e| Error::io(op, e, &origin);
     let Halves {
         mut read,
         mut write,
         ..
     } = lane;
-    let ours = Hello {
-        link_layer: port.0,
-        port: port.1,
-        endpoint: lock(&rdma).qp.endpoint(),
-        inbox_addr: 0,
-        inbox_rkey: 0,
-        inbox_cap: 0,
-    };
+    let ours = hello_of(&rdma, port);
+    let further_hellos: Vec<Hello> = further
+        .iter()
+        .take(u8::MAX as usize)
+        .map(|(r, p)| hello_of(r, *p))
+        .collect();
     let handshake = async {
         let theirs = bootstrap::exchange(&mut read, &mut write, &ours)
             .await
             .map_err(|e| io("exchanging ibv channel hellos", e))?;
         check_reach(&ours, &theirs).map_err(|e| Error::protocol(e, &origin))?;
+        let theirs_further = exchange_further(&mut read, &mut write, &further_hellos)
+            .await
+            .map_err(|e| io("exchanging the ibv channel's further devices", e))?;
+        let kept = pair_further(&further_hellos, &theirs_further);
         lock(&rdma)
             .qp
             .connect(&theirs.endpoint)
             .map_err(|e| verbs_error("connecting the channel's queue pair", e, &origin))?;
+        for &k in &kept {
+            lock(&further[k].0)
+                .qp
+                .connect(&theirs_further[k].endpoint)
+                .map_err(|e| verbs_error("connecting a further queue pair", e, &origin))?;
+        }
         bootstrap::ready(&mut read, &mut write)
             .await
-            .map_err(|e| io("waiting for the ibv channel peer", e))
+            .map_err(|e| io("waiting for the ibv channel peer", e))?;
+        Ok(kept)
     };
-    tokio::time::timeout(BOOTSTRAP_TIMEOUT, handshake)
+    let kept = tokio::time::timeout(BOOTSTRAP_TIMEOUT, handshake)
         .await
         .unwrap_or_else(|_| {
             Err(Error::Timeout {
@@ -232,10 +369,25 @@ pub(crate) async fn connect(
                 origin: origin.clone(),
             })
         })?;
+    let mut watches = vec![watch(rdma, 0, Some((read, write)), &origin)?];
+    for (link, &k) in kept.iter().enumerate() {
+        watches.push(watch(further[k].0.clone(), link + 1, None, &origin)?);
+    }
+    Ok((kept, watches))
+}
+
+/// Arms `rdma`'s completion queue, marks it connected and watches its descriptor (and the
+/// lane's hang-up, given the lane).
+fn watch(
+    rdma: Arc<Mutex<Rdma>>,
+    link: usize,
+    lane: Option<(tokio::io::BufReader<crate::transport::BoxRead>, BoxWrite)>,
+    origin: &Origin,
+) -> Result<Watch, Error> {
     let fd = {
         let mut r = lock(&rdma);
         r.qp.arm()
-            .map_err(|e| verbs_error("ibv_req_notify_cq", e, &origin))?;
+            .map_err(|e| verbs_error("ibv_req_notify_cq", e, origin))?;
         r.connected();
         r.qp.notify_fd()
     };
@@ -244,11 +396,16 @@ pub(crate) async fn connect(
     // registration's whole life.
     let notify =
         unsafe { AsyncFd::register_with_interest(NotifyFd(fd), tokio::io::Interest::READABLE) }
-            .map_err(|e| io("watching the completion channel", e.into()))?;
+            .map_err(|e| Error::io("watching the completion channel", e.into(), origin))?;
+    let (hangup, bootstrap) = match lane {
+        Some((read, write)) => (Some(Box::pin(read)), Some(write)),
+        None => (None, None),
+    };
     Ok(Watch {
         notify,
-        hangup: Box::pin(read),
-        _bootstrap: write,
+        link,
+        hangup,
+        _bootstrap: bootstrap,
         gone: false,
         _rdma: rdma,
     })
@@ -267,8 +424,8 @@ impl AsRawFd for NotifyFd {
 /// What the channel actor is woken for.
 #[derive(Debug)]
 pub(crate) enum Event {
-    /// The completion queue signalled: progress it, re-arm, progress again.
-    Completions,
+    /// Link `.0`'s completion queue signalled: progress it, re-arm, progress again.
+    Completions(usize),
     /// The peer hung up the lane (or it failed): the peer is gone.
     PeerGone(String),
     /// The completion channel can no longer be watched (the reactor is going away).
@@ -278,9 +435,12 @@ pub(crate) enum Event {
 /// A stream of [`Event`]s: the completion queue's descriptor and the lane's hang-up.
 pub(crate) struct Watch {
     notify: AsyncFd<NotifyFd>,
-    hangup: Pin<Box<tokio::io::BufReader<crate::transport::BoxRead>>>,
+    /// The link whose queue pair it watches (0: the first device's).
+    link: usize,
+    /// The lane (the first link's watch only).
+    hangup: Option<Pin<Box<tokio::io::BufReader<crate::transport::BoxRead>>>>,
     /// Kept open: dropping it tells the peer we hung up.
-    _bootstrap: BoxWrite,
+    _bootstrap: Option<BoxWrite>,
     gone: bool,
     // Declared last: the queue pair outlives the `AsyncFd` watching its descriptor.
     _rdma: Arc<Mutex<Rdma>>,
@@ -297,7 +457,7 @@ impl futures_core::Stream for Watch {
             return Poll::Ready(Some(match r {
                 Ok(mut guard) => {
                     guard.clear_ready();
-                    Event::Completions
+                    Event::Completions(self.link)
                 }
                 Err(e) => {
                     // Reported once: the stream ends after it rather than spin.
@@ -308,7 +468,10 @@ impl futures_core::Stream for Watch {
         }
         let mut byte = [0u8; 1];
         let mut rb = ReadBuf::new(&mut byte);
-        if let Poll::Ready(r) = self.hangup.as_mut().poll_read(cx, &mut rb) {
+        let Some(hangup) = self.hangup.as_mut() else {
+            return Poll::Pending;
+        };
+        if let Poll::Ready(r) = hangup.as_mut().poll_read(cx, &mut rb) {
             self.gone = true;
             let why = match r {
                 Ok(()) if rb.filled().is_empty() => "the peer hung up the ibv channel".into(),

@@ -87,7 +87,6 @@ pub struct Gpu {
     streams: Mutex<Vec<Arc<CudaStream>>>,
     events: Mutex<Vec<pool::IdleEvent>>,
     ipc_events: Mutex<Vec<pool::IdleEvent>>,
-    blocking_events: Mutex<Vec<pool::IdleEvent>>,
     /// The thread that runs [`on_stream_done`]'s callbacks, started on first use.
     watcher: OnceLock<watch::Watcher>,
     /// The stream [`CudaBuffer::alloc`] puts on buffers it allocates.
@@ -131,7 +130,6 @@ pub fn gpu(ordinal: u32) -> crate::Result<Arc<Gpu>> {
         streams: Mutex::new(Vec::new()),
         events: Mutex::new(Vec::new()),
         ipc_events: Mutex::new(Vec::new()),
-        blocking_events: Mutex::new(Vec::new()),
         watcher: OnceLock::new(),
         alloc_stream: OnceLock::new(),
     });

@@ -17,16 +17,13 @@ pub(crate) struct IdleEvent(sys::CUevent);
 // SAFETY: an idle event is a driver handle nobody uses until it leaves the pool.
 unsafe impl Send for IdleEvent {}
 
-/// The three kinds of pooled event (each kind has its own pool).
+/// The kinds of pooled event (each kind has its own pool).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
     /// Timing disabled.
     Plain,
     /// Timing disabled, interprocess.
     Ipc,
-    /// Timing disabled, blocking sync: a thread that synchronizes on it sleeps instead of
-    /// spinning (what the device's watcher waits on, [`super::watch`]).
-    Blocking,
 }
 
 /// A CUDA event from a device's pool (timing disabled; interprocess when asked for). It goes
@@ -69,12 +66,11 @@ impl Gpu {
         match kind {
             Kind::Plain => &self.events,
             Kind::Ipc => &self.ipc_events,
-            Kind::Blocking => &self.blocking_events,
         }
     }
 
     /// An event of `kind` from its pool (created if the pool is empty).
-    pub(crate) fn event_of(self: &Arc<Self>, kind: Kind) -> crate::Result<Event> {
+    fn event_of(self: &Arc<Self>, kind: Kind) -> crate::Result<Event> {
         let reused = self
             .event_pool(kind)
             .lock()
@@ -88,7 +84,6 @@ impl Gpu {
                 flags |= match kind {
                     Kind::Plain => 0,
                     Kind::Ipc => sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32,
-                    Kind::Blocking => sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32,
                 };
                 let mut raw = std::ptr::null_mut();
                 // SAFETY: the context is current; the call writes `raw`.

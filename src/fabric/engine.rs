@@ -108,6 +108,8 @@ pub struct Stats {
     pub registrations: u64,
     /// Buffers registered now.
     pub registered: usize,
+    /// Bytes moved by successful operations (sent and received).
+    pub bytes: u64,
 }
 
 /// Room the provider may use in an op's context (`FI_CONTEXT2`: 8 pointers), then our index.
@@ -577,6 +579,7 @@ impl Engine {
                 None
             }
             (Ok(n), None) => {
+                self.stats.bytes += n as u64;
                 l.state = State::Done(Ok(n));
                 None
             }

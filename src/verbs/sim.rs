@@ -63,6 +63,8 @@ impl Mr {
 /// One queue pair's state inside the fabric.
 struct Slot {
     pd: u64,
+    /// The device's LID (its index + 1): which device's counter its bytes go to.
+    lid: u16,
     caps: QpCaps,
     state: QpState,
     remote: Option<u32>,
@@ -122,6 +124,8 @@ struct Fabric {
     next_qpn: u32,
     next_key: u32,
     next_pd: u64,
+    /// Bytes moved by requests of each device's queue pairs, by LID.
+    moved: HashMap<u16, u64>,
 }
 
 fn fabric() -> MutexGuard<'static, Fabric> {
@@ -179,9 +183,9 @@ impl Fabric {
         if len > MAX_OP_BYTES || (len > 0 && len < MIN_OP_BYTES) {
             return Outcome::Done(Status::LocalLength);
         }
-        let (pd, remote, rnr_retry) = {
+        let (pd, remote, rnr_retry, lid) = {
             let s = &self.qps[&qpn];
-            (s.pd, s.remote, s.caps.rnr_retry)
+            (s.pd, s.remote, s.caps.rnr_retry, s.lid)
         };
         if !self.local_ok(pd, &wr.local) {
             return Outcome::Done(Status::LocalProtection);
@@ -270,6 +274,7 @@ impl Fabric {
             unsafe {
                 std::ptr::copy(src as *const u8, dst as *mut u8, len as usize);
             }
+            *self.moved.entry(lid).or_default() += len;
         }
         if let Some(recv) = recv {
             peer_slot.complete(Completion {
@@ -459,6 +464,7 @@ impl SimDevice {
             qpn,
             Slot {
                 pd: self.pd,
+                lid: self.port().lid,
                 caps,
                 state: QpState::Init,
                 remote: None,
@@ -663,6 +669,27 @@ impl Drop for SimQp {
             f.progress(peer);
         }
     }
+}
+
+/// Bytes moved so far (sends, writes, reads) by requests posted on queue pairs of simulated
+/// device `sim<index>`, in this process: a per-device counter for tests of striping.
+pub fn bytes_moved(index: usize) -> u64 {
+    let lid = index as u16 + 1;
+    fabric().moved.get(&lid).copied().unwrap_or(0)
+}
+
+/// The queue pairs alive on simulated device `sim<index>` (numbers), for tests that inject
+/// faults on one device.
+pub fn queue_pairs_of(index: usize) -> Vec<u32> {
+    let lid = index as u16 + 1;
+    let mut v: Vec<u32> = fabric()
+        .qps
+        .iter()
+        .filter(|(_, s)| s.lid == lid)
+        .map(|(q, _)| *q)
+        .collect();
+    v.sort_unstable();
+    v
 }
 
 /// The queue pairs alive on the simulated fabric (numbers), for tests that inject faults.

@@ -490,3 +490,54 @@ pub fn example(name: &str) -> std::path::PathBuf {
     );
     path
 }
+
+/// `n` checked messages from `tx` to `rx`, their (payload sizes, tensor sizes) drawn by `shape`
+/// from an `Rng` seeded with `seed`, up to `window` writes in flight: each arrives intact and in
+/// order, and writes complete in order (their ids counted from the first completion, so `tx`
+/// may have written before). Returns the tensor bytes sent.
+pub async fn random_stream(
+    tx: &Addr<Pipe>,
+    rx: &Addr<Pipe>,
+    n: u64,
+    window: u64,
+    seed: u64,
+    mut shape: impl FnMut(&mut Rng) -> (Vec<usize>, Vec<usize>),
+) -> u64 {
+    let (done_to, mut done) = inbox::<WriteDone>();
+    let mut total = 0;
+    let writer = async {
+        let mut rng = Rng(seed);
+        let mut next = 0;
+        let mut base = None;
+        for i in 0..n {
+            let (payloads, tensors) = shape(&mut rng);
+            total += tensors.iter().sum::<usize>() as u64;
+            tx.do_send(Write::new(checked_message(i, &payloads, &tensors)).notify(done_to.clone()));
+            while i + 1 - next >= window || (i == n - 1 && next < n) {
+                let d = done.recv().await.unwrap();
+                let base = *base.get_or_insert(d.id);
+                assert_eq!(d.id - base, next, "write completions in order");
+                d.result.expect("write");
+                next += 1;
+            }
+        }
+    };
+    let reader = async {
+        for i in 0..n {
+            assert_eq!(verify(&read_one(rx).await.expect("read")), i);
+        }
+    };
+    tokio::join!(writer, reader);
+    total
+}
+
+/// Asserts that `p` runs on `transport` and has negotiated `channel`.
+pub async fn check_backends(p: &Addr<Pipe>, transport: &str, channel: &str) {
+    let info = p.send(GetInfo).await.unwrap();
+    assert_eq!(info.transport, transport);
+    assert!(
+        info.channels.iter().any(|c| c.name == channel),
+        "{:?}",
+        info.channels
+    );
+}

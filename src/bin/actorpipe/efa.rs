@@ -35,7 +35,12 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
     for provider in &args.providers {
         for &size in &args.sizes.0 {
             let counts = Counts::for_size(size, args.iters, None);
-            let mut rows = ["raw", "actor", "transport", "channel"].map(|n| (n, Samples::new()));
+            let mut rows =
+                ["raw", "actor", "transport", "channel", "striped"].map(|n| (n, Samples::new()));
+            // The striped row only where the provider lists several domains.
+            let domains = actorpipe::actors::fabric::transport::Efa::new(provider)
+                .domains()
+                .map_or(0, |d| d.len());
             for _ in 0..args.rounds {
                 rows[0]
                     .1
@@ -51,6 +56,12 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
                 rows[3]
                     .1
                     .extend(crate::efa_pipe::round(c, provider, size, counts)?);
+                if domains > 1 {
+                    let s = crate::efa_pipe::Row::Striped;
+                    rows[4]
+                        .1
+                        .extend(crate::efa_pipe::round(s, provider, size, counts)?);
+                }
             }
             let Some(raw) = Summary::of(&rows[0].1) else {
                 continue;

@@ -4,7 +4,9 @@
 //! - `transport`: the `efa` transport with the `basic` channel (the tensor's bytes travel on the
 //!   control stream: copied into and out of the stream's bounce buffers);
 //! - `channel`: the `efa` transport with the `efa` channel (the tensor goes from the sender's
-//!   buffer into the receiver's, in place).
+//!   buffer into the receiver's, in place);
+//! - `striped`: the same with the channel on every domain of the provider (tensors over 64 KiB
+//!   striped over them), where it lists two or more.
 //!
 //! Both use the public API only ([`crate::bench`]'s echo server and client, `--api awaited`).
 
@@ -26,6 +28,8 @@ pub enum Row {
     Transport,
     /// `efa` transport, `efa` channel.
     Channel,
+    /// `efa` transport, `efa` channel on every domain of the provider.
+    Striped,
 }
 
 impl Row {
@@ -36,13 +40,16 @@ impl Row {
                 .transport(Arc::new(Efa::new(provider)))
                 .only_channels(&["basic"]),
             Row::Channel => b.efa(provider).only_channels(&["efa", "basic"]),
+            Row::Striped => b
+                .efa_domains(provider, &[])
+                .only_channels(&["efa", "basic"]),
         }
     }
 
     fn channel(self) -> &'static str {
         match self {
             Row::Transport => "basic",
-            Row::Channel => "efa",
+            Row::Channel | Row::Striped => "efa",
         }
     }
 }

@@ -387,7 +387,8 @@ impl Rdma {
         self.match_requests();
     }
 
-    /// Receives a tensor of at least 32 bytes into `buffer` (owned host bytes, or GPU memory):
+    /// Receives a tensor of at least 32 bytes into `buffer` (owned host bytes, a region of a buffer
+    /// held elsewhere (a stripe), or GPU memory):
     /// registers it and asks the peer.
     pub fn recv(&mut self, seq: u64, index: u32, buffer: impl Into<RdmaBuf>) {
         let mut buffer = buffer.into();
@@ -395,8 +396,8 @@ impl Rdma {
             let result = Err(e.clone());
             return self.finish(false, seq, index, buffer, result);
         }
-        if matches!(buffer, RdmaBuf::Host(Memory::Shared(_) | Memory::Region(_))) {
-            let e = Error::invalid("an ibv channel read into memory it does not own");
+        if matches!(buffer, RdmaBuf::Host(Memory::Shared(_))) {
+            let e = Error::protocol("receiving into shared, read-only bytes", &self.origin);
             return self.finish(false, seq, index, buffer, Err(e));
         }
         if (buffer.len() as u64) < MIN_OP_BYTES {
@@ -410,8 +411,9 @@ impl Rdma {
             self.finish(false, seq, index, buffer, Err(e.clone()));
             return self.fail(e);
         }
-        // SAFETY: the buffer stays in `reading` (its heap block or device memory never moves)
-        // until the lease is dropped, which happens before the buffer is handed back.
+        // SAFETY: the buffer stays in `reading` (an owned heap block or device memory never
+        // moves; a region's bytes stay with their holder until this one comes back) until the
+        // lease is dropped, which happens before the buffer is handed back.
         let lease = match unsafe { buffer.lease(&self.caches.recv) } {
             Ok(l) => l,
             Err(e) => {

@@ -76,7 +76,7 @@ fn tensors_land_in_the_receivers_buffer_and_their_registrations_go_first() {
     let mut p = pair(QpCaps::default());
     let sizes = [32usize, 33, 4096, 1 << 20, (1 << 20) + 7];
     for (i, &n) in sizes.iter().enumerate() {
-        p.b.recv(i as u64, 0, vec![0u8; n]);
+        p.b.recv(i as u64, 0, Memory::Owned(vec![0u8; n]));
         // While the read is pending its buffer is registered for the peer.
         assert!(!p.caches_b.recv.is_empty());
         p.a.send(i as u64, 0, Memory::Owned(pattern(n, i as u8)));
@@ -114,7 +114,7 @@ fn a_returned_buffer_is_out_of_the_peers_reach() {
     // SAFETY: `buffer` outlives the lease, dropped below before the buffer moves on.
     let lease = unsafe { p.caches_b.recv.lease(buffer.as_mut_ptr(), 64) }.unwrap();
     let (addr, rkey) = (buffer.as_ptr() as u64, lease.mr.rkey());
-    p.b.recv(0, 0, buffer);
+    p.b.recv(0, 0, Memory::Owned(buffer));
     drop(lease);
     p.a.send(0, 0, Memory::Owned(pattern(64, 1)));
     let (_, fb) = p.pump();
@@ -151,7 +151,7 @@ fn a_send_queue_of_depth_one_backlogs_and_keeps_order() {
         ..QpCaps::default()
     });
     for i in 0..20u64 {
-        p.b.recv(i, 0, vec![0u8; 100 + i as usize]);
+        p.b.recv(i, 0, Memory::Owned(vec![0u8; 100 + i as usize]));
     }
     for i in 0..20u64 {
         p.a.send(i, 0, Memory::Owned(pattern(100 + i as usize, i as u8)));
@@ -170,13 +170,13 @@ fn a_send_queue_of_depth_one_backlogs_and_keeps_order() {
 #[test]
 fn an_errored_queue_pair_fails_every_tensor_and_frees_every_registration() {
     let mut p = pair(QpCaps::default());
-    p.b.recv(0, 0, vec![0u8; 64]);
+    p.b.recv(0, 0, Memory::Owned(vec![0u8; 64]));
     p.a.send(0, 0, Memory::Owned(pattern(64, 0)));
     let (fa, fb) = p.pump();
     assert!(fa[0].result.is_ok() && fb[0].result.is_ok());
     // Three reads asked for, two sends queued: then a's queue pair breaks.
     for i in 1..4 {
-        p.b.recv(i, 0, vec![0u8; 4096]);
+        p.b.recv(i, 0, Memory::Owned(vec![0u8; 4096]));
     }
     assert!(sim::inject_error(p.a.qp.endpoint().qpn));
     for i in 1..3 {
@@ -208,7 +208,7 @@ fn an_errored_queue_pair_fails_every_tensor_and_frees_every_registration() {
 #[test]
 fn a_request_for_the_wrong_tensor_is_a_protocol_error() {
     let mut p = pair(QpCaps::default());
-    p.b.recv(5, 1, vec![0u8; 64]);
+    p.b.recv(5, 1, Memory::Owned(vec![0u8; 64]));
     p.a.send(5, 0, Memory::Owned(pattern(64, 0)));
     let (fa, fb) = p.pump();
     let e = fa[0].result.as_ref().unwrap_err();
@@ -226,7 +226,41 @@ fn a_request_for_the_wrong_tensor_is_a_protocol_error() {
 #[test]
 fn tensors_under_the_minimum_are_refused() {
     let mut p = pair(QpCaps::default());
-    p.b.recv(0, 0, vec![0u8; 31]);
+    p.b.recv(0, 0, Memory::Owned(vec![0u8; 31]));
     let f: Vec<_> = p.b.take_done().collect();
     assert_eq!(f[0].result.as_ref().unwrap_err().class(), "protocol");
+}
+
+#[test]
+fn further_devices_pair_in_order_where_they_reach_each_other() {
+    use crate::transport::ibv::bootstrap::Hello;
+    use crate::verbs::{Endpoint, LinkLayer};
+    let hello = |link_layer, token: u8| Hello {
+        link_layer,
+        port: 1,
+        endpoint: Endpoint {
+            qpn: 1,
+            lid: 1,
+            gid: [token; 16],
+            psn: 0,
+        },
+        inbox_addr: 0,
+        inbox_rkey: 0,
+        inbox_cap: 0,
+    };
+    let ours = [
+        hello(LinkLayer::Simulated, 1),
+        hello(LinkLayer::Ethernet, 1),
+        hello(LinkLayer::Simulated, 2),
+        hello(LinkLayer::Simulated, 1),
+    ];
+    let theirs = [
+        hello(LinkLayer::Simulated, 1),
+        hello(LinkLayer::InfiniBand, 1),
+        hello(LinkLayer::Simulated, 1),
+    ];
+    // 0: same fabric; 1: link layers differ; 2: another process's simulation; 3: no partner.
+    assert_eq!(super::pair_further(&ours, &theirs), vec![0]);
+    assert_eq!(super::pair_further(&theirs, &ours), vec![0]);
+    assert!(super::pair_further(&[], &theirs).is_empty());
 }

@@ -114,6 +114,12 @@ impl Ibv {
         Ibv::with_source(Source::Simulated(0))
     }
 
+    /// The simulated device `sim<index>` of this process (a host with several HCAs: the `ibv`
+    /// channel's further devices, [`crate::channel::ibv::IbvChannel::with_devices`]).
+    pub fn simulated_device(index: usize) -> Ibv {
+        Ibv::with_source(Source::Simulated(index))
+    }
+
     /// Inbox ring size for connections of this side, a power of two between 4 KiB and 256 MiB.
     pub fn with_capacity(self, bytes: usize) -> Ibv {
         let bytes = bytes.clamp(MIN_CAPACITY, MAX_CAPACITY).next_power_of_two();
