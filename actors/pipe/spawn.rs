@@ -1,0 +1,290 @@
+//! Building a pipe: its channel actors, its control connection and the `Pipe` actor itself,
+//! from what the handshake negotiated.
+
+use super::*;
+
+/// Everything a pipe is built from: its control connection, what was negotiated, and each
+/// channel's own connections.
+pub(crate) struct PipeParts {
+    /// The peer's address on the bootstrap connection (the one users know it by).
+    pub peer: String,
+    pub control: Halves,
+    pub choice: Choice,
+    pub lanes: Vec<Vec<Halves>>,
+}
+
+/// The context's endpoint for a new pipe's `efa` channel.
+#[cfg(feature = "efa")]
+fn efa_port(config: &Config, origin: &Origin) -> crate::channel::efa::ChannelPort {
+    config
+        .channels
+        .iter()
+        .find_map(|(c, _)| c.fabric_port())
+        .unwrap_or_else(|| crate::channel::efa::ChannelPort {
+            endpoint: Err(Error::protocol(
+                "internal: the efa channel was negotiated but this context has none",
+                origin,
+            )),
+            extra: Vec::new(),
+            max_message: usize::MAX,
+        })
+}
+
+/// Builds the actors of a pipe and starts them.
+pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
+    let PipeParts {
+        peer,
+        control,
+        choice,
+        lanes,
+    } = parts;
+    let id = NEXT_PIPE_ID.fetch_add(1, Ordering::Relaxed);
+    let backend = format!(
+        "{}/{}",
+        choice.transport,
+        choice
+            .channels
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect::<Vec<_>>()
+            .join("+")
+    );
+    let origin = Origin::new(peer.clone(), backend).with_pipe(id);
+    let info = PipeInfo {
+        id,
+        peer,
+        local: control.local.clone(),
+        transport: choice.transport.clone(),
+        channels: choice
+            .channels
+            .iter()
+            .map(|c| ChannelInfo {
+                name: c.name.clone(),
+                devices: c.devices,
+            })
+            .collect(),
+        backend: origin.backend.clone(),
+        tensors_on_control: 0,
+        tensors_by_channel: 0,
+        closed: false,
+        fallbacks: 0,
+        connections: choice
+            .channels
+            .iter()
+            .zip(&lanes)
+            .flat_map(|(c, lanes)| {
+                lanes.iter().enumerate().map(|(i, h)| LaneInfo {
+                    channel: c.name.clone(),
+                    lane: i as u32,
+                    local: h.local.clone(),
+                    peer: h.peer.clone(),
+                })
+            })
+            .collect(),
+    };
+    let (conn, link) = Connection::start(
+        control.read,
+        control.write,
+        config.limits,
+        origin.clone(),
+        config.heartbeat,
+    );
+    let (reply, completions) = mpsc::unbounded_channel();
+    let fallbacks = Arc::new(AtomicU64::new(0));
+    #[cfg(feature = "cuda")]
+    let (cuda_reply, cuda_completions) = mpsc::unbounded_channel();
+    let chunk_size = config.chunk_size;
+    let mut kinds = Vec::new();
+    let channels = choice
+        .channels
+        .iter()
+        .zip(lanes)
+        .map(|(c, lanes)| {
+            let kind = match c.name.as_str() {
+                "xth" => ChannelKind::Xth { pipe: id },
+                "cma" => ChannelKind::Cma {
+                    threads: config.cma_threads,
+                    chunk_size,
+                    inline_max: config
+                        .cma_inline_max
+                        .unwrap_or_else(|| crate::channel::cma::inline_max(&choice.transport)),
+                },
+                "mpt" => ChannelKind::Mpt { chunk_size },
+                #[cfg(feature = "cuda")]
+                "cuda_xth" => ChannelKind::CudaXth { pipe: id },
+                #[cfg(feature = "cuda")]
+                "cuda_ipc" => ChannelKind::CudaIpc { pipe: id },
+                #[cfg(feature = "cuda")]
+                "cuda_basic" => ChannelKind::CudaBasic,
+                #[cfg(all(feature = "cuda", feature = "ibv"))]
+                "cuda_gdr" => ChannelKind::CudaGdr,
+                #[cfg(feature = "ibv")]
+                "ibv" => ChannelKind::Ibv {
+                    chunk_size,
+                    inline_max: ibv_backend(config)
+                        .map_or(crate::channel::ibv::MIN_INLINE, |b| b.inline_max()),
+                },
+                #[cfg(feature = "efa")]
+                "efa" => ChannelKind::Efa,
+                // Negotiation only offers what this build has; everything else is basic (and
+                // a channel of another device pair run as basic is never routed to: `Routes`).
+                _ => ChannelKind::Basic { chunk_size },
+            };
+            kinds.push(kind);
+            // The ibv and cuda_gdr channels bootstrap their queue pair over their lane
+            // themselves.
+            #[cfg(feature = "ibv")]
+            if let Some((backend, gdr)) = queue_pair_backend(kind, config) {
+                let channel = Channel::new(
+                    kind,
+                    Vec::new(),
+                    reply.clone(),
+                    origin.clone(),
+                    fallbacks.clone(),
+                )
+                .with_ibv(&backend, lanes);
+                #[cfg(feature = "cuda")]
+                let channel = match gdr {
+                    true => channel.with_gdr().with_cuda(cuda_reply.clone()),
+                    false => channel,
+                };
+                #[cfg(not(feature = "cuda"))]
+                let _ = gdr;
+                return channel.start();
+            }
+            let lanes = lanes
+                .into_iter()
+                .enumerate()
+                .map(|(i, h)| {
+                    Connection::start_lane(
+                        h.read,
+                        h.write,
+                        config.limits,
+                        origin.clone(),
+                        config.heartbeat,
+                        // Lanes that stripe tensors get cores of their own, but the first:
+                        // it carries every tensor too small to stripe, which then costs no
+                        // hop between threads, and the pipe's thread moves its share. cma's
+                        // side connections (acknowledgements) stay with the pipe.
+                        (i > 0 && matches!(kind, ChannelKind::Mpt { .. })).then_some(&config.io),
+                    )
+                })
+                .collect();
+            let channel = Channel::new(
+                kind,
+                lanes,
+                reply.clone(),
+                origin.clone(),
+                fallbacks.clone(),
+            );
+            #[cfg(feature = "cuda")]
+            let channel = match kind {
+                ChannelKind::CudaIpc { .. } => channel
+                    .with_cuda(cuda_reply.clone())
+                    .with_ipc(config.ipc.clone()),
+                k if k.carries_cuda() => channel.with_cuda(cuda_reply.clone()),
+                _ => channel,
+            };
+            #[cfg(feature = "efa")]
+            let channel = match kind {
+                ChannelKind::Efa => channel.with_fabric(efa_port(config, &origin)),
+                _ => channel,
+            };
+            channel.start()
+        })
+        .collect();
+    let cpu_channel = choice.channel_for(DevicePair::CPU).unwrap_or(0);
+    let cpu_kind = kinds
+        .get(cpu_channel)
+        .copied()
+        .unwrap_or(ChannelKind::Basic { chunk_size });
+    let routes = Routes::new(&choice, &kinds, cpu_channel);
+    let span = tracing::info_span!("pipe", id, peer = %info.peer, backend = %origin.backend);
+    span.in_scope(|| tracing::debug!("pipe open"));
+    let cpu_name = choice
+        .channels
+        .get(cpu_channel)
+        .map_or("none", |c| c.name.as_str());
+    let metrics = PipeMetrics::open(&choice.transport, cpu_name);
+    Pipe {
+        metrics,
+        span,
+        id,
+        origin,
+        info,
+        limits: config.limits,
+        cpu_channel,
+        cpu_kind,
+        routes,
+        route_buf: Vec::new(),
+        #[cfg(feature = "cuda")]
+        cuda_completions: Some(cuda_completions),
+        #[cfg(feature = "cuda")]
+        ipc: kinds
+            .iter()
+            .any(|k| matches!(k, ChannelKind::CudaIpc { .. }))
+            .then(|| config.ipc.clone()),
+        #[cfg(feature = "cuda")]
+        ipc_out: Vec::new(),
+        conn: Some((conn, link)),
+        channels,
+        fallbacks,
+        sent_on_control: 0,
+        sent_by_channel: 0,
+        reply: Some(reply),
+        completions: Some(completions),
+        error: None,
+        closed_sent: false,
+        subscribers: Vec::new(),
+        closers: Vec::new(),
+        draining: None,
+        reads_failed: false,
+        writes_failed: false,
+        writes: VecDeque::new(),
+        next_write_id: 0,
+        next_wire_seq: 0,
+        out_ticket: 0,
+        frames: Vec::new(),
+        batch: Vec::new(),
+        reads: VecDeque::new(),
+        read_cursor: 0,
+        next_read_id: 0,
+        in_ticket: 0,
+        expect_seq: 0,
+        prefetch: Prefetch::default(),
+        current: None,
+    }
+    .start()
+}
+
+/// The context's channel backend called `name`, as its concrete type.
+#[cfg(feature = "ibv")]
+fn backend_of<T: Clone + 'static>(config: &Config, name: &str) -> Option<T> {
+    config
+        .channels
+        .iter()
+        .find(|(c, _)| c.name() == name)
+        .and_then(|(c, _)| c.as_any()?.downcast_ref::<T>().cloned())
+}
+
+/// The context's `ibv` channel backend.
+#[cfg(feature = "ibv")]
+fn ibv_backend(config: &Config) -> Option<crate::channel::ibv::IbvChannel> {
+    backend_of(config, "ibv")
+}
+
+/// For a channel of `kind` that runs on an ibv queue pair: the ibv channel backend whose device
+/// it uses, and whether it carries CUDA tensors (`cuda_gdr`, whose instances share one).
+#[cfg(feature = "ibv")]
+fn queue_pair_backend(
+    kind: ChannelKind,
+    config: &Config,
+) -> Option<(crate::channel::ibv::IbvChannel, bool)> {
+    match kind {
+        ChannelKind::Ibv { .. } => ibv_backend(config).map(|b| (b, false)),
+        #[cfg(feature = "cuda")]
+        ChannelKind::CudaGdr => backend_of::<crate::channel::cuda_gdr::CudaGdr>(config, "cuda_gdr")
+            .map(|g| (g.ibv().clone(), true)),
+        _ => None,
+    }
+}
