@@ -127,33 +127,16 @@ impl Channel {
         } = m;
         let len = buffer.len() as usize;
         if let Some(e) = self.basic().failed.clone() {
-            return self.cuda_to_pipe(CudaDone::Wrote {
-                seq,
-                index,
-                buffer,
-                result: Err(e),
-            });
+            return self.cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Err(e)));
         }
         if len == 0 {
-            return self.cuda_to_pipe(CudaDone::Wrote {
-                seq,
-                index,
-                buffer,
-                result: Ok(()),
-            });
+            return self.cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Ok(())));
         }
         // The data-ready point on the tensor's stream, recorded now: the copies wait on it.
         let ready = match &buffer {
             Buffer::Cuda(b) => match b.gpu().recorded(b.stream()) {
                 Ok(e) => Some(e),
-                Err(e) => {
-                    return self.cuda_to_pipe(CudaDone::Wrote {
-                        seq,
-                        index,
-                        buffer,
-                        result: Err(e),
-                    })
-                }
+                Err(e) => return self.cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Err(e))),
             },
             _ => None,
         };
@@ -185,13 +168,12 @@ impl Channel {
         let len = buffer.len() as usize;
         let failed = self.basic().failed.clone();
         if len == 0 || failed.is_some() {
-            return self.cuda_to_pipe(CudaDone::Read {
+            return self.cuda_to_pipe(CudaDone::landed(
                 seq,
                 index,
                 buffer,
-                event: None,
-                result: failed.map_or(Ok(()), Err),
-            });
+                failed.map_or(Ok(()), Err),
+            ));
         }
         let chunks = match &buffer {
             Buffer::Cuda(_) => chunks(len),
@@ -493,12 +475,7 @@ impl Channel {
                 (None, Some(e)) if o.completed < o.chunks => Err(e),
                 _ => Ok(()),
             };
-            self.cuda_to_pipe(CudaDone::Wrote {
-                seq: o.seq,
-                index: o.index,
-                buffer: o.buffer,
-                result,
-            });
+            self.cuda_to_pipe(CudaDone::wrote(o.seq, o.index, o.buffer, result));
         }
         loop {
             let side = self.basic();
@@ -524,13 +501,7 @@ impl Channel {
         data_complete: bool,
         error: Option<Error>,
     ) {
-        let done = |buffer, event, result| CudaDone::Read {
-            seq,
-            index,
-            buffer,
-            event,
-            result,
-        };
+        let done = |buffer, event, result| CudaDone::read(seq, index, buffer, event, result);
         let stream = match (&buffer, &error) {
             (Buffer::Cuda(b), None) => b.stream().clone(),
             _ => return self.cuda_to_pipe(done(buffer, None, error.map_or(Ok(()), Err))),

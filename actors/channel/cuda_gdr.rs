@@ -137,13 +137,7 @@ fn landed(f: Finished, landing: Option<Landing>, reply: Option<&CudaReply>) {
     let Some(tx) = reply else {
         return tracing::error!("a cuda_gdr completion with no pipe queue to go to");
     };
-    let done = |buffer, event, result| CudaDone::Read {
-        seq,
-        index,
-        buffer,
-        event,
-        result,
-    };
+    let done = |buffer, event, result| CudaDone::read(seq, index, buffer, event, result);
     let Buffer::Cuda(c) = &mut buffer else {
         // Host memory: the bytes are in.
         return post(tx, CudaDone::landed(seq, index, buffer, result));

@@ -117,12 +117,7 @@ impl Channel {
             (None, _) => Err(self.ipc_missing()),
             (Some(_), None) => Err(self.misrouted()),
         };
-        self.cuda_to_pipe(CudaDone::Wrote {
-            seq,
-            index,
-            buffer,
-            result,
-        });
+        self.cuda_to_pipe(CudaDone::wrote(seq, index, buffer, result));
     }
 
     pub(super) fn recv_cuda_ipc(&mut self, m: RecvCuda, ctx: &mut Context<Self>) {
@@ -134,13 +129,7 @@ impl Channel {
             data_complete,
         } = m;
         let len = buffer.len();
-        let done = |buffer, event, result| CudaDone::Read {
-            seq,
-            index,
-            buffer,
-            event,
-            result,
-        };
+        let done = |buffer, event, result| CudaDone::read(seq, index, buffer, event, result);
         if len == 0 {
             return self.cuda_to_pipe(done(buffer, None, Ok(())));
         }
@@ -322,12 +311,7 @@ impl Channel {
                 c.lock().staging.put(s);
             }
         }
-        self.cuda_to_pipe(CudaDone::Wrote {
-            seq,
-            index,
-            buffer,
-            result,
-        });
+        self.cuda_to_pipe(CudaDone::wrote(seq, index, buffer, result));
     }
 
     /// The side connection is gone: every tensor waiting for an ack fails with `e`.

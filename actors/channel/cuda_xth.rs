@@ -108,6 +108,23 @@ impl CudaDone {
         }
     }
 
+    /// A received tensor's completion, with the event its copies were recorded in (if any).
+    pub(super) fn read(
+        seq: u64,
+        index: u32,
+        buffer: Buffer,
+        event: Option<(Event, Arc<CudaStream>)>,
+        result: Result<(), Error>,
+    ) -> Self {
+        CudaDone::Read {
+            seq,
+            index,
+            buffer,
+            event,
+            result,
+        }
+    }
+
     /// A received tensor's completion with nothing to wait on (landed, or failed).
     pub(super) fn landed(seq: u64, index: u32, buffer: Buffer, result: Result<(), Error>) -> Self {
         CudaDone::Read {
@@ -186,12 +203,7 @@ impl Channel {
                         Some(e),
                     ),
                     Err(e) => {
-                        return self.cuda_to_pipe(CudaDone::Wrote {
-                            seq,
-                            index,
-                            buffer,
-                            result: Err(e),
-                        })
+                        return self.cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Err(e)))
                     }
                 }
             }
@@ -218,15 +230,7 @@ impl Channel {
                 len,
                 ready,
                 on_free: Box::new(move |result| {
-                    post(
-                        &tx,
-                        CudaDone::Wrote {
-                            seq,
-                            index,
-                            buffer,
-                            result,
-                        },
-                    )
+                    post(&tx, CudaDone::wrote(seq, index, buffer, result))
                 }),
             },
         );
@@ -240,13 +244,7 @@ impl Channel {
             data,
             data_complete,
         } = m;
-        let refuse = |buffer, e| CudaDone::Read {
-            seq,
-            index,
-            buffer,
-            event: None,
-            result: Err(e),
-        };
+        let refuse = |buffer, e| CudaDone::landed(seq, index, buffer, Err(e));
         let Ok(sender) = <[u8; 8]>::try_from(data.as_slice()).map(u64::from_le_bytes) else {
             let e = Error::protocol("cuda_xth channel data is not a pipe id", &self.origin);
             return self.cuda_to_pipe(refuse(buffer, e));
@@ -277,12 +275,8 @@ impl Channel {
         let len = buffer.len() as usize;
         let on = stream.clone();
         let on_done = move |r: Result<Option<Event>, Error>| {
-            let done = move |event: Option<(Event, Arc<CudaStream>)>, result| CudaDone::Read {
-                seq,
-                index,
-                buffer,
-                event,
-                result,
+            let done = move |event: Option<(Event, Arc<CudaStream>)>, result| {
+                CudaDone::read(seq, index, buffer, event, result)
             };
             match (r, on) {
                 (Ok(Some(ev)), Some(stream)) if data_complete => {
@@ -343,12 +337,12 @@ impl Handler<SendCuda> for Channel {
             ChannelKind::CudaBasic => self.send_cuda_basic(m, ctx),
             #[cfg(feature = "ibv")]
             ChannelKind::CudaGdr => self.send_cuda_gdr(m, ctx),
-            _ => self.cuda_to_pipe(CudaDone::Wrote {
-                seq: m.seq,
-                index: m.index,
-                buffer: m.buffer,
-                result: Err(self.not_cuda()),
-            }),
+            _ => self.cuda_to_pipe(CudaDone::wrote(
+                m.seq,
+                m.index,
+                m.buffer,
+                Err(self.not_cuda()),
+            )),
         }
         self.poll_own(ctx);
     }
@@ -364,13 +358,12 @@ impl Handler<RecvCuda> for Channel {
             ChannelKind::CudaBasic => self.recv_cuda_basic(m, ctx),
             #[cfg(feature = "ibv")]
             ChannelKind::CudaGdr => self.recv_cuda_gdr(m, ctx),
-            _ => self.cuda_to_pipe(CudaDone::Read {
-                seq: m.seq,
-                index: m.index,
-                buffer: m.buffer,
-                event: None,
-                result: Err(self.not_cuda()),
-            }),
+            _ => self.cuda_to_pipe(CudaDone::landed(
+                m.seq,
+                m.index,
+                m.buffer,
+                Err(self.not_cuda()),
+            )),
         }
         self.poll_own(ctx);
     }

@@ -232,6 +232,17 @@ impl RemoteEvent {
         })
     }
 
+    /// Whether the peer's last recorded work has completed (`cuEventQuery`), without waiting.
+    pub fn is_complete(&self) -> crate::Result<bool> {
+        self.gpu.bind()?;
+        // SAFETY: the handle is alive.
+        match unsafe { sys::cuEventQuery(self.raw) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => check("cuEventQuery", other).map(|_| false),
+        }
+    }
+
     /// Blocks until the peer's last recorded work has completed.
     pub fn synchronize(&self) -> crate::Result<()> {
         self.gpu.bind()?;

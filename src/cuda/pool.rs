@@ -17,21 +17,12 @@ pub(crate) struct IdleEvent(sys::CUevent);
 // SAFETY: an idle event is a driver handle nobody uses until it leaves the pool.
 unsafe impl Send for IdleEvent {}
 
-/// The kinds of pooled event (each kind has its own pool).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kind {
-    /// Timing disabled.
-    Plain,
-    /// Timing disabled, interprocess.
-    Ipc,
-}
-
 /// A CUDA event from a device's pool (timing disabled; interprocess when asked for). It goes
 /// back to the pool when dropped.
 pub struct Event {
     raw: sys::CUevent,
     gpu: Arc<Gpu>,
-    kind: Kind,
+    ipc: bool,
 }
 
 // SAFETY: a CUevent is a driver handle usable from any thread once its context is current, which
@@ -58,33 +49,16 @@ impl Gpu {
     /// An event from this device's pool (created if the pool is empty). `ipc` asks for an
     /// interprocess event, whose handle another process can open ([`super::ipc::export_event`]).
     pub fn event(self: &Arc<Self>, ipc: bool) -> crate::Result<Event> {
-        self.event_of(if ipc { Kind::Ipc } else { Kind::Plain })
-    }
-
-    /// The pool of events of `kind`.
-    fn event_pool(&self, kind: Kind) -> &std::sync::Mutex<Vec<IdleEvent>> {
-        match kind {
-            Kind::Plain => &self.events,
-            Kind::Ipc => &self.ipc_events,
-        }
-    }
-
-    /// An event of `kind` from its pool (created if the pool is empty).
-    fn event_of(self: &Arc<Self>, kind: Kind) -> crate::Result<Event> {
-        let reused = self
-            .event_pool(kind)
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop();
+        let pool = if ipc { &self.ipc_events } else { &self.events };
+        let reused = pool.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let raw = match reused {
             Some(IdleEvent(raw)) => raw,
             None => {
                 self.bind()?;
                 let mut flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-                flags |= match kind {
-                    Kind::Plain => 0,
-                    Kind::Ipc => sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32,
-                };
+                if ipc {
+                    flags |= sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32;
+                }
                 let mut raw = std::ptr::null_mut();
                 // SAFETY: the context is current; the call writes `raw`.
                 check("cuEventCreate", unsafe {
@@ -97,7 +71,7 @@ impl Gpu {
         Ok(Event {
             raw,
             gpu: self.clone(),
-            kind,
+            ipc,
         })
     }
 
@@ -142,7 +116,7 @@ impl Event {
 
     /// Whether it is an interprocess event.
     pub fn is_ipc(&self) -> bool {
-        self.kind == Kind::Ipc
+        self.ipc
     }
 
     /// Captures the work queued on `stream` so far (a stream of this event's device).
@@ -189,11 +163,12 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        let mut pool = self
-            .gpu
-            .event_pool(self.kind)
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let pool = if self.ipc {
+            &self.gpu.ipc_events
+        } else {
+            &self.gpu.events
+        };
+        let mut pool = pool.lock().unwrap_or_else(|p| p.into_inner());
         if pool.len() < EVENTS_KEPT {
             pool.push(IdleEvent(self.raw));
         } else {
