@@ -334,6 +334,7 @@ mod tests {
                 reply,
                 more: 0,
                 carried: Carried::Nothing,
+                catch: None,
             },
             gone,
         );

@@ -510,6 +510,10 @@ pub struct PipeInfo {
     pub tensors_on_control: u64,
     /// Tensors this side handed to the channel itself (`xth`, `cma`, `mpt`).
     pub tensors_by_channel: u64,
+    /// `Receive`s the connection's read loop completed itself, without a turn of the pipe's
+    /// task: those for self-contained messages (payloads of at most 16 KiB in all, no tensors)
+    /// that were waiting when their message arrived (docs/architecture.md, "Read path").
+    pub received_by_read_loop: u64,
     /// Whether the pipe is closed.
     pub closed: bool,
     /// Tensors that had to fall back from their channel's fast path (cma reads refused by the

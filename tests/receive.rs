@@ -189,3 +189,77 @@ async fn receive_deadline_closes_the_pipe() {
     );
     assert!(rx.send(GetInfo).await.unwrap().closed);
 }
+
+/// A `Receive` waiting when a self-contained message arrives (payloads of at most 16 KiB, no
+/// tensors) is completed by the connection's read loop itself, with the message intact, its
+/// payload metadata, and the spare buffers reused; one whose message has a tensor, or whose
+/// payloads follow on the stream, is completed by the pipe as before. Over every stream
+/// transport the pipes negotiate here: shm (default) and tcp.
+#[actix::test]
+async fn waiting_receives_of_small_messages_are_completed_by_the_read_loop() {
+    let configs: [Setup; 2] = [("default", Context::builder), ("tcp+basic", tcp_basic)];
+    for (name, builder) in configs {
+        let (tx, rx, _s) = pair(builder(), builder()).await;
+        let shapes: [(&[usize], &[usize], bool); 5] = [
+            (&[64], &[], true),
+            (&[100, 0, 3], &[], true),
+            (&[], &[], true),
+            (&[64], &[100], false),
+            (&[20 << 10], &[], false),
+        ];
+        let mut spare = Allocation::default();
+        let mut caught = 0;
+        for i in 0..40u64 {
+            let (payloads, tensors, small) = shapes[i as usize % shapes.len()];
+            // The Receive reaches the pipe (and waits) before the message is written.
+            let receive = rx.send(Receive::reusing(spare));
+            for _ in 0..3 {
+                tokio::task::yield_now().await;
+            }
+            tx.do_send(Write::new(checked_message(i, payloads, tensors)));
+            let done = within(10, "a Receive", receive).await.unwrap();
+            done.result.unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(verify(&done.message), i, "{name}: message {i}");
+            for (j, p) in done.message.payloads.iter().enumerate() {
+                assert_eq!(p.metadata, format!("p{j}").into_bytes(), "{name}: {i}");
+            }
+            caught += u64::from(small);
+            let info = rx.send(GetInfo).await.unwrap();
+            assert_eq!(
+                info.received_by_read_loop, caught,
+                "{name}: message {i} ({payloads:?}, {tensors:?})"
+            );
+            spare = Allocation::from(done.message);
+        }
+    }
+}
+
+/// A `Receive` waiting in the read loop's hands fails with the pipe when the peer goes, with its
+/// spare buffers handed back, and the `Receive` behind it fails next, in order.
+#[actix::test]
+async fn a_waiting_receive_fails_with_the_pipe_in_order() {
+    let (tx, rx, _s) = pair(tcp_basic(), tcp_basic()).await;
+    let (to, mut reads) = inbox::<ReadDone>();
+    let to = std::sync::Arc::new(to);
+    let spare = Allocation {
+        payloads: vec![vec![9; 32]],
+        tensors: vec![],
+    };
+    rx.do_send(Receive::reusing(spare).notify_shared(&to));
+    rx.do_send(Receive::new().notify_shared(&to));
+    tokio::task::yield_now().await;
+    tx.send(Close::because("test over")).await.unwrap();
+    for id in 0..2 {
+        let done = within(10, "a waiting Receive", reads.recv()).await.unwrap();
+        assert_eq!(done.id, id, "in issue order");
+        assert!(
+            matches!(done.result, Err(Error::PeerClosed { .. })),
+            "{:?}",
+            done.result
+        );
+        if id == 0 {
+            assert_eq!(done.message.payloads[0].data, vec![9; 32], "buffers back");
+        }
+    }
+    assert_eq!(rx.send(GetInfo).await.unwrap().received_by_read_loop, 0);
+}

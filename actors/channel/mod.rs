@@ -268,6 +268,7 @@ impl Channel {
                 reply,
                 more: 0,
                 carried: Carried::Nothing,
+                catch: None,
             },
             lane_gone,
         );

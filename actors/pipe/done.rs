@@ -34,7 +34,10 @@ impl Pipe {
                 self.tensor_written(seq, index, memory.into_buffer(), result);
             }
             Done::Frame {
-                result, payloads, ..
+                result,
+                payloads,
+                caught,
+                ..
             } => {
                 let outcome = result.and_then(|f| match f {
                     Frame::Descriptor(mut wd) => self.check_descriptor(&mut wd).map(|_| wd),
@@ -57,11 +60,13 @@ impl Pipe {
                         // More of this message is on the stream: nothing can be read ahead
                         // before its `Read` has queued those reads.
                         self.prefetch.blocked = !whole;
-                        self.prefetch.ready.push_back(Incoming {
-                            wd,
-                            payloads,
-                            inline,
-                        });
+                        if !caught {
+                            self.prefetch.ready.push_back(Incoming {
+                                wd,
+                                payloads,
+                                inline,
+                            });
+                        }
                         debug_assert!(self.prefetch.ready.len() <= MAX_PREFETCH);
                         self.advance_reads();
                         self.arm_prefetch();

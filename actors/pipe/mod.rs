@@ -97,12 +97,19 @@ enum PendingRead {
         /// CUDA tensors complete once landed ([`Read::data_complete`]).
         data_complete: bool,
     },
+    /// A `Receive` parked for the read loop ([`catch`]); once the loop has completed it, when
+    /// it was issued and the bytes it read (for the metrics).
+    Caught {
+        id: u64,
+        delivered: Option<(Option<Instant>, u64)>,
+    },
 }
 
 impl PendingRead {
     fn finished(&self) -> bool {
         match self {
             PendingRead::Descriptor { result, .. } => result.is_some(),
+            PendingRead::Caught { delivered, .. } => delivered.is_some(),
             PendingRead::Read { state, .. } => match state {
                 ReadState::Waiting(_) | ReadState::Receiving(_) => false,
                 ReadState::Running {
@@ -188,6 +195,10 @@ pub struct Pipe {
     expect_seq: u64,
     prefetch: Prefetch,
     current: Option<Incoming>,
+    /// Where a `Receive` waits for the read loop to complete it ([`catch`]).
+    catcher: Arc<catch::Catcher>,
+    /// One past the last message the read loop delivered itself.
+    caught_through: u64,
 }
 
 /// A descriptor read ahead, with its payloads' bytes (and its small tensors') if they were read
@@ -438,6 +449,30 @@ impl Pipe {
                 });
                 self.advance_reads();
             }
+            PendingOp::Read(ReadState::Receiving(spare), None, data_complete, completer) => {
+                let id = self.next_read_id;
+                self.next_read_id += 1;
+                self.metrics.issued(OpKind::Read);
+                let parked = catch::Parked {
+                    id,
+                    seq: 0,
+                    since: self.metrics.start(),
+                    spare,
+                    data_complete,
+                    completer,
+                };
+                if let Err(p) = self.try_park(parked) {
+                    self.reads.push_back(PendingRead::Read {
+                        id,
+                        since: p.since,
+                        completer: p.completer,
+                        message: Message::default(),
+                        state: ReadState::Receiving(p.spare),
+                        data_complete,
+                    });
+                    self.advance_reads();
+                }
+            }
             PendingOp::Read(state, deadline, data_complete, completer) => {
                 let id = self.next_read_id;
                 if let Some(d) = deadline {
@@ -616,6 +651,7 @@ impl Handler<GetInfo> for Pipe {
     }
 }
 
+mod catch;
 mod completion;
 #[cfg(feature = "cuda")]
 mod cuda;

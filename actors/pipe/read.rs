@@ -24,6 +24,7 @@ impl Pipe {
                 reply: reply.clone(),
                 more,
                 carried: self.cpu_kind.carried(),
+                catch: Some(self.catcher.clone()),
             },
             self.link_gone(),
         );
@@ -88,6 +89,7 @@ impl Pipe {
 
     pub(super) fn try_start(&mut self, op: &mut PendingRead) -> bool {
         match op {
+            PendingRead::Caught { .. } => self.try_start_caught(op),
             PendingRead::Descriptor { result, .. } => {
                 if let Some(e) = &self.error {
                     *result = Some(Err(e.clone()));
@@ -339,6 +341,13 @@ impl Pipe {
             let op = self.reads.pop_front().expect("front exists");
             self.read_cursor -= 1;
             match op {
+                PendingRead::Caught { id, delivered } => {
+                    // The read loop completed it (`catch`).
+                    let (since, bytes) = delivered.expect("finished");
+                    self.metrics.finished(OpKind::Read, since, Ok(bytes));
+                    self.info.received_by_read_loop += 1;
+                    tracing::trace!(parent: &self.span, id, "read done by the read loop");
+                }
                 PendingRead::Descriptor {
                     id,
                     since,

@@ -66,6 +66,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         backend: origin.backend.clone(),
         tensors_on_control: 0,
         tensors_by_channel: 0,
+        received_by_read_loop: 0,
         closed: false,
         fallbacks: 0,
         connections: choice
@@ -253,6 +254,8 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         expect_seq: 0,
         prefetch: Prefetch::default(),
         current: None,
+        catcher: Arc::new(super::catch::Catcher::new()),
+        caught_through: 0,
     }
     .start()
 }

@@ -31,6 +31,24 @@ use crate::error::{Error, Origin};
 use crate::message::{Descriptor, Payload};
 use crate::wire::{self, ChunkHeader, Frame, FrameKind, Limits, WireDescriptor, LEN_PREFIX};
 
+/// Takes a self-contained message straight from the read loop, so that the application's
+/// `Receive` completes without a trip through the pipe's task (docs/architecture.md, read path).
+pub trait Catch: Send + Sync {
+    /// Offered every [`self_contained`] descriptor with the bytes read with it. Takes the message
+    /// (its descriptor's parts and the bytes, as it needs) and returns true; or leaves both as
+    /// they were and returns false, and the frame goes to the owner as usual.
+    fn catch(&self, wd: &mut WireDescriptor, bytes: &mut Vec<u8>) -> bool;
+}
+
+impl std::fmt::Debug for dyn Catch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Catch")
+    }
+}
+
+/// A shared [`Catch`], as [`InOp::Frame`] carries it.
+pub type Catcher = std::sync::Arc<dyn Catch>;
+
 /// Where a loop sends completions.
 pub type Reply = mpsc::UnboundedSender<Done>;
 
@@ -300,6 +318,8 @@ pub enum InOp {
         more: u32,
         /// Which tensors of a descriptor follow it on this stream (see [`inline_len`]).
         carried: Carried,
+        /// Offered each self-contained descriptor before it goes to `reply` (see [`Catch`]).
+        catch: Option<Catcher>,
     },
     /// Raw bytes exactly filling each buffer, in order.
     Payloads {
@@ -362,6 +382,9 @@ pub enum Done {
         /// the other, then those of the carried tensors if they were read too
         /// ([`inline_len`]). Empty otherwise.
         payloads: Vec<u8>,
+        /// The operation's [`Catch`] took the message: the descriptor holds only what the
+        /// catcher left of it (its sequence number at least), and `payloads` is empty.
+        caught: bool,
     },
     /// [`InOp::Payloads`] finished.
     Payloads {
@@ -454,6 +477,7 @@ impl InOp {
                     ticket,
                     result: Err(e),
                     payloads: Vec::new(),
+                    caught: false,
                 },
             ),
             op => op.complete(Err(e)),
@@ -480,6 +504,7 @@ impl Ticketed for InOp {
                     result: result
                         .and_then(|_| Err(Error::invalid("frame read completed without a frame"))),
                     payloads: Vec::new(),
+                    caught: false,
                 },
             ),
             InOp::Payloads {

@@ -215,21 +215,26 @@ pub async fn read_loop(
         };
         match (result, op) {
             (
-                Ok(Some((frame, payloads))),
+                Ok(Some((mut frame, mut payloads))),
                 InOp::Frame {
                     ticket,
                     reply,
                     more,
                     carried,
+                    catch,
                 },
             ) => {
-                let go_on = more > 0
-                    && matches!(&frame, Frame::Descriptor(wd) if self_contained(wd, carried));
-                let next = go_on.then(|| InOp::Frame {
+                let whole = matches!(&frame, Frame::Descriptor(wd) if self_contained(wd, carried));
+                let caught = match (&catch, &mut frame) {
+                    (Some(c), Frame::Descriptor(wd)) if whole => c.catch(wd, &mut payloads),
+                    _ => false,
+                };
+                let next = (more > 0 && whole).then(|| InOp::Frame {
                     ticket: ticket + 1,
                     reply: reply.clone(),
                     more: more - 1,
                     carried,
+                    catch,
                 });
                 send(
                     &reply,
@@ -237,6 +242,7 @@ pub async fn read_loop(
                         ticket,
                         result: Ok(frame),
                         payloads,
+                        caught,
                     },
                 );
                 if let Some(Err(op)) = next.map(|op| seq.push(ticket + 1, op)) {

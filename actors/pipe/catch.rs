@@ -1,0 +1,223 @@
+//! The read loop's shortcut: a `Receive` waiting for the next message, when that message is
+//! self-contained (its payloads read with its frame, no tensors), is completed by the
+//! connection's read loop itself. The application's `ReadDone` then leaves as soon as the frame
+//! is decoded, without waiting for a poll of the pipe's task; the pipe catches up on the frame's
+//! bookkeeping (sequence number, prefetch tickets, metrics) when it next runs, which is usually
+//! together with the application's next operation.
+//!
+//! Order is kept: a `Receive` is *parked* here only when it is the pipe's only pending read, with
+//! no descriptor read ahead, and only the message with the next expected sequence number can
+//! take it. Whenever the pipe could start it itself (a descriptor arrived the usual way) or
+//! must fail it (the pipe failed), it takes it back first ([`Catcher::reclaim`]); the lock makes
+//! the two sides agree on who completed it, even with the read loop on another thread.
+
+use std::sync::{Mutex, MutexGuard};
+
+use super::*;
+use crate::transport::stream::Catch;
+
+/// A parked `Receive`.
+pub(super) struct Parked {
+    pub(super) id: u64,
+    /// The sequence number of the only message that may take it.
+    pub(super) seq: u64,
+    pub(super) since: Option<Instant>,
+    pub(super) spare: Option<Allocation>,
+    pub(super) data_complete: bool,
+    pub(super) completer: Completer<ReadDone>,
+}
+
+enum Slot {
+    Empty,
+    Parked(Parked),
+    /// The read loop completed it: (when it was issued, bytes read) for the pipe's metrics,
+    /// and the message's sequence number.
+    Delivered(Option<Instant>, u64, u64),
+}
+
+/// What the pipe finds when it looks for its parked `Receive`.
+pub(super) enum Reclaim {
+    /// Still waiting: the pipe has it back.
+    Parked(Parked),
+    /// The read loop completed it (see [`Slot::Delivered`]).
+    Delivered(Option<Instant>, u64, u64),
+    /// Nothing was parked.
+    Nothing,
+}
+
+/// One per pipe, shared with its read loop through [`InOp::Frame`]'s `catch`.
+pub(super) struct Catcher(Mutex<Slot>);
+
+impl Catcher {
+    pub(super) fn new() -> Catcher {
+        Catcher(Mutex::new(Slot::Empty))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Slot> {
+        // Nothing panics while holding it (completers only queue a message or fill a slot).
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn park(&self, p: Parked) {
+        let mut slot = self.lock();
+        debug_assert!(matches!(*slot, Slot::Empty), "a second parked Receive");
+        *slot = Slot::Parked(p);
+    }
+
+    pub(super) fn reclaim(&self) -> Reclaim {
+        match mem::replace(&mut *self.lock(), Slot::Empty) {
+            Slot::Empty => Reclaim::Nothing,
+            Slot::Parked(p) => Reclaim::Parked(p),
+            Slot::Delivered(since, bytes, seq) => Reclaim::Delivered(since, bytes, seq),
+        }
+    }
+
+    /// Whether the read loop completed the parked `Receive` (the pipe then takes the record).
+    pub(super) fn delivered(&self) -> Option<(Option<Instant>, u64, u64)> {
+        let mut slot = self.lock();
+        match *slot {
+            Slot::Delivered(since, bytes, seq) => {
+                *slot = Slot::Empty;
+                Some((since, bytes, seq))
+            }
+            _ => None,
+        }
+    }
+}
+
+impl Catch for Catcher {
+    fn catch(&self, wd: &mut WireDescriptor, bytes: &mut Vec<u8>) -> bool {
+        if !wd.descriptor.tensors.is_empty() {
+            return false;
+        }
+        let mut slot = self.lock();
+        let Slot::Parked(p) = &*slot else {
+            return false;
+        };
+        if p.seq != wd.seq {
+            return false;
+        }
+        let Slot::Parked(p) = mem::replace(&mut *slot, Slot::Empty) else {
+            unreachable!("matched above")
+        };
+        let descriptor = &mut wd.descriptor;
+        let payloads = match (p.spare, descriptor.payloads.len()) {
+            // The one payload is the bytes read with the frame: no copy.
+            (None, 1) => Ok(vec![mem::take(bytes)]),
+            (spare, _) => spare
+                .unwrap_or_default()
+                .refit(descriptor)
+                .map(|a| fill(a.payloads, bytes)),
+        };
+        let payloads = match payloads {
+            Ok(p) => p,
+            Err(e) => {
+                // Sizes that fit no address space: the pipe reports it, in order.
+                *slot = Slot::Parked(Parked { spare: None, ..p });
+                tracing::debug!(error = %e, "a parked Receive left to the pipe");
+                return false;
+            }
+        };
+        let message = Message {
+            metadata: mem::take(&mut descriptor.metadata),
+            payloads: payloads
+                .into_iter()
+                .zip(&mut descriptor.payloads)
+                .map(|(data, d)| Payload {
+                    data,
+                    metadata: mem::take(&mut d.metadata),
+                })
+                .collect(),
+            tensors: Vec::new(),
+        };
+        let total = message.total_bytes();
+        // Completed under the lock, so the pipe cannot complete a later read before this one.
+        p.completer.complete(ReadDone {
+            id: p.id,
+            result: Ok(()),
+            message,
+            #[cfg(feature = "cuda")]
+            cuda: Default::default(),
+        });
+        *slot = Slot::Delivered(p.since, total, p.seq);
+        true
+    }
+}
+
+/// `bytes`, the payloads one after the other, copied into `buffers` (sized to match).
+fn fill(mut buffers: Vec<Vec<u8>>, bytes: &[u8]) -> Vec<Vec<u8>> {
+    let mut at = 0;
+    for b in &mut buffers {
+        let n = b.len();
+        b.copy_from_slice(&bytes[at..at + n]);
+        at += n;
+    }
+    buffers
+}
+
+impl Pipe {
+    /// Parks a `Receive` for the read loop if it is the only pending read and nothing is read
+    /// ahead; otherwise hands its parts back.
+    pub(super) fn try_park(&mut self, p: Parked) -> Result<(), Parked> {
+        // The application often asks for the next message before the pipe has taken in the
+        // frame of the one the read loop just delivered: settle that one first.
+        if matches!(self.reads.front(), Some(PendingRead::Caught { .. })) {
+            self.advance_reads();
+        }
+        let idle = self.error.is_none()
+            && self.reads.is_empty()
+            && self.current.is_none()
+            && self.prefetch.ready.is_empty()
+            && self.conn.is_some();
+        if !idle {
+            return Err(p);
+        }
+        let id = p.id;
+        // Frames the read loop delivered may not have reached the pipe yet.
+        let seq = self.expect_seq.max(self.caught_through);
+        self.catcher.park(Parked { seq, ..p });
+        self.reads.push_back(PendingRead::Caught {
+            id,
+            delivered: None,
+        });
+        Ok(())
+    }
+
+    /// `try_start` for a parked `Receive`: started once delivered; taken back (and started the
+    /// usual way) when the pipe has its descriptor or must fail it; left parked otherwise.
+    pub(super) fn try_start_caught(&mut self, op: &mut PendingRead) -> bool {
+        let PendingRead::Caught { delivered, .. } = op else {
+            unreachable!("only for parked reads")
+        };
+        if delivered.is_some() {
+            return true;
+        }
+        let found = if self.error.is_none() && self.prefetch.ready.is_empty() {
+            match self.catcher.delivered() {
+                Some((since, bytes, seq)) => Reclaim::Delivered(since, bytes, seq),
+                None => return false,
+            }
+        } else {
+            self.catcher.reclaim()
+        };
+        match found {
+            Reclaim::Delivered(since, bytes, seq) => {
+                *delivered = Some((since, bytes));
+                self.caught_through = seq + 1;
+                true
+            }
+            Reclaim::Parked(p) => {
+                *op = PendingRead::Read {
+                    id: p.id,
+                    since: p.since,
+                    completer: p.completer,
+                    message: Message::default(),
+                    state: ReadState::Receiving(p.spare),
+                    data_complete: p.data_complete,
+                };
+                self.try_start(op)
+            }
+            Reclaim::Nothing => unreachable!("a parked read is in the slot until taken"),
+        }
+    }
+}
