@@ -511,8 +511,9 @@ pub struct PipeInfo {
     /// Tensors this side handed to the channel itself (`xth`, `cma`, `mpt`).
     pub tensors_by_channel: u64,
     /// `Receive`s the connection's read loop completed itself, without a turn of the pipe's
-    /// task: those for self-contained messages (payloads of at most 16 KiB in all, no tensors)
-    /// that were waiting when their message arrived (docs/architecture.md, "Read path").
+    /// task: those for messages read whole with their frame (payloads and small host tensors
+    /// on the control stream, at most 16 KiB in all) that were waiting when their message
+    /// arrived (docs/architecture.md, "Read path", step 5).
     pub received_by_read_loop: u64,
     /// Whether the pipe is closed.
     pub closed: bool,

@@ -190,22 +190,29 @@ async fn receive_deadline_closes_the_pipe() {
     assert!(rx.send(GetInfo).await.unwrap().closed);
 }
 
-/// A `Receive` waiting when a self-contained message arrives (payloads of at most 16 KiB, no
-/// tensors) is completed by the connection's read loop itself, with the message intact, its
-/// payload metadata, and the spare buffers reused; one whose message has a tensor, or whose
-/// payloads follow on the stream, is completed by the pipe as before. Over every stream
-/// transport the pipes negotiate here: shm (default) and tcp.
+/// A `Receive` waiting when a self-contained message arrives (payloads and host tensors of at
+/// most 16 KiB in all, the tensors on the control stream) is completed by the connection's read
+/// loop itself, with the message intact, its metadata, and the spare buffers reused; one whose
+/// bytes follow on the stream, or whose tensors take a channel of their own (xth, mpt), is
+/// completed by the pipe as before. Over shm + xth (the default in one process), tcp + basic and
+/// tcp + mpt.
 #[actix::test]
 async fn waiting_receives_of_small_messages_are_completed_by_the_read_loop() {
-    let configs: [Setup; 2] = [("default", Context::builder), ("tcp+basic", tcp_basic)];
+    let mpt = || Context::builder().without("shm").only_channels(&["mpt"]);
+    let configs: [Setup; 3] = [
+        ("default", Context::builder),
+        ("tcp+basic", tcp_basic),
+        ("tcp+mpt", mpt),
+    ];
     for (name, builder) in configs {
         let (tx, rx, _s) = pair(builder(), builder()).await;
-        let shapes: [(&[usize], &[usize], bool); 5] = [
+        let shapes: [(&[usize], &[usize], bool); 6] = [
             (&[64], &[], true),
             (&[100, 0, 3], &[], true),
             (&[], &[], true),
-            (&[64], &[100], false),
+            (&[64], &[100, 7], true),
             (&[20 << 10], &[], false),
+            (&[10], &[20 << 10], false),
         ];
         let mut spare = Allocation::default();
         let mut caught = 0;
@@ -223,7 +230,12 @@ async fn waiting_receives_of_small_messages_are_completed_by_the_read_loop() {
             for (j, p) in done.message.payloads.iter().enumerate() {
                 assert_eq!(p.metadata, format!("p{j}").into_bytes(), "{name}: {i}");
             }
-            caught += u64::from(small);
+            for (j, t) in done.message.tensors.iter().enumerate() {
+                assert_eq!(t.metadata, format!("t{j}").into_bytes(), "{name}: {i}");
+            }
+            // Tensors ride the control stream over basic only: two contexts of one process
+            // negotiate xth by default.
+            caught += u64::from(small && (tensors.is_empty() || name == "tcp+basic"));
             let info = rx.send(GetInfo).await.unwrap();
             assert_eq!(
                 info.received_by_read_loop, caught,

@@ -1,5 +1,5 @@
 //! The read loop's shortcut: a `Receive` waiting for the next message, when that message is
-//! self-contained (its payloads read with its frame, no tensors), is completed by the
+//! self-contained (its payloads and its small host tensors read with its frame), is completed by the
 //! connection's read loop itself. The application's `ReadDone` then leaves as soon as the frame
 //! is decoded, without waiting for a poll of the pipe's task; the pipe catches up on the frame's
 //! bookkeeping (sequence number, prefetch tickets, metrics) when it next runs, which is usually
@@ -14,7 +14,7 @@
 use std::sync::{Mutex, MutexGuard};
 
 use super::*;
-use crate::transport::stream::Catch;
+use crate::transport::stream::{Carried, Catch};
 
 /// A parked `Receive`.
 pub(super) struct Parked {
@@ -46,16 +46,26 @@ pub(super) enum Reclaim {
 }
 
 /// One per pipe, shared with its read loop through [`InOp::Frame`]'s `catch`.
-pub(super) struct Catcher(Mutex<Slot>);
+pub(super) struct Catcher {
+    slot: Mutex<Slot>,
+    /// The channel of CPU tensors, and which of them its stream carries: a message whose
+    /// tensors all go that way (small `basic` tensors, `cma`'s inline ones) can be caught too.
+    cpu_channel: usize,
+    carried: Carried,
+}
 
 impl Catcher {
-    pub(super) fn new() -> Catcher {
-        Catcher(Mutex::new(Slot::Empty))
+    pub(super) fn new(cpu_channel: usize, carried: Carried) -> Catcher {
+        Catcher {
+            slot: Mutex::new(Slot::Empty),
+            cpu_channel,
+            carried,
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Slot> {
         // Nothing panics while holding it (completers only queue a message or fill a slot).
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.slot.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub(super) fn park(&self, p: Parked) {
@@ -83,11 +93,24 @@ impl Catcher {
             _ => None,
         }
     }
+
+    /// Whether every tensor of `wd` is a host tensor on the CPU channel that was read with the
+    /// frame: what `Pipe::check_descriptor` would accept and `start_read` copy from the bytes.
+    fn all_read_with_frame(&self, wd: &WireDescriptor) -> bool {
+        let tensors = &wd.descriptor.tensors;
+        wd.routes.len() == tensors.len()
+            && tensors.iter().zip(&wd.routes).all(|(t, (ch, data))| {
+                *ch as usize == self.cpu_channel
+                    && data.is_empty()
+                    && self.carried.carries(data)
+                    && t.source_device == crate::message::Device::Cpu
+            })
+    }
 }
 
 impl Catch for Catcher {
     fn catch(&self, wd: &mut WireDescriptor, bytes: &mut Vec<u8>) -> bool {
-        if !wd.descriptor.tensors.is_empty() {
+        if !self.all_read_with_frame(wd) {
             return false;
         }
         let mut slot = self.lock();
@@ -101,16 +124,25 @@ impl Catch for Catcher {
             unreachable!("matched above")
         };
         let descriptor = &mut wd.descriptor;
-        let payloads = match (p.spare, descriptor.payloads.len()) {
+        for t in &mut descriptor.tensors {
+            // As `Routes::check` for the CPU channel: a GPU suggestion lands in host memory.
+            if matches!(t.target_device, Some(crate::message::Device::Cuda(_))) {
+                t.target_device = Some(crate::message::Device::Cpu);
+            }
+        }
+        let alloc = match (p.spare, descriptor.payloads.len(), descriptor.tensors.len()) {
             // The one payload is the bytes read with the frame: no copy.
-            (None, 1) => Ok(vec![mem::take(bytes)]),
-            (spare, _) => spare
+            (None, 1, 0) => Ok(Allocation {
+                payloads: vec![mem::take(bytes)],
+                tensors: Vec::new(),
+            }),
+            (spare, _, _) => spare
                 .unwrap_or_default()
                 .refit(descriptor)
-                .map(|a| fill(a.payloads, bytes)),
+                .map(|a| fill(a, bytes)),
         };
-        let payloads = match payloads {
-            Ok(p) => p,
+        let alloc = match alloc {
+            Ok(a) => a,
             Err(e) => {
                 // Sizes that fit no address space: the pipe reports it, in order.
                 *slot = Slot::Parked(Parked { spare: None, ..p });
@@ -120,15 +152,19 @@ impl Catch for Catcher {
         };
         let message = Message {
             metadata: mem::take(&mut descriptor.metadata),
-            payloads: payloads
-                .into_iter()
-                .zip(&mut descriptor.payloads)
+            payloads: (alloc.payloads.into_iter().zip(&mut descriptor.payloads))
                 .map(|(data, d)| Payload {
                     data,
                     metadata: mem::take(&mut d.metadata),
                 })
                 .collect(),
-            tensors: Vec::new(),
+            tensors: (alloc.tensors.into_iter().zip(&mut descriptor.tensors))
+                .map(|(buffer, d)| Tensor {
+                    buffer,
+                    metadata: mem::take(&mut d.metadata),
+                    target_device: d.target_device,
+                })
+                .collect(),
         };
         let total = message.total_bytes();
         // Completed under the lock, so the pipe cannot complete a later read before this one.
@@ -144,15 +180,20 @@ impl Catch for Catcher {
     }
 }
 
-/// `bytes`, the payloads one after the other, copied into `buffers` (sized to match).
-fn fill(mut buffers: Vec<Vec<u8>>, bytes: &[u8]) -> Vec<Vec<u8>> {
+/// `bytes` (the payloads, then the tensors, one after the other) copied into `a`'s buffers,
+/// which `Allocation::refit` sized to match, the tensors' in host memory.
+fn fill(mut a: Allocation, bytes: &[u8]) -> Allocation {
     let mut at = 0;
-    for b in &mut buffers {
-        let n = b.len();
-        b.copy_from_slice(&bytes[at..at + n]);
-        at += n;
+    let mut take = |b: &mut [u8]| {
+        b.copy_from_slice(&bytes[at..at + b.len()]);
+        at += b.len();
+    };
+    a.payloads.iter_mut().for_each(|b| take(b));
+    // `refit` made each tensor's buffer host memory of its size (they land in host memory).
+    for v in a.tensors.iter_mut().filter_map(Buffer::as_cpu_mut) {
+        take(v);
     }
-    buffers
+    a
 }
 
 impl Pipe {

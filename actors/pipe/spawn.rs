@@ -254,7 +254,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         expect_seq: 0,
         prefetch: Prefetch::default(),
         current: None,
-        catcher: Arc::new(super::catch::Catcher::new()),
+        catcher: Arc::new(super::catch::Catcher::new(cpu_channel, cpu_kind.carried())),
         caught_through: 0,
     }
     .start()
