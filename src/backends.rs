@@ -72,6 +72,11 @@ pub fn channels() -> Vec<Arc<dyn ChannelBackend>> {
     v.push(Arc::new(crate::channel::ibv::IbvChannel::new(
         crate::transport::ibv::Ibv::hardware(),
     )));
+    // On this host's HCAs (`channel::cuda_gdr::status` says what it lacks).
+    #[cfg(all(feature = "cuda", feature = "ibv"))]
+    v.extend(crate::channel::cuda_gdr::CudaGdr::all(
+        crate::channel::ibv::IbvChannel::new(crate::transport::ibv::Ibv::hardware()),
+    ));
     v
 }
 
@@ -127,12 +132,24 @@ mod tests {
         {
             // Each CUDA channel once per device pair, all three carried by the pipe and
             // available exactly where CUDA is; the reason says why not.
-            let cuda: Vec<_> = r.iter().filter(|b| b.name.starts_with("cuda_")).collect();
+            let cuda: Vec<_> = r
+                .iter()
+                .filter(|b| b.name.starts_with("cuda_") && b.name != "cuda_gdr")
+                .collect();
             assert_eq!(cuda.len(), 3 + 2 + 3, "{cuda:?}");
             let want = crate::cuda::available().map(drop);
             for b in cuda {
                 assert_eq!(b.available, want.is_ok(), "{b:?}");
                 assert_eq!(b.reason, want.clone().err(), "{b:?}");
+            }
+        }
+        #[cfg(all(feature = "cuda", feature = "ibv"))]
+        {
+            // cuda_gdr on the HCAs: once per pair, never available without CUDA.
+            let gdr: Vec<_> = r.iter().filter(|b| b.name == "cuda_gdr").collect();
+            assert_eq!(gdr.len(), 3, "{gdr:?}");
+            for b in gdr {
+                assert!(!b.available || crate::cuda::available().is_ok(), "{b:?}");
             }
         }
         for b in r.iter().filter(|b| always.contains(&b.name.as_str())) {

@@ -197,6 +197,42 @@ impl Topology {
             .collect();
         own.into_iter().chain(rest).take(max).collect()
     }
+
+    /// Places the RDMA device `name` at PCI address `pci` (any spelling [`pci_address`]
+    /// accepts): what `/sys/class/infiniband/<name>/device` says for a real HCA, and the only
+    /// way a simulated device (`sim<i>`, which sysfs does not list) gets a place. The address
+    /// should be one of [`Self::devices`]; a device placed elsewhere is as good as unplaced.
+    pub fn place(mut self, name: &str, pci: &str) -> Topology {
+        self.rdma.insert(name.to_string(), pci_address(pci));
+        self
+    }
+
+    /// For the GPU at PCI address `gpu`, which of a channel's RDMA devices (`devices`, by name,
+    /// in the channel's order) its tensors should use: their positions in `devices`, in
+    /// [`Self::nics_for_gpu`] order (its own NIC first, then the others of its root complex),
+    /// chosen among those devices only (the tree's other NICs are not the channel's to use,
+    /// and GPUs spread over the channel's). Empty where the GPU is not in the tree or none of
+    /// the devices is placed: the caller then uses every device.
+    pub fn devices_for_gpu(&self, gpu: &str, devices: &[String]) -> Vec<usize> {
+        let mut mine = self.clone();
+        mine.rdma.retain(|name, _| devices.contains(name));
+        mine.nics_for_gpu(&pci_address(gpu), devices.len())
+            .iter()
+            .filter_map(|n| devices.iter().position(|d| d == n))
+            .collect()
+    }
+}
+
+/// A PCI address as sysfs spells it: lower case, a 4-digit domain (`cuDeviceGetPCIBusId` and
+/// `nvidia-smi` may give `00000000:1B:00.0`; sysfs names it `0000:1b:00.0`).
+pub fn pci_address(s: &str) -> String {
+    let s = s.trim().to_ascii_lowercase();
+    match s.split_once(':') {
+        Some((domain, rest)) if domain.len() > 4 => {
+            format!("{}:{rest}", &domain[domain.len() - 4..])
+        }
+        _ => s,
+    }
 }
 
 impl Topology {
@@ -345,6 +381,13 @@ mod tests {
         assert_eq!(distance(&a, &c), 6); // same host bridge
         assert_eq!(distance(&a, &d), CROSS_ROOT); // another socket
         assert_eq!(distance(&a, &a), 0);
+    }
+
+    #[test]
+    fn pci_addresses_are_spelled_as_sysfs_does() {
+        assert_eq!(pci_address("00000000:1B:00.0"), "0000:1b:00.0");
+        assert_eq!(pci_address("0000:1b:00.0\n"), "0000:1b:00.0");
+        assert_eq!(pci_address("0001:C0:00.1"), "0001:c0:00.1");
     }
 
     #[test]

@@ -18,7 +18,9 @@ use actix::Addr;
 use actorpipe::channel::cuda_gdr::CudaGdr;
 use actorpipe::channel::ibv::IbvChannel;
 use actorpipe::cuda::{self, CudaBuffer};
+use actorpipe::topology::{pci_address, PciDevice, Topology, VENDOR_NVIDIA};
 use actorpipe::transport::ibv::Ibv;
+use actorpipe::verbs::sim;
 use actorpipe::{
     Close, Context, ContextBuilder, Device, GetInfo, Message, Pipe, Receive, Tensor, Write,
 };
@@ -68,6 +70,14 @@ fn main() {
             "sim_gdr_reallocated_memory_is_registered_anew",
             stale_registration,
         ),
+        (
+            "sim_gdr_stripes_one_tensor_over_two_devices",
+            stripes_over_two_devices,
+        ),
+        (
+            "sim_gdr_sends_a_gpus_tensor_through_its_nic",
+            gpu_tensor_takes_its_nic,
+        ),
     ]
     .into_iter()
     .map(|(name, f)| {
@@ -87,12 +97,17 @@ fn main() {
     libtest_mimic::run(&args, trials).exit();
 }
 
-/// A context with only `basic` (host tensors) and `cuda_gdr` on its own simulated device,
-/// over loopback TCP.
-fn gdr_context(keep: u64) -> (ContextBuilder, CudaGdr) {
-    let chan = IbvChannel::new(Ibv::simulated())
+/// The channel of most trials: simulated device `sim0`, 64 KiB writes, `keep` bytes of idle
+/// registrations kept.
+fn sim0(keep: u64) -> IbvChannel {
+    IbvChannel::new(Ibv::simulated())
         .with_chunk_limit(CHUNK)
-        .with_registration_keep(keep);
+        .with_registration_keep(keep)
+}
+
+/// A context with only `basic` (host tensors) and `cuda_gdr` on `chan`'s simulated devices,
+/// over loopback TCP.
+fn gdr_context(chan: IbvChannel) -> (ContextBuilder, CudaGdr) {
     let all = CudaGdr::all(chan);
     let first = all[0]
         .as_any()
@@ -106,11 +121,12 @@ fn gdr_context(keep: u64) -> (ContextBuilder, CudaGdr) {
     (b, first)
 }
 
-/// Two pipes whose CUDA pairs all run on cuda_gdr, and the two sides' backends.
+/// Two pipes whose CUDA pairs all run on cuda_gdr (each side's channel made by `chan`), and the
+/// two sides' backends.
 async fn gdr_pair(
-    keep: u64,
+    chan: impl Fn() -> IbvChannel,
 ) -> Result<(Addr<Pipe>, Addr<Pipe>, common::Server, CudaGdr, CudaGdr), Failed> {
-    let ((a, ga), (b, gb)) = (gdr_context(keep), gdr_context(keep));
+    let ((a, ga), (b, gb)) = (gdr_context(chan()), gdr_context(chan()));
     let (tx, rx, s) = common::pair(a, b).await;
     let info = tx.send(GetInfo).await.map_err(fail)?;
     for pair in ["cpu->cuda", "cuda->cpu", "cuda->cuda"] {
@@ -139,7 +155,7 @@ fn size(rng: &mut common::Rng) -> usize {
 /// checked, order kept, each tensor landing where its route says, the sender's buffers back.
 fn moves_every_pair() -> Outcome {
     pipe::run(async {
-        let (tx, rx, _s, _, _) = gdr_pair(0).await?;
+        let (tx, rx, _s, _, _) = gdr_pair(|| sim0(0)).await?;
         let mut rng = common::Rng(0x9d7);
         let mut writes = Vec::new();
         let mut sent = Vec::new();
@@ -186,7 +202,7 @@ fn moves_every_pair() -> Outcome {
 /// device copy into the tensor is still running when the write is issued.
 fn sender_stream_order() -> Outcome {
     pipe::run(async {
-        let (tx, rx, _s, _, _) = gdr_pair(0).await?;
+        let (tx, rx, _s, _, _) = gdr_pair(|| sim0(0)).await?;
         pipe::sends_after_stream_work(&tx, &rx, 64 << 20).await
     })
 }
@@ -198,7 +214,7 @@ fn close_mid_transfer() -> Outcome {
     g.synchronize().map_err(fail)?;
     let free_before = g.memory().map_err(fail)?.0;
     pipe::run(async {
-        let (tx, rx, _s, _, gb) = gdr_pair(0).await?;
+        let (tx, rx, _s, _, gb) = gdr_pair(|| sim0(0)).await?;
         let mut writes = Vec::new();
         for i in 0..6u64 {
             let (b, _) = filled(0, i, 8 << 20)?;
@@ -232,7 +248,7 @@ fn close_mid_transfer() -> Outcome {
 /// bytes.
 fn stale_registration() -> Outcome {
     pipe::run(async {
-        let (tx, rx, _s, ga, _) = gdr_pair(1 << 30).await?;
+        let (tx, rx, _s, ga, _) = gdr_pair(|| sim0(1 << 30)).await?;
         let (_, caches) = ga.ibv().caches().map_err(fail)?;
         let len = 1 << 20;
         let mut addr = None;
@@ -267,6 +283,143 @@ fn stale_registration() -> Outcome {
                 )));
             }
             drop(back); // frees the tensor: the next allocation may take its address
+        }
+        Ok(())
+    })
+}
+
+/// Sends `m` and receives it: the bytes of its tensors as they arrived, once the write is back.
+async fn round_trip(tx: &Addr<Pipe>, rx: &Addr<Pipe>, m: Message) -> Result<Vec<Vec<u8>>, Failed> {
+    let w = tx.send(Write::new(m));
+    let done = rx.send(Receive::new()).await.map_err(fail)?;
+    done.result.map_err(fail)?;
+    done.cuda.wait().map_err(fail)?;
+    let got = done
+        .message
+        .tensors
+        .iter()
+        .map(|t| pipe::bytes(&t.buffer, None))
+        .collect::<Result<Vec<_>, _>>()?;
+    let back = w.await.map_err(fail)?;
+    back.result.map_err(fail)?;
+    Ok(got)
+}
+
+/// Bytes moved by the queue pairs of simulated devices `devices` since `before`.
+fn moved(devices: [usize; 2], before: [u64; 2]) -> [u64; 2] {
+    [0, 1].map(|i| sim::bytes_moved(devices[i]) - before[i])
+}
+
+/// One 32 MiB CUDA tensor over two simulated devices placed nowhere (sim40 first, sim41
+/// further; an empty topology), so it takes every link: each device carries a stripe, and
+/// every byte arrives.
+fn stripes_over_two_devices() -> Outcome {
+    pipe::run(async {
+        let devices = [40, 41];
+        let chan = || {
+            IbvChannel::new(Ibv::simulated_device(devices[0]))
+                .with_devices(vec![Ibv::simulated_device(devices[1])])
+                .with_topology(Topology::default())
+        };
+        let (tx, rx, _s, _, _) = gdr_pair(chan).await?;
+        let len = 32 << 20;
+        let before = devices.map(sim::bytes_moved);
+        let (b, data) = filled(0, 40, len)?;
+        let got = round_trip(&tx, &rx, Message::new().with_tensor(Tensor::cuda(b))).await?;
+        if got != [data] {
+            return Err(fail("the striped tensor arrived with other bytes"));
+        }
+        let m = moved(devices, before);
+        println!("bytes moved: sim40 {}, sim41 {}", m[0], m[1]);
+        if m.iter().any(|&n| n < len as u64 / 4) || m[0] + m[1] < len as u64 {
+            return Err(fail(format!(
+                "a {len}-byte tensor over two devices moved {m:?}: not striped over both"
+            )));
+        }
+        Ok(())
+    })
+}
+
+/// A tree with GPU `gpu` (a PCI address) behind a switch with one NIC, and another NIC on
+/// another root complex; the simulated devices `near` and `far` placed at those NICs.
+fn beside(gpu: &str, near: usize, far: usize) -> Topology {
+    let dev = |address: &str, class: u32, path: &[&str]| PciDevice {
+        address: address.into(),
+        class,
+        vendor: if class >> 16 == 0x03 {
+            VENDOR_NVIDIA
+        } else {
+            0x15b3
+        },
+        path: path.iter().map(|p| p.to_string()).collect(),
+    };
+    let mut t = Topology::default();
+    for d in [
+        dev(gpu, 0x030200, &["pci0000:00", "switch", gpu]),
+        dev(
+            "0000:fe:00.0",
+            0x020700,
+            &["pci0000:00", "switch", "0000:fe:00.0"],
+        ),
+        dev(
+            "0001:fe:00.0",
+            0x020700,
+            &["pci0001:00", "port", "0001:fe:00.0"],
+        ),
+    ] {
+        t.devices.insert(d.address.clone(), d);
+    }
+    t.place(&format!("sim{near}"), "0000:fe:00.0")
+        .place(&format!("sim{far}"), "0001:fe:00.0")
+}
+
+/// GPU 0's tensors take its own NIC: with the channel's first device (sim50) placed on another
+/// root complex and its further device (sim51) behind GPU 0's switch, a 8 MiB and a 1 KiB CUDA
+/// tensor move on sim51 alone. A host tensor (cpu->cuda) of the same pipe still takes every
+/// link.
+fn gpu_tensor_takes_its_nic() -> Outcome {
+    let gpu = cuda::devices().map_err(fail)?[0].pci_bus_id.clone();
+    let devices = [50, 51];
+    let topology = beside(&pci_address(&gpu), devices[1], devices[0]);
+    pipe::run(async {
+        let chan = || {
+            IbvChannel::new(Ibv::simulated_device(devices[0]))
+                .with_devices(vec![Ibv::simulated_device(devices[1])])
+                .with_topology(topology.clone())
+        };
+        let (tx, rx, _s, _, _) = gdr_pair(chan).await?;
+        let before = devices.map(sim::bytes_moved);
+        let (big, big_data) = filled(0, 50, 8 << 20)?;
+        let (small, small_data) = filled(0, 51, 1 << 10)?;
+        let m = Message::new()
+            .with_tensor(Tensor::cuda(big))
+            .with_tensor(Tensor::cuda(small));
+        if round_trip(&tx, &rx, m).await? != [big_data, small_data] {
+            return Err(fail("GPU 0's tensors arrived with other bytes"));
+        }
+        let m = moved(devices, before);
+        println!(
+            "GPU {gpu}'s tensors: bytes moved: sim50 (far) {}, sim51 (near) {}",
+            m[0], m[1]
+        );
+        if m[0] != 0 || m[1] < 8 << 20 {
+            return Err(fail(format!(
+                "GPU 0's tensors should take sim51 alone; moved {m:?}"
+            )));
+        }
+        let before = devices.map(sim::bytes_moved);
+        let host_data = common::pattern(52, 8 << 20);
+        let mut up = Tensor::cpu(host_data.clone());
+        up.target_device = Some(Device::Cuda(0));
+        if round_trip(&tx, &rx, Message::new().with_tensor(up)).await? != [host_data] {
+            return Err(fail("the host tensor arrived with other bytes"));
+        }
+        let m = moved(devices, before);
+        println!("a host tensor: bytes moved: sim50 {}, sim51 {}", m[0], m[1]);
+        if m.contains(&0) {
+            return Err(fail(format!(
+                "a host tensor should take every link; moved {m:?}"
+            )));
         }
         Ok(())
     })

@@ -173,3 +173,111 @@ fn a_gpus_nics_for_striping_start_with_its_own_and_stay_on_its_root_complex() {
     let on_8 = lists.iter().filter(|l| l[0] == "mlx5_8").count();
     assert_eq!(on_8, 4, "{lists:?}");
 }
+
+fn names(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+/// The DGX-1 tree (removed when the first is dropped), read, and its GPUs' addresses.
+fn dgx1() -> (Tree, Topology, Vec<String>) {
+    let tree = Tree::new("dgx1_v100_4nic");
+    let t = tree.topology();
+    let gpus = t.gpus().iter().map(|g| g.address.clone()).collect();
+    (tree, t, gpus)
+}
+
+#[test]
+fn each_gpu_takes_its_own_nic_then_its_root_complexs_among_a_channels_devices() {
+    let (_tree, t, gpus) = dgx1();
+    // A channel on all four HCAs (the first device mlx5_0, then 1, 2, 3): each GPU its switch's
+    // NIC, then the other NIC of its socket; never one across the sockets.
+    let devices = names(&["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]);
+    let chosen: Vec<Vec<usize>> = gpus
+        .iter()
+        .map(|g| t.devices_for_gpu(g, &devices))
+        .collect();
+    assert_eq!(
+        chosen,
+        [
+            vec![0, 1],
+            vec![0, 1],
+            vec![1, 0],
+            vec![1, 0],
+            vec![2, 3],
+            vec![2, 3],
+            vec![3, 2],
+            vec![3, 2]
+        ]
+    );
+    // CUDA spells the address in capitals with an 8-digit domain.
+    let cuda_spelling = format!("0000{}", gpus[7].to_ascii_uppercase());
+    assert_eq!(t.devices_for_gpu(&cuda_spelling, &devices), [3, 2]);
+
+    // A channel on two of them, listed in another order: positions in the channel's list, and
+    // the GPUs spread over those two only (four each, by socket).
+    let devices = names(&["mlx5_3", "mlx5_1"]);
+    let chosen: Vec<Vec<usize>> = gpus
+        .iter()
+        .map(|g| t.devices_for_gpu(g, &devices))
+        .collect();
+    assert_eq!(chosen[..4], [vec![1], vec![1], vec![1], vec![1]]);
+    assert_eq!(chosen[4..], [vec![0], vec![0], vec![0], vec![0]]);
+
+    // Devices the tree does not place (simulated ones, unless placed): no choice, so the
+    // channel uses every device.
+    let sims = names(&["sim0", "sim1"]);
+    assert!(gpus.iter().all(|g| t.devices_for_gpu(g, &sims).is_empty()));
+    assert!(t.devices_for_gpu("0000:ff:00.0", &devices).is_empty());
+}
+
+#[test]
+fn simulated_devices_are_placed_by_name() {
+    // sim0 where socket 1's mlx5_2 is, sim1 where socket 0's mlx5_0 is.
+    let (_tree, t, gpus) = dgx1();
+    let t = t
+        .place("sim0", "0000:88:00.0")
+        .place("sim1", "0000:08:00.0");
+    let devices = names(&["sim0", "sim1"]);
+    assert_eq!(t.devices_for_gpu(&gpus[0], &devices), [1]);
+    assert_eq!(t.devices_for_gpu(&gpus[5], &devices), [0]);
+}
+
+#[test]
+fn dgx_a100_gpu_n_starts_on_mlx5_n_and_never_on_a_storage_hca() {
+    let tree = Tree::new("dgx_a100_8nic");
+    let t = tree.topology();
+    let devices: Vec<String> = (0..10).map(|i| format!("mlx5_{i}")).collect();
+    for (n, g) in t.gpus().iter().enumerate() {
+        let chosen = t.devices_for_gpu(&g.address, &devices);
+        assert_eq!(chosen.first(), Some(&n), "GPU {n}: {chosen:?}");
+        assert!(
+            !chosen.contains(&8) && !chosen.contains(&9),
+            "GPU {n}: {chosen:?}"
+        );
+    }
+}
+
+/// Which links each GPU's tensors take once paired with a peer (feature `ibv`: the channel's
+/// table, [`actorpipe::channel::ibv::placement::GpuLinks`]).
+#[cfg(feature = "ibv")]
+#[test]
+fn a_gpus_tensors_take_the_links_of_its_nics_that_the_peer_reaches() {
+    use actorpipe::channel::ibv::placement::GpuLinks;
+    let (_tree, t, gpus) = dgx1();
+    let devices = names(&["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]);
+    let table = GpuLinks::compute(&t, &devices, &gpus);
+    assert_eq!(table.0[3], [1, 0]);
+    // Every further device paired (links 1, 2, 3 are mlx5_1, 2, 3).
+    let all = [0, 1, 2];
+    assert_eq!(table.links(Some(0), &all), [0, 1]);
+    assert_eq!(table.links(Some(6), &all), [3, 2]);
+    // A peer with only three devices: mlx5_3 has no partner, so GPU 6 keeps mlx5_2 alone.
+    assert_eq!(table.links(Some(6), &[0, 1]), [2]);
+    // Host memory, and a GPU the table does not know: every link.
+    assert_eq!(table.links(None, &all), [0, 1, 2, 3]);
+    assert_eq!(table.links(Some(8), &all), [0, 1, 2, 3]);
+    // Unplaced (simulated) devices: an empty entry per GPU, so every link.
+    let sims = GpuLinks::compute(&t, &names(&["sim0", "sim1"]), &gpus);
+    assert!(sims.0.iter().all(Vec::is_empty));
+    assert_eq!(sims.links(Some(0), &[0]), [0, 1]);
+}

@@ -12,12 +12,17 @@
 //!   when the bytes are in.
 //! - **Under 32 bytes** (the verbs minimum): both sides stage the tensor through a 32-byte host
 //!   buffer, with a blocking copy on the tensor's stream (at most 31 bytes).
+//! - **Links.** A tensor takes the links of its sender's GPU's NICs (the receiver learns the
+//!   GPU from the descriptor's channel data), striped over them when large, as the ibv
+//!   channel's host tensors are over every link (`ibv.rs`); a striped tensor is held here
+//!   until every stripe is back.
 
 use std::collections::{HashMap, VecDeque};
 
 use super::cuda_xth::{post, post_when_done};
 use super::*;
 use crate::channel::ibv::core::{Finished, RdmaBuf};
+use crate::channel::ibv::placement::sender_gpu;
 use crate::channel::ibv::{self as chan};
 use crate::message::Buffer;
 use crate::verbs::MIN_OP_BYTES;
@@ -52,6 +57,15 @@ pub(super) struct GdrSide {
     landing: HashMap<(u64, u32), Landing>,
     /// Sent tensors under 32 bytes: the user's buffer, while a 32-byte copy travels.
     staged_out: HashMap<(u64, u32), Buffer>,
+    /// Striped tensors, by (sending, seq, index), until every stripe is back.
+    striped: HashMap<(bool, u64, u32), Striped>,
+}
+
+/// A tensor whose stripes are on several links.
+struct Striped {
+    buffer: RdmaBuf,
+    out: usize,
+    error: Option<Error>,
 }
 
 impl GdrSide {
@@ -63,16 +77,49 @@ impl GdrSide {
             ready_rx: Some(rx),
             landing: HashMap::new(),
             staged_out: HashMap::new(),
+            striped: HashMap::new(),
         }
     }
 
-    /// Whether no sent tensor waits for its stream.
+    /// Whether no sent tensor waits for its stream and none is striped.
     pub(super) fn idle(&self) -> bool {
-        self.gate.is_empty()
+        self.gate.is_empty() && self.striped.is_empty()
     }
 
-    /// A finished tensor, for the pipe's CUDA queue.
-    pub(super) fn finished(&mut self, f: Finished, reply: Option<&CudaReply>) {
+    /// Holds a tensor cut into `n` stripes until they are all back.
+    pub(super) fn hold(&mut self, key: (bool, u64, u32), buffer: RdmaBuf, n: usize) {
+        let s = Striped {
+            buffer,
+            out: n,
+            error: None,
+        };
+        self.striped.insert(key, s);
+    }
+
+    /// The actor is going away with stripes on the queue pairs (leaked with them): never free
+    /// their tensors.
+    pub(super) fn forget_striped(&mut self) {
+        for (_, s) in self.striped.drain() {
+            std::mem::forget(s.buffer);
+        }
+    }
+
+    /// A finished tensor (or stripe: the tensor finishes with its last), for the pipe's CUDA
+    /// queue.
+    pub(super) fn finished(&mut self, mut f: Finished, reply: Option<&CudaReply>) {
+        let striped = (f.sending, f.seq, f.index);
+        if let Some(s) = self.striped.get_mut(&striped) {
+            s.out -= 1;
+            if let Err(e) = f.result {
+                s.error.get_or_insert(e);
+            }
+            if s.out > 0 {
+                return;
+            }
+            let s = self.striped.remove(&striped).expect("present");
+            f.buffer = s.buffer;
+            f.result = s.error.map_or(Ok(()), Err);
+        }
         let key = (f.seq, f.index);
         let d = if f.sending {
             let buffer = self
@@ -96,7 +143,8 @@ fn to_buffer(b: RdmaBuf) -> Buffer {
     match b {
         RdmaBuf::Host(Memory::Owned(v)) => Buffer::Cpu(v),
         RdmaBuf::Host(Memory::Shared(b)) => Buffer::Shared(b),
-        RdmaBuf::Host(Memory::Region(_)) => Buffer::Cpu(Vec::new()), // never handed to the channel
+        // Stripes: counted in `GdrSide::striped`, never handed to the pipe.
+        RdmaBuf::Host(Memory::Region(_)) | RdmaBuf::GpuRegion(_) => Buffer::Cpu(Vec::new()),
         RdmaBuf::Cuda(b) => Buffer::Cuda(b),
     }
 }
@@ -200,27 +248,28 @@ impl Channel {
         self.gdr_pump(ctx);
     }
 
-    /// Hands the ready tensors at the front of the gate to the queue pair, in order.
+    /// Hands the ready tensors at the front of the gate to the queue pairs, in order, each
+    /// with its GPU (which picks its links).
     fn gdr_pump(&mut self, ctx: &mut Context<Self>) {
         let (Some(g), Some(Ok(rdma))) = (self.gdr.as_mut(), self.ibv.as_ref().map(|s| &s.rdma))
         else {
             return;
         };
-        let mut r = chan::lock(rdma);
+        let rdma = rdma.clone();
+        let mut ready = Vec::new();
         while g.gate.front().is_some_and(|t| t.ready) {
             let t = g.gate.pop_front().expect("present");
+            let gpu = t.buffer.as_cuda().map(|c| c.device());
             let buffer = if t.buffer.len() < MIN_OP_BYTES {
-                match padded(&t.buffer) {
-                    Ok(v) => {
-                        g.staged_out.insert((t.seq, t.index), t.buffer);
-                        RdmaBuf::from(v)
-                    }
+                let v = padded(&t.buffer);
+                g.staged_out.insert((t.seq, t.index), t.buffer);
+                match v {
+                    Ok(v) => RdmaBuf::from(v),
                     Err(e) => {
-                        // The queue pair's protocol has this tensor next: fail the channel.
-                        g.staged_out.insert((t.seq, t.index), t.buffer);
-                        r.fail(e);
-                        r.send(t.seq, t.index, Vec::new());
-                        continue;
+                        // The queue pairs' protocol has this tensor next: fail the channel (the
+                        // empty buffer below then finishes with the error, in order).
+                        chan::lock(&rdma).fail(e);
+                        RdmaBuf::from(Vec::new())
                     }
                 }
             } else {
@@ -229,9 +278,11 @@ impl Channel {
                     host => RdmaBuf::Host(Memory::from(host)),
                 }
             };
-            r.send(t.seq, t.index, buffer);
+            ready.push((t.seq, t.index, buffer, gpu));
         }
-        drop(r);
+        for (seq, index, buffer, gpu) in ready {
+            self.ibv_tensor(true, seq, index, buffer, gpu);
+        }
         self.ibv_flush(ctx);
     }
 
@@ -241,8 +292,8 @@ impl Channel {
             seq,
             index,
             buffer,
+            data,
             data_complete,
-            ..
         } = m;
         let refuse = |buffer, result| CudaDone::landed(seq, index, buffer, result);
         let (Some(g), Some(Ok(rdma))) = (self.gdr.as_mut(), self.ibv.as_ref().map(|s| &s.rdma))
@@ -253,6 +304,16 @@ impl Channel {
         if buffer.is_empty() {
             return self.cuda_to_pipe(refuse(buffer, Ok(())));
         }
+        let gpu = match sender_gpu(&data) {
+            Ok(g) => g,
+            Err(why) => {
+                // The tensors behind this one would take the wrong links: fail the channel.
+                let e = Error::protocol(why, &self.origin);
+                chan::lock(rdma).fail(e.clone());
+                self.cuda_to_pipe(refuse(buffer, Err(e)));
+                return self.ibv_flush(ctx);
+            }
+        };
         let (into, staged) = if buffer.len() < MIN_OP_BYTES {
             (
                 RdmaBuf::from(vec![0u8; MIN_OP_BYTES as usize]),
@@ -276,7 +337,7 @@ impl Channel {
                 staged,
             },
         );
-        chan::lock(rdma).recv(seq, index, into);
+        self.ibv_tensor(false, seq, index, into, gpu);
         self.ibv_flush(ctx);
     }
 }

@@ -3,17 +3,29 @@
 //! pairs (through [`Rdma`]: one per device, usually one), bootstraps them over its one lane,
 //! wakes on each completion queue's descriptor and on the lane's hang-up, and hands every
 //! finished tensor back to the pipe. With several devices (links), a large tensor is cut into
-//! mpt's stripes, one per link, held here until every stripe is back.
-//! `cuda_gdr` (cuda_gdr.rs) runs on the first queue pair too.
+//! mpt's stripes, one per link, held here until every stripe is back. `cuda_gdr`
+//! (cuda_gdr.rs) runs on the same queue pairs; its GPU tensors take the links of their GPU's
+//! NICs ([`crate::channel::ibv::placement`]), striped the same way.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
 use super::*;
-use crate::channel::ibv::core::Rdma;
+use crate::channel::ibv::core::{Finished, Rdma, RdmaBuf};
+use crate::channel::ibv::placement::GpuLinks;
 use crate::channel::ibv::{self as chan, Event, IbvChannel};
 use crate::handshake::Halves;
 use crate::verbs::LinkLayer;
+
+/// A tensor waiting for the bootstrap.
+struct Parked {
+    sending: bool,
+    seq: u64,
+    index: u32,
+    buffer: RdmaBuf,
+    /// The sender's GPU (`None`: host memory), which picks the links.
+    gpu: Option<u32>,
+}
 
 /// The channel's queue pairs, or why there are none (every tensor then fails with it).
 pub(super) struct IbvSide {
@@ -23,11 +35,23 @@ pub(super) struct IbvSide {
     /// The links: the first device's queue pair, then (after the bootstrap) each further one
     /// that paired with the peer's.
     links: Vec<Arc<Mutex<Rdma>>>,
+    /// Which further queue pairs paired (positions among them), once bootstrapped.
+    kept: Vec<usize>,
+    /// The devices' names: the first's, then each further queue pair's.
+    #[cfg(feature = "cuda")]
+    names: Vec<String>,
+    /// Per GPU, which of our devices its tensors take (`cuda_gdr`; empty: every link), and the
+    /// peer's table, from the bootstrap: a received tensor takes the links its sender chose.
+    gpus: GpuLinks,
+    peer_gpus: GpuLinks,
+    /// The backend (its topology places the devices).
+    #[cfg(feature = "cuda")]
+    backend: IbvChannel,
     /// Whether tensors wait for the bootstrap (further devices: the number of links is known
     /// only then).
     hold_back: bool,
-    /// Tensors waiting for it: (sending, seq, index, buffer).
-    waiting: VecDeque<(bool, u64, u32, Memory)>,
+    /// Tensors waiting for it, in order.
+    waiting: VecDeque<Parked>,
     /// The lane and the port's link layer and number, until the bootstrap starts.
     setup: Option<(Halves, (LinkLayer, u8))>,
     /// The watches on the completion queues (and the lane), once bootstrapped. Cancelled once
@@ -54,21 +78,59 @@ impl IbvSide {
             )),
             (r, _) => r,
         };
-        let further = match &rdma {
-            Ok(_) => chan::create_further(backend, origin)
-                .into_iter()
-                .map(|(r, port)| (Arc::new(Mutex::new(r)), port))
-                .collect(),
+        let made = match &rdma {
+            Ok(_) => chan::create_further(backend, origin),
             Err(_) => Vec::new(),
         };
+        #[cfg(feature = "cuda")]
+        let names = backend
+            .caches()
+            .map(|(d, _)| d.info().name.clone())
+            .into_iter()
+            .chain(made.iter().map(|(_, _, n)| n.clone()))
+            .collect();
+        let further: Vec<chan::FurtherQp> = made
+            .into_iter()
+            .map(|(r, port, _)| (Arc::new(Mutex::new(r)), port))
+            .collect();
         IbvSide {
             links: rdma.iter().cloned().collect(),
+            kept: Vec::new(),
+            #[cfg(feature = "cuda")]
+            names,
+            gpus: GpuLinks::default(),
+            peer_gpus: GpuLinks::default(),
+            #[cfg(feature = "cuda")]
+            backend: backend.clone(),
             hold_back: !further.is_empty(),
             rdma,
             further,
             waiting: VecDeque::new(),
             setup,
             watches: Vec::new(),
+        }
+    }
+
+    /// Places this host's GPUs on the devices (`cuda_gdr`): each GPU's tensors take its NICs.
+    #[cfg(feature = "cuda")]
+    pub(super) fn place_gpus(&mut self) {
+        self.gpus = crate::channel::cuda_gdr::gpu_links(&self.backend, &self.names);
+    }
+
+    /// The links (indices into `links`) a tensor takes: those of its sender's GPU's NICs (by
+    /// our table when we send, the peer's when we receive), else every link.
+    fn choose(&self, sending: bool, gpu: Option<u32>) -> Vec<usize> {
+        let table = if sending { &self.gpus } else { &self.peer_gpus };
+        let n = self.links.len();
+        let chosen: Vec<usize> = table
+            .links(gpu, &self.kept)
+            .into_iter()
+            .filter(|&l| l < n)
+            .collect();
+        if chosen.is_empty() {
+            (0..n).collect()
+        } else {
+            chosen
         }
     }
 }
@@ -84,16 +146,18 @@ impl Channel {
         };
         let further = std::mem::take(&mut side.further);
         let paired: Vec<Arc<Mutex<Rdma>>> = further.iter().map(|(r, _)| r.clone()).collect();
-        let fut = chan::connect(rdma.clone(), further, lane, port, self.origin.clone());
+        let gpus = side.gpus.clone();
+        let fut = chan::connect(rdma.clone(), further, gpus, lane, port, self.origin.clone());
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
             let Some(side) = act.ibv.as_mut() else {
                 return;
             };
             match result {
-                Ok((kept, watches)) => {
-                    side.links
-                        .extend(kept.into_iter().map(|k| paired[k].clone()));
-                    for w in watches {
+                Ok(c) => {
+                    side.links.extend(c.kept.iter().map(|&k| paired[k].clone()));
+                    side.kept = c.kept;
+                    side.peer_gpus = c.peer_gpus;
+                    for w in c.watches {
                         let handle = ctx.add_stream(w);
                         if let Some(side) = act.ibv.as_mut() {
                             side.watches.push(handle);
@@ -109,8 +173,8 @@ impl Channel {
             if let Some(side) = act.ibv.as_mut() {
                 side.hold_back = false;
                 let waiting = std::mem::take(&mut side.waiting);
-                for (sending, seq, index, buffer) in waiting {
-                    act.ibv_dispatch(sending, seq, index, buffer);
+                for p in waiting {
+                    act.ibv_dispatch(p);
                 }
             }
             act.ibv_flush(ctx);
@@ -123,7 +187,7 @@ impl Channel {
             Ok(())
         } else {
             match self.ibv.as_ref().map(|s| &s.rdma) {
-                Some(Ok(_)) => return self.ibv_tensor(true, m.seq, m.index, m.buffer),
+                Some(Ok(_)) => return self.ibv_tensor(true, m.seq, m.index, m.buffer.into(), None),
                 Some(Err(e)) => Err(e.clone()),
                 None => Err(self.misrouted()),
             }
@@ -152,8 +216,8 @@ impl Channel {
         } else {
             match self.ibv.as_ref().map(|s| &s.rdma) {
                 Some(Ok(_)) => {
-                    let buffer = Memory::Owned(m.buffer);
-                    return self.ibv_tensor(false, m.seq, m.index, buffer);
+                    let buffer = RdmaBuf::from(m.buffer);
+                    return self.ibv_tensor(false, m.seq, m.index, buffer, None);
                 }
                 Some(Err(e)) => Err(e.clone()),
                 None => Err(self.misrouted()),
@@ -167,51 +231,111 @@ impl Channel {
         });
     }
 
-    /// A tensor for the queue pairs: now, or after the bootstrap if it decides the links.
-    fn ibv_tensor(&mut self, sending: bool, seq: u64, index: u32, buffer: Memory) {
-        if let Some(side) = self.ibv.as_mut().filter(|s| s.hold_back) {
-            side.waiting.push_back((sending, seq, index, buffer));
-            return;
+    /// A tensor for the queue pairs (`gpu`: the sender's GPU, `None` for host memory): now,
+    /// or after the bootstrap if it decides the links.
+    pub(super) fn ibv_tensor(
+        &mut self,
+        sending: bool,
+        seq: u64,
+        index: u32,
+        buffer: RdmaBuf,
+        gpu: Option<u32>,
+    ) {
+        let p = Parked {
+            sending,
+            seq,
+            index,
+            buffer,
+            gpu,
+        };
+        match self.ibv.as_mut().filter(|s| s.hold_back) {
+            Some(side) => side.waiting.push_back(p),
+            None => self.ibv_dispatch(p),
         }
-        self.ibv_dispatch(sending, seq, index, buffer);
     }
 
-    /// Puts a tensor on the links: whole on the first, or (large, several links) one stripe
-    /// of mpt's plan per link, the tensor held here until every stripe is back.
-    fn ibv_dispatch(&mut self, sending: bool, seq: u64, index: u32, mut buffer: Memory) {
-        let links = self
-            .ibv
-            .as_ref()
-            .map(|s| s.links.clone())
-            .unwrap_or_default();
-        let Some(first) = links.first() else {
-            let e = self.misrouted();
-            return self.hand_back(sending, seq, index, buffer, Err(e));
+    /// Puts a tensor on its links (every link, or its sender's GPU's: [`IbvSide::choose`]):
+    /// whole on the first, or (large, several links) one stripe of mpt's plan per link, the
+    /// tensor held here until every stripe is back.
+    fn ibv_dispatch(&mut self, p: Parked) {
+        let Parked {
+            sending,
+            seq,
+            index,
+            mut buffer,
+            gpu,
+        } = p;
+        let (links, chosen) = match self.ibv.as_ref() {
+            Some(s) => (s.links.clone(), s.choose(sending, gpu)),
+            None => (Vec::new(), Vec::new()),
         };
-        let put = |link: &Mutex<Rdma>, memory: Memory| {
+        let Some(&first) = chosen.first() else {
+            let result = Err(self.misrouted());
+            return self.ibv_finished(Finished {
+                sending,
+                seq,
+                index,
+                buffer,
+                result,
+            });
+        };
+        let put = |link: &Mutex<Rdma>, b: RdmaBuf| {
             let mut r = chan::lock(link);
             if sending {
-                r.send(seq, index, memory);
+                r.send(seq, index, b);
             } else {
-                r.recv(seq, index, memory);
+                r.recv(seq, index, b);
             }
         };
         let stripes: Vec<(u32, u64, u64)> =
-            crate::channel::mpt::stripes(buffer.len() as u64, links.len() as u32).collect();
+            crate::channel::mpt::stripes(buffer.len() as u64, chosen.len() as u32).collect();
         if stripes.len() <= 1 {
-            return put(first, buffer);
+            return put(&links[first], buffer);
         }
-        // Shared bytes come only with `sending`: regions of them are written from, never into.
-        let base = buffer.base_ptr();
-        self.hold((sending, seq, index), buffer, stripes.len());
-        for (k, offset, n) in stripes {
-            // SAFETY: the stripes are disjoint ranges inside the tensor's buffer, whose heap
-            // memory stays in `self.held` untouched until every stripe has come back from its
-            // queue pair (`piece_done` counts them; `release` waits for zero; a queue pair
-            // hands a stripe back only once the HCA can no longer touch it: its registration
-            // dropped, its writes completed or flushed).
-            let region = unsafe { Region::new(base.add(offset as usize), n as usize) };
-            put(&links[k as usize], Memory::Region(region));
+        let regions: Vec<(usize, RdmaBuf)> = stripes
+            .into_iter()
+            .map(|(k, offset, n)| {
+                // SAFETY: the stripes are disjoint ranges inside the tensor's buffer, which
+                // stays held here (`hold_stripes`), untouched, until every stripe has come back
+                // from its queue pair (`piece_done` or the gdr side counts them), and a queue
+                // pair hands a stripe back only once the HCA can no longer touch it. Shared
+                // bytes come only with `sending`: regions of them are written from, never into.
+                (chosen[k as usize], unsafe { buffer.region(offset, n) })
+            })
+            .collect();
+        self.hold_stripes((sending, seq, index), buffer, regions.len());
+        for (l, region) in regions {
+            put(&links[l], region);
+        }
+    }
+
+    /// Holds a striped tensor until its `n` stripes are back: a `cuda_gdr` one on the gdr
+    /// side, a host one with the channel's held buffers.
+    fn hold_stripes(&mut self, key: HeldKey, buffer: RdmaBuf, n: usize) {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.gdr.as_mut() {
+            return g.hold(key, buffer, n);
+        }
+        match buffer.into_memory() {
+            Some(memory) => self.hold(key, memory, n),
+            // GPU memory reaches only cuda_gdr's side (above); never freed under its stripes.
+            None => tracing::error!("ibv channel: GPU memory striped outside cuda_gdr"),
+        }
+    }
+
+    /// A tensor, or a stripe of one, the queue pairs have finished with: to the gdr side
+    /// (`cuda_gdr`), or counted against its held tensor (a stripe), or back to the pipe.
+    fn ibv_finished(&mut self, f: Finished) {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.gdr.as_mut() {
+            return g.finished(f, self.cuda_reply.as_ref());
+        }
+        let key = (f.sending, f.seq, f.index);
+        if self.held.contains_key(&key) {
+            // A stripe (a region of the held tensor): the tensor goes back with the last.
+            self.piece_done(key, f.result);
+        } else if let Some(memory) = f.buffer.into_memory() {
+            self.hand_back(f.sending, f.seq, f.index, memory, f.result);
         }
     }
 
@@ -225,8 +349,14 @@ impl Channel {
             chan::lock(l).fail(e.clone());
         }
         let waiting = std::mem::take(&mut side.waiting);
-        for (sending, seq, index, buffer) in waiting {
-            self.hand_back(sending, seq, index, buffer, Err(e.clone()));
+        for p in waiting {
+            self.ibv_finished(Finished {
+                sending: p.sending,
+                seq: p.seq,
+                index: p.index,
+                buffer: p.buffer,
+                result: Err(e.clone()),
+            });
         }
     }
 
@@ -269,22 +399,7 @@ impl Channel {
             done.extend(chan::lock(l).take_done());
         }
         for f in done {
-            // cuda_gdr (its tensors use the first device only): on to the pipe's CUDA queue.
-            #[cfg(feature = "cuda")]
-            if let Some(g) = self.gdr.as_mut() {
-                g.finished(f, self.cuda_reply.as_ref());
-                continue;
-            }
-            let key = (f.sending, f.seq, f.index);
-            if self.held.contains_key(&key) {
-                // A stripe (a region of the held tensor): the tensor goes back with the last.
-                self.piece_done(key, f.result);
-            } else {
-                let Some(memory) = f.buffer.into_memory() else {
-                    continue; // GPU memory: only `cuda_gdr` has it (above)
-                };
-                self.hand_back(f.sending, f.seq, f.index, memory, f.result);
-            }
+            self.ibv_finished(f);
         }
         self.maybe_stop(ctx);
     }
@@ -305,6 +420,11 @@ impl Channel {
         if !self.ibv_idle() {
             if let Some(side) = self.ibv.take() {
                 std::mem::forget(side);
+            }
+            // Striped GPU tensors whose stripes are still on those queue pairs.
+            #[cfg(feature = "cuda")]
+            if let Some(g) = self.gdr.as_mut() {
+                g.forget_striped();
             }
         }
     }

@@ -227,6 +227,9 @@ impl Channel {
     #[cfg(all(feature = "cuda", feature = "ibv"))]
     pub(crate) fn with_gdr(mut self) -> Self {
         self.gdr = Some(cuda_gdr::GdrSide::new());
+        if let Some(side) = self.ibv.as_mut() {
+            side.place_gpus();
+        }
         self
     }
 

@@ -142,9 +142,18 @@ impl Pipe {
         let routes = &self.route_buf;
         #[cfg(feature = "cuda")]
         let ipc_out = &self.ipc_out;
+        #[cfg(all(feature = "cuda", feature = "ibv"))]
+        let routing = &self.routes;
         encode_frame(&mut frame, FrameKind::Descriptor, |b| {
             wire::encode_descriptor(b, seq, &message, |i, data| {
                 if routes[i] != cpu {
+                    // cuda_gdr: the sender's GPU, which picks the links the tensor takes.
+                    #[cfg(all(feature = "cuda", feature = "ibv"))]
+                    if routing.kind(routes[i] as usize) == Some(ChannelKind::CudaGdr) {
+                        let gpu = message.tensors[i].buffer.as_cuda().map(|c| c.device());
+                        data.set(&crate::channel::ibv::placement::gpu_tag(gpu));
+                        return routes[i];
+                    }
                     // A CUDA channel: cuda_ipc's export, or the pipe id cuda_xth finds the
                     // sender's buffers by.
                     #[cfg(feature = "cuda")]

@@ -16,18 +16,27 @@
 //!   run the work queued before the write; a read completes with an event, as the other CUDA
 //!   channels' reads do.
 //!
+//! - **NICs per GPU**: with several devices ([`IbvChannel::with_devices`]) placed on PCIe
+//!   ([`IbvChannel::with_topology`]; real HCAs are placed by sysfs), a tensor on GPU `g` goes
+//!   through the links of `g`'s NICs (its own first), striped over them when large; the
+//!   descriptor names `g` so the receiver picks the same links ([`super::ibv::placement`]).
+//!   Unplaced devices: every link, as for host tensors.
+//!
 //! One backend per device pair it serves (cuda->cuda, cpu->cuda, cuda->cpu), all sharing one
-//! [`IbvChannel`] (device, protection domain, caches). Not offered by default: add
+//! [`IbvChannel`] (devices, protection domains, caches). Not offered by default: add
 //! [`CudaGdr::all`] with the ibv transport (docs/ibv.md). The domain is the ibv channel's plus
 //! `+gpu`, so it is chosen only between peers that reach each other over verbs and both offer
-//! GPU memory.
+//! GPU memory. [`status`] says whether this host can run it (`actorpipe info`).
+
+pub mod status;
 
 use std::os::fd::{FromRawFd, OwnedFd};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
+use super::ibv::placement::GpuLinks;
 use super::ibv::IbvChannel;
 use super::ChannelBackend;
-use crate::cuda::{self, sys, CudaBuffer, Gpu};
+use crate::cuda::{self, sys, Gpu};
 use crate::negotiate::DevicePair;
 use crate::verbs::regcache::{Lease, RegCache};
 use crate::verbs::{GpuMemory, VerbsError};
@@ -85,7 +94,12 @@ impl ChannelBackend for CudaGdr {
 
     fn viable(&self) -> Result<(), String> {
         cuda::available()?;
-        self.chan.viable()
+        self.chan.viable()?;
+        if self.chan.device().is_simulated() {
+            // The simulated device "DMA"s with the CUDA driver's copies.
+            return Ok(());
+        }
+        status::gpu_memory_reachable()
     }
 
     fn lane_read_buffer(&self) -> usize {
@@ -148,18 +162,51 @@ impl GpuMemory for GpuDma {
     }
 }
 
-/// The registration of `b` from `cache`: the whole allocation holding it, cached by (GPU,
-/// allocation range, buffer id).
+/// The registration of `len` bytes of `gpu`'s memory at `ptr` (a tensor, or a stripe of one)
+/// from `cache`: the whole allocation holding them, cached by (GPU, allocation range, buffer
+/// id).
 ///
 /// # Safety
 /// The memory must stay allocated while the lease lives (and, with a keep budget, until the
 /// cache drops the entry).
-pub(crate) unsafe fn lease(cache: &Arc<RegCache>, b: &mut CudaBuffer) -> Result<Lease, VerbsError> {
-    let alloc = cuda::ipc::allocation_of(b.gpu(), b.device_ptr())
+pub(crate) unsafe fn lease(
+    cache: &Arc<RegCache>,
+    gpu: &Arc<Gpu>,
+    ptr: u64,
+    len: usize,
+) -> Result<Lease, VerbsError> {
+    let alloc = cuda::ipc::allocation_of(gpu, ptr)
         .map_err(|e| VerbsError::Invalid(format!("finding the tensor's allocation: {e}")))?;
-    let gpu: Arc<dyn GpuMemory> = Arc::new(GpuDma(b.gpu().clone()));
+    let dma: Arc<dyn GpuMemory> = Arc::new(GpuDma(gpu.clone()));
     // SAFETY: forwarded.
-    unsafe { cache.lease_gpu(gpu, b.device_ptr(), b.len() as u64, alloc) }
+    unsafe { cache.lease_gpu(dma, ptr, len as u64, alloc) }
+}
+
+/// This host's GPUs' PCI addresses, by ordinal, as sysfs spells them (none without a GPU).
+fn gpu_addresses() -> &'static [String] {
+    static GPUS: OnceLock<Vec<String>> = OnceLock::new();
+    GPUS.get_or_init(|| {
+        cuda::devices()
+            .map(|d| {
+                d.iter()
+                    .map(|g| crate::topology::pci_address(&g.pci_bus_id))
+                    .collect()
+            })
+            .unwrap_or_default()
+    })
+}
+
+/// Which of a channel's devices (`devices`: names, the first device's first) each of this
+/// host's GPUs uses, by the channel's topology. Empty with one device (nothing to choose) or no
+/// placement.
+pub(crate) fn gpu_links(chan: &IbvChannel, devices: &[String]) -> GpuLinks {
+    if devices.len() < 2 {
+        return GpuLinks::default();
+    }
+    match chan.topology() {
+        Some(t) => GpuLinks::compute(&t, devices, gpu_addresses()),
+        None => GpuLinks::default(),
+    }
 }
 
 /// Makes RDMA writes that landed in this device's memory visible to work queued after this

@@ -22,8 +22,14 @@
 //! and completion watch; a tensor is cut by mpt's plan ([`super::mpt::stripes`]: one stripe per
 //! link, none under 64 KiB) and each stripe moves on its link as a tensor of its own, in the
 //! same order on both sides. A failure on any link fails them all.
+//!
+//! **GPU tensors** (`cuda_gdr`, which runs on this channel's queue pairs) go through the links of
+//! the NICs nearest their GPU instead, where the devices are placed on PCIe ([`placement`],
+//! [`IbvChannel::with_topology`]).
 
+mod buf;
 pub mod core;
+pub mod placement;
 #[cfg(test)]
 mod tests;
 
@@ -37,10 +43,12 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, ReadBuf};
 
 use self::core::{verbs_error, Caches, Rdma};
+use self::placement::GpuLinks;
 use super::ChannelBackend;
 use crate::error::{Error, Origin};
 use crate::handshake::Halves;
 use crate::negotiate::DevicePair;
+use crate::topology::Topology;
 use crate::transport::ibv::bootstrap::{self, Hello};
 use crate::transport::ibv::{check_reach, domain_of, Ibv};
 use crate::transport::BoxWrite;
@@ -63,6 +71,10 @@ struct Inner {
     caches: OnceLock<Opened>,
     /// Further devices, each with its caches once opened.
     further: Vec<(Ibv, OnceLock<Opened>)>,
+    /// Where the devices sit on PCIe, as given ([`IbvChannel::with_topology`]).
+    topology: Option<Arc<Topology>>,
+    /// Otherwise this host's, read on first use (`None` where `/sys` cannot be read).
+    live: OnceLock<Option<Arc<Topology>>>,
 }
 
 /// The `ibv` channel backend. Cheap to clone; clones share the device and its registration
@@ -90,6 +102,8 @@ impl IbvChannel {
             chunk_limit: crate::verbs::MAX_OP_BYTES,
             caches: OnceLock::new(),
             further: Vec::new(),
+            topology: None,
+            live: OnceLock::new(),
         }))
     }
 
@@ -106,6 +120,8 @@ impl IbvChannel {
                 .iter()
                 .map(|(i, _)| (i.clone(), OnceLock::new()))
                 .collect(),
+            topology: self.0.topology.clone(),
+            live: OnceLock::new(),
         };
         f(&mut inner);
         IbvChannel(Arc::new(inner))
@@ -135,10 +151,36 @@ impl IbvChannel {
     /// Also uses these devices (further NICs of this host: [`Ibv::device`] for hardware,
     /// [`Ibv::simulated_device`] for the simulation), striping large tensors over those the
     /// peer reaches too (see the module docs). A further device that does not open is left
-    /// out. Where a tensor lives on a GPU (not yet a channel of its own), its NICs would come
-    /// from [`crate::topology::Topology::nics_by_distance`]; see docs/ibv.md.
+    /// out. GPU tensors (`cuda_gdr`) take the devices nearest their GPU where the devices are
+    /// placed ([`Self::with_topology`]).
     pub fn with_devices(self, devices: Vec<Ibv>) -> IbvChannel {
         self.edit(|i| i.further = devices.into_iter().map(|d| (d, OnceLock::new())).collect())
+    }
+
+    /// Where this host's devices and GPUs sit on PCIe, for `cuda_gdr` to send each GPU's
+    /// tensors through the devices nearest it ([`Topology::devices_for_gpu`]). Devices are
+    /// found in it by name: a real HCA as sysfs lists it (`mlx5_0`), a simulated device
+    /// (`sim<i>`, which sysfs does not list) only where [`Topology::place`] put it. By default
+    /// this host's tree is read (`Topology::live`), which places every real HCA and no
+    /// simulated device; `Topology::default()` places none. Where none of the channel's
+    /// devices is placed, every tensor uses every device, as host tensors always do.
+    pub fn with_topology(self, topology: Topology) -> IbvChannel {
+        self.edit(|i| i.topology = Some(Arc::new(topology)))
+    }
+
+    /// The topology that places the devices: the one given, else this host's (read once).
+    pub fn topology(&self) -> Option<Arc<Topology>> {
+        self.0.topology.clone().or_else(|| {
+            self.0
+                .live
+                .get_or_init(|| Topology::live().ok().map(Arc::new))
+                .clone()
+        })
+    }
+
+    /// The first device (the transport's, usually).
+    pub fn device(&self) -> &Ibv {
+        &self.0.ibv
     }
 
     /// The largest tensor sent inline.
@@ -242,20 +284,19 @@ pub(crate) type Port = (crate::verbs::LinkLayer, u8);
 /// A further device's channel state (shared with its watch) and its port.
 pub(crate) type FurtherQp = (Arc<Mutex<Rdma>>, Port);
 
-/// Creates a queue pair on each further device that opens (the same way), with its port.
-pub(crate) fn create_further(
-    backend: &IbvChannel,
-    origin: &Origin,
-) -> Vec<(Rdma, (crate::verbs::LinkLayer, u8))> {
+/// Creates a queue pair on each further device that opens (the same way), with its port and
+/// the device's name.
+pub(crate) fn create_further(backend: &IbvChannel, origin: &Origin) -> Vec<(Rdma, Port, String)> {
     let mut out = Vec::new();
     for (ibv, device, caches) in backend.further_caches() {
         let port = (device.port().link_layer, device.port().port);
+        let name = device.info().name.clone();
         let made = device
             .create_qp(ibv.caps())
             .map_err(|e| verbs_error("creating a further queue pair", e, origin))
             .and_then(|qp| Rdma::new(&*device, qp, caches, origin.clone()));
         match made {
-            Ok(r) => out.push((r, port)),
+            Ok(r) => out.push((r, port, name)),
             Err(e) => tracing::warn!("ibv channel: a further device left out: {e}"),
         }
     }
@@ -311,19 +352,27 @@ pub fn pair_further(ours: &[Hello], theirs: &[Hello]) -> Vec<usize> {
         .collect()
 }
 
+/// A bootstrapped channel: which further devices paired with the peer's (indices into the
+/// further queue pairs, in order), the peer's [`GpuLinks`], and what to watch: per link (the
+/// first device's, then each paired further one) its queue pair's completions, and on the first
+/// the lane's hang-up (a [`Watch`] shares its `rdma`, keeping the queue pair alive while it
+/// watches its descriptor).
+pub(crate) struct Connected {
+    pub kept: Vec<usize>,
+    pub peer_gpus: GpuLinks,
+    pub watches: Vec<Watch>,
+}
+
 /// Bootstraps the channel's queue pairs over its lane (the first device's, then the further
-/// ones': `further`, with their ports), then returns which further ones paired with the peer's
-/// (indices into `further`, in order) and what to watch: per link (the first device's, then
-/// each paired further one) its queue pair's completions, and on the first the lane's hang-up
-/// (a [`Watch`] shares its `rdma`, keeping the queue pair alive while it watches its
-/// descriptor).
+/// ones': `further`, with their ports) and exchanges the sides' [`GpuLinks`] (`gpus`, ours).
 pub(crate) async fn connect(
     rdma: Arc<Mutex<Rdma>>,
     further: Vec<FurtherQp>,
+    gpus: GpuLinks,
     lane: Halves,
     port: (crate::verbs::LinkLayer, u8),
     origin: Origin,
-) -> Result<(Vec<usize>, Vec<Watch>), Error> {
+) -> Result<Connected, Error> {
     let io = |op, e| Error::io(op, e, &origin);
     let Halves {
         mut read,
@@ -345,6 +394,10 @@ pub(crate) async fn connect(
             .await
             .map_err(|e| io("exchanging the ibv channel's further devices", e))?;
         let kept = pair_further(&further_hellos, &theirs_further);
+        let peer_gpus = gpus
+            .exchange(&mut read, &mut write)
+            .await
+            .map_err(|e| io("exchanging the ibv channel's GPU placement", e))?;
         lock(&rdma)
             .qp
             .connect(&theirs.endpoint)
@@ -358,9 +411,9 @@ pub(crate) async fn connect(
         bootstrap::ready(&mut read, &mut write)
             .await
             .map_err(|e| io("waiting for the ibv channel peer", e))?;
-        Ok(kept)
+        Ok((kept, peer_gpus))
     };
-    let kept = tokio::time::timeout(BOOTSTRAP_TIMEOUT, handshake)
+    let (kept, peer_gpus) = tokio::time::timeout(BOOTSTRAP_TIMEOUT, handshake)
         .await
         .unwrap_or_else(|_| {
             Err(Error::Timeout {
@@ -373,7 +426,11 @@ pub(crate) async fn connect(
     for (link, &k) in kept.iter().enumerate() {
         watches.push(watch(further[k].0.clone(), link + 1, None, &origin)?);
     }
-    Ok((kept, watches))
+    Ok(Connected {
+        kept,
+        peer_gpus,
+        watches,
+    })
 }
 
 /// Arms `rdma`'s completion queue, marks it connected and watches its descriptor (and the

@@ -51,7 +51,10 @@ pub enum BenchCommand {
     /// cuda) echo one CUDA tensor (on --device), next to the driver's copy of the same path, over
     /// --transport tcp (default) or shm (with --spin); cuda_ipc's echo runs in a second process
     /// and also gets a raw cross-process baseline; cuda_basic's rows add a host tensor through
-    /// the same pipes (the CPU channel under it).
+    /// the same pipes (the CPU channel under it). cuda_gdr (features cuda and ibv) is the
+    /// cuda_gdr channel on the SIMULATED verbs device, both sides in this process (the NIC's
+    /// DMA is a CUDA copy: it measures the code's own overhead), with a second column striped
+    /// over two simulated devices; without a GPU it says why it skips.
     Channel(RunArgs),
     /// A message with 1 payload of 64 B and 1 tensor of each size, echoed back, through what the
     /// two contexts negotiate.

@@ -28,6 +28,7 @@ pub fn run(json: bool) {
         }
         out.push_str(&gpus());
         out.push_str(&rdma_devices());
+        out.push_str(&gdr());
     }
     if !json {
         out.push_str(&fabric());
@@ -113,6 +114,22 @@ fn gpus() -> String {
     #[cfg(not(feature = "cuda"))]
     {
         "\ngpu: this build has no CUDA support (build with --features cuda)\n".to_string()
+    }
+}
+
+/// The `cuda_gdr` section: whether it can run on this host's HCAs or why not, what each GPU
+/// offers the HCA, and each GPU's NICs by PCIe distance.
+fn gdr() -> String {
+    #[cfg(all(feature = "cuda", feature = "ibv"))]
+    {
+        format!(
+            "\n{}",
+            actorpipe::channel::cuda_gdr::status::GdrStatus::here().report()
+        )
+    }
+    #[cfg(not(all(feature = "cuda", feature = "ibv")))]
+    {
+        "\ncuda_gdr: not in this build (build with --features cuda,ibv)\n".to_string()
     }
 }
 

@@ -29,6 +29,9 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+#[cfg(feature = "cuda")]
+pub use super::buf::GpuRegion;
+pub use super::buf::RdmaBuf;
 use crate::error::{Error, Origin};
 use crate::transport::stream::Memory;
 use crate::verbs::regcache::{chunks_of, Lease, RegCache};
@@ -87,88 +90,6 @@ impl Request {
             addr: u64_at(12),
             rkey: u32_at(20),
             len: u64_at(24),
-        }
-    }
-}
-
-/// A buffer the protocol moves: host bytes (the `ibv` channel, and the host end of a
-/// `cuda_gdr` pair) or GPU memory (`cuda_gdr`).
-#[derive(Debug)]
-pub enum RdmaBuf {
-    /// Host memory, owned or shared (shared only as the source of writes).
-    Host(Memory),
-    /// Device memory, registered whole allocation at a time (`cuda_gdr`).
-    #[cfg(feature = "cuda")]
-    Cuda(crate::cuda::CudaBuffer),
-}
-
-impl From<Memory> for RdmaBuf {
-    fn from(m: Memory) -> Self {
-        RdmaBuf::Host(m)
-    }
-}
-
-impl From<Vec<u8>> for RdmaBuf {
-    fn from(v: Vec<u8>) -> Self {
-        RdmaBuf::Host(Memory::Owned(v))
-    }
-}
-
-impl RdmaBuf {
-    /// Its length in bytes.
-    pub fn len(&self) -> usize {
-        match self {
-            RdmaBuf::Host(m) => m.len(),
-            #[cfg(feature = "cuda")]
-            RdmaBuf::Cuda(b) => b.len(),
-        }
-    }
-
-    /// Whether it holds no byte.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Where its first byte is (a device pointer for GPU memory).
-    fn addr(&mut self) -> u64 {
-        match self {
-            RdmaBuf::Host(m) => m.base_ptr() as u64,
-            #[cfg(feature = "cuda")]
-            RdmaBuf::Cuda(b) => b.device_ptr(),
-        }
-    }
-
-    /// The host bytes (empty for GPU memory).
-    pub fn as_slice(&self) -> &[u8] {
-        match self {
-            RdmaBuf::Host(m) => m.as_slice(),
-            #[cfg(feature = "cuda")]
-            RdmaBuf::Cuda(_) => &[],
-        }
-    }
-
-    /// The host memory, if it is host memory.
-    pub fn into_memory(self) -> Option<Memory> {
-        match self {
-            RdmaBuf::Host(m) => Some(m),
-            #[cfg(feature = "cuda")]
-            RdmaBuf::Cuda(_) => None,
-        }
-    }
-
-    /// Its registration from `cache`: host memory by its own range, GPU memory by the whole
-    /// allocation holding it (`cuda_gdr`).
-    ///
-    /// # Safety
-    /// The buffer must stay where it is (it does: a heap block or device memory never moves
-    /// while the channel holds it) until the lease is dropped.
-    unsafe fn lease(&mut self, cache: &Arc<RegCache>) -> Result<Lease, crate::verbs::VerbsError> {
-        match self {
-            // SAFETY: forwarded.
-            RdmaBuf::Host(m) => unsafe { cache.lease(m.base_ptr(), m.len()) },
-            // SAFETY: forwarded.
-            #[cfg(feature = "cuda")]
-            RdmaBuf::Cuda(b) => unsafe { crate::channel::cuda_gdr::lease(cache, b) },
         }
     }
 }

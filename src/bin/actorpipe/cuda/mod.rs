@@ -1,6 +1,6 @@
-//! `bench channel --backend cuda_xth|cuda_ipc|cuda_basic` (feature `cuda`): one CUDA tensor of
-//! each size echoed through a pipe, next to the driver's own copy of the same path in the same
-//! run, rounds alternating.
+//! `bench channel --backend cuda_xth|cuda_ipc|cuda_basic|cuda_gdr` (feature `cuda`): one CUDA
+//! tensor of each size echoed through a pipe, next to the driver's own copy of the same path in
+//! the same run, rounds alternating.
 //!
 //! - `cuda_xth`: both pipes in this process (two contexts on one thread).
 //! - `cuda_ipc`: the echoing side is this program again, started as a child process
@@ -11,6 +11,8 @@
 //!   out; the raw baseline is then the driver's pinned device-to-host plus host-to-device copy
 //!   each way (what one staged transfer does), and a host tensor of the same size goes through
 //!   the same pipes (the CPU channel under `cuda_basic`).
+//! - `cuda_gdr` (feature `ibv` too): both pipes in this process, on the SIMULATED verbs device
+//!   ([`gdr`]); a second pair of pipes stripes each tensor over two simulated devices.
 //!
 //! `--device S,D` puts the sent tensor on GPU S and lands it on GPU D on the echoing side (the
 //! raw baseline is then the driver's copy from S to D and back). `--transport shm` (with
@@ -19,6 +21,8 @@
 //! Each round trip: write, `Receive` into the last round's buffers, the echo's stream ordered
 //! after the copy with `wait_on` (no CPU wait), write back, `Receive`, blocking `wait`.
 
+#[cfg(feature = "ibv")]
+mod gdr;
 mod raw;
 
 use std::sync::Arc;
@@ -52,15 +56,24 @@ struct Setup {
     /// The sending side's GPU, and the GPU the echo lands tensors on.
     src: u32,
     dst: u32,
+    /// cuda_gdr: the simulated devices of its channel.
+    #[cfg(feature = "ibv")]
+    sim: Vec<usize>,
 }
 
 impl Setup {
     fn from_args(args: &RunArgs) -> Result<Setup, Failure> {
         let backend = args.backend.clone().unwrap_or_default();
-        if !matches!(backend.as_str(), "cuda_xth" | "cuda_ipc" | "cuda_basic") {
+        if !matches!(
+            backend.as_str(),
+            "cuda_xth" | "cuda_ipc" | "cuda_basic" | "cuda_gdr"
+        ) {
             return Err(bad(format!(
-                "unknown CUDA channel {backend:?}: use cuda_xth, cuda_ipc or cuda_basic"
+                "unknown CUDA channel {backend:?}: use cuda_xth, cuda_ipc, cuda_basic or cuda_gdr"
             )));
+        }
+        if backend == "cuda_gdr" && !cfg!(feature = "ibv") {
+            return Err(bad("cuda_gdr needs a build with --features cuda,ibv"));
         }
         if args.json || args.listen.is_some() || !args.lanes.is_empty() {
             return Err(bad(
@@ -83,6 +96,8 @@ impl Setup {
             spin: args.spin,
             src,
             dst,
+            #[cfg(feature = "ibv")]
+            sim: gdr::ONE.to_vec(),
         })
     }
 
@@ -91,6 +106,8 @@ impl Setup {
     fn builder(&self) -> ContextBuilder {
         let mut b = match self.backend.as_str() {
             "cuda_basic" => Context::builder().without("cuda_xth").without("cuda_ipc"),
+            #[cfg(feature = "ibv")]
+            "cuda_gdr" => gdr::with_gdr(Context::builder(), &self.sim),
             _ => Context::builder(),
         };
         if self.shm {
@@ -237,6 +254,11 @@ struct Row {
 /// Measures and prints the table.
 pub fn run(args: &RunArgs) -> Result<(), Failure> {
     let setup = Setup::from_args(args)?;
+    if let (Err(why), "cuda_gdr") = (cuda::available(), setup.backend.as_str()) {
+        // Nothing to measure without a GPU: say so and succeed, like the GPU trials.
+        println!("actorpipe bench channel cuda_gdr: skipped: no CUDA GPU here: {why}");
+        return Ok(());
+    }
     cuda::available().map_err(|why| Failure::Failed(format!("no CUDA GPU here: {why}")))?;
     let src = cuda::gpu(setup.src).map_err(failed("the sending GPU"))?;
     let dst = cuda::gpu(setup.dst).map_err(failed("the echoing GPU"))?;
@@ -264,7 +286,12 @@ fn table(setup: &Setup, negotiated: &str, rows: &[Row], src: &str, dst: &str) ->
     let p = Provenance::here();
     let backend = setup.backend.as_str();
     let mut out = format!(
-        "actorpipe bench channel {backend}: 1 CUDA tensor of each size on cuda:{}, echoed{} onto cuda:{}\n",
+        "actorpipe bench channel {backend}{}: 1 CUDA tensor of each size on cuda:{}, echoed{} onto cuda:{}\n",
+        if backend == "cuda_gdr" {
+            " (SIMULATED RDMA device, real GPU)"
+        } else {
+            ""
+        },
         setup.src,
         if backend == "cuda_ipc" {
             " by another process"
@@ -291,6 +318,10 @@ fn table(setup: &Setup, negotiated: &str, rows: &[Row], src: &str, dst: &str) ->
             (true, Some(us)) => format!("shm, spinning {us} us"),
         }
     );
+    #[cfg(feature = "ibv")]
+    if backend == "cuda_gdr" {
+        out += gdr::DEVICE_LINE;
+    }
     out += &format!("  negotiated: {negotiated}\n");
     out += &format!("  raw: {raw}\n");
     let other = match backend {
@@ -302,12 +333,21 @@ fn table(setup: &Setup, negotiated: &str, rows: &[Row], src: &str, dst: &str) ->
             out += "  cpu channel: a host tensor of the same size through the same pipes (the CPU channel under cuda_basic)\n";
             Some("cpu channel")
         }
+        #[cfg(feature = "ibv")]
+        "cuda_gdr" => {
+            out += "  striped: the same tensor through a second pair of pipes whose cuda_gdr stripes it over two SIMULATED devices (tensors over 64 KiB; smaller ones stay whole on the first)\n";
+            Some(gdr::STRIPED_LABEL)
+        }
         _ => None,
     };
     out += "\n| size | pipe p50 | pipe GB/s | raw p50 | raw GB/s | pipe / raw |";
     let mut rule = String::from("| --- | --- | --- | --- | --- | --- |");
     if let Some(o) = other {
-        out += &format!(" {o} p50 | {o} GB/s | pipe / {} |", slowest(backend, o));
+        let ratio = match backend {
+            "cuda_gdr" => format!("{o} / raw"),
+            _ => format!("pipe / {}", slowest(backend, o)),
+        };
+        out += &format!(" {o} p50 | {o} GB/s | {ratio} |");
         rule += " --- | --- | --- |";
     }
     out += &format!("\n{rule}\n");
@@ -325,13 +365,14 @@ fn table(setup: &Setup, negotiated: &str, rows: &[Row], src: &str, dst: &str) ->
             pct(r.raw)
         );
         if let Some(o) = r.other {
-            // cuda_basic is held to the slower of its legs: the staged copies or the CPU channel.
-            let base = if backend == "cuda_basic" {
-                o.max(r.raw)
-            } else {
-                o
+            // cuda_basic is held to the slower of its legs: the staged copies or the CPU
+            // channel; cuda_gdr's striped pipes to the raw copy, like its one-device pipes.
+            let ratio = match backend {
+                "cuda_basic" => pct(o.max(r.raw)),
+                "cuda_gdr" => 100.0 * r.raw.as_secs_f64() / o.as_secs_f64(),
+                _ => pct(o),
             };
-            out += &format!(" {:.1} us | {:.2} | {:.0} % |", us(o), gbps(o), pct(base));
+            out += &format!(" {:.1} us | {:.2} | {:.0} % |", us(o), gbps(o), ratio);
         }
         out += "\n";
     }
@@ -366,19 +407,27 @@ async fn measure(
         raw2 = Some(peer);
         (listening.accept().await?, None)
     } else {
-        let other = setup.builder().start();
-        let tx = other.send(Connect::new(&listening.url)).await??;
-        let rx = listening.accept().await?;
-        (tx, Some(actix::spawn(echo(rx, setup.dst))))
+        let (tx, echo) = local_pair(setup, &mut listening).await?;
+        (tx, Some(echo))
     };
-    let info = tx.send(GetInfo).await?;
-    let want = format!("{} (cuda->cuda)", setup.backend);
-    if !info.channels.iter().any(|c| c.to_string() == want) {
-        return Err(Failure::Failed(format!(
-            "{want} was not negotiated: {}",
-            info.channel_list()
-        )));
-    }
+    let info = negotiated(&tx, setup).await?;
+    // cuda_gdr: a second pair of pipes, whose channel stripes over two simulated devices.
+    #[cfg(feature = "ibv")]
+    let mut striped = match setup.backend.as_str() {
+        "cuda_gdr" => {
+            let two = Setup {
+                sim: gdr::STRIPED.to_vec(),
+                ..setup.clone()
+            };
+            let mut l = listen(&two).await?;
+            let (tx2, echo2) = local_pair(&two, &mut l).await?;
+            negotiated(&tx2, &two).await?;
+            Some((tx2, echo2, l))
+        }
+        _ => None,
+    };
+    #[cfg(not(feature = "ibv"))]
+    let mut striped: Option<(Addr<Pipe>, tokio::task::JoinHandle<()>, Listening)> = None;
     let stream = gpu.lease_stream().map_err(failed("a stream"))?;
     let mut rows = Vec::new();
     for &size in &args.sizes.0 {
@@ -407,6 +456,13 @@ async fn measure(
         ));
         let mut spare = None::<Allocation>;
         let mut host_spare = None::<Allocation>;
+        let mut two = match striped {
+            Some(_) => Some(Message::new().with_tensor(Tensor::cuda(
+                CudaBuffer::alloc(gpu.ordinal(), len).map_err(failed("allocating"))?,
+            ))),
+            None => None,
+        };
+        let mut two_spare = None::<Allocation>;
         let (mut pipe_t, mut raw_t, mut other_t) = (Vec::new(), Vec::new(), Vec::new());
         for round in 0..args.rounds {
             for i in 0..warmup * u32::from(round == 0) + iters {
@@ -444,6 +500,14 @@ async fn measure(
                         other_t.push(took);
                     }
                 }
+                if let (Some((tx2, ..)), Some(m2)) = (striped.as_ref(), two.take()) {
+                    let (took, back, sent) = round_trip(tx2, m2, two_spare.take()).await?;
+                    two = Some(back);
+                    two_spare = Some(sent);
+                    if keep {
+                        other_t.push(took);
+                    }
+                }
                 let (took, back, sent) = round_trip(&tx, m, spare.take()).await?;
                 m = back;
                 spare = Some(sent);
@@ -463,6 +527,10 @@ async fn measure(
     drop(raw2);
     drop(tx);
     if let Some(e) = echo_side {
+        e.abort();
+    }
+    if let Some((tx2, e, _)) = striped.take() {
+        drop(tx2);
         e.abort();
     }
     drop(child);
@@ -489,6 +557,31 @@ async fn round_trip(
         .map_err(|e| Failure::Failed(format!("the write task: {e}")))??;
     sent.result.map_err(failed("writing"))?;
     Ok((took, home.message, Allocation::from(sent.message)))
+}
+
+/// A pipe to `listening` from another context of this process, and the task echoing on the
+/// accepted end.
+async fn local_pair(
+    setup: &Setup,
+    listening: &mut Listening,
+) -> Result<(Addr<Pipe>, tokio::task::JoinHandle<()>), Failure> {
+    let other = setup.builder().start();
+    let tx = other.send(Connect::new(&listening.url)).await??;
+    let rx = listening.accept().await?;
+    Ok((tx, actix::spawn(echo(rx, setup.dst))))
+}
+
+/// The pipe's info, once it shows the backend carrying cuda->cuda.
+async fn negotiated(tx: &Addr<Pipe>, setup: &Setup) -> Result<actorpipe::PipeInfo, Failure> {
+    let info = tx.send(GetInfo).await?;
+    let want = format!("{} (cuda->cuda)", setup.backend);
+    if !info.channels.iter().any(|c| c.to_string() == want) {
+        return Err(Failure::Failed(format!(
+            "{want} was not negotiated: {}",
+            info.channel_list()
+        )));
+    }
+    Ok(info)
 }
 
 /// A listening context of this process.
