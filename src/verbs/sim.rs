@@ -274,8 +274,9 @@ impl Fabric {
             unsafe {
                 std::ptr::copy(src as *const u8, dst as *mut u8, len as usize);
             }
-            *self.moved.entry(lid).or_default() += len;
         }
+        // Host copies and (simulated) GPU DMA alike.
+        *self.moved.entry(lid).or_default() += len;
         if let Some(recv) = recv {
             peer_slot.complete(Completion {
                 wr_id: recv.wr_id,

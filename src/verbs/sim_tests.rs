@@ -397,7 +397,8 @@ fn simulated_gpu_registrations_move_bytes_with_the_gpus_copies_and_keep_the_rule
             copies: Default::default(),
             fail,
         });
-        let (da, db) = (SimDevice::open(0), SimDevice::open(1));
+        // Devices of this test alone: their byte counters are the process's.
+        let (da, db) = (SimDevice::open(60), SimDevice::open(61));
         let mut src: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
         let mut dev_mem = vec![0u8; 4096];
         // SAFETY: both buffers outlive their registrations (dropped at the end of the loop body,
@@ -428,6 +429,7 @@ fn simulated_gpu_registrations_move_bytes_with_the_gpus_copies_and_keep_the_rule
             },
             local: mr_src.sge(mr_src.addr(), len).unwrap(),
         };
+        let moved = super::sim::bytes_moved(60);
         a.post_send(&write(0, 4096)).unwrap();
         let c = drain(&mut a);
         if fail {
@@ -441,6 +443,11 @@ fn simulated_gpu_registrations_move_bytes_with_the_gpus_copies_and_keep_the_rule
         assert_eq!(c[0].status, Status::Success);
         assert_eq!(dev_mem, src, "landed through the GPU's copy");
         assert_eq!(gpu.copies.load(Relaxed), 1);
+        assert_eq!(
+            super::sim::bytes_moved(60) - moved,
+            4096,
+            "the GPU's DMA counts as bytes the device moved (striping tests read it)"
+        );
         assert_eq!(drain(&mut b)[0].imm, Some(3));
         // Bounds are the registration's, as for host memory.
         b.post_recv(&recv(2)).unwrap();
