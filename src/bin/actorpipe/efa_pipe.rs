@@ -8,7 +8,8 @@
 //! - `striped`: the same with the channel on every domain of the provider (tensors over 64 KiB
 //!   striped over them), where it lists two or more.
 //!
-//! Both use the public API only ([`crate::bench`]'s echo server and client, `--api awaited`).
+//! Both use the public API only ([`crate::bench`]'s echo server and client, `--api receive`, the
+//! default of the other benches: fired operations, reads with `Receive`).
 
 use std::sync::{mpsc as std_mpsc, Arc};
 
@@ -61,7 +62,7 @@ pub fn round(row: Row, provider: &str, size: u64, counts: Counts) -> Result<Samp
     let p = provider.to_string();
     let server = std::thread::spawn(move || {
         actix::System::new().block_on(async move {
-            match crate::bench::listen(row.builder(&p), "tcp://127.0.0.1:0", Api::Awaited).await {
+            match crate::bench::listen(row.builder(&p), "tcp://127.0.0.1:0", Api::Receive).await {
                 Ok(listening) => {
                     let _ = url_tx.send(Ok(listening.urls[0].clone()));
                     let _ = tokio::task::spawn_blocking(move || stop_rx.recv()).await;
@@ -78,7 +79,7 @@ pub fn round(row: Row, provider: &str, size: u64, counts: Counts) -> Result<Samp
         .map_err(|_| Failure::Failed("efa echo server: stopped".into()))??;
     let result = actix::System::new().block_on(async {
         let mut client =
-            Client::connect(row.builder(provider), &url, Shape::Tensor, Api::Awaited).await?;
+            Client::connect(row.builder(provider), &url, Shape::Tensor, Api::Receive).await?;
         if client.info.transport != "efa" || client.channel() != row.channel() {
             return Err(Failure::Failed(format!(
                 "negotiated {} / {}, expected efa / {}",
