@@ -5,23 +5,26 @@ mod common;
 use actorpipe::*;
 use common::*;
 
+/// The default pipe (shm and, in one process, xth), tcp + basic and tcp + mpt (64 KiB chunks).
+const CONFIGS: [Setup; 3] = [
+    ("default", Context::builder),
+    ("tcp+basic", tcp_basic),
+    ("tcp+mpt", tcp_mpt),
+];
+
+fn tcp_mpt() -> ContextBuilder {
+    Context::builder()
+        .without("shm")
+        .only_channels(&["mpt"])
+        .chunk_size(64 << 10)
+}
+
 /// Messages of every shape arrive intact through `Receive`, mixed with `ReadDescriptor` + `Read`
 /// on the same pipe, each `Receive` reusing the buffers of the message before it (whatever its
 /// shape), over the default pipe (shm + cma), tcp + basic and mpt.
 #[actix::test]
 async fn receive_reads_every_shape_mixed_with_two_step_reads() {
-    let mpt = || {
-        Context::builder()
-            .without("shm")
-            .only_channels(&["mpt"])
-            .chunk_size(64 << 10)
-    };
-    let configs: [Setup; 3] = [
-        ("default", Context::builder),
-        ("tcp+basic", tcp_basic),
-        ("tcp+mpt", mpt),
-    ];
-    for (name, builder) in configs {
+    for (name, builder) in CONFIGS {
         let (tx, rx, _s) = pair(builder(), builder()).await;
         let mut rng = Rng(0xbeef);
         let mut spare = Allocation::default();
@@ -198,13 +201,7 @@ async fn receive_deadline_closes_the_pipe() {
 /// tcp + mpt.
 #[actix::test]
 async fn waiting_receives_of_small_messages_are_completed_by_the_read_loop() {
-    let mpt = || Context::builder().without("shm").only_channels(&["mpt"]);
-    let configs: [Setup; 3] = [
-        ("default", Context::builder),
-        ("tcp+basic", tcp_basic),
-        ("tcp+mpt", mpt),
-    ];
-    for (name, builder) in configs {
+    for (name, builder) in CONFIGS {
         let (tx, rx, _s) = pair(builder(), builder()).await;
         let shapes: [(&[usize], &[usize], bool); 6] = [
             (&[64], &[], true),
