@@ -89,7 +89,12 @@ fn info_lists_every_backend_and_why() {
     // with the ibv feature the ibv transport and the ibv channel (other hardware backends come
     // with their features).
     let all = v.as_array().expect("a list");
-    let cuda = if cfg!(feature = "cuda") { 8 } else { 0 };
+    // cuda_gdr (features cuda and ibv) adds one row per device pair too.
+    let cuda = match (cfg!(feature = "cuda"), cfg!(feature = "ibv")) {
+        (true, true) => 11,
+        (true, false) => 8,
+        _ => 0,
+    };
     let ibv = if cfg!(feature = "ibv") { 2 } else { 0 };
     let named = |p: &str| {
         all.iter()
@@ -231,15 +236,22 @@ fn bench_cuda_channels_run_or_say_why_not() {
         )
     };
     let run = |backend: &str| run_with(backend, &[]);
-    let (code, err, _) = run("cuda_gdr");
+    let (code, err, _) = run("cuda_nope");
     assert_eq!(code, Some(2), "{err}");
+    let gdr = cfg!(all(feature = "cuda", feature = "ibv"));
+    if cfg!(feature = "cuda") && !gdr {
+        let (code, err, _) = run("cuda_gdr");
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains("--features cuda,ibv"), "{err}");
+    }
     #[cfg(feature = "cuda")]
     {
         let (code, err, _) = run_with("cuda_ipc", &["--spin", "20"]);
         assert_eq!(code, Some(2), "--spin without shm: {err}");
         assert!(err.contains("--transport shm"), "{err}");
     }
-    for backend in ["cuda_xth", "cuda_ipc", "cuda_basic"] {
+    let gdr_row = if gdr { &["cuda_gdr"][..] } else { &[] };
+    for &backend in ["cuda_xth", "cuda_ipc", "cuda_basic"].iter().chain(gdr_row) {
         let (code, err, out) = run(backend);
         #[cfg(not(feature = "cuda"))]
         {

@@ -254,11 +254,6 @@ struct Row {
 /// Measures and prints the table.
 pub fn run(args: &RunArgs) -> Result<(), Failure> {
     let setup = Setup::from_args(args)?;
-    if let (Err(why), "cuda_gdr") = (cuda::available(), setup.backend.as_str()) {
-        // Nothing to measure without a GPU: say so and succeed, like the GPU trials.
-        println!("actorpipe bench channel cuda_gdr: skipped: no CUDA GPU here: {why}");
-        return Ok(());
-    }
     cuda::available().map_err(|why| Failure::Failed(format!("no CUDA GPU here: {why}")))?;
     let src = cuda::gpu(setup.src).map_err(failed("the sending GPU"))?;
     let dst = cuda::gpu(setup.dst).map_err(failed("the echoing GPU"))?;
