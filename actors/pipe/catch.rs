@@ -1,6 +1,6 @@
 //! The read loop's shortcut: a `Receive` waiting for the next message, when that message is
-//! self-contained (its payloads and its small host tensors read with its frame), is completed by the
-//! connection's read loop itself. The application's `ReadDone` then leaves as soon as the frame
+//! self-contained (its payloads and its small host tensors read with its frame), is completed
+//! by the connection's read loop itself. The application's `ReadDone` then leaves as soon as the frame
 //! is decoded, without waiting for a poll of the pipe's task; the pipe catches up on the frame's
 //! bookkeeping (sequence number, prefetch tickets, metrics) when it next runs, which is usually
 //! together with the application's next operation.
@@ -52,14 +52,17 @@ pub(super) struct Catcher {
     /// tensors all go that way (small `basic` tensors, `cma`'s inline ones) can be caught too.
     cpu_channel: usize,
     carried: Carried,
+    /// The pipe's routing table, to check each tensor's route as the pipe does.
+    routes: Routes,
 }
 
 impl Catcher {
-    pub(super) fn new(cpu_channel: usize, carried: Carried) -> Catcher {
+    pub(super) fn new(routes: Routes, cpu_channel: usize, carried: Carried) -> Catcher {
         Catcher {
             slot: Mutex::new(Slot::Empty),
             cpu_channel,
             carried,
+            routes,
         }
     }
 
@@ -94,8 +97,9 @@ impl Catcher {
         }
     }
 
-    /// Whether every tensor of `wd` is a host tensor on the CPU channel that was read with the
-    /// frame: what `Pipe::check_descriptor` would accept and `start_read` copy from the bytes.
+    /// Whether every tensor of `wd` is on the CPU channel, with the empty channel data of a
+    /// tensor the stream carries (so it was read with the frame), and routed as the pipe's
+    /// `check_descriptor` accepts.
     fn all_read_with_frame(&self, wd: &WireDescriptor) -> bool {
         let tensors = &wd.descriptor.tensors;
         wd.routes.len() == tensors.len()
@@ -103,7 +107,9 @@ impl Catcher {
                 *ch as usize == self.cpu_channel
                     && data.is_empty()
                     && self.carried.carries(data)
-                    && t.source_device == crate::message::Device::Cpu
+                    && (self.routes)
+                        .check(self.cpu_channel, t.source_device, t.target_device)
+                        .is_ok()
             })
     }
 }
@@ -125,9 +131,12 @@ impl Catch for Catcher {
         };
         let descriptor = &mut wd.descriptor;
         for t in &mut descriptor.tensors {
-            // As `Routes::check` for the CPU channel: a GPU suggestion lands in host memory.
-            if matches!(t.target_device, Some(crate::message::Device::Cuda(_))) {
-                t.target_device = Some(crate::message::Device::Cpu);
+            // Where the tensor lands, as `check_descriptor` sets it (checked above).
+            if let Ok(target) =
+                self.routes
+                    .check(self.cpu_channel, t.source_device, t.target_device)
+            {
+                t.target_device = target;
             }
         }
         let alloc = match (p.spare, descriptor.payloads.len(), descriptor.tensors.len()) {

@@ -200,6 +200,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         .copied()
         .unwrap_or(ChannelKind::Basic { chunk_size });
     let routes = Routes::new(&choice, &kinds, cpu_channel);
+    let catcher_routes = routes.clone();
     let span = tracing::info_span!("pipe", id, peer = %info.peer, backend = %origin.backend);
     span.in_scope(|| tracing::debug!("pipe open"));
     let cpu_name = choice
@@ -254,7 +255,11 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         expect_seq: 0,
         prefetch: Prefetch::default(),
         current: None,
-        catcher: Arc::new(super::catch::Catcher::new(cpu_channel, cpu_kind.carried())),
+        catcher: Arc::new(super::catch::Catcher::new(
+            catcher_routes,
+            cpu_channel,
+            cpu_kind.carried(),
+        )),
         caught_through: 0,
     }
     .start()
