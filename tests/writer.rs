@@ -83,11 +83,8 @@ impl Outcomes {
             }
             last_id = Some(d.id);
             assert_eq!(verify(&d.message), i as u64, "{what}: write {i}'s buffers");
-            match &d.result {
-                Ok(()) => assert_eq!(ok, i, "{what}: write {i} succeeded after a failure"),
-                Err(_) => {}
-            }
             if d.result.is_ok() {
+                assert_eq!(ok, i, "{what}: write {i} succeeded after a failure");
                 ok += 1;
             }
         }
@@ -252,9 +249,9 @@ enum End {
 }
 
 /// A writer on a plain thread (no actix, no tokio runtime) writes as fast as it can while the
-/// pipe closes or its peer goes away: every write completes once, in issue order, with its
-/// buffers; the ones that fail come after every one that succeeded; and the reader got exactly
-/// the successful ones... at least every one that was read, in order.
+/// pipe closes or its peer goes away, and on after the pipe has closed: every write completes
+/// once, in issue order, with its buffers; the ones that fail come after every one that
+/// succeeded (at least every one the reader read, and not the last ones).
 #[actix::test]
 async fn a_writer_on_another_thread_races_the_end_of_its_pipe() {
     for end in [End::Close, End::PeerCloses, End::PeerStops] {
@@ -284,13 +281,16 @@ async fn a_writer_on_another_thread_races_the_end_of_its_pipe() {
             let writer = tx.send(GetWriter).await.unwrap();
             let (to, mut completions) = inbox::<WriteDone>();
             let to: Arc<Recipient<WriteDone>> = Arc::new(to);
+            let (closed_to, mut closed) = inbox::<Closed>();
+            tx.do_send(Subscribe(closed_to));
             let ended = Arc::new(AtomicBool::new(false));
             let thread = std::thread::spawn({
                 let (ended, to) = (ended.clone(), to.clone());
                 move || {
                     let mut returned = Vec::new();
                     let mut after = 0;
-                    for i in 0..20_000u64 {
+                    // (A bound, in case the pipe never closed: the test then fails below.)
+                    for i in 0..2_000_000u64 {
                         if ended.load(Ordering::Relaxed) {
                             after += 1;
                             if after > 200 {
@@ -298,10 +298,12 @@ async fn a_writer_on_another_thread_races_the_end_of_its_pipe() {
                             }
                         }
                         let m = checked_message(i, &[64], &[32]);
-                        returned.push(writer.write(Write::new(m), &to));
-                        if i % 64 == 0 {
-                            std::thread::yield_now();
+                        let done = writer.write(Write::new(m), &to);
+                        if done.is_none() {
+                            // Handed to the pipe: let it keep up.
+                            std::thread::sleep(Duration::from_micros(20));
                         }
+                        returned.push(done);
                     }
                     returned
                 }
@@ -326,6 +328,9 @@ async fn a_writer_on_another_thread_races_the_end_of_its_pipe() {
                     peer.stop();
                 }
             }
+            // The writing side has closed; the thread writes on a little.
+            let bye = within(30, "the writing side's Closed", closed.recv()).await;
+            assert!(bye.is_some(), "{what}");
             ended.store(true, Ordering::Relaxed);
             let returned = within(30, "the writing thread", async {
                 loop {
@@ -343,7 +348,10 @@ async fn a_writer_on_another_thread_races_the_end_of_its_pipe() {
             out.collect(&mut completions).await;
             let ok = out.check(&what);
             assert!(ok >= read as usize, "{what}: {ok} succeeded, {read} read");
-            assert!(ok < out.done.len(), "{what}: no write failed");
+            assert!(
+                ok + 200 <= out.done.len(),
+                "{what}: a write after the close succeeded"
+            );
             let info = tx.send(GetInfo).await.unwrap();
             assert!(info.closed, "{what}");
         }
