@@ -199,7 +199,9 @@ async fn a_writer_waits_behind_writes_sent_to_the_address() {
 
 /// A receiver that does not read fills the stream: the writer's writes then go to the pipe
 /// (the stream would block, or takes part of a message), and stay in order behind the ones it
-/// wrote itself; once the receiver reads, everything arrives and completes in order.
+/// wrote itself; once the receiver reads, everything arrives and completes in order. Then the
+/// same again with the receiver reading meanwhile, so that the stream fills and drains over and
+/// over (and the writer writes part of a message now and then, which the pipe completes).
 #[actix::test]
 async fn a_full_stream_sends_writes_through_the_pipe_in_order() {
     for (name, builder) in CONFIGS {
@@ -207,15 +209,21 @@ async fn a_full_stream_sends_writes_through_the_pipe_in_order() {
         let writer = tx.send(GetWriter).await.unwrap();
         let (to, mut completions) = inbox::<WriteDone>();
         let to = Arc::new(to);
-        // 16 KiB messages (the most a writer writes itself), 48 MiB in all: more than any
+        // 16 KiB messages (the most a writer writes itself), 48 MiB per phase: more than any
         // socket buffer or ring holds.
         const N: u64 = 3000;
-        let mut out = Outcomes::new(N as usize);
+        let message = |i: u64| {
+            let (p, t): (&[usize], &[usize]) = match i % 3 {
+                0 => (&[16 << 10], &[]),
+                1 => (&[8 << 10], &[8 << 10]),
+                _ => (&[4 << 10, 4 << 10], &[4 << 10, 4 << 10]),
+            };
+            Write::new(checked_message(i, p, t))
+        };
+        let mut out = Outcomes::new(2 * N as usize);
         let mut handed = 0;
         for i in 0..N {
-            let sizes: &[usize] = if i % 2 == 0 { &[16 << 10] } else { &[8 << 10] };
-            let tensors: &[usize] = if i % 2 == 0 { &[] } else { &[8 << 10] };
-            let done = writer.write(Write::new(checked_message(i, sizes, tensors)), &to);
+            let done = writer.write(message(i), &to);
             if done.is_none() {
                 handed += 1;
             }
@@ -229,10 +237,16 @@ async fn a_full_stream_sends_writes_through_the_pipe_in_order() {
         assert!(out.direct > 0, "{name}: no write went direct");
         let reader = actix::spawn({
             let rx = rx.clone();
-            async move { receive_all(&rx, N, name).await }
+            async move { receive_all(&rx, 2 * N, name).await }
         });
+        for i in N..2 * N {
+            out.returned(i as usize, writer.write(message(i), &to));
+            if i % 20 == 0 {
+                tokio::task::yield_now().await;
+            }
+        }
         out.collect(&mut completions).await;
-        assert_eq!(out.check(name), N as usize);
+        assert_eq!(out.check(name), 2 * N as usize);
         within(60, "the reader", reader).await.unwrap();
     }
 }
