@@ -105,6 +105,24 @@ fn shape(i: u64) -> (Vec<usize>, Vec<usize>) {
     }
 }
 
+/// A connected pair over `builder`'s contexts (writing side, reading side), the writing side's
+/// writer, and an inbox for the completions the writer leaves to the pipe; keep the server.
+async fn writing(
+    builder: fn() -> ContextBuilder,
+) -> (
+    Addr<Pipe>,
+    Addr<Pipe>,
+    PipeWriter,
+    Arc<Recipient<WriteDone>>,
+    tokio::sync::mpsc::UnboundedReceiver<WriteDone>,
+    Server,
+) {
+    let (tx, rx, server) = pair(builder(), builder()).await;
+    let writer = tx.send(GetWriter).await.unwrap();
+    let (to, completions) = inbox::<WriteDone>();
+    (tx, rx, writer, Arc::new(to), completions, server)
+}
+
 async fn receive_all(rx: &Addr<Pipe>, n: u64, what: &str) {
     let mut spare = Allocation::default();
     for i in 0..n {
@@ -124,10 +142,7 @@ async fn receive_all(rx: &Addr<Pipe>, n: u64, what: &str) {
 #[actix::test]
 async fn direct_and_handed_over_writes_keep_one_order() {
     for (name, builder) in CONFIGS {
-        let (tx, rx, _s) = pair(builder(), builder()).await;
-        let writer = tx.send(GetWriter).await.unwrap();
-        let (to, mut completions) = inbox::<WriteDone>();
-        let to = Arc::new(to);
+        let (tx, rx, writer, to, mut completions, _keep) = writing(builder).await;
         const N: u64 = 140;
         let reader = actix::spawn({
             let rx = rx.clone();
@@ -157,10 +172,7 @@ async fn direct_and_handed_over_writes_keep_one_order() {
 /// took them in: a writer's write waits behind a `Write` the pipe holds.
 #[actix::test]
 async fn a_writer_waits_behind_writes_sent_to_the_address() {
-    let (tx, rx, _s) = pair(tcp_basic(), tcp_basic()).await;
-    let writer = tx.send(GetWriter).await.unwrap();
-    let (to, mut completions) = inbox::<WriteDone>();
-    let to = Arc::new(to);
+    let (tx, rx, writer, to, mut completions, _keep) = writing(tcp_basic).await;
     const N: u64 = 60;
     let mut out = Outcomes::new(N as usize);
     let mut awaited = Vec::new();
@@ -205,10 +217,7 @@ async fn a_writer_waits_behind_writes_sent_to_the_address() {
 #[actix::test]
 async fn a_full_stream_sends_writes_through_the_pipe_in_order() {
     for (name, builder) in CONFIGS {
-        let (tx, rx, _s) = pair(builder(), builder()).await;
-        let writer = tx.send(GetWriter).await.unwrap();
-        let (to, mut completions) = inbox::<WriteDone>();
-        let to = Arc::new(to);
+        let (_tx, rx, writer, to, mut completions, _keep) = writing(builder).await;
         // 16 KiB messages (the most a writer writes itself), 48 MiB per phase: more than any
         // socket buffer or ring holds.
         const N: u64 = 3000;
@@ -323,18 +332,8 @@ async fn a_writer_on_another_thread_races_the_end_of_its_pipe() {
                 }
             });
             // Read some, then end the pipe while the thread writes.
-            let mut spare = Allocation::default();
-            let mut read = 0u64;
-            for i in 0..300u64 {
-                let done = within(30, "a Receive", rx.send(Receive::reusing(spare)))
-                    .await
-                    .unwrap();
-                done.result
-                    .unwrap_or_else(|e| panic!("{what}: message {i}: {e}"));
-                assert_eq!(verify(&done.message), i, "{what}: message {i}");
-                spare = Allocation::from(done.message);
-                read += 1;
-            }
+            let read = 300;
+            receive_all(&rx, read, &what).await;
             match end {
                 End::Close => tx.do_send(Close::because("the test ends it")),
                 End::PeerCloses => rx.do_send(Close::because("the test ends it")),
@@ -377,10 +376,7 @@ async fn a_writer_on_another_thread_races_the_end_of_its_pipe() {
 #[actix::test]
 async fn a_writer_works_from_another_arbiter() {
     for (name, builder) in CONFIGS {
-        let (tx, rx, _s) = pair(builder(), builder()).await;
-        let writer = tx.send(GetWriter).await.unwrap();
-        let (to, mut completions) = inbox::<WriteDone>();
-        let to = Arc::new(to);
+        let (_tx, rx, writer, to, mut completions, _keep) = writing(builder).await;
         const N: u64 = 200;
         let other = actix::Arbiter::new();
         let (back_tx, back_rx) = tokio::sync::oneshot::channel();

@@ -205,14 +205,7 @@ impl Pipe {
         // loop is idle (the usual case for a small message), and completed below with no trip
         // through the loop and the completion queue; whatever is not is queued on the
         // connection. Never through the channel actor.
-        let mut batch = mem::take(&mut l.batch);
-        batch.clear();
-        batch.push(OutOp::Message {
-            ticket,
-            frame,
-            payloads: mem::take(&mut message.payloads),
-            reply,
-        });
+        let mut batch = writer::start_batch(&mut l.batch, ticket, frame, &mut message, reply);
         let mut next = ticket + 1;
         let mut tensors_out = 0;
         for (i, t) in message.tensors.iter_mut().enumerate() {
@@ -254,21 +247,7 @@ impl Pipe {
         tensors_out += queued - written.max(1);
         w.payloads_out = written == 0;
         for op in batch.drain(..) {
-            // What `Done::Wrote` / `Done::WroteTensor` would do, without building one and
-            // finding the write again.
-            match op {
-                OutOp::Message {
-                    frame, payloads, ..
-                } => {
-                    if l.frames.len() < 4 {
-                        l.frames.push(frame);
-                    }
-                    message.payloads = payloads;
-                }
-                OutOp::Tensor { index, memory, .. } => {
-                    message.tensors[index as usize].buffer = memory.into_buffer();
-                }
-            }
+            writer::give_back(op, &mut message, &mut l.frames);
         }
         l.batch = batch;
         drop(ledger);

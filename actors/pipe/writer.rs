@@ -204,14 +204,13 @@ impl WriteShare {
             return Direct::ToPipe(message);
         }
         let ticket = l.out_ticket;
-        let mut batch = mem::take(&mut l.batch);
-        batch.clear();
-        batch.push(OutOp::Message {
+        let mut batch = start_batch(
+            &mut l.batch,
             ticket,
             frame,
-            payloads: mem::take(&mut message.payloads),
-            reply: wire.reply.clone(),
-        });
+            &mut message,
+            wire.reply.clone(),
+        );
         let chunk_size = self.cpu_kind.control_chunk();
         for (i, t) in message.tensors.iter_mut().enumerate() {
             batch.push(OutOp::Tensor {
@@ -286,8 +285,28 @@ impl WriteShare {
     }
 }
 
-/// A written op's buffers back into its message (and its frame into the pool).
-fn give_back(op: OutOp, message: &mut Message, frames: &mut Vec<Vec<u8>>) {
+/// The reused `batch`, taken, holding the message's op: its frame and payloads.
+pub(super) fn start_batch(
+    batch: &mut Vec<OutOp>,
+    ticket: u64,
+    frame: Vec<u8>,
+    message: &mut Message,
+    reply: Reply,
+) -> Vec<OutOp> {
+    let mut batch = mem::take(batch);
+    batch.clear();
+    batch.push(OutOp::Message {
+        ticket,
+        frame,
+        payloads: mem::take(&mut message.payloads),
+        reply,
+    });
+    batch
+}
+
+/// A written op's buffers back into its message (and its frame into the pool): what
+/// `Done::Wrote` / `Done::WroteTensor` would do, without building one and finding the write.
+pub(super) fn give_back(op: OutOp, message: &mut Message, frames: &mut Vec<Vec<u8>>) {
     match op {
         OutOp::Message {
             frame, payloads, ..
