@@ -433,3 +433,28 @@ async fn a_writer_of_a_closed_pipe_hands_everything_to_it() {
         );
     }
 }
+
+/// A deadline travels with a write the writer hands to the pipe: to a receiver that never
+/// reads, the large writes miss it, the pipe closes with a timeout, and every write behind them
+/// (the small ones too, which could not go direct behind them) fails with it, in order, with its
+/// buffers.
+#[actix::test]
+async fn a_handed_over_write_keeps_its_deadline() {
+    let (_tx, _rx, writer, to, mut completions, _keep) = writing(tcp_basic).await;
+    let mut out = Outcomes::new(6);
+    for i in 0..6u64 {
+        let tensors: &[usize] = if i < 3 { &[32 << 20] } else { &[16] };
+        let op = Write::new(checked_message(i, &[8], tensors)).within(Duration::from_millis(300));
+        let done = writer.write(op, &to);
+        assert!(done.is_none(), "write {i} went direct behind a pending one");
+        out.returned(i as usize, done);
+    }
+    out.collect(&mut completions).await;
+    assert_eq!(out.check("deadline"), 0);
+    for d in out.done.iter().flatten() {
+        match &d.result {
+            Err(Error::Timeout { after, .. }) => assert_eq!(*after, Duration::from_millis(300)),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+    }
+}

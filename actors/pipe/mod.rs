@@ -3,7 +3,9 @@
 //! Writes: each `Write` becomes a descriptor frame plus payload bytes (one vectored write on the
 //! connection) and one operation per tensor on its channel. The pipe reserves connection tickets
 //! for all of them at once, so the bytes of message n always precede those of message n + 1
-//! whichever mailbox each part went through.
+//! whichever mailbox each part went through. The ids, sequence numbers and tickets live in a
+//! write ledger shared with the pipe's [`PipeWriter`]s, which write a small message themselves
+//! when nothing of the pipe's is pending ([`writer`]).
 //!
 //! Reads: the pipe keeps reading descriptors ahead of the user (the *prefetch*), so a
 //! `ReadDescriptor` is answered as soon as the frame is in, and a peer that closes or goes away
