@@ -18,10 +18,10 @@ use actix::dev::{Request, ToEnvelope};
 use actix::{Actor, Addr, Handler, Message as ActixMessage};
 
 use super::messages::{
-    Accepted, Close, Closed, Connect, GetInfo, Listen, Listening, PipeInfo, Read, ReadDescriptor,
-    ReadDone, Receive, Write, WriteDone,
+    Accepted, Close, Closed, Connect, GetInfo, GetWriter, Listen, Listening, PipeInfo, Read,
+    ReadDescriptor, ReadDone, Receive, Write, WriteDone,
 };
-use super::{Context, Pipe};
+use super::{Context, Pipe, PipeWriter};
 use crate::error::Result;
 use crate::message::{Allocation, Descriptor, Message};
 
@@ -102,6 +102,8 @@ pub trait PipeExt {
     fn receive_reusing(&self, spare: Allocation) -> Call<Pipe, Receive, Message>;
     /// What the pipe is and what it negotiated.
     fn info(&self) -> Call<Pipe, GetInfo, PipeInfo>;
+    /// A [`PipeWriter`]: writes small messages from the caller's task (see [`GetWriter`]).
+    fn writer(&self) -> Call<Pipe, GetWriter, PipeWriter>;
     /// Closes the pipe (see [`Close`]); resolves once every pending operation has completed,
     /// with the error they completed with.
     fn close(&self, how: Close) -> Call<Pipe, Close, Closed>;
@@ -133,6 +135,10 @@ impl PipeExt for Addr<Pipe> {
 
     fn info(&self) -> Call<Pipe, GetInfo, PipeInfo> {
         call(self, GetInfo, Ok)
+    }
+
+    fn writer(&self) -> Call<Pipe, GetWriter, PipeWriter> {
+        call(self, GetWriter, Ok)
     }
 
     fn close(&self, how: Close) -> Call<Pipe, Close, Closed> {

@@ -488,6 +488,16 @@ impl ActixMessage for Subscribe {
 #[derive(Debug, Clone, Copy)]
 pub struct GetInfo;
 
+/// Ask a pipe for a [`PipeWriter`](crate::PipeWriter): a handle that writes small messages
+/// from the caller's own task, without a trip through the pipe's mailbox when nothing else of
+/// the pipe's is pending (docs/architecture.md, "Write path", step 6).
+#[derive(Debug, Clone, Copy)]
+pub struct GetWriter;
+
+impl ActixMessage for GetWriter {
+    type Result = crate::actors::pipe::PipeWriter;
+}
+
 /// What a pipe is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PipeInfo {
@@ -515,6 +525,9 @@ pub struct PipeInfo {
     /// on the control stream, at most 16 KiB in all) that were waiting when their message
     /// arrived (docs/architecture.md, "Read path", step 5).
     pub received_by_read_loop: u64,
+    /// Writes a [`PipeWriter`](crate::PipeWriter) wrote into the connection and completed
+    /// itself, without a turn of the pipe's task (docs/architecture.md, "Write path", step 6).
+    pub written_by_caller: u64,
     /// Whether the pipe is closed.
     pub closed: bool,
     /// Tensors that had to fall back from their channel's fast path (cma reads refused by the

@@ -27,4 +27,4 @@ pub use ext::{Call, ContextExt, PipeExt};
 pub use inbox::{inbox, Inbox};
 pub use listener::Listener;
 pub use messages::*;
-pub use pipe::Pipe;
+pub use pipe::{Pipe, PipeWriter};

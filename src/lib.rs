@@ -70,9 +70,9 @@ pub use wire::Limits;
 pub mod prelude {
     pub use crate::actors::{
         inbox, Accepted, Call, ChannelInfo, Close, Closed, Connect, ContextBuilder, ContextExt,
-        DescriptorReady, Endpoint, GetInfo, GetMetricsAddr, Inbox, LaneInfo, Listen, Listener,
-        Listening, Op, Pipe, PipeExt, PipeInfo, ReadDescriptor, ReadDone, Receive, StopListening,
-        Subscribe, WriteDone,
+        DescriptorReady, Endpoint, GetInfo, GetMetricsAddr, GetWriter, Inbox, LaneInfo, Listen,
+        Listener, Listening, Op, Pipe, PipeExt, PipeInfo, PipeWriter, ReadDescriptor, ReadDone,
+        Receive, StopListening, Subscribe, WriteDone,
     };
     pub use crate::error::{Error, ErrorClass, Origin};
     pub use crate::message::{

@@ -12,8 +12,13 @@ impl Pipe {
                 payloads,
                 result,
             } => {
-                if self.frames.len() < 4 {
-                    self.frames.push(frame);
+                {
+                    // A write a writer wrote in part may be this one: take it in first.
+                    let mut l = self.share.lock();
+                    if l.frames.len() < 4 {
+                        l.frames.push(frame);
+                    }
+                    self.writes.extend(l.handoff.drain(..));
                 }
                 let err = result.err().map(|e| self.op_failed(e));
                 if let Some(w) = self.writes.iter_mut().find(|w| w.ticket == ticket) {
@@ -129,6 +134,7 @@ impl Pipe {
         buffer: Buffer,
         result: Result<(), Error>,
     ) {
+        self.adopt();
         let err = result.err().map(|e| self.op_failed(e));
         if let Some(w) = self.writes.iter_mut().find(|w| w.seq == seq) {
             if let Some(t) = w.message.tensors.get_mut(index as usize) {

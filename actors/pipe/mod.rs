@@ -3,7 +3,9 @@
 //! Writes: each `Write` becomes a descriptor frame plus payload bytes (one vectored write on the
 //! connection) and one operation per tensor on its channel. The pipe reserves connection tickets
 //! for all of them at once, so the bytes of message n always precede those of message n + 1
-//! whichever mailbox each part went through.
+//! whichever mailbox each part went through. The ids, sequence numbers and tickets live in a
+//! write ledger shared with the pipe's [`PipeWriter`]s, which write a small message themselves
+//! when nothing of the pipe's is pending ([`writer`]).
 //!
 //! Reads: the pipe keeps reading descriptors ahead of the user (the *prefetch*), so a
 //! `ReadDescriptor` is answered as soon as the frame is in, and a peer that closes or goes away
@@ -38,7 +40,7 @@ use crate::message::{Allocation, Buffer, Descriptor, Message, Payload, Tensor};
 use crate::metrics::{OpKind, PipeMetrics};
 use crate::negotiate::{Choice, DevicePair};
 use crate::transport::stream::{
-    inline_len, unexpected, Done, Farewell, InOp, Inline, Memory, OutOp, Reply,
+    inline_len, unexpected, Done, Farewell, InOp, Inline, Memory, OutOp, Parking, Reply,
 };
 use crate::wire::{self, encode_frame, Frame, FrameKind, Limits, WireDescriptor};
 
@@ -143,9 +145,6 @@ pub struct Pipe {
     id: u64,
     origin: Origin,
     info: PipeInfo,
-    /// Tensors sent on the control connection, and through the channel (for `GetInfo`).
-    sent_on_control: u64,
-    sent_by_channel: u64,
     limits: Limits,
     /// Index of the channel for CPU->CPU tensors, and its kind.
     cpu_channel: usize,
@@ -166,7 +165,7 @@ pub struct Pipe {
     conn: Option<(Addr<Connection>, Link)>,
     channels: Vec<Addr<Channel>>,
     fallbacks: Arc<AtomicU64>,
-    metrics: PipeMetrics,
+    metrics: Arc<PipeMetrics>,
     span: tracing::Span,
     reply: Option<Reply>,
     completions: Option<mpsc::UnboundedReceiver<Done>>,
@@ -181,12 +180,9 @@ pub struct Pipe {
     writes_failed: bool,
 
     writes: VecDeque<PendingWrite>,
-    next_write_id: u64,
-    next_wire_seq: u64,
-    out_ticket: u64,
-    frames: Vec<Vec<u8>>,
-    /// The ops of the message being written, kept for its allocation.
-    batch: Vec<OutOp>,
+    /// The write ids, sequence numbers and tickets, the frame pool and the count of writes
+    /// pending here, shared with the pipe's [`PipeWriter`]s ([`writer`]).
+    share: Arc<writer::WriteShare>,
 
     reads: VecDeque<PendingRead>,
     read_cursor: usize,
@@ -342,6 +338,8 @@ impl Pipe {
         };
         self.error = Some(e);
         self.info.closed = true;
+        // Writers write nothing more themselves: what they issue comes here, and fails.
+        self.close_wire();
         if let Some((conn, _link)) = self.conn.take() {
             // A graceful close waits for the peer to take what was written before it.
             let patience = if self.draining.is_some() {
@@ -430,12 +428,12 @@ impl Pipe {
         let span = self.span.clone();
         let _entered = span.enter();
         match op {
-            PendingOp::Write(m, deadline, c) => {
-                if let Some(d) = deadline {
-                    self.watch_deadline(true, self.next_write_id, d, ctx);
-                }
+            PendingOp::Write(m, deadline, c, counted) => {
                 self.metrics.issued(OpKind::Write);
-                self.submit_write(m, c)
+                let id = self.submit_write(m, c, counted);
+                if let Some(d) = deadline {
+                    self.watch_deadline(true, id, d, ctx);
+                }
             }
             PendingOp::ReadDescriptor(completer) => {
                 let id = self.next_read_id;
@@ -494,6 +492,7 @@ impl Pipe {
                 // Drain: refuse new writes, close once the ones already issued are done.
                 self.closers.push(completer);
                 self.draining.get_or_insert(reason);
+                self.close_wire();
                 self.pump_writes();
             }
             PendingOp::Close(reason, _, completer) => {
@@ -540,7 +539,8 @@ fn hand_back(alloc: Allocation) -> Message {
 
 /// An operation with its completer, whichever way it arrived.
 enum PendingOp {
-    Write(Message, Option<Duration>, Completer<WriteDone>),
+    /// A write; `true` if the ledger counts it already (a writer handed it over).
+    Write(Message, Option<Duration>, Completer<WriteDone>, bool),
     ReadDescriptor(Completer<DescriptorReady>),
     /// A `Read` (waiting) or a `Receive` (receiving).
     Read(ReadState, Option<Duration>, bool, Completer<ReadDone>),
@@ -553,7 +553,7 @@ trait IntoPending: Op {
 
 impl IntoPending for Write {
     fn into_pending(self, c: Completer<WriteDone>) -> PendingOp {
-        PendingOp::Write(self.message, self.deadline, c)
+        PendingOp::Write(self.message, self.deadline, c, false)
     }
 }
 
@@ -598,7 +598,7 @@ macro_rules! pipe_op {
             type Result = Deferred<<$op as Op>::Done>;
 
             fn handle(&mut self, op: $op, ctx: &mut Self::Context) -> Self::Result {
-                let (answer, waiter) = deferred(self.$counter, <$op as Op>::lost);
+                let (answer, waiter) = deferred(self.$counter(), <$op as Op>::lost);
                 self.submit(op.into_pending(Completer::Reply(waiter)), ctx);
                 answer
             }
@@ -628,6 +628,17 @@ pipe_op!(Read, next_read_id);
 pipe_op!(Receive, next_read_id);
 pipe_op!(Close, next_read_id);
 
+impl Pipe {
+    /// The id the next write will get (for the `lost` completion of an awaited one).
+    fn next_write_id(&self) -> u64 {
+        self.share.lock().next_id
+    }
+
+    fn next_read_id(&self) -> u64 {
+        self.next_read_id
+    }
+}
+
 impl Handler<Subscribe> for Pipe {
     type Result = ();
 
@@ -645,8 +656,10 @@ impl Handler<GetInfo> for Pipe {
     fn handle(&mut self, _: GetInfo, _: &mut Self::Context) -> Self::Result {
         let mut info = self.info.clone();
         info.fallbacks = self.fallbacks.load(Ordering::Relaxed);
-        info.tensors_on_control = self.sent_on_control;
-        info.tensors_by_channel = self.sent_by_channel;
+        let l = self.share.lock();
+        info.tensors_on_control = l.sent_on_control;
+        info.tensors_by_channel = l.sent_by_channel;
+        info.written_by_caller = l.written_by_caller;
         MessageResult(info)
     }
 }
@@ -662,9 +675,11 @@ mod spawn;
 #[cfg(test)]
 mod tests;
 mod write;
+mod writer;
 
 use completion::deferred;
 pub(crate) use completion::Completer;
 pub use completion::Deferred;
 use routes::Routes;
 pub(crate) use spawn::{spawn_pipe, PipeParts};
+pub use writer::PipeWriter;

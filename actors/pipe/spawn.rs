@@ -67,6 +67,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         tensors_on_control: 0,
         tensors_by_channel: 0,
         received_by_read_loop: 0,
+        written_by_caller: 0,
         closed: false,
         fallbacks: 0,
         connections: choice
@@ -207,7 +208,20 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         .channels
         .get(cpu_channel)
         .map_or("none", |c| c.name.as_str());
-    let metrics = PipeMetrics::open(&choice.transport, cpu_name);
+    let metrics = Arc::new(PipeMetrics::open(&choice.transport, cpu_name));
+    let share = Arc::new(super::writer::WriteShare::new(
+        origin.clone(),
+        config.limits,
+        cpu_channel,
+        cpu_kind,
+        routes.clone(),
+        metrics.clone(),
+        super::writer::Wire {
+            parking: link.parking.clone(),
+            out: link.out.clone(),
+            reply: reply.clone(),
+        },
+    ));
     Pipe {
         metrics,
         span,
@@ -231,8 +245,6 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         conn: Some((conn, link)),
         channels,
         fallbacks,
-        sent_on_control: 0,
-        sent_by_channel: 0,
         reply: Some(reply),
         completions: Some(completions),
         error: None,
@@ -243,11 +255,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         reads_failed: false,
         writes_failed: false,
         writes: VecDeque::new(),
-        next_write_id: 0,
-        next_wire_seq: 0,
-        out_ticket: 0,
-        frames: Vec::new(),
-        batch: Vec::new(),
+        share,
         reads: VecDeque::new(),
         read_cursor: 0,
         next_read_id: 0,

@@ -21,72 +21,53 @@ impl Pipe {
             })
     }
 
-    /// Bytes of channel data a tensor routed to channel `ch` takes in a descriptor (the
-    /// receiver counts them as metadata).
+    /// Bytes of channel data a tensor routed to channel `ch` takes in a descriptor.
     pub(super) fn channel_data_len(&self, ch: usize) -> usize {
-        let kind = self.routes.kind(ch).unwrap_or(self.cpu_kind);
-        match kind {
-            ChannelKind::Xth { .. } => 8,
-            ChannelKind::Cma { .. } => crate::channel::cma::REMOTE_BUFFER_LEN,
-            #[cfg(feature = "ibv")]
-            ChannelKind::Ibv { .. } => 8,
-            #[cfg(feature = "cuda")]
-            ChannelKind::CudaIpc { .. } => crate::channel::cuda_ipc::IPC_TENSOR_LEN,
-            k if k.carries_cuda() => 8,
-            _ => 0,
-        }
+        writer::channel_data_len(&self.routes, self.cpu_kind, ch)
     }
 
     pub(super) fn check_limits(&self, m: &Message) -> Result<(), Error> {
-        // The first limit that is over, in this order; the error is only built for it.
-        let over = |limit, value: u64, max: u64| (value > max).then_some((limit, value, max));
-        let l = &self.limits;
-        let first = over(
-            "payload count",
-            m.payloads.len() as u64,
-            l.max_payloads as u64,
-        )
-        .or_else(|| over("tensor count", m.tensors.len() as u64, l.max_tensors as u64))
-        .or_else(|| {
-            m.payloads
-                .iter()
-                .find_map(|p| over("payload size", p.data.len() as u64, l.max_payload_size))
-        })
-        .or_else(|| {
-            m.tensors
-                .iter()
-                .find_map(|t| over("tensor size", t.buffer.len(), l.max_tensor_size))
-        })
-        .or_else(|| {
-            over(
-                "metadata size",
-                (m.metadata.len()
-                    + m.payloads.iter().map(|p| p.metadata.len()).sum::<usize>()
-                    + m.tensors.iter().map(|t| t.metadata.len()).sum::<usize>()
-                    + self
-                        .route_buf
-                        .iter()
-                        .map(|&ch| self.channel_data_len(ch as usize))
-                        .sum::<usize>()) as u64,
-                l.max_metadata_size,
-            )
-        });
-        match first {
-            Some((limit, value, max)) => Err(Error::LimitExceeded {
-                limit,
-                value,
-                max,
-                origin: self.origin.clone(),
-            }),
-            None => Ok(()),
-        }
+        let channel_data = (self.route_buf.iter())
+            .map(|&ch| self.channel_data_len(ch as usize))
+            .sum();
+        writer::check_limits(&self.limits, &self.origin, m, channel_data)
+    }
+
+    /// Takes the writes a writer wrote in part into the queue: they precede anything the pipe
+    /// issues or completes after this. Called before the pipe issues a write, looks one up or
+    /// completes any.
+    pub(super) fn adopt(&mut self) {
+        let mut l = self.share.lock();
+        self.writes.extend(l.handoff.drain(..));
+    }
+
+    /// From now on writers hand every write to the pipe (it has failed, or is draining).
+    pub(super) fn close_wire(&mut self) {
+        let mut l = self.share.lock();
+        l.wire = None;
+        self.writes.extend(l.handoff.drain(..));
     }
 
     // ----- writes -------------------------------------------------------------------------
 
-    pub(super) fn submit_write(&mut self, mut message: Message, completer: Completer<WriteDone>) {
-        let id = self.next_write_id;
-        self.next_write_id += 1;
+    /// Issues a write and returns its id; `counted`: a writer handed it over, and the ledger
+    /// counts it already.
+    pub(super) fn submit_write(
+        &mut self,
+        mut message: Message,
+        completer: Completer<WriteDone>,
+        counted: bool,
+    ) -> u64 {
+        // The ledger is locked for the whole write: a writer on another thread waits for it.
+        let share = self.share.clone();
+        let mut ledger = share.lock();
+        let l = &mut *ledger;
+        self.writes.extend(l.handoff.drain(..));
+        if !counted {
+            l.outstanding += 1;
+        }
+        let id = l.next_id;
+        l.next_id += 1;
         let mut w = PendingWrite {
             id,
             seq: u64::MAX,
@@ -130,12 +111,13 @@ impl Pipe {
             self.ipc_out.clear();
             w.error = refusal.map(Box::new);
             w.message = message;
+            drop(ledger);
             self.writes.push_back(w);
             self.pump_writes();
-            return;
+            return id;
         };
-        let seq = self.next_wire_seq;
-        let mut frame = self.frames.pop().unwrap_or_default();
+        let seq = l.next_seq;
+        let mut frame = l.frames.pop().unwrap_or_default();
         frame.clear();
         let cpu = self.cpu_channel as u8;
         let (kind, id_bytes) = (self.cpu_kind, self.id.to_le_bytes());
@@ -195,24 +177,25 @@ impl Pipe {
                 origin: self.origin.clone(),
             }));
             w.message = message;
-            self.frames.push(frame);
+            l.frames.push(frame);
+            drop(ledger);
             #[cfg(feature = "cuda")]
             self.ipc_out.clear();
             self.writes.push_back(w);
             self.pump_writes();
-            return;
+            return id;
         }
-        self.next_wire_seq += 1;
-        let ticket = self.out_ticket;
+        l.next_seq += 1;
+        let ticket = l.out_ticket;
         let on_control = message
             .tensors
             .iter()
             .zip(&self.route_buf)
             .filter(|(t, &ch)| ch == cpu && kind.sends_on_control(t.buffer.len()))
             .count() as u64;
-        self.out_ticket += 1 + on_control;
-        self.sent_on_control += on_control;
-        self.sent_by_channel += message.tensors.len() as u64 - on_control;
+        l.out_ticket += 1 + on_control;
+        l.sent_on_control += on_control;
+        l.sent_by_channel += message.tensors.len() as u64 - on_control;
         let reply = self
             .reply
             .clone()
@@ -222,14 +205,7 @@ impl Pipe {
         // loop is idle (the usual case for a small message), and completed below with no trip
         // through the loop and the completion queue; whatever is not is queued on the
         // connection. Never through the channel actor.
-        let mut batch = mem::take(&mut self.batch);
-        batch.clear();
-        batch.push(OutOp::Message {
-            ticket,
-            frame,
-            payloads: mem::take(&mut message.payloads),
-            reply,
-        });
+        let mut batch = writer::start_batch(&mut l.batch, ticket, frame, &mut message, reply);
         let mut next = ticket + 1;
         let mut tensors_out = 0;
         for (i, t) in message.tensors.iter_mut().enumerate() {
@@ -271,23 +247,10 @@ impl Pipe {
         tensors_out += queued - written.max(1);
         w.payloads_out = written == 0;
         for op in batch.drain(..) {
-            // What `Done::Wrote` / `Done::WroteTensor` would do, without building one and
-            // finding the write again.
-            match op {
-                OutOp::Message {
-                    frame, payloads, ..
-                } => {
-                    if self.frames.len() < 4 {
-                        self.frames.push(frame);
-                    }
-                    message.payloads = payloads;
-                }
-                OutOp::Tensor { index, memory, .. } => {
-                    message.tensors[index as usize].buffer = memory.into_buffer();
-                }
-            }
+            writer::give_back(op, &mut message, &mut l.frames);
         }
-        self.batch = batch;
+        l.batch = batch;
+        drop(ledger);
         w.seq = seq;
         w.ticket = ticket;
         w.tensors_out = tensors_out;
@@ -297,6 +260,7 @@ impl Pipe {
         if done {
             self.pump_writes();
         }
+        id
     }
 
     /// Hands a tensor to the CUDA channel it was routed to, with what cuda_ipc exported for it.
@@ -365,12 +329,15 @@ impl Pipe {
     }
 
     pub(super) fn pump_writes(&mut self) {
+        let mut completed = 0;
+        self.adopt();
         while self
             .writes
             .front()
             .is_some_and(|w| !w.payloads_out && w.tensors_out == 0)
         {
             let w = self.writes.pop_front().expect("front exists");
+            completed += 1;
             let result = self.after_failure(w.error.map_or(Ok(()), |e| Err(*e)), false);
             let bytes = result.as_ref().map(|_| w.message.total_bytes());
             self.metrics.finished(OpKind::Write, w.since, bytes);
@@ -380,6 +347,10 @@ impl Pipe {
                 result,
                 message: w.message,
             });
+        }
+        if completed > 0 {
+            // Writers may write themselves again once nothing is pending here.
+            self.share.lock().outstanding -= completed;
         }
         if self.writes.is_empty() && self.error.is_none() {
             if let Some(reason) = self.draining.clone() {

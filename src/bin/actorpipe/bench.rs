@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use actix::Addr;
 use actorpipe::{
-    inbox, Accepted, Allocation, Close, Connect, ContextBuilder, GetInfo, Listen, Listening,
-    Message, Pipe, PipeInfo, Read, ReadDescriptor, Write,
+    inbox, Accepted, Allocation, Close, Connect, ContextBuilder, GetInfo, GetWriter, Listen,
+    Listening, Message, Pipe, PipeInfo, Read, ReadDescriptor, Write,
 };
 
 use crate::failure::Failure;
@@ -33,6 +33,10 @@ pub enum Api {
     Fired,
     /// As `fired`, reading with `Receive` (descriptor and read in one operation).
     Receive,
+    /// As `receive`, writing through a `PipeWriter`, which writes a small message from the
+    /// actor's own handler when nothing else of the pipe's is pending (`receive` sends `Write`
+    /// to the pipe: the path before `PipeWriter`, for A/B).
+    Writer,
 }
 
 impl Api {
@@ -42,7 +46,13 @@ impl Api {
             Api::Awaited => "awaited",
             Api::Fired => "fired",
             Api::Receive => "receive",
+            Api::Writer => "writer",
         }
+    }
+
+    /// Whether reads are one `Receive`.
+    pub fn receives(&self) -> bool {
+        matches!(self, Api::Receive | Api::Writer)
     }
 }
 
@@ -58,8 +68,12 @@ pub async fn listen(builder: ContextBuilder, url: &str, api: Api) -> Result<List
                 Api::Awaited => {
                     actix::spawn(echo(a.pipe));
                 }
-                Api::Fired | Api::Receive => {
-                    actix::Actor::start(crate::fired::Echo::new(a.pipe, api == Api::Receive));
+                Api::Fired | Api::Receive | Api::Writer => {
+                    let writer = match api {
+                        Api::Writer => a.pipe.send(GetWriter).await.ok(),
+                        _ => None,
+                    };
+                    actix::Actor::start(crate::fired::Echo::new(a.pipe, api.receives(), writer));
                 }
             }
         }
@@ -196,10 +210,15 @@ impl Client {
             },
         };
         let (samples, buffers) = match self.api {
-            Api::Fired | Api::Receive => {
+            Api::Fired | Api::Receive | Api::Writer => {
                 let pipe = self.pipe.clone();
-                let receive = self.api == Api::Receive;
-                crate::fired::Pinger::measure(pipe, buffers, counts, progress, receive).await?
+                let writer = match self.api {
+                    Api::Writer => Some(pipe.send(GetWriter).await?),
+                    _ => None,
+                };
+                let receive = self.api.receives();
+                crate::fired::Pinger::measure(pipe, writer, buffers, counts, progress, receive)
+                    .await?
             }
             Api::Awaited => self.measure_awaited(buffers, counts, progress).await?,
         };

@@ -154,11 +154,12 @@ pub struct RunArgs {
     #[arg(long, value_name = "MICROS", value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
     pub spin: Option<u64>,
 
-    /// How the benchmark drives pipes: receive (actors that send operations with `notify`,
-    /// handle the completions and read with `Receive`), fired (the same, reading with
-    /// `ReadDescriptor` then `Read`) or awaited (async code that awaits `pipe.send(op)`, two-step
-    /// reads).
-    #[arg(long, value_enum, default_value = "receive")]
+    /// How the benchmark drives pipes: writer (actors that read with `Receive`, fired with
+    /// `notify`, and write through a `PipeWriter`, which writes a small message from the
+    /// actor's own handler), receive (the same, writing by sending `Write` to the pipe: the path
+    /// before `PipeWriter`), fired (as receive, reading with `ReadDescriptor` then `Read`) or
+    /// awaited (async code that awaits `pipe.send(op)`, two-step reads).
+    #[arg(long, value_enum, default_value = "writer")]
     pub api: Api,
 
     /// Measure actorpipe only (for profiling: `perf record` then sees no baseline code).

@@ -2,6 +2,8 @@
 //! with `notify` and handle the completion messages (`--api fired`), as an application actor
 //! does. Comparing the two shows what awaiting costs (a oneshot, a boxed future and a spawned
 //! task per operation). Both actors make their recipients once and fire with `notify_shared`.
+//! With a [`PipeWriter`] (`--api writer`) they write through it: a small message is written
+//! from the handler itself and its `WriteDone` is the call's return value.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -9,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use actorpipe::{
-    Allocation, Close, Closed, DescriptorReady, Op, Pipe, Read, ReadDescriptor, ReadDone, Receive,
-    Subscribe, Write, WriteDone,
+    Allocation, Close, Closed, DescriptorReady, Op, Pipe, PipeWriter, Read, ReadDescriptor,
+    ReadDone, Receive, Subscribe, Write, WriteDone,
 };
 use tokio::sync::oneshot;
 
@@ -44,6 +46,23 @@ impl Recipients {
         }
     }
 
+    /// Writes `message` through `writer` if there is one (the completion, if it finished at
+    /// once), else by sending `Write` to `pipe`.
+    fn write(
+        &self,
+        pipe: &Addr<Pipe>,
+        writer: Option<&PipeWriter>,
+        message: actorpipe::Message,
+    ) -> Option<WriteDone> {
+        match writer {
+            Some(w) => w.write(Write::new(message), &self.wrote),
+            None => {
+                pipe.do_send(Write::new(message).notify_shared(&self.wrote));
+                None
+            }
+        }
+    }
+
     fn of<A>(me: &Addr<A>) -> Recipients
     where
         A: Actor<Context = Context<A>>
@@ -62,6 +81,7 @@ impl Recipients {
 /// Echoes one pipe: read a descriptor, read the message, write it back, repeat.
 pub struct Echo {
     pipe: Addr<Pipe>,
+    writer: Option<PipeWriter>,
     spare: Option<Allocation>,
     to: Option<Recipients>,
     /// Read with `Receive` instead of `ReadDescriptor` and `Read`.
@@ -69,10 +89,11 @@ pub struct Echo {
 }
 
 impl Echo {
-    /// An echo of `pipe`, not started.
-    pub fn new(pipe: Addr<Pipe>, receive: bool) -> Echo {
+    /// An echo of `pipe`, not started; it writes through `writer` if given.
+    pub fn new(pipe: Addr<Pipe>, receive: bool, writer: Option<PipeWriter>) -> Echo {
         Echo {
             pipe,
+            writer,
             spare: None,
             to: None,
             receive,
@@ -131,9 +152,19 @@ impl Handler<ReadDone> for Echo {
         if r.result.is_err() {
             return;
         }
-        self.pipe
-            .do_send(Write::new(r.message).notify_shared(&self.to().wrote));
+        let done = self.to().write(&self.pipe, self.writer.as_ref(), r.message);
+        if let Some(w) = done {
+            self.wrote(w);
+        }
         self.next();
+    }
+}
+
+impl Echo {
+    fn wrote(&mut self, w: WriteDone) {
+        if w.result.is_ok() {
+            self.spare = Some(Allocation::from(w.message));
+        }
     }
 }
 
@@ -141,9 +172,7 @@ impl Handler<WriteDone> for Echo {
     type Result = ();
 
     fn handle(&mut self, w: WriteDone, _: &mut Self::Context) {
-        if w.result.is_ok() {
-            self.spare = Some(Allocation::from(w.message));
-        }
+        self.wrote(w);
     }
 }
 
@@ -158,6 +187,7 @@ impl Handler<Closed> for Echo {
 /// Measures round trips of one size, then stops and hands the samples over.
 pub struct Pinger {
     pipe: Addr<Pipe>,
+    writer: Option<PipeWriter>,
     size: u64,
     counts: Counts,
     progress: Progress,
@@ -181,6 +211,7 @@ impl Pinger {
     /// Starts a pinger on the current arbiter and waits for its samples.
     pub async fn measure(
         pipe: Addr<Pipe>,
+        writer: Option<PipeWriter>,
         buffers: Buffers,
         counts: Counts,
         progress: &Progress,
@@ -191,6 +222,7 @@ impl Pinger {
         let trips = Arc::new(AtomicU32::new(0));
         Pinger {
             pipe,
+            writer,
             size,
             counts,
             progress: progress.clone(),
@@ -236,9 +268,21 @@ impl Pinger {
             .get_or_insert_with(|| Recipients::of(&ctx.address()));
         let message = self.message.take().expect("a message to send");
         self.start = Instant::now();
-        self.pipe
-            .do_send(Write::new(message).notify_shared(&to.wrote));
+        let done = to.write(&self.pipe, self.writer.as_ref(), message);
         to.read_next(&self.pipe, self.receive, self.spare.take());
+        if let Some(w) = done {
+            self.wrote(w, ctx);
+        }
+    }
+
+    fn wrote(&mut self, w: WriteDone, ctx: &mut Context<Self>) {
+        match w.result {
+            Ok(()) => {
+                self.sent = Some(w.message);
+                self.maybe_next(ctx);
+            }
+            Err(e) => self.fail(e.into(), ctx),
+        }
     }
 
     fn fail(&mut self, e: Failure, ctx: &mut Context<Self>) {
@@ -314,13 +358,7 @@ impl Handler<WriteDone> for Pinger {
     type Result = ();
 
     fn handle(&mut self, w: WriteDone, ctx: &mut Self::Context) {
-        match w.result {
-            Ok(()) => {
-                self.sent = Some(w.message);
-                self.maybe_next(ctx);
-            }
-            Err(e) => self.fail(e.into(), ctx),
-        }
+        self.wrote(w, ctx);
     }
 }
 

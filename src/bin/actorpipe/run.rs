@@ -194,6 +194,9 @@ pub fn measure(plan: &Plan, args: &RunArgs) -> Result<Report, Failure> {
             bench::Api::Receive => {
                 "actors fire operations with notify and handle the completions; reads are Receive"
             }
+            bench::Api::Writer => {
+                "as receive, writing through a PipeWriter (small messages written from the actor's handler)"
+            }
             bench::Api::Awaited => "async code awaits each operation",
         }
     ));

@@ -374,7 +374,7 @@ pub fn unexpected(frame: Frame, wanted: &str, origin: &Origin) -> Error {
 }
 
 /// Slices per vectored write; larger payload lists go out in several calls.
-const IOV_BATCH: usize = 16;
+pub(crate) const IOV_BATCH: usize = 16;
 
 mod ops;
 mod parking;

@@ -49,15 +49,24 @@ impl Parking {
     /// caller completes those and submits the rest to the loop as usual; if the write stopped
     /// inside an op, the loop writes the rest of that one first (and nothing goes in between).
     pub fn try_write_batch(&self, ops: &[OutOp]) -> usize {
+        self.try_write(ops).unwrap_or(0)
+    }
+
+    /// [`Parking::try_write_batch`], telling "nothing written" (`None`: the stream is as it
+    /// was, the ops may go anywhere) from "bytes written, this many ops whole" (`Some`: the
+    /// ops are committed to this stream's order, and the loop must write what is left of them).
+    pub fn try_write(&self, ops: &[OutOp]) -> Option<usize> {
         /// Up to this many chunk headers in one write.
         const HEADERS: usize = IOV_BATCH / 2;
-        // Only the loop, on this same thread, ever holds the lock, and never across a poll.
+        // The loop holds the lock only for moments, never across a poll; the owner's writes
+        // (the pipe's, a `PipeWriter`'s, on any thread) are serialised by the owner's own
+        // lock, so a failed try means the loop is taking its half back: let it have the ops.
         let Ok(mut p) = self.0.try_lock() else {
-            return 0;
+            return None;
         };
         let p = &mut *p;
         if p.halted || p.torn.is_some() || p.w.is_none() {
-            return 0;
+            return None;
         }
         // The run: each op next in ticket order, qualified, and with room for its slices.
         let mut slices = 0;
@@ -98,7 +107,7 @@ impl Parking {
             run += 1;
         }
         if run == 0 {
-            return 0;
+            return None;
         }
         let mut iov = [IoSlice::new(&[]); IOV_BATCH];
         let mut lens = [0usize; IOV_BATCH];
@@ -134,7 +143,7 @@ impl Parking {
         let mut k = match Pin::new(&mut **w).poll_write_vectored(&mut cx, &iov[..n]) {
             std::task::Poll::Ready(Ok(k)) if k > 0 => k,
             // Not ready, or an error the loop will meet again and report.
-            _ => return 0,
+            _ => return None,
         };
         p.last_write = Some(Coarse::now_ns());
         let mut whole = 0;
@@ -150,7 +159,7 @@ impl Parking {
             }
         }
         p.next += whole as u64;
-        whole
+        Some(whole)
     }
 }
 
