@@ -287,7 +287,11 @@ impl FabricEndpoint {
 
     /// Whether a spin is due: ops in flight, and the last activity within the spin window.
     fn spin_due(&self) -> bool {
-        self.engine.busy() && self.last_activity.elapsed() < self.spin_window()
+        self.spin_due_at(Instant::now())
+    }
+
+    fn spin_due_at(&self, now: Instant) -> bool {
+        self.engine.busy() && now.saturating_duration_since(self.last_activity) < self.spin_window()
     }
 
     fn activity(&mut self) {
@@ -310,6 +314,7 @@ impl FabricEndpoint {
                 self.driver = Driver::Spinning;
                 self.handle = Some(ctx.spawn(Spinner {
                     os_yield: Instant::now(),
+                    turns: 0,
                 }));
             }
             return;
@@ -381,7 +386,13 @@ impl FabricEndpoint {
 struct Spinner {
     /// When this spin last offered the CPU to other threads.
     os_yield: Instant,
+    /// Turns so far: the clock is read on every `CLOCK_EVERY`-th only.
+    turns: u32,
 }
+
+/// How many turns a spin takes between reads of the clock (for its window and its
+/// `sched_yield`s): a clock read costs as much as the rest of a turn in a VM.
+const CLOCK_EVERY: u32 = 8;
 
 impl ActorFuture<FabricEndpoint> for Spinner {
     type Output = ();
@@ -396,12 +407,18 @@ impl ActorFuture<FabricEndpoint> for Spinner {
             return Poll::Ready(());
         }
         act.pass();
-        if act.spin_due() {
+        self.turns = self.turns.wrapping_add(1);
+        let now = (self.turns % CLOCK_EVERY == 0).then(Instant::now);
+        let due = match now {
+            Some(now) => act.spin_due_at(now),
+            None => act.engine.busy(),
+        };
+        if due {
             // The peer may have been woken onto this CPU (the scheduler puts a woken thread
             // next to its waker): offer it the CPU now and then, as the shm transport's spin
             // does, or it would wait for the whole spin to end.
-            if self.os_yield.elapsed() >= OS_YIELD_EVERY {
-                self.os_yield = Instant::now();
+            if let Some(now) = now.filter(|n| n.duration_since(self.os_yield) >= OS_YIELD_EVERY) {
+                self.os_yield = now;
                 std::thread::yield_now();
             }
             // Straight back into the run queue, behind the tasks already in it: no park of the
