@@ -15,7 +15,7 @@
 //!   completion or post, the actor reads the CQ on every turn of its thread and wakes itself
 //!   again at once (one long-lived future, [`Spinner`]: no allocation per turn, and no park of
 //!   the runtime in between, so no `epoll_wait` per turn and no sleep on the wait fd). Other
-//!   tasks of the thread still run between turns, and other threads get the CPU every 5 µs
+//!   tasks of the thread still run between turns, and other threads get the CPU every 20 µs
 //!   (`sched_yield`, as the shm transport's spin does). Any completion or post extends the
 //!   window, and one that comes while the actor sleeps (on the fd, or between polls) starts a
 //!   spin at once. Past the window the actor waits as above, so an idle endpoint costs what it
@@ -45,7 +45,6 @@ use crate::error::{Error, Origin};
 use crate::fabric::engine::{Engine, Finished, Kind, Op, Region, Stats};
 use crate::fabric::faults::Faults;
 use crate::fabric::{Attributes, Domain, Endpoint, FabricError, InfoList};
-use crate::transport::shm::halves::OS_YIELD_EVERY;
 use crate::transport::stream::Memory;
 
 /// How a [`FabricEndpoint`] progresses its completion queue.
@@ -389,6 +388,13 @@ struct Spinner {
     /// Turns so far: the clock is read on every `CLOCK_EVERY`-th only.
     turns: u32,
 }
+
+/// How often a spin offers its CPU to other threads (`sched_yield`). Without it a peer woken
+/// onto this CPU waits for the whole spin to end (on the 2-core VM, a `tcp;ofi_rxm` round trip
+/// then took twice the spin window). The shm transport's 5 µs was worse here under load: the
+/// `shm` rows of `bench efa` fell, one run in three, to 18 µs instead of 2.2 µs (both sides
+/// trading the CPU by `sched_yield`); 20 µs and 100 µs showed neither (docs/efa.md).
+const OS_YIELD_EVERY: Duration = Duration::from_micros(20);
 
 /// How many turns a spin takes between reads of the clock (for its window and its
 /// `sched_yield`s): a clock read costs as much as the rest of a turn in a VM.
