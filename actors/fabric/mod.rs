@@ -103,6 +103,7 @@ enum Driver {
     Polling,
     Waiting,
     Spinning,
+    Deferred,
 }
 
 /// One endpoint actor. See the module docs.
@@ -319,6 +320,24 @@ impl FabricEndpoint {
             return;
         }
         let fd_mode = self.wait.is_some() && !self.engine.backlogged();
+        let quiet = self.last_activity.elapsed();
+        if fd_mode && !self.engine.busy() && quiet < self.config.busy_poll {
+            // Spin mode, nothing in flight, within the window: a ping-pong's next post comes
+            // soon and reads the CQ itself. Sleeping on the fd would first take `fi_trywait`,
+            // which makes the provider signal its wait fd again for the next completions.
+            // Only the window's end is armed: then the fd, as usual.
+            if self.driver != Driver::Deferred {
+                self.cancel(ctx);
+                self.driver = Driver::Deferred;
+                let fut = tokio::time::sleep(self.config.busy_poll - quiet);
+                self.handle = Some(ctx.spawn(wrap_future(fut).map(|(), act: &mut Self, ctx| {
+                    act.driver = Driver::Idle;
+                    act.handle = None;
+                    act.tick(ctx);
+                })));
+            }
+            return;
+        }
         if fd_mode {
             if !self.engine.endpoint().trywait() {
                 // Completions (or provider work) are pending: go round once more.
