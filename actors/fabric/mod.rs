@@ -19,7 +19,9 @@
 //!   (`sched_yield`, as the shm transport's spin does). Any completion or post extends the
 //!   window, and one that comes while the actor sleeps (on the fd, or between polls) starts a
 //!   spin at once. Past the window the actor waits as above, so an idle endpoint costs what it
-//!   costs without spin.
+//!   costs without spin. In spin mode with nothing in flight inside the window (between a
+//!   ping-pong's messages) only a timer for the window's end is armed: sleeping on the fd would
+//!   take `fi_trywait`, after which `tcp;ofi_rxm` signals its wait fd again per completion.
 //!
 //! Operations arrive as [`FabricPost`] (one mailbox hop); their ends go to the pipe's
 //! unbounded queue, given at [`FabricAttach`], in the pipe's post order (no hop back).
