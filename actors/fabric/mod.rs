@@ -13,8 +13,9 @@
 //! - **Spin** (opt-in on providers with a wait fd, [`EndpointConfig::busy_poll`]; the first
 //!   `spin` of polling mode): while ops are in flight, for the spin window after the last
 //!   completion or post, the actor reads the CQ on every turn of its thread and wakes itself
-//!   again at once (one long-lived future, [`Spinner`]: no allocation per turn, and no park of
-//!   the runtime in between, so no `epoll_wait` per turn and no sleep on the wait fd). Other
+//!   again at once (one long-lived future, `Spinner` in `spin.rs`: no allocation per turn,
+//!   and no park of the runtime in between, so no `epoll_wait` per turn and no sleep on the
+//!   wait fd). Other
 //!   tasks of the thread still run between turns, and other threads get the CPU every 20 µs
 //!   (`sched_yield`, as the shm transport's spin does). Any completion or post extends the
 //!   window, and one that comes while the actor sleeps (on the fd, or between polls) starts a
@@ -29,10 +30,9 @@
 //! unbounded queue, given at [`FabricAttach`], in the pipe's post order (no hop back).
 
 use std::collections::HashMap;
-use std::pin::Pin;
-use std::task::Poll;
 
 mod metrics;
+mod spin;
 pub mod stream;
 pub mod transport;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
@@ -50,6 +50,7 @@ use crate::fabric::engine::{Engine, Finished, Kind, Op, Region, Stats};
 use crate::fabric::faults::Faults;
 use crate::fabric::{Attributes, Domain, Endpoint, FabricError, InfoList};
 use crate::transport::stream::Memory;
+use spin::Spinner;
 
 /// How a [`FabricEndpoint`] progresses its completion queue.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -318,11 +319,7 @@ impl FabricEndpoint {
             if self.driver != Driver::Spinning {
                 self.cancel(ctx);
                 self.driver = Driver::Spinning;
-                self.handle = Some(ctx.spawn(Spinner {
-                    os_yield: Instant::now(),
-                    turns: 0,
-                    rest: 0,
-                }));
+                self.handle = Some(ctx.spawn(Spinner::new()));
             }
             return;
         }
@@ -402,80 +399,6 @@ impl FabricEndpoint {
     /// Publishes the counters' increments since the last call.
     fn publish(&mut self) {
         self.metrics.publish(self.engine.stats());
-    }
-}
-
-/// Spin mode's driver: one future for a whole spin, polled on every turn of the thread (it
-/// wakes itself at once), reading the CQ each time, until spin mode is no longer due; then
-/// [`FabricEndpoint::schedule`] arms the wait fd or a poll as usual.
-struct Spinner {
-    /// When this spin last offered the CPU to other threads.
-    os_yield: Instant,
-    /// Turns so far: the clock is read on every `CLOCK_EVERY`-th only.
-    turns: u32,
-    /// Turns left that skip the CQ (see `QUIET_TURNS`).
-    rest: u32,
-}
-
-/// After a pass that handed out ends, this many turns of a spin skip the CQ: the tasks those
-/// ends woke (the stream's read loop, the pipe, the channel, the application) run first, each
-/// followed by a turn of ours, and no answer can come before they have sent again. On
-/// `tcp;ofi_rxm` a pass costs system calls (the provider's own `epoll_wait`), and 8 quiet turns
-/// took a 64 B `channel spin` round trip from 45 µs to 36 µs on the 2-core VM (docs/efa.md).
-const QUIET_TURNS: u32 = 8;
-
-/// How often a spin offers its CPU to other threads (`sched_yield`). Without it a peer woken
-/// onto this CPU waits for the whole spin to end (on the 2-core VM, a `tcp;ofi_rxm` round trip
-/// then took twice the spin window). The shm transport's 5 µs was worse here under load: the
-/// `shm` rows of `bench efa` fell, one run in three, to 18 µs instead of 2.2 µs (both sides
-/// trading the CPU by `sched_yield`); 20 µs and 100 µs showed neither (docs/efa.md).
-const OS_YIELD_EVERY: Duration = Duration::from_micros(20);
-
-/// How many turns a spin takes between reads of the clock (for its window and its
-/// `sched_yield`s): a clock read costs as much as the rest of a turn in a VM.
-const CLOCK_EVERY: u32 = 8;
-
-impl ActorFuture<FabricEndpoint> for Spinner {
-    type Output = ();
-
-    fn poll(
-        mut self: Pin<&mut Self>,
-        act: &mut FabricEndpoint,
-        ctx: &mut Context<FabricEndpoint>,
-        task: &mut std::task::Context<'_>,
-    ) -> Poll<()> {
-        if act.driver != Driver::Spinning {
-            return Poll::Ready(());
-        }
-        if self.rest > 0 {
-            self.rest -= 1;
-        } else if act.pass() {
-            self.rest = QUIET_TURNS;
-        }
-        self.turns = self.turns.wrapping_add(1);
-        let now = (self.turns % CLOCK_EVERY == 0).then(Instant::now);
-        let due = match now {
-            Some(now) => act.spin_due_at(now),
-            None => act.engine.busy(),
-        };
-        if due {
-            // The peer may have been woken onto this CPU (the scheduler puts a woken thread
-            // next to its waker): offer it the CPU now and then, as the shm transport's spin
-            // does, or it would wait for the whole spin to end.
-            if let Some(now) = now.filter(|n| n.duration_since(self.os_yield) >= OS_YIELD_EVERY) {
-                self.os_yield = now;
-                std::thread::yield_now();
-            }
-            // Straight back into the run queue, behind the tasks already in it: no park of the
-            // runtime (an `epoll_wait`) between turns, as `yield_now` would do.
-            task.waker().wake_by_ref();
-            return Poll::Pending;
-        }
-        act.driver = Driver::Idle;
-        act.handle = None;
-        act.schedule(ctx);
-        act.maybe_stop(ctx, false);
-        Poll::Ready(())
     }
 }
 
