@@ -34,14 +34,22 @@ mod efa {
         pub done: mpsc::UnboundedReceiver<Finished>,
     }
 
+    /// Spin mode, as the trials that repeat a case with it use it.
+    pub const SPIN: Duration = Duration::from_micros(50);
+
+    /// The default configuration with `faults`, in spin mode if `spin`.
+    pub fn config(faults: Faults, spin: bool) -> EndpointConfig {
+        EndpointConfig {
+            faults,
+            busy_poll: if spin { SPIN } else { Duration::ZERO },
+            ..EndpointConfig::default()
+        }
+    }
+
     pub async fn endpoints(
         provider: &str,
-        faults: Faults,
+        config: EndpointConfig,
     ) -> (Addr<FabricEndpoint>, Addr<FabricEndpoint>) {
-        let config = EndpointConfig {
-            faults,
-            ..EndpointConfig::default()
-        };
         let a = FabricEndpoint::open(provider, None, config).expect("endpoint a");
         let b = FabricEndpoint::open(provider, None, config).expect("endpoint b");
         (a, b)
@@ -148,13 +156,21 @@ mod efa {
     }
 
     pub fn eagain_storm(provider: &str) {
+        eagain_storm_with(provider, false);
+    }
+
+    pub fn eagain_storm_spinning(provider: &str) {
+        eagain_storm_with(provider, true);
+    }
+
+    fn eagain_storm_with(provider: &str, spin: bool) {
         actix::System::new().block_on(async {
             let faults = Faults {
                 eagain: 0.9,
                 cq_error: 0.0,
                 seed: 11,
             };
-            let (a, b) = endpoints(provider, faults).await;
+            let (a, b) = endpoints(provider, config(faults, spin)).await;
             let (tx, rx) = pipe(&a, &b).await;
             exchange(tx, rx, 10_000, 256).await;
             for ep in [&a, &b] {
@@ -167,7 +183,7 @@ mod efa {
 
     pub fn many_pipes_share_one_endpoint(provider: &str) {
         actix::System::new().block_on(async {
-            let (a, b) = endpoints(provider, Faults::NONE).await;
+            let (a, b) = endpoints(provider, config(Faults::NONE, false)).await;
             let mut runs = Vec::new();
             for _ in 0..16 {
                 let (tx, rx) = pipe(&a, &b).await;
@@ -184,7 +200,7 @@ mod efa {
 
     pub fn failing_pipe_spares_the_others(provider: &str) {
         actix::System::new().block_on(async {
-            let (a, b) = endpoints(provider, Faults::NONE).await;
+            let (a, b) = endpoints(provider, config(Faults::NONE, false)).await;
             let (_tx, mut rx) = pipe(&a, &b).await;
             // Receives posted, then every completion becomes an error: the pipe fails, and each
             // of its receives ends with the error, in order.
@@ -222,6 +238,41 @@ mod efa {
             b.do_send(FabricFaults(Faults::NONE));
             let (tx2, rx2) = pipe(&a, &b).await;
             exchange(tx2, rx2, 100, 8).await;
+        });
+    }
+
+    /// Spin mode is bounded: with a receive posted that nothing answers, the endpoint reads
+    /// its CQ on every turn for its window after the post (many passes), and then no longer
+    /// (it sleeps on the wait fd, or polls every millisecond where there is none).
+    pub fn spin_stops_after_its_window(provider: &str) {
+        actix::System::new().block_on(async {
+            let window = Duration::from_millis(20);
+            let config = EndpointConfig {
+                busy_poll: window,
+                ..config(Faults::NONE, false)
+            };
+            let (a, b) = endpoints(provider, config).await;
+            let (tx, rx) = pipe(&a, &b).await;
+            let (tx, rx) = exchange(tx, rx, 200, 8).await;
+            let polls = || async { a.send(FabricStats).await.unwrap().polls };
+            let before = polls().await;
+            a.do_send(FabricPost {
+                pipe: tx.pipe,
+                ops: vec![Op {
+                    kind: Kind::Recv,
+                    tag: tag::make(Stream::Raw, tx.pipe, 0),
+                    mem: vec![0; 64],
+                    id: 0,
+                }],
+            });
+            tokio::time::sleep(window * 3).await;
+            let spun = polls().await - before;
+            assert!(spun > 20, "{spun} passes in the spin window");
+            let start = polls().await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let after = polls().await - start;
+            assert!(after < 1000, "{after} passes in 100 ms after the window");
+            drop(rx);
         });
     }
 }
@@ -279,6 +330,14 @@ mod pipes {
     }
 
     pub fn eagain_storm(provider: &str) {
+        eagain_storm_with(provider, Duration::ZERO);
+    }
+
+    pub fn eagain_storm_spinning(provider: &str) {
+        eagain_storm_with(provider, super::efa::SPIN);
+    }
+
+    fn eagain_storm_with(provider: &str, busy_poll: Duration) {
         actix::System::new().block_on(async {
             let config = EndpointConfig {
                 faults: Faults {
@@ -286,6 +345,7 @@ mod pipes {
                     cq_error: 0.0,
                     seed: 23,
                 },
+                busy_poll,
                 ..EndpointConfig::default()
             };
             let b = || efa_context(provider, config);
@@ -356,8 +416,19 @@ mod pipes {
     /// nothing said) fails that pipe's pending reads, in order, and the endpoint it shared
     /// with another pipe carries on for that one.
     pub fn dead_peer_spares_the_other_pipes(provider: &str) {
+        dead_peer_with(provider, Duration::ZERO);
+    }
+
+    pub fn dead_peer_spinning(provider: &str) {
+        dead_peer_with(provider, super::efa::SPIN);
+    }
+
+    fn dead_peer_with(provider: &str, busy_poll: Duration) {
         actix::System::new().block_on(async {
-            let config = EndpointConfig::default();
+            let config = EndpointConfig {
+                busy_poll,
+                ..EndpointConfig::default()
+            };
             let mut server =
                 Server::start(efa_context(provider, config), "tcp://127.0.0.1:0").await;
             let url = server.url.clone();
@@ -426,8 +497,16 @@ fn main() {
     let mut trials = Vec::new();
     type Case = fn(&str);
     #[cfg(feature = "efa")]
-    let cases: [(&str, Case); 3] = [
+    let cases: [(&str, Case); 5] = [
         ("eagain_storm_10000_messages_in_order", efa::eagain_storm),
+        (
+            "eagain_storm_10000_messages_in_order_spinning",
+            efa::eagain_storm_spinning,
+        ),
+        (
+            "spin_stops_after_its_window",
+            efa::spin_stops_after_its_window,
+        ),
         (
             "many_pipes_share_one_endpoint",
             efa::many_pipes_share_one_endpoint,
@@ -448,6 +527,14 @@ fn main() {
         (
             "pipes_dead_peer_spares_the_other_pipes",
             pipes::dead_peer_spares_the_other_pipes,
+        ),
+        (
+            "pipes_eagain_storm_10000_messages_in_order_spinning",
+            pipes::eagain_storm_spinning,
+        ),
+        (
+            "pipes_dead_peer_spares_the_other_pipes_spinning",
+            pipes::dead_peer_spinning,
         ),
     ]);
     #[cfg(feature = "efa")]

@@ -7,16 +7,32 @@
 //! - **Wait fd** (providers whose CQ has one: `tcp;ofi_rxm`): after each pass the actor asks
 //!   `fi_trywait` and then sleeps on the fd through tokio; idle, it costs nothing.
 //! - **Polling** (no wait fd: `shm`; or any provider while the backlog holds ops, which need
-//!   retries that no completion may announce): while ops are in flight the actor re-polls on
-//!   every turn of its thread (a `yield`) for `spin` after the last completion or post, then
-//!   sleeps 1 ms, doubling up to `max_sleep`. With nothing in flight and no wait fd it does not
-//!   poll at all.
+//!   retries that no completion may announce): while ops are in flight the actor spins (below)
+//!   for `spin` after the last completion or post, then sleeps 1 ms between polls, doubling up
+//!   to `max_sleep`. With nothing in flight and no wait fd it does not poll at all.
+//! - **Spin** (opt-in on providers with a wait fd, [`EndpointConfig::busy_poll`]; the first
+//!   `spin` of polling mode): while ops are in flight, for the spin window after the last
+//!   completion or post, the actor reads the CQ on every turn of its thread and wakes itself
+//!   again at once (one long-lived future, `Spinner` in `spin.rs`: no allocation per turn,
+//!   and no park of the runtime in between, so no `epoll_wait` per turn and no sleep on the
+//!   wait fd). Other
+//!   tasks of the thread still run between turns, and other threads get the CPU every 20 µs
+//!   (`sched_yield`, as the shm transport's spin does). Any completion or post extends the
+//!   window, and one that comes while the actor sleeps (on the fd, or between polls) starts a
+//!   spin at once. Past the window the actor waits as above, so an idle endpoint costs what it
+//!   costs without spin. In spin mode with nothing in flight inside the window (between a
+//!   ping-pong's messages) only a timer for the window's end is armed: sleeping on the fd would
+//!   take `fi_trywait`, after which `tcp;ofi_rxm` signals its wait fd again per completion.
+//!   After a pass that handed out ends, the next 8 turns skip the CQ (`QUIET_TURNS`): the
+//!   tasks those ends woke run first.
 //!
 //! Operations arrive as [`FabricPost`] (one mailbox hop); their ends go to the pipe's
 //! unbounded queue, given at [`FabricAttach`], in the pipe's post order (no hop back).
 
 use std::collections::HashMap;
 
+mod metrics;
+mod spin;
 pub mod stream;
 pub mod transport;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
@@ -34,6 +50,7 @@ use crate::fabric::engine::{Engine, Finished, Kind, Op, Region, Stats};
 use crate::fabric::faults::Faults;
 use crate::fabric::{Attributes, Domain, Endpoint, FabricError, InfoList};
 use crate::transport::stream::Memory;
+use spin::Spinner;
 
 /// How a [`FabricEndpoint`] progresses its completion queue.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -50,6 +67,23 @@ pub struct EndpointConfig {
     /// not require it, through the registration cache (tests: the path `FI_MR_LOCAL`
     /// providers take).
     pub register_all: bool,
+    /// Spin mode (zero: off, the default): busy-poll the CQ on every turn of the thread for
+    /// this long after the last completion or post, instead of sleeping on the wait fd or
+    /// yielding through the runtime. Bounded: the thread is busy at most `busy_poll` past the
+    /// last activity. Default from `ACTORPIPE_EFA_SPIN` (microseconds), else zero.
+    pub busy_poll: Duration,
+}
+
+/// The environment variable that turns spin mode on for endpoints built with defaults: the
+/// spin window in microseconds (`ACTORPIPE_EFA_SPIN=50`).
+pub const SPIN_ENV: &str = "ACTORPIPE_EFA_SPIN";
+
+/// `ACTORPIPE_EFA_SPIN`'s window, if set to a number of microseconds (anything else: off).
+fn spin_from_env() -> Duration {
+    std::env::var(SPIN_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(Duration::ZERO, Duration::from_micros)
 }
 
 impl Default for EndpointConfig {
@@ -60,6 +94,7 @@ impl Default for EndpointConfig {
             faults: Faults::from_env(),
             force_polling: false,
             register_all: false,
+            busy_poll: spin_from_env(),
         }
     }
 }
@@ -72,6 +107,8 @@ enum Driver {
     Idle,
     Polling,
     Waiting,
+    Spinning,
+    Deferred,
 }
 
 /// One endpoint actor. See the module docs.
@@ -88,7 +125,9 @@ pub struct FabricEndpoint {
     handle: Option<SpawnHandle>,
     last_activity: Instant,
     sleep: Duration,
-    published: Stats,
+    metrics: metrics::EndpointMetrics,
+    // Progress passes (CQ reads) made: `FabricStats::polls`.
+    polls: u64,
     origin: Origin,
 }
 
@@ -155,6 +194,8 @@ impl FabricEndpoint {
             }
             _ => None,
         };
+        let a = ep.domain().attributes();
+        let metrics = metrics::EndpointMetrics::open(&a.provider, &a.domain);
         let mut engine = Engine::new(ep, config.faults);
         engine.set_register_all(config.register_all);
         Ok(FabricEndpoint {
@@ -167,7 +208,8 @@ impl FabricEndpoint {
             handle: None,
             last_activity: Instant::now(),
             sleep: Duration::from_millis(1),
-            published: Stats::default(),
+            metrics,
+            polls: 0,
             origin,
         }
         .start())
@@ -208,19 +250,55 @@ impl FabricEndpoint {
 
     /// One progress pass, then the next wake-up.
     fn tick(&mut self, ctx: &mut Context<Self>) {
-        let mut out = Vec::new();
-        match self.engine.progress(&mut |f| out.push(f)) {
+        self.pass();
+        self.schedule(ctx);
+        self.maybe_stop(ctx, false);
+    }
+
+    /// Reads the CQ once (and retries the backlog) and hands out what ended; says whether
+    /// anything did.
+    fn pass(&mut self) -> bool {
+        self.polls += 1;
+        let sinks = &self.sinks;
+        let mut any = false;
+        // Ends go straight to their pipes' queues: no buffer of our own in between.
+        let r = self.engine.progress(&mut |f| {
+            any = true;
+            if let Some(s) = sinks.get(&f.pipe) {
+                // A pipe that dropped its queue no longer wants its buffers back.
+                let _ = s.send(f);
+            }
+        });
+        match r {
             Ok(n) if n > 0 => self.activity(),
             Ok(_) => {}
             Err(e) => tracing::warn!("{e}: every pipe on this endpoint failed"),
         }
-        for f in out {
-            self.deliver(f);
+        if any {
+            self.forget();
         }
-        self.forget();
         self.publish();
-        self.schedule(ctx);
-        self.maybe_stop(ctx, false);
+        any
+    }
+
+    /// How long after the last completion or post the actor keeps reading the CQ on every turn
+    /// of its thread: `busy_poll` where it could sleep on the wait fd; where it polls anyway (no
+    /// wait fd, or ops backlogged), at least `spin`.
+    fn spin_window(&self) -> Duration {
+        if self.wait.is_some() && !self.engine.backlogged() {
+            self.config.busy_poll
+        } else {
+            self.config.busy_poll.max(self.config.spin)
+        }
+    }
+
+    /// Whether a spin is due: ops in flight, and the last activity within the spin window.
+    fn spin_due(&self) -> bool {
+        self.spin_due_at(Instant::now())
+    }
+
+    fn spin_due_at(&self, now: Instant) -> bool {
+        self.engine.busy() && now.saturating_duration_since(self.last_activity) < self.spin_window()
     }
 
     fn activity(&mut self) {
@@ -235,9 +313,35 @@ impl FabricEndpoint {
         self.driver = Driver::Idle;
     }
 
-    /// Arms the next progress: the wait fd, a poll, or nothing.
+    /// Arms the next progress: a spin, the wait fd, a poll, or nothing.
     fn schedule(&mut self, ctx: &mut Context<Self>) {
+        if self.spin_due() {
+            if self.driver != Driver::Spinning {
+                self.cancel(ctx);
+                self.driver = Driver::Spinning;
+                self.handle = Some(ctx.spawn(Spinner::new()));
+            }
+            return;
+        }
         let fd_mode = self.wait.is_some() && !self.engine.backlogged();
+        let quiet = self.last_activity.elapsed();
+        if fd_mode && !self.engine.busy() && quiet < self.config.busy_poll {
+            // Spin mode, nothing in flight, within the window: a ping-pong's next post comes
+            // soon and reads the CQ itself. Sleeping on the fd would first take `fi_trywait`,
+            // which makes the provider signal its wait fd again for the next completions.
+            // Only the window's end is armed: then the fd, as usual.
+            if self.driver != Driver::Deferred {
+                self.cancel(ctx);
+                self.driver = Driver::Deferred;
+                let fut = tokio::time::sleep(self.config.busy_poll - quiet);
+                self.handle = Some(ctx.spawn(wrap_future(fut).map(|(), act: &mut Self, ctx| {
+                    act.driver = Driver::Idle;
+                    act.handle = None;
+                    act.tick(ctx);
+                })));
+            }
+            return;
+        }
         if fd_mode {
             if !self.engine.endpoint().trywait() {
                 // Completions (or provider work) are pending: go round once more.
@@ -266,13 +370,9 @@ impl FabricEndpoint {
         if !self.engine.busy() {
             return self.cancel(ctx);
         }
-        let delay = if self.last_activity.elapsed() < self.config.spin {
-            Duration::ZERO
-        } else {
-            let d = self.sleep;
-            self.sleep = (self.sleep * 2).min(self.config.max_sleep.max(Duration::from_millis(1)));
-            d
-        };
+        // Past the spin window (a spin was due otherwise): sleep between polls.
+        let delay = self.sleep;
+        self.sleep = (self.sleep * 2).min(self.config.max_sleep.max(Duration::from_millis(1)));
         self.poll_soon(ctx, delay);
     }
 
@@ -298,26 +398,7 @@ impl FabricEndpoint {
 
     /// Publishes the counters' increments since the last call.
     fn publish(&mut self) {
-        let s = self.engine.stats();
-        let p = &self.published;
-        if s == *p {
-            return;
-        }
-        let provider = self.engine.attributes().provider.clone();
-        let labels = [("provider", provider)];
-        metrics::counter!(crate::metrics::EFA_POSTS, &labels).increment(s.posted - p.posted);
-        metrics::counter!(crate::metrics::EFA_EAGAIN, &labels).increment(s.eagain - p.eagain);
-        metrics::counter!(crate::metrics::EFA_COMPLETIONS, &labels)
-            .increment(s.completions - p.completions);
-        metrics::counter!(crate::metrics::EFA_ERRORS, &labels).increment(s.errors - p.errors);
-        metrics::gauge!(crate::metrics::EFA_BACKLOG, &labels).set(s.backlog as f64);
-        let a = self.engine.attributes();
-        let domain = [
-            ("provider", a.provider.clone()),
-            ("domain", a.domain.clone()),
-        ];
-        metrics::counter!(crate::metrics::EFA_BYTES, &domain).increment(s.bytes - p.bytes);
-        self.published = s;
+        self.metrics.publish(self.engine.stats());
     }
 }
 
@@ -519,7 +600,10 @@ impl Handler<FabricDescribe> for FabricEndpoint {
 impl Handler<FabricStats> for FabricEndpoint {
     type Result = MessageResult<FabricStats>;
     fn handle(&mut self, _: FabricStats, _: &mut Context<Self>) -> Self::Result {
-        MessageResult(self.engine.stats())
+        MessageResult(Stats {
+            polls: self.polls,
+            ..self.engine.stats()
+        })
     }
 }
 

@@ -110,6 +110,8 @@ pub struct Stats {
     pub registered: usize,
     /// Bytes moved by successful operations (sent and received).
     pub bytes: u64,
+    /// Progress passes (CQ reads) the endpoint actor has made (zero from the engine itself).
+    pub polls: u64,
 }
 
 /// Room the provider may use in an op's context (`FI_CONTEXT2`: 8 pointers), then our index.
@@ -548,7 +550,6 @@ impl Engine {
         // provider hands it back unchanged.
         let index = unsafe { (*(c.context as *const Ctx)).index };
         let inject = self.faults.cq_error > 0.0 && self.dice.roll(self.faults.cq_error);
-        let provider = self.ep.provider().to_string();
         let l = self.slots.get_mut(index)?.live.as_mut()?;
         if !matches!(l.state, State::Posted) {
             return None;
@@ -562,7 +563,7 @@ impl Engine {
         if inject && result.is_ok() {
             result = Err(FabricError {
                 op: "completion",
-                provider,
+                provider: self.ep.provider().to_string(),
                 code: eio(),
                 text: "injected completion error (fault injection)".into(),
             });

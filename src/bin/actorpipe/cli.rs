@@ -96,6 +96,18 @@ pub struct EfaArgs {
           value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub rounds: u32,
 
+    /// Only these actorpipe rows, named as the table prints them (`actor`, `transport`,
+    /// `channel`, `striped`, and with --spin `actor spin`, …; `raw` for the baseline, without
+    /// which the ratio column is empty). [default: all]
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub rows: Vec<String>,
+
+    /// Also run each actorpipe row in spin mode (`EndpointConfig::busy_poll`: the endpoint
+    /// busy-polls its CQ for US microseconds after each completion or post), beside the rows
+    /// without spin, against the same raw rounds.
+    #[arg(long, value_name = "US", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub spin: Option<u64>,
+
     /// Instead: hold an endpoint with a receive posted for SECS seconds, per provider and
     /// progress mode (wait fd, polling), and print the CPU it used.
     #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..=3600))]

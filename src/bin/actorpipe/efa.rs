@@ -29,54 +29,81 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
         return idle(args, Duration::from_secs(secs));
     }
     println!(
-        "{:<12} {:>6} {:<9} {:>11} {:>7} {:>9}",
+        "{:<12} {:>6} {:<15} {:>11} {:>7} {:>9}",
         "provider", "size", "row", "p50", "vs raw", "GB/s"
     );
+    // Without --spin the endpoints never spin, whatever ACTORPIPE_EFA_SPIN says; with it each
+    // actorpipe row runs twice per round, without and with spin, against the same raw rounds.
+    let plain = EndpointConfig {
+        busy_poll: Duration::ZERO,
+        ..EndpointConfig::default()
+    };
+    let mut configs = vec![("", plain)];
+    if let Some(us) = args.spin {
+        let spin = EndpointConfig {
+            busy_poll: Duration::from_micros(us),
+            ..plain
+        };
+        configs.push((" spin", spin));
+    }
+    let wanted = |row: &str| args.rows.is_empty() || args.rows.iter().any(|r| r == row);
     for provider in &args.providers {
         for &size in &args.sizes.0 {
             let counts = Counts::for_size(size, args.iters, None);
-            let mut rows =
-                ["raw", "actor", "transport", "channel", "striped"].map(|n| (n, Samples::new()));
             // The striped row only where the provider lists several domains.
             let domains = actorpipe::actors::fabric::transport::Efa::new(provider)
                 .domains()
                 .map_or(0, |d| d.len());
-            for _ in 0..args.rounds {
-                rows[0]
-                    .1
-                    .extend(raw_round(provider, size as usize, counts)?);
-                rows[1]
-                    .1
-                    .extend(actor_round(provider, size as usize, counts)?);
-                let t = crate::efa_pipe::Row::Transport;
-                rows[2]
-                    .1
-                    .extend(crate::efa_pipe::round(t, provider, size, counts)?);
-                let c = crate::efa_pipe::Row::Channel;
-                rows[3]
-                    .1
-                    .extend(crate::efa_pipe::round(c, provider, size, counts)?);
-                if domains > 1 {
-                    let s = crate::efa_pipe::Row::Striped;
-                    rows[4]
-                        .1
-                        .extend(crate::efa_pipe::round(s, provider, size, counts)?);
+            let mut rows = vec![("raw".to_string(), Samples::new())];
+            for (suffix, _) in &configs {
+                for name in ["actor", "transport", "channel", "striped"] {
+                    rows.push((format!("{name}{suffix}"), Samples::new()));
                 }
             }
-            let Some(raw) = Summary::of(&rows[0].1) else {
-                continue;
-            };
+            for _ in 0..args.rounds {
+                if wanted("raw") {
+                    rows[0]
+                        .1
+                        .extend(raw_round(provider, size as usize, counts)?);
+                }
+                for (k, (suffix, config)) in configs.iter().enumerate() {
+                    let at = 1 + 4 * k;
+                    let wanted = |row: &str| wanted(&format!("{row}{suffix}"));
+                    if wanted("actor") {
+                        rows[at]
+                            .1
+                            .extend(actor_round(provider, size as usize, counts, *config)?);
+                    }
+                    let pipe_rows = [
+                        crate::efa_pipe::Row::Transport,
+                        crate::efa_pipe::Row::Channel,
+                        crate::efa_pipe::Row::Striped,
+                    ];
+                    for (j, row) in pipe_rows.into_iter().enumerate() {
+                        let skip = row == crate::efa_pipe::Row::Striped && domains < 2;
+                        if skip || !wanted(row.name()) {
+                            continue;
+                        }
+                        rows[at + 1 + j].1.extend(crate::efa_pipe::round(
+                            row, provider, size, counts, *config,
+                        )?);
+                    }
+                }
+            }
+            // Without the raw row (left out with --rows, to count one row's work) the ratio
+            // column is empty.
+            let raw = Summary::of(&rows[0].1).map_or(f64::NAN, |r| r.p50.as_secs_f64());
             for (name, samples) in &rows {
                 let Some(s) = Summary::of(samples) else {
                     continue;
                 };
                 println!(
-                    "{:<12} {:>6} {:<9} {:>11} {:>7.2} {:>9.2}",
+                    "{:<12} {:>6} {:<15} {:>11} {:>7.2} {:>9.2}",
                     provider,
                     human_size(size),
                     name,
                     human_duration(s.p50),
-                    s.p50.as_secs_f64() / raw.p50.as_secs_f64(),
+                    s.p50.as_secs_f64() / raw,
                     gb_per_s(2 * size, s.p50),
                 );
             }
@@ -203,11 +230,10 @@ fn actor_side(
     rx: std_mpsc::Receiver<(Vec<u8>, u32)>,
     size: usize,
     counts: Counts,
-    client: bool,
+    (client, config): (bool, EndpointConfig),
 ) -> Result<Samples, Failure> {
     let system = actix::System::new();
     system.block_on(async move {
-        let config = EndpointConfig::default();
         let ep = FabricEndpoint::open(&provider, None, config)?;
         let name = ep.send(FabricDescribe).await?.name;
         let (sink, mut done) = tokio::sync::mpsc::unbounded_channel();
@@ -286,12 +312,25 @@ fn actor_side(
     })
 }
 
-fn actor_round(provider: &str, size: usize, counts: Counts) -> Result<Samples, Failure> {
+fn actor_round(
+    provider: &str,
+    size: usize,
+    counts: Counts,
+    config: EndpointConfig,
+) -> Result<Samples, Failure> {
     let (a_tx, b_rx) = std_mpsc::channel();
     let (b_tx, a_rx) = std_mpsc::channel();
     let p = provider.to_string();
-    let server = std::thread::spawn(move || actor_side(p, b_tx, b_rx, size, counts, false));
-    let samples = actor_side(provider.to_string(), a_tx, a_rx, size, counts, true)?;
+    let server =
+        std::thread::spawn(move || actor_side(p, b_tx, b_rx, size, counts, (false, config)));
+    let samples = actor_side(
+        provider.to_string(),
+        a_tx,
+        a_rx,
+        size,
+        counts,
+        (true, config),
+    )?;
     server.join().map_err(|_| failed("server", "panicked"))??;
     Ok(samples)
 }
@@ -314,6 +353,7 @@ fn idle(args: &EfaArgs, hold: Duration) -> Result<(), Failure> {
         for force_polling in [false, true] {
             let config = EndpointConfig {
                 force_polling,
+                busy_poll: Duration::ZERO,
                 ..EndpointConfig::default()
             };
             let p = provider.clone();

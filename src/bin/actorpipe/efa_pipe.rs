@@ -14,6 +14,7 @@
 use std::sync::{mpsc as std_mpsc, Arc};
 
 use actorpipe::actors::fabric::transport::Efa;
+use actorpipe::actors::fabric::EndpointConfig;
 use actorpipe::{Context, ContextBuilder};
 
 use crate::bench::{Api, Client};
@@ -34,16 +35,29 @@ pub enum Row {
 }
 
 impl Row {
-    fn builder(self, provider: &str) -> ContextBuilder {
+    fn builder(self, provider: &str, config: EndpointConfig) -> ContextBuilder {
         let b = Context::builder().without("shm");
+        let t = Efa::new(provider).with_config(config);
+        let c = actorpipe::channel::efa::Efa::over(&t);
         match self {
-            Row::Transport => b
-                .transport(Arc::new(Efa::new(provider)))
-                .only_channels(&["basic"]),
-            Row::Channel => b.efa(provider).only_channels(&["efa", "basic"]),
-            Row::Striped => b
-                .efa_domains(provider, &[])
+            Row::Transport => b.transport(Arc::new(t)).only_channels(&["basic"]),
+            Row::Channel => b
+                .transport(Arc::new(t))
+                .channel(Arc::new(c))
                 .only_channels(&["efa", "basic"]),
+            Row::Striped => b
+                .transport(Arc::new(t))
+                .channel(Arc::new(c.all_domains()))
+                .only_channels(&["efa", "basic"]),
+        }
+    }
+
+    /// The row's name in the table.
+    pub fn name(self) -> &'static str {
+        match self {
+            Row::Transport => "transport",
+            Row::Channel => "channel",
+            Row::Striped => "striped",
         }
     }
 
@@ -56,13 +70,21 @@ impl Row {
 }
 
 /// One round of `counts` round trips of one tensor of `size` bytes.
-pub fn round(row: Row, provider: &str, size: u64, counts: Counts) -> Result<Samples, Failure> {
+pub fn round(
+    row: Row,
+    provider: &str,
+    size: u64,
+    counts: Counts,
+    config: EndpointConfig,
+) -> Result<Samples, Failure> {
     let (url_tx, url_rx) = std_mpsc::channel::<Result<String, Failure>>();
     let (stop_tx, stop_rx) = std_mpsc::channel::<()>();
     let p = provider.to_string();
     let server = std::thread::spawn(move || {
         actix::System::new().block_on(async move {
-            match crate::bench::listen(row.builder(&p), "tcp://127.0.0.1:0", Api::Receive).await {
+            match crate::bench::listen(row.builder(&p, config), "tcp://127.0.0.1:0", Api::Receive)
+                .await
+            {
                 Ok(listening) => {
                     let _ = url_tx.send(Ok(listening.urls[0].clone()));
                     let _ = tokio::task::spawn_blocking(move || stop_rx.recv()).await;
@@ -78,8 +100,13 @@ pub fn round(row: Row, provider: &str, size: u64, counts: Counts) -> Result<Samp
         .recv()
         .map_err(|_| Failure::Failed("efa echo server: stopped".into()))??;
     let result = actix::System::new().block_on(async {
-        let mut client =
-            Client::connect(row.builder(provider), &url, Shape::Tensor, Api::Receive).await?;
+        let mut client = Client::connect(
+            row.builder(provider, config),
+            &url,
+            Shape::Tensor,
+            Api::Receive,
+        )
+        .await?;
         if client.info.transport != "efa" || client.channel() != row.channel() {
             return Err(Failure::Failed(format!(
                 "negotiated {} / {}, expected efa / {}",

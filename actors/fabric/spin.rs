@@ -1,0 +1,94 @@
+//! Spin mode's driver (see the module docs of [`super`]): one long-lived future that reads the
+//! endpoint's CQ on every turn of its thread.
+
+use std::pin::Pin;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+
+use super::{Driver, FabricEndpoint};
+
+/// Spin mode's driver: one future for a whole spin, polled on every turn of the thread (it
+/// wakes itself at once), reading the CQ each time, until spin mode is no longer due; then
+/// [`FabricEndpoint::schedule`] arms the wait fd or a poll as usual.
+pub(super) struct Spinner {
+    /// When this spin last offered the CPU to other threads.
+    os_yield: Instant,
+    /// Turns so far: the clock is read on every `CLOCK_EVERY`-th only.
+    turns: u32,
+    /// Turns left that skip the CQ (see `QUIET_TURNS`).
+    rest: u32,
+}
+
+/// After a pass that handed out ends, this many turns of a spin skip the CQ: the tasks those
+/// ends woke (the stream's read loop, the pipe, the channel, the application) run first, each
+/// followed by a turn of ours, and no answer can come before they have sent again. On
+/// `tcp;ofi_rxm` a pass costs system calls (the provider's own `epoll_wait`), and 8 quiet turns
+/// took a 64 B `channel spin` round trip from 45 µs to 36 µs on the 2-core VM (docs/efa.md).
+const QUIET_TURNS: u32 = 8;
+
+/// How often a spin offers its CPU to other threads (`sched_yield`). Without it a peer woken
+/// onto this CPU waits for the whole spin to end (on the 2-core VM, a `tcp;ofi_rxm` round trip
+/// then took twice the spin window). The shm transport's 5 µs was worse here under load: the
+/// `shm` rows of `bench efa` fell, one run in three, to 18 µs instead of 2.2 µs (both sides
+/// trading the CPU by `sched_yield`); 20 µs and 100 µs showed neither (docs/efa.md).
+const OS_YIELD_EVERY: Duration = Duration::from_micros(20);
+
+/// How many turns a spin takes between reads of the clock (for its window and its
+/// `sched_yield`s): a clock read costs as much as the rest of a turn in a VM.
+const CLOCK_EVERY: u32 = 8;
+
+impl Spinner {
+    pub(super) fn new() -> Spinner {
+        Spinner {
+            os_yield: Instant::now(),
+            turns: 0,
+            rest: 0,
+        }
+    }
+}
+
+impl ActorFuture<FabricEndpoint> for Spinner {
+    type Output = ();
+
+    fn poll(
+        mut self: Pin<&mut Self>,
+        act: &mut FabricEndpoint,
+        ctx: &mut Context<FabricEndpoint>,
+        task: &mut std::task::Context<'_>,
+    ) -> Poll<()> {
+        if act.driver != Driver::Spinning {
+            return Poll::Ready(());
+        }
+        if self.rest > 0 {
+            self.rest -= 1;
+        } else if act.pass() {
+            self.rest = QUIET_TURNS;
+        }
+        self.turns = self.turns.wrapping_add(1);
+        let now = (self.turns % CLOCK_EVERY == 0).then(Instant::now);
+        let due = match now {
+            Some(now) => act.spin_due_at(now),
+            None => act.engine.busy(),
+        };
+        if due {
+            // The peer may have been woken onto this CPU (the scheduler puts a woken thread
+            // next to its waker): offer it the CPU now and then, as the shm transport's spin
+            // does, or it would wait for the whole spin to end.
+            if let Some(now) = now.filter(|n| n.duration_since(self.os_yield) >= OS_YIELD_EVERY) {
+                self.os_yield = now;
+                std::thread::yield_now();
+            }
+            // Straight back into the run queue, behind the tasks already in it: no park of the
+            // runtime (an `epoll_wait`) between turns, as `yield_now` would do.
+            task.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        act.driver = Driver::Idle;
+        act.handle = None;
+        act.schedule(ctx);
+        act.maybe_stop(ctx, false);
+        Poll::Ready(())
+    }
+}
