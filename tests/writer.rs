@@ -458,3 +458,37 @@ async fn a_handed_over_write_keeps_its_deadline() {
         }
     }
 }
+
+/// A write the writer could write only in part (the stream filled up under it) keeps its
+/// deadline: with the peer reading nothing, it fails the pipe with a timeout instead of waiting
+/// for ever. The first writes the stream cannot take whole may still complete once the peer's
+/// read loop has read ahead; the writes go on until one is stuck for good.
+#[actix::test]
+async fn a_partly_written_write_keeps_its_deadline() {
+    for (what, builder) in CONFIGS {
+        let (_tx, _rx, writer, to, mut completions, _keep) = writing(builder).await;
+        let deadline = Duration::from_millis(300);
+        let mut timed_out = None;
+        // At most 1 GiB of 16000-byte payloads: the stream (a socket or a 2 MiB ring) fills long
+        // before that, and the peer's read loop stops reading ahead at 16 descriptors.
+        for i in 0..65_536u64 {
+            let op = Write::new(checked_message(i, &[16_000], &[])).within(deadline);
+            let done = match writer.write(op, &to) {
+                Some(done) => done,
+                None => within(30, "a handed-over write's WriteDone", completions.recv())
+                    .await
+                    .expect("inbox alive"),
+            };
+            assert_eq!(verify(&done.message), i, "{what}: write {i}'s buffers");
+            if let Err(e) = done.result {
+                timed_out = Some((i, e));
+                break;
+            }
+        }
+        let (i, e) = timed_out.unwrap_or_else(|| panic!("{what}: no write was ever stuck"));
+        match e {
+            Error::Timeout { after, .. } => assert_eq!(after, deadline, "{what}: write {i}"),
+            other => panic!("{what}: write {i}: expected a timeout, got {other:?}"),
+        }
+    }
+}

@@ -85,6 +85,12 @@ impl ActorFuture<FabricEndpoint> for Spinner {
             task.waker().wake_by_ref();
             return Poll::Pending;
         }
+        if self.rest > 0 {
+            // The window closed during quiet turns: read the CQ once more before waiting, or
+            // an end that came meanwhile would wait for the next poll (a sleep, in polling
+            // mode) instead of being handed out now.
+            act.pass();
+        }
         act.driver = Driver::Idle;
         act.handle = None;
         act.schedule(ctx);

@@ -404,6 +404,8 @@ impl Pipe {
     fn watch_deadline(&self, write: bool, id: u64, d: Duration, ctx: &mut actix::Context<Self>) {
         ctx.run_later(d, move |act, _| {
             let pending = if write {
+                // A write a writer wrote in part may still wait in the ledger's handoff.
+                act.adopt();
                 act.writes.iter().any(|w| w.id == id)
             } else {
                 act.reads

@@ -63,8 +63,8 @@ pub(super) struct WriteShare {
 enum Direct {
     /// Written whole and completed here.
     Done(WriteDone),
-    /// Written in part: the pipe completes it through its completer.
-    Handed,
+    /// Written in part: the pipe completes it through its completer (the write's id).
+    Handed(u64),
     /// Not written: the message, for the pipe (the ledger counts it already).
     ToPipe(Message),
 }
@@ -88,6 +88,25 @@ impl Handler<Handed> for Pipe {
             PendingOp::Write(h.message, h.deadline, h.completer, true),
             ctx,
         );
+    }
+}
+
+/// The deadline of a write a writer wrote in part (it is in the ledger's `handoff`, or already in
+/// the pipe's queue): the pipe watches it as it watches its own writes'.
+pub(super) struct WatchWrite {
+    id: u64,
+    deadline: Duration,
+}
+
+impl actix::Message for WatchWrite {
+    type Result = ();
+}
+
+impl Handler<WatchWrite> for Pipe {
+    type Result = ();
+
+    fn handle(&mut self, w: WatchWrite, ctx: &mut Self::Context) {
+        self.watch_deadline(true, w.id, w.deadline, ctx);
     }
 }
 
@@ -281,7 +300,7 @@ impl WriteShare {
             completer: completer(),
         });
         l.outstanding += 1;
-        Direct::Handed
+        Direct::Handed(id)
     }
 }
 
@@ -435,7 +454,13 @@ impl PipeWriter {
             .try_direct(message, || Completer::Shared(to.clone()))
         {
             Direct::Done(done) => return Some(done),
-            Direct::Handed => return None,
+            Direct::Handed(id) => {
+                if let Some(deadline) = deadline {
+                    // The rest of it is on the connection: only its deadline goes to the pipe.
+                    self.pipe.do_send(WatchWrite { id, deadline });
+                }
+                return None;
+            }
             Direct::ToPipe(message) => message,
         };
         let handed = Handed {
