@@ -124,8 +124,13 @@ async fn writing(
 }
 
 async fn receive_all(rx: &Addr<Pipe>, n: u64, what: &str) {
+    receive_range(rx, 0, n, what).await
+}
+
+/// Receives messages `from..to` (checked, in order) on `rx`.
+async fn receive_range(rx: &Addr<Pipe>, from: u64, to: u64, what: &str) {
     let mut spare = Allocation::default();
-    for i in 0..n {
+    for i in from..to {
         let done = within(30, "a Receive", rx.send(Receive::reusing(spare)))
             .await
             .unwrap();
@@ -490,5 +495,47 @@ async fn a_partly_written_write_keeps_its_deadline() {
             Error::Timeout { after, .. } => assert_eq!(after, deadline, "{what}: write {i}"),
             other => panic!("{what}: write {i}: expected a timeout, got {other:?}"),
         }
+    }
+}
+
+/// Once the writes handed to the pipe have completed, the writer writes by itself again: the
+/// ledger's count of writes the pipe holds goes back to 0 after each hand-over (a large
+/// message, and a small write behind it).
+#[actix::test]
+async fn the_writer_writes_again_after_each_hand_over() {
+    for (name, builder) in CONFIGS {
+        let (tx, rx, writer, to, mut completions, _keep) = writing(builder).await;
+        let small = |i| Write::new(checked_message(i, &[64], &[]));
+        let mut i = 0u64;
+        for round in 0..3 {
+            // Hand-overs: a large payload, then a small write behind it.
+            let large = Write::new(checked_message(i, &[200_000], &[1 << 20]));
+            assert!(
+                writer.write(large, &to).is_none(),
+                "{name}: a large write went direct"
+            );
+            assert!(
+                writer.write(small(i + 1), &to).is_none(),
+                "{name}: overtook"
+            );
+            // Read first: over xth and cma a write completes only once the peer has read it.
+            receive_range(&rx, i, i + 2, name).await;
+            for j in [i, i + 1] {
+                let d = within(30, "a handed-over WriteDone", completions.recv())
+                    .await
+                    .expect("inbox alive");
+                d.result
+                    .unwrap_or_else(|e| panic!("{name}: write {j}: {e}"));
+                assert_eq!(verify(&d.message), j, "{name}: write {j}'s buffers");
+            }
+            // Nothing is pending and the peer has read everything: the next one goes direct.
+            let d = writer.write(small(i + 2), &to);
+            let d = d.unwrap_or_else(|| panic!("{name}: round {round}: handed over, not direct"));
+            d.result.unwrap();
+            receive_range(&rx, i + 2, i + 3, name).await;
+            i += 3;
+        }
+        let info = tx.send(GetInfo).await.unwrap();
+        assert_eq!(info.written_by_caller, 3, "{name}");
     }
 }
