@@ -15,16 +15,16 @@
 //!   completion or post, the actor reads the CQ on every turn of its thread and wakes itself
 //!   again at once (one long-lived future, `Spinner` in `spin.rs`: no allocation per turn,
 //!   and no park of the runtime in between, so no `epoll_wait` per turn and no sleep on the
-//!   wait fd). Other
-//!   tasks of the thread still run between turns, and other threads get the CPU every 20 µs
-//!   (`sched_yield`, as the shm transport's spin does). Any completion or post extends the
+//!   wait fd). Other tasks of the thread still run between turns, and other threads get the
+//!   CPU every 20 µs (`sched_yield`; the shm transport's spin yields too). Any completion or post extends the
 //!   window, and one that comes while the actor sleeps (on the fd, or between polls) starts a
 //!   spin at once. Past the window the actor waits as above, so an idle endpoint costs what it
 //!   costs without spin. In spin mode with nothing in flight inside the window (between a
 //!   ping-pong's messages) only a timer for the window's end is armed: sleeping on the fd would
 //!   take `fi_trywait`, after which `tcp;ofi_rxm` signals its wait fd again per completion.
 //!   After a pass that handed out ends, the next 8 turns skip the CQ (`QUIET_TURNS`): the
-//!   tasks those ends woke run first.
+//!   tasks those ends woke run first; a spin whose window closes during them reads the CQ
+//!   once more before it waits.
 //!
 //! Operations arrive as [`FabricPost`] (one mailbox hop); their ends go to the pipe's
 //! unbounded queue, given at [`FabricAttach`], in the pipe's post order (no hop back).
