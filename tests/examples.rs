@@ -194,6 +194,29 @@ fn bench_command_runs_end_to_end() {
     assert_eq!(out.status.code(), Some(2));
 }
 
+/// `bench layers`: both layers measured over the shm transport, each row's p50 inside its
+/// range, and a core-speed figure beside them.
+#[test]
+fn bench_layers_measures_each_layer() {
+    let v = bench_json(&[
+        "bench", "layers", "--iters", "200", "--warmup", "20", "--rounds", "2", "--spin", "5",
+    ]);
+    let rows = v["rows"].as_array().expect("rows");
+    let names: Vec<_> = rows.iter().map(|r| r["layer"].as_str().unwrap()).collect();
+    assert_eq!(names, ["halves", "halves + actor"], "{v}");
+    for r in rows {
+        assert_eq!(r["round_trips"], 400, "{r}");
+        let (lo, p50, hi) = (
+            r["p50_min_us"].as_f64().unwrap(),
+            r["p50_us"].as_f64().unwrap(),
+            r["p50_max_us"].as_f64().unwrap(),
+        );
+        assert!(0.0 < lo && lo <= p50 && p50 <= hi, "{r}");
+        assert!(r["p99_us"].as_f64().unwrap() >= lo, "{r}");
+    }
+    assert!(v["ns_per_xorshift_step"].as_f64().unwrap() > 0.0, "{v}");
+}
+
 /// `connect_burst` against an `echo_peer`: every connect is accounted for and every pipe echoes.
 #[test]
 fn connect_burst_dials_at_once_and_checks_every_pipe() {

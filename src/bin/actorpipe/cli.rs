@@ -64,6 +64,10 @@ pub enum BenchCommand {
     Pipe(RunArgs),
     /// Open many pipes on one context and report the memory each costs while idle.
     Idle(IdleArgs),
+    /// The floor under a 64 B shm round trip, one layer at a time: the shm transport's halves
+    /// under tokio, then with one actor mailbox hop per message and side (both sides in this
+    /// process, on two threads).
+    Layers(LayersArgs),
     /// libfabric tagged ping-pong through the endpoint actor next to a raw ping-pong written
     /// with the same binding, on each provider (feature `efa`).
     #[cfg(feature = "efa")]
@@ -230,6 +234,36 @@ impl RunArgs {
             _ => None,
         }
     }
+}
+
+/// Options of `bench layers`.
+#[derive(Debug, Clone, Args)]
+pub struct LayersArgs {
+    /// Spin for this many microseconds before sleeping on a doorbell (`Shm::with_spin`).
+    #[arg(long, value_name = "MICROS", default_value_t = 20)]
+    pub spin: u64,
+
+    /// Timed round trips per round.
+    #[arg(long, value_name = "N", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    pub iters: u32,
+
+    /// Untimed round trips before the timed ones, per round.
+    #[arg(long, value_name = "N", default_value_t = 1_000)]
+    pub warmup: u32,
+
+    /// Rounds per layer, each over a new connection.
+    #[arg(long, value_name = "N", default_value_t = 5,
+          value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub rounds: u32,
+
+    /// Pin the client's thread to CPU 0 and the echo thread to CPU 1.
+    #[arg(long)]
+    pub pin: bool,
+
+    /// Print the results as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Options of `bench idle`.

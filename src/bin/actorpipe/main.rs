@@ -21,6 +21,7 @@ mod failure;
 mod fired;
 mod idle;
 mod info;
+mod layers;
 mod measure;
 mod plan;
 mod probe;
@@ -60,6 +61,7 @@ fn bench_command(what: BenchCommand) -> Result<(), Failure> {
         BenchCommand::Channel(a) => (Kind::Channel, a),
         BenchCommand::Pipe(a) => (Kind::Pipe, a),
         BenchCommand::Idle(a) => return idle::run(&a),
+        BenchCommand::Layers(a) => return layers::run(&a),
         #[cfg(feature = "efa")]
         BenchCommand::Efa(a) => return efa::run(&a),
     };

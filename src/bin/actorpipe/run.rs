@@ -277,7 +277,7 @@ fn server_args(plan: &Plan, args: &RunArgs, shm_fds: Option<String>) -> Vec<Stri
 }
 
 /// Binds the calling thread (and every thread it starts later) to one CPU.
-fn pin_to(cpu: usize) -> Result<(), Failure> {
+pub(crate) fn pin_to(cpu: usize) -> Result<(), Failure> {
     // Online CPUs, not the ones this process may use: a spawned server inherits CPU 0 alone.
     // SAFETY: sysconf reads a system setting.
     let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;
