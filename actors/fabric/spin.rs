@@ -70,7 +70,7 @@ impl ActorFuture<FabricEndpoint> for Spinner {
         let now = (self.turns % CLOCK_EVERY == 0).then(Instant::now);
         let due = match now {
             Some(now) => act.spin_due_at(now),
-            None => act.engine.busy(),
+            None => act.busy(),
         };
         if due {
             // The peer may have been woken onto this CPU (the scheduler puts a woken thread
