@@ -14,9 +14,9 @@ mod efa {
     use std::time::Duration;
 
     use actorpipe::actors::fabric::{
-        EndpointConfig, FabricDetach, FabricFaults, FabricPost, FabricStats,
+        EndpointConfig, FabricDetach, FabricFaults, FabricPost, FabricStats, RegionOp,
     };
-    use actorpipe::fabric::engine::{Kind, Op};
+    use actorpipe::fabric::engine::{Kind, Op, Region};
     use actorpipe::fabric::faults::Faults;
     use actorpipe::fabric::tag::{self, Stream};
 
@@ -50,7 +50,9 @@ mod efa {
             let (a, b) = endpoints(provider, config(faults, spin)).await;
             let (mut tx, mut rx) = pipe(&a, &b).await;
             (tx.direct, rx.direct) = (direct, direct);
-            exchange(tx, rx, 10_000, 256).await;
+            // Direct: one tag for every message, so that a post reordered by the backlog shows.
+            let tags = if direct { Tags::Same } else { Tags::PerMessage };
+            exchange_tagged(tx, rx, 10_000, 256, tags).await;
             for ep in [&a, &b] {
                 let s = ep.send(FabricStats).await.unwrap();
                 assert!(s.eagain > 9 * 10_000 / 2, "{s:?}");
@@ -116,6 +118,76 @@ mod efa {
         });
     }
 
+    /// In-place ops (the `efa` channel's) posted directly with registration forced (the path
+    /// of `FI_MR_LOCAL` providers), half the posts refused: every registration is released
+    /// once its ops are back, after an exchange and after the pipe failed with receives still
+    /// pending.
+    pub fn direct_regions_release_registrations(provider: &str) {
+        actix::System::new().block_on(async {
+            let faults = Faults {
+                eagain: 0.5,
+                cq_error: 0.0,
+                seed: 9,
+            };
+            let config = EndpointConfig {
+                register_all: true,
+                ..config(faults, false)
+            };
+            let (a, b) = endpoints(provider, config).await;
+            let (mut tx, mut rx) = pipe(&a, &b).await;
+            let src: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();
+            let mut dst = vec![0u8; 8192];
+            let to = rx.pipe;
+            let ops = |kind, base: usize, first: u32| -> Vec<RegionOp> {
+                (0..4u32)
+                    .map(|i| RegionOp {
+                        kind,
+                        tag: tag::make(Stream::Raw, to, first + i),
+                        region: Region {
+                            base,
+                            buffer_len: 8192,
+                            offset: i as usize * 2048,
+                            len: 2048,
+                        },
+                        id: i as u64,
+                    })
+                    .collect()
+            };
+            let (from, into) = (src.as_ptr() as usize, dst.as_mut_ptr() as usize);
+            // SAFETY: `src` and `dst` stay allocated and untouched until every op's end has
+            // been read below.
+            unsafe {
+                rx.poster.post_regions(rx.pipe, &ops(Kind::Recv, into, 0));
+                tx.poster.post_regions(tx.pipe, &ops(Kind::Send, from, 0));
+            }
+            for side in [&mut rx, &mut tx] {
+                for i in 0..4 {
+                    let f = side.done.recv().await.expect("ends");
+                    assert_eq!((f.id, f.result.map(|_| ())), (i, Ok(())));
+                }
+            }
+            assert!(dst == src, "the bytes arrived in place");
+            for ep in [&a, &b] {
+                let s = ep.send(FabricStats).await.unwrap();
+                assert!(s.registrations > 0, "{s:?}");
+                assert_eq!(s.registered, 0, "every registration released: {s:?}");
+            }
+            // SAFETY: as above.
+            unsafe { rx.poster.post_regions(rx.pipe, &ops(Kind::Recv, into, 4)) };
+            b.do_send(FabricDetach {
+                pipe: rx.pipe,
+                reason: "the peer died".into(),
+            });
+            for i in 0..4 {
+                let f = rx.done.recv().await.expect("ends");
+                assert_eq!((f.id, f.result.is_err()), (i, true));
+            }
+            let s = b.send(FabricStats).await.unwrap();
+            assert_eq!(s.registered, 0, "released after the failure too: {s:?}");
+            drop(dst);
+        });
+    }
+
     /// A pipe whose peer dies (what the transport's watcher does then: detach it) with 64
     /// receives posted directly, some of them backlogged: each ends with the error, in post
     /// order; a post after that never reaches the provider; and the endpoint carries on for a
@@ -144,7 +216,9 @@ mod efa {
                 pipe: victim.pipe,
                 reason: "the peer died".into(),
             });
-            for i in 0..64 {
+            // Posted before the actor reads the detach: pending like the others.
+            victim.post(vec![recv(64)]);
+            for i in 0..65 {
                 let f = tokio::time::timeout(Duration::from_secs(10), victim.done.recv())
                     .await
                     .expect("ends in time")
@@ -153,12 +227,11 @@ mod efa {
                 let e = f.result.expect_err("fails");
                 assert!(e.to_string().contains("the peer died"), "{e}");
             }
-            victim.post(vec![recv(64)]);
-            if let Ok(Some(f)) =
-                tokio::time::timeout(Duration::from_secs(2), victim.done.recv()).await
-            {
-                assert!(f.result.is_err(), "a post after the pipe's end fails");
-            }
+            // Every op back: the pipe is forgotten and its queue closed; a late post goes
+            // nowhere.
+            victim.post(vec![recv(65)]);
+            let late = tokio::time::timeout(Duration::from_secs(10), victim.done.recv()).await;
+            assert!(matches!(late, Ok(None)), "{late:?}");
             let (tx, rx) = pipe(&a, &b).await;
             exchange(tx.direct(), rx.direct(), 200, 16).await;
             let s = a.send(FabricStats).await.unwrap();
@@ -466,7 +539,7 @@ fn main() {
     let mut trials = Vec::new();
     type Case = fn(&str);
     #[cfg(feature = "efa")]
-    let cases: [(&str, Case); 9] = [
+    let cases: [(&str, Case); 10] = [
         ("eagain_storm_10000_messages_in_order", efa::eagain_storm),
         (
             "eagain_storm_10000_messages_in_order_spinning",
@@ -487,6 +560,10 @@ fn main() {
         (
             "peer_death_with_direct_posts_pending",
             efa::peer_death_with_direct_posts_pending,
+        ),
+        (
+            "direct_regions_release_registrations",
+            efa::direct_regions_release_registrations,
         ),
         (
             "spin_stops_after_its_window",

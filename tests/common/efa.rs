@@ -31,6 +31,15 @@ pub struct Side {
     pub direct: bool,
 }
 
+/// Tags of an [`exchange`]: one per message (what pipes do), or the same for all, so that the
+/// provider matches sends to receives in the order they reach it, and any reordering of a
+/// pipe's posts (the backlog's order rule broken) puts a message into another's buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tags {
+    PerMessage,
+    Same,
+}
+
 impl Side {
     /// Posts `ops` for this side's pipe, directly or through the actor.
     pub fn post(&self, ops: Vec<Op>) {
@@ -127,14 +136,26 @@ fn bytes(i: u64, len: usize) -> Vec<u8> {
 
 /// `count` messages of random shape from `tx` to `rx`, at most `window` in flight: every
 /// one arrives intact, and ends come in post order on both sides.
-pub async fn exchange(mut tx: Side, mut rx: Side, count: u64, window: u64) -> (Side, Side) {
+pub async fn exchange(tx: Side, rx: Side, count: u64, window: u64) -> (Side, Side) {
+    exchange_tagged(tx, rx, count, window, Tags::PerMessage).await
+}
+
+/// [`exchange`] with the tags of `tags`.
+pub async fn exchange_tagged(
+    mut tx: Side,
+    mut rx: Side,
+    count: u64,
+    window: u64,
+    tags: Tags,
+) -> (Side, Side) {
     let deadline = Instant::now() + Duration::from_secs(180);
     let (mut posted, mut received, mut sent) = (0u64, 0u64, 0u64);
     while received < count {
         assert!(Instant::now() < deadline, "stuck at {received}/{count}");
         while posted < count && posted < received + window {
             let len = size_of(posted);
-            let t = tag::make(Stream::Raw, rx.pipe, posted as u32);
+            let seq = if tags == Tags::Same { 0 } else { posted as u32 };
+            let t = tag::make(Stream::Raw, rx.pipe, seq);
             rx.post(vec![Op {
                 kind: Kind::Recv,
                 tag: t,
@@ -161,6 +182,9 @@ pub async fn exchange(mut tx: Side, mut rx: Side, count: u64, window: u64) -> (S
                 assert_eq!(f.id, sent, "sends end in order");
                 assert!(f.result.is_ok(), "{:?}", f.result);
                 sent += 1;
+            }
+            () = tokio::time::sleep(Duration::from_secs(60)) => {
+                panic!("no end for 60 s at {received}/{count}: progress stalled");
             }
         }
     }
