@@ -1,8 +1,8 @@
 //! The `FabricEndpoint` actor: one libfabric endpoint (with its completion queue and address
 //! vector) per (context, fabric domain), shared by every pipe on that NIC.
 //!
-//! It owns an [`Engine`] (the backlog, ordering and fault injection live there) and decides
-//! when to progress it:
+//! It owns an [`Engine`] (the backlog, ordering and fault injection live there), shared with
+//! the pipes' [`Poster`]s behind one lock, and decides when to progress it:
 //!
 //! - **Wait fd** (providers whose CQ has one: `tcp;ofi_rxm`): after each pass the actor asks
 //!   `fi_trywait` and then sleeps on the fd through tokio; idle, it costs nothing.
@@ -26,8 +26,10 @@
 //!   tasks those ends woke run first; a spin whose window closes during them reads the CQ
 //!   once more before it waits.
 //!
-//! Operations arrive as [`FabricPost`] (one mailbox hop); their ends go to the pipe's
-//! unbounded queue, given at [`FabricAttach`], in the pipe's post order (no hop back).
+//! Operations come from a pipe's [`Poster`] (`poster.rs`: straight into the engine, under
+//! the lock the actor's progress takes too, no mailbox hop) or as [`FabricPost`]; their ends
+//! go to the pipe's unbounded queue, given at [`FabricAttach`], in the pipe's post order (no
+//! hop back). The actor alone reads the CQ.
 
 mod metrics;
 mod poster;
