@@ -1,7 +1,7 @@
 #!/bin/bash
 # A/B of branch efa-direct (new: stream halves and the efa channel post straight into the
 # endpoint's engine) against main at f917ed7 (old): `actorpipe bench efa`, both in spin mode,
-# old and new alternating, output on stdout. About 3 minutes on the 2-core VM.
+# old and new alternating, output on stdout. About 1 minute on the 2-core VM.
 # Run: bash scripts/ab-efa-direct.sh DIR, DIR holding the two binaries `old` and `new` (needs
 # libfabric.so.1 with the tcp and shm providers).
 cd "${1:?usage: ab-efa-direct.sh DIR (holding old and new actorpipe binaries)}"
