@@ -6,164 +6,41 @@
 use libtest_mimic::{Arguments, Trial};
 
 #[cfg(feature = "efa")]
-mod efa {
-    use std::time::{Duration, Instant};
+#[path = "common/efa.rs"]
+mod support;
 
-    use actix::Addr;
+#[cfg(feature = "efa")]
+mod efa {
+    use std::time::Duration;
+
     use actorpipe::actors::fabric::{
-        EndpointConfig, FabricAttach, FabricDescribe, FabricEndpoint, FabricFaults, FabricPost,
-        FabricStats,
+        EndpointConfig, FabricDetach, FabricFaults, FabricPost, FabricStats, RegionOp,
     };
-    use actorpipe::fabric::engine::{Finished, Kind, Op};
+    use actorpipe::fabric::engine::{Kind, Op, Region};
     use actorpipe::fabric::faults::Faults;
     use actorpipe::fabric::tag::{self, Stream};
-    use tokio::sync::mpsc;
 
-    pub const PROVIDERS: [&str; 2] = ["tcp;ofi_rxm", "shm"];
-
-    /// Why a provider cannot be tested here, if it cannot.
-    pub fn missing(provider: &str) -> Option<String> {
-        actorpipe::fabric::InfoList::get(Some(provider))
-            .err()
-            .map(|e| format!("skipped: libfabric has no {provider} provider here ({e})"))
-    }
-
-    pub struct Side {
-        pub ep: Addr<FabricEndpoint>,
-        pub pipe: u32,
-        pub done: mpsc::UnboundedReceiver<Finished>,
-    }
-
-    /// Spin mode, as the trials that repeat a case with it use it.
-    pub const SPIN: Duration = Duration::from_micros(50);
-
-    /// The default configuration with `faults`, in spin mode if `spin`.
-    pub fn config(faults: Faults, spin: bool) -> EndpointConfig {
-        EndpointConfig {
-            faults,
-            busy_poll: if spin { SPIN } else { Duration::ZERO },
-            ..EndpointConfig::default()
-        }
-    }
-
-    pub async fn endpoints(
-        provider: &str,
-        config: EndpointConfig,
-    ) -> (Addr<FabricEndpoint>, Addr<FabricEndpoint>) {
-        let a = FabricEndpoint::open(provider, None, config).expect("endpoint a");
-        let b = FabricEndpoint::open(provider, None, config).expect("endpoint b");
-        (a, b)
-    }
-
-    /// A pipe between endpoints `a` and `b`: each side's number, queues.
-    pub async fn pipe(a: &Addr<FabricEndpoint>, b: &Addr<FabricEndpoint>) -> (Side, Side) {
-        let na = a.send(FabricDescribe).await.unwrap().name;
-        let nb = b.send(FabricDescribe).await.unwrap().name;
-        let (sa, da) = mpsc::unbounded_channel();
-        let (sb, db) = mpsc::unbounded_channel();
-        let pa = a
-            .send(FabricAttach { peer: nb, sink: sa })
-            .await
-            .unwrap()
-            .unwrap();
-        let pb = b
-            .send(FabricAttach { peer: na, sink: sb })
-            .await
-            .unwrap()
-            .unwrap();
-        (
-            Side {
-                ep: a.clone(),
-                pipe: pa,
-                done: da,
-            },
-            Side {
-                ep: b.clone(),
-                pipe: pb,
-                done: db,
-            },
-        )
-    }
-
-    fn size_of(i: u64) -> usize {
-        let h = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
-        match i % 8 {
-            0 => 0,
-            1..=3 => (h % 64) as usize + 1,
-            4 | 5 => (h % 8192) as usize,
-            6 => (h % (128 << 10)) as usize,
-            _ => (h % (1 << 20)) as usize,
-        }
-    }
-
-    fn bytes(i: u64, len: usize) -> Vec<u8> {
-        (0..len)
-            .map(|k| (i as usize ^ k.wrapping_mul(13)) as u8)
-            .collect()
-    }
-
-    /// `count` messages of random shape from `tx` to `rx`, at most `window` in flight: every
-    /// one arrives intact, and ends come in post order on both sides.
-    pub async fn exchange(mut tx: Side, mut rx: Side, count: u64, window: u64) -> (Side, Side) {
-        let deadline = Instant::now() + Duration::from_secs(180);
-        let (mut posted, mut received, mut sent) = (0u64, 0u64, 0u64);
-        while received < count {
-            assert!(Instant::now() < deadline, "stuck at {received}/{count}");
-            while posted < count && posted < received + window {
-                let len = size_of(posted);
-                let t = tag::make(Stream::Raw, rx.pipe, posted as u32);
-                rx.ep.do_send(FabricPost {
-                    pipe: rx.pipe,
-                    ops: vec![Op {
-                        kind: Kind::Recv,
-                        tag: t,
-                        mem: vec![0; len],
-                        id: posted,
-                    }],
-                });
-                tx.ep.do_send(FabricPost {
-                    pipe: tx.pipe,
-                    ops: vec![Op {
-                        kind: Kind::Send,
-                        tag: t,
-                        mem: bytes(posted, len),
-                        id: posted,
-                    }],
-                });
-                posted += 1;
-            }
-            tokio::select! {
-                Some(f) = rx.done.recv() => {
-                    assert_eq!(f.id, received, "receives end in order");
-                    let len = size_of(f.id);
-                    assert_eq!(f.result.as_ref().ok(), Some(&len), "{:?}", f.result);
-                    assert!(f.mem == bytes(f.id, len), "message {} intact", f.id);
-                    received += 1;
-                }
-                Some(f) = tx.done.recv() => {
-                    assert_eq!(f.id, sent, "sends end in order");
-                    assert!(f.result.is_ok(), "{:?}", f.result);
-                    sent += 1;
-                }
-            }
-        }
-        while sent < count {
-            let f = tx.done.recv().await.expect("send ends");
-            assert_eq!((f.id, f.result.is_ok()), (sent, true));
-            sent += 1;
-        }
-        (tx, rx)
-    }
+    pub use super::support::*;
 
     pub fn eagain_storm(provider: &str) {
-        eagain_storm_with(provider, false);
+        eagain_storm_with(provider, false, false);
     }
 
     pub fn eagain_storm_spinning(provider: &str) {
-        eagain_storm_with(provider, true);
+        eagain_storm_with(provider, true, false);
     }
 
-    fn eagain_storm_with(provider: &str, spin: bool) {
+    pub fn eagain_storm_direct(provider: &str) {
+        eagain_storm_with(provider, false, true);
+    }
+
+    pub fn eagain_storm_direct_spinning(provider: &str) {
+        eagain_storm_with(provider, true, true);
+    }
+
+    /// Either side posting directly or through the actor: a pipe's ops reach the provider in
+    /// its order even though nine posts in ten are refused (backlogged, retried by the actor).
+    fn eagain_storm_with(provider: &str, spin: bool, direct: bool) {
         actix::System::new().block_on(async {
             let faults = Faults {
                 eagain: 0.9,
@@ -171,8 +48,11 @@ mod efa {
                 seed: 11,
             };
             let (a, b) = endpoints(provider, config(faults, spin)).await;
-            let (tx, rx) = pipe(&a, &b).await;
-            exchange(tx, rx, 10_000, 256).await;
+            let (mut tx, mut rx) = pipe(&a, &b).await;
+            (tx.direct, rx.direct) = (direct, direct);
+            // Direct: one tag for every message, so that a post reordered by the backlog shows.
+            let tags = if direct { Tags::Same } else { Tags::PerMessage };
+            exchange_tagged(tx, rx, 10_000, 256, tags).await;
             for ep in [&a, &b] {
                 let s = ep.send(FabricStats).await.unwrap();
                 assert!(s.eagain > 9 * 10_000 / 2, "{s:?}");
@@ -195,6 +75,168 @@ mod efa {
             let s = a.send(FabricStats).await.unwrap();
             assert_eq!(s.pipes, 16);
             assert_eq!(s.posted, 16 * 300, "{s:?}");
+        });
+    }
+
+    /// Eight pipes on one pair of endpoints, each exchanged from an OS thread of its own that
+    /// posts directly (only the engine's lock orders those posts against each other and against
+    /// the actors' progress on this thread), three posts in ten refused: every pipe's messages
+    /// arrive intact and in order, and nothing is left backlogged or in flight.
+    pub fn many_pipes_post_directly_from_threads(provider: &str) {
+        actix::System::new().block_on(async {
+            let faults = Faults {
+                eagain: 0.3,
+                cq_error: 0.0,
+                seed: 5,
+            };
+            let (a, b) = endpoints(provider, config(faults, false)).await;
+            let mut threads = Vec::new();
+            for _ in 0..8 {
+                let (tx, rx) = pipe(&a, &b).await;
+                let (tx, rx) = (tx.direct(), rx.direct());
+                threads.push(std::thread::spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("a runtime");
+                    rt.block_on(exchange(tx, rx, 300, 16));
+                }));
+            }
+            // The actors run on this thread: wait for the others without blocking it.
+            while !threads.iter().all(|t| t.is_finished()) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            for t in threads {
+                t.join().expect("a pipe's thread");
+            }
+            for ep in [&a, &b] {
+                let s = ep.send(FabricStats).await.unwrap();
+                assert_eq!(s.posted, 8 * 300, "{s:?}");
+                assert!(s.eagain > 0, "{s:?}");
+                assert_eq!((s.errors, s.backlog, s.in_flight), (0, 0, 0), "{s:?}");
+            }
+        });
+    }
+
+    /// In-place ops (the `efa` channel's) posted directly with registration forced (the path
+    /// of `FI_MR_LOCAL` providers), half the posts refused: every registration is released
+    /// once its ops are back, after an exchange and after the pipe failed with receives still
+    /// pending.
+    pub fn direct_regions_release_registrations(provider: &str) {
+        actix::System::new().block_on(async {
+            let faults = Faults {
+                eagain: 0.5,
+                cq_error: 0.0,
+                seed: 9,
+            };
+            let config = EndpointConfig {
+                register_all: true,
+                ..config(faults, false)
+            };
+            let (a, b) = endpoints(provider, config).await;
+            let (mut tx, mut rx) = pipe(&a, &b).await;
+            let src: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();
+            let mut dst = vec![0u8; 8192];
+            let to = rx.pipe;
+            let ops = |kind, base: usize, first: u32| -> Vec<RegionOp> {
+                (0..4u32)
+                    .map(|i| RegionOp {
+                        kind,
+                        tag: tag::make(Stream::Raw, to, first + i),
+                        region: Region {
+                            base,
+                            buffer_len: 8192,
+                            offset: i as usize * 2048,
+                            len: 2048,
+                        },
+                        id: i as u64,
+                    })
+                    .collect()
+            };
+            let (from, into) = (src.as_ptr() as usize, dst.as_mut_ptr() as usize);
+            // SAFETY: `src` and `dst` stay allocated and untouched until every op's end has
+            // been read below.
+            unsafe {
+                rx.poster.post_regions(rx.pipe, &ops(Kind::Recv, into, 0));
+                tx.poster.post_regions(tx.pipe, &ops(Kind::Send, from, 0));
+            }
+            for side in [&mut rx, &mut tx] {
+                for i in 0..4 {
+                    let f = side.done.recv().await.expect("ends");
+                    assert_eq!((f.id, f.result.map(|_| ())), (i, Ok(())));
+                }
+            }
+            assert!(dst == src, "the bytes arrived in place");
+            for ep in [&a, &b] {
+                let s = ep.send(FabricStats).await.unwrap();
+                assert!(s.registrations > 0, "{s:?}");
+                assert_eq!(s.registered, 0, "every registration released: {s:?}");
+            }
+            // SAFETY: as above.
+            unsafe { rx.poster.post_regions(rx.pipe, &ops(Kind::Recv, into, 4)) };
+            b.do_send(FabricDetach {
+                pipe: rx.pipe,
+                reason: "the peer died".into(),
+            });
+            for i in 0..4 {
+                let f = rx.done.recv().await.expect("ends");
+                assert_eq!((f.id, f.result.is_err()), (i, true));
+            }
+            let s = b.send(FabricStats).await.unwrap();
+            assert_eq!(s.registered, 0, "released after the failure too: {s:?}");
+            drop(dst);
+        });
+    }
+
+    /// A pipe whose peer dies (what the transport's watcher does then: detach it) with 64
+    /// receives posted directly, some of them backlogged: each ends with the error, in post
+    /// order; a post after that never reaches the provider; and the endpoint carries on for a
+    /// new pipe that posts directly too.
+    pub fn peer_death_with_direct_posts_pending(provider: &str) {
+        actix::System::new().block_on(async {
+            let faults = Faults {
+                eagain: 0.5,
+                cq_error: 0.0,
+                seed: 3,
+            };
+            let (a, b) = endpoints(provider, config(faults, false)).await;
+            let (victim, _peer) = pipe(&a, &b).await;
+            let mut victim = victim.direct();
+            let recv = |i: u64| Op {
+                kind: Kind::Recv,
+                tag: tag::make(Stream::Raw, victim.pipe, i as u32),
+                mem: vec![0; 64],
+                id: i,
+            };
+            victim.post((0..64).map(recv).collect());
+            let s = a.send(FabricStats).await.unwrap();
+            assert_eq!(s.in_flight + s.backlog, 64, "{s:?}");
+            assert!(s.backlog_max > 0, "some were backlogged: {s:?}");
+            a.do_send(FabricDetach {
+                pipe: victim.pipe,
+                reason: "the peer died".into(),
+            });
+            // Posted before the actor reads the detach: pending like the others.
+            victim.post(vec![recv(64)]);
+            for i in 0..65 {
+                let f = tokio::time::timeout(Duration::from_secs(10), victim.done.recv())
+                    .await
+                    .expect("ends in time")
+                    .expect("ends");
+                assert_eq!(f.id, i, "ends in post order");
+                let e = f.result.expect_err("fails");
+                assert!(e.to_string().contains("the peer died"), "{e}");
+            }
+            // Every op back: the pipe is forgotten and its queue closed; a late post goes
+            // nowhere.
+            victim.post(vec![recv(65)]);
+            let late = tokio::time::timeout(Duration::from_secs(10), victim.done.recv()).await;
+            assert!(matches!(late, Ok(None)), "{late:?}");
+            let (tx, rx) = pipe(&a, &b).await;
+            exchange(tx.direct(), rx.direct(), 200, 16).await;
+            let s = a.send(FabricStats).await.unwrap();
+            assert_eq!((s.backlog, s.in_flight), (0, 0), "{s:?}");
+            assert_eq!(s.posted, s.completions, "every posted op came back: {s:?}");
         });
     }
 
@@ -497,11 +539,31 @@ fn main() {
     let mut trials = Vec::new();
     type Case = fn(&str);
     #[cfg(feature = "efa")]
-    let cases: [(&str, Case); 5] = [
+    let cases: [(&str, Case); 10] = [
         ("eagain_storm_10000_messages_in_order", efa::eagain_storm),
         (
             "eagain_storm_10000_messages_in_order_spinning",
             efa::eagain_storm_spinning,
+        ),
+        (
+            "eagain_storm_10000_messages_in_order_direct",
+            efa::eagain_storm_direct,
+        ),
+        (
+            "eagain_storm_10000_messages_in_order_direct_spinning",
+            efa::eagain_storm_direct_spinning,
+        ),
+        (
+            "many_pipes_post_directly_from_threads",
+            efa::many_pipes_post_directly_from_threads,
+        ),
+        (
+            "peer_death_with_direct_posts_pending",
+            efa::peer_death_with_direct_posts_pending,
+        ),
+        (
+            "direct_regions_release_registrations",
+            efa::direct_regions_release_registrations,
         ),
         (
             "spin_stops_after_its_window",

@@ -28,7 +28,7 @@ use std::task::Poll;
 use super::*;
 use crate::actors::fabric::{
     fabric_error, EndpointInfo, FabricAttach, FabricDescribe, FabricDetach, FabricEndpoint,
-    FabricPostRegions, FabricQuarantine, RegionOp,
+    FabricQuarantine, FabricShare, Poster, RegionOp,
 };
 use crate::channel::efa::{pair_domains, ChannelPort};
 use crate::fabric::engine::{Finished, Kind, Region};
@@ -66,6 +66,8 @@ enum Step {
 /// pipe on it.
 struct Link {
     ep: Addr<FabricEndpoint>,
+    /// Posts straight into the endpoint's engine (from the attach on).
+    poster: Option<Poster>,
     /// The peer endpoint's address (until attached).
     peer: Vec<u8>,
     pipe: Option<u32>,
@@ -348,6 +350,7 @@ impl Channel {
             .into_iter()
             .map(|(i, j)| Link {
                 ep: f.eps[i].clone(),
+                poster: None,
                 peer: theirs[j].1.clone(),
                 pipe: None,
                 peer_pipe: 0,
@@ -364,14 +367,24 @@ impl Channel {
             let (sink, rx) = mpsc::unbounded_channel();
             ctx.add_stream(LinkEnds { link: k, rx });
             let l = &mut f.links[k];
-            let ask = l.ep.send(FabricAttach {
+            let attach = l.ep.send(FabricAttach {
                 peer: std::mem::take(&mut l.peer),
                 sink,
             });
+            let share = l.ep.send(FabricShare);
+            let ask = async move {
+                let pipe = attach.await?;
+                let poster = share.await?;
+                Ok::<_, MailboxError>(pipe.map(|p| (p, poster)))
+            };
             ctx.spawn(wrap_future::<_, Self>(ask).map(move |r, act, ctx| {
                 act.fabric().attaching -= 1;
                 match r {
-                    Ok(Ok(pipe)) => act.fabric().links[k].pipe = Some(pipe),
+                    Ok(Ok((pipe, poster))) => {
+                        let l = &mut act.fabric().links[k];
+                        l.pipe = Some(pipe);
+                        l.poster = Some(poster);
+                    }
                     Ok(Err(e)) => act.efa_fail(e, ctx),
                     Err(_) => act.efa_fail(gone(&act.origin), ctx),
                 }
@@ -441,8 +454,10 @@ impl Channel {
         // Shared bytes come only with `sending`: they are sent from, never received into.
         let base = buffer.base_ptr() as usize;
         let f = self.fabric.as_mut().expect("efa state");
-        let ready =
-            !f.links.is_empty() && f.links.iter().all(|l| l.pipe.is_some() && l.ep.connected());
+        let ready = !f.links.is_empty()
+            && f.links
+                .iter()
+                .all(|l| l.pipe.is_some() && l.poster.is_some() && l.ep.connected());
         if !ready {
             let e = f.failed.clone().unwrap_or_else(|| gone(&self.origin));
             return self.hand_back(sending, seq, index, buffer, Err(e));
@@ -479,13 +494,13 @@ impl Channel {
             }
         }
         let out = posts.iter().map(Vec::len).sum();
-        let targets: Vec<(Addr<FabricEndpoint>, u32)> = f
-            .links
-            .iter()
-            .map(|l| (l.ep.clone(), l.pipe.unwrap_or_default()))
-            .collect();
+        // The buffer moves into `held`; its heap memory, which the regions name, does not.
         self.hold(key, buffer, out);
-        for ((ep, pipe), ops) in targets.into_iter().zip(posts) {
+        let f = self.fabric();
+        for (l, ops) in f.links.iter().zip(posts) {
+            let (Some(poster), Some(pipe)) = (&l.poster, l.pipe) else {
+                continue; // not reached: `ready` above checked every link's pipe
+            };
             if !ops.is_empty() {
                 // SAFETY: every region lies inside the tensor's buffer (the stripes and their
                 // chunks are disjoint ranges of it), whose heap memory stays in `self.held`,
@@ -493,7 +508,7 @@ impl Channel {
                 // `release` waits for zero; a failing channel hands back a stand-in and leaves
                 // the buffer with the endpoints; a channel torn down with ops out forgets the
                 // buffer rather than free it).
-                ep.do_send(unsafe { FabricPostRegions::new(pipe, ops) });
+                unsafe { poster.post_regions(pipe, &ops) };
             }
         }
         self.maybe_stop(ctx);

@@ -1,8 +1,8 @@
 //! The `FabricEndpoint` actor: one libfabric endpoint (with its completion queue and address
 //! vector) per (context, fabric domain), shared by every pipe on that NIC.
 //!
-//! It owns an [`Engine`] (the backlog, ordering and fault injection live there) and decides
-//! when to progress it:
+//! It owns an [`Engine`] (the backlog, ordering and fault injection live there), shared with
+//! the pipes' [`Poster`]s behind one lock, and decides when to progress it:
 //!
 //! - **Wait fd** (providers whose CQ has one: `tcp;ofi_rxm`): after each pass the actor asks
 //!   `fi_trywait` and then sleeps on the fd through tokio; idle, it costs nothing.
@@ -26,12 +26,13 @@
 //!   tasks those ends woke run first; a spin whose window closes during them reads the CQ
 //!   once more before it waits.
 //!
-//! Operations arrive as [`FabricPost`] (one mailbox hop); their ends go to the pipe's
-//! unbounded queue, given at [`FabricAttach`], in the pipe's post order (no hop back).
-
-use std::collections::HashMap;
+//! Operations come from a pipe's [`Poster`] (`poster.rs`: straight into the engine, under
+//! the lock the actor's progress takes too, no mailbox hop) or as [`FabricPost`]; their ends
+//! go to the pipe's unbounded queue, given at [`FabricAttach`], in the pipe's post order (no
+//! hop back). The actor alone reads the CQ.
 
 mod metrics;
+mod poster;
 mod spin;
 pub mod stream;
 pub mod transport;
@@ -50,6 +51,8 @@ use crate::fabric::engine::{Engine, Finished, Kind, Op, Region, Stats};
 use crate::fabric::faults::Faults;
 use crate::fabric::{Attributes, Domain, Endpoint, FabricError, InfoList};
 use crate::transport::stream::Memory;
+use poster::{deliver, lock, Core};
+pub use poster::{FabricKick, Poster};
 use spin::Spinner;
 
 /// How a [`FabricEndpoint`] progresses its completion queue.
@@ -102,6 +105,15 @@ impl Default for EndpointConfig {
 /// How often an endpoint checks whether anyone still uses it.
 const ORPHAN_CHECK: Duration = Duration::from_secs(2);
 
+/// The next progress [`FabricEndpoint::schedule`] arms.
+enum Plan {
+    Spin,
+    Defer(Duration),
+    Wait,
+    Poll(Duration),
+    Nothing,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Driver {
     Idle,
@@ -115,12 +127,9 @@ enum Driver {
 pub struct FabricEndpoint {
     // Our own duplicate of the CQ's wait fd: it stays valid whenever libfabric closes its own.
     wait: Option<Rc<AsyncFd<OwnedFd>>>,
-    engine: Engine,
-    // After `engine` (dropped after the endpoint closes): buffers of detached pipes that the
-    // provider may still touch, kept until the engine has forgotten their pipe.
-    quarantine: HashMap<u32, Vec<Arc<Mutex<Vec<Memory>>>>>,
+    // The engine, the pipes' queues and the quarantine, shared with the pipes' [`Poster`]s.
+    core: Arc<Mutex<Core>>,
     config: EndpointConfig,
-    sinks: HashMap<u32, mpsc::UnboundedSender<Finished>>,
     driver: Driver,
     handle: Option<SpawnHandle>,
     last_activity: Instant,
@@ -200,10 +209,8 @@ impl FabricEndpoint {
         engine.set_register_all(config.register_all);
         Ok(FabricEndpoint {
             wait,
-            engine,
-            quarantine: HashMap::new(),
+            core: Arc::new(Mutex::new(Core::new(engine))),
             config,
-            sinks: HashMap::new(),
             driver: Driver::Idle,
             handle: None,
             last_activity: Instant::now(),
@@ -215,36 +222,29 @@ impl FabricEndpoint {
         .start())
     }
 
-    /// Drops the queues of pipes the engine has forgotten (detached, nothing left in flight).
-    fn forget(&mut self) {
-        if self.engine.stats().pipes < self.sinks.len() {
-            let engine = &self.engine;
-            self.sinks.retain(|p, _| engine.attached(*p));
-        }
-        if !self.quarantine.is_empty() {
-            let engine = &self.engine;
-            self.quarantine.retain(|p, _| engine.attached(*p));
-        }
+    /// The shared core, locked.
+    fn core(&self) -> std::sync::MutexGuard<'_, Core> {
+        lock(&self.core)
     }
 
     /// Stops the actor once nobody holds its address and every pipe is detached: the
-    /// endpoint, its CQ and AV close with it. Ops of detached pipes that the provider still
-    /// holds (a send to a dead peer that `fi_cancel` cannot take back) wait for the next orphan
-    /// check (`late`): closing the endpoint is what frees them, and only then are their buffers
-    /// dropped (the engine closes the endpoint first).
+    /// endpoint, its CQ and AV close with it (once the pipes' [`Poster`]s are gone too). Ops of
+    /// detached pipes that the provider still holds (a send to a dead peer that `fi_cancel`
+    /// cannot take back) wait for the next orphan check (`late`): closing the endpoint is what
+    /// frees them, and only then are their buffers dropped (the engine closes the endpoint
+    /// first).
     fn maybe_stop(&mut self, ctx: &mut Context<Self>, late: bool) {
-        if ctx.connected() || self.engine.live_pipes() > 0 {
+        if ctx.connected() {
             return;
         }
-        if self.engine.stats().pipes == 0 || late {
-            ctx.stop();
+        let c = self.core();
+        if c.engine.live_pipes() > 0 {
+            return;
         }
-    }
-
-    fn deliver(&mut self, f: Finished) {
-        if let Some(s) = self.sinks.get(&f.pipe) {
-            // A pipe that dropped its queue no longer wants its buffers back.
-            let _ = s.send(f);
+        let idle = c.engine.stats().pipes == 0;
+        drop(c);
+        if idle || late {
+            ctx.stop();
         }
     }
 
@@ -256,49 +256,59 @@ impl FabricEndpoint {
     }
 
     /// Reads the CQ once (and retries the backlog) and hands out what ended; says whether
-    /// anything did.
+    /// anything did. Direct posts since the last look count as activity.
     fn pass(&mut self) -> bool {
         self.polls += 1;
-        let sinks = &self.sinks;
         let mut any = false;
+        let mut c = lock(&self.core);
+        let Core { engine, sinks, .. } = &mut *c;
         // Ends go straight to their pipes' queues: no buffer of our own in between.
-        let r = self.engine.progress(&mut |f| {
+        let r = engine.progress(&mut |f| {
             any = true;
-            if let Some(s) = sinks.get(&f.pipe) {
-                // A pipe that dropped its queue no longer wants its buffers back.
-                let _ = s.send(f);
-            }
+            deliver(sinks, f);
         });
+        let posted = std::mem::take(&mut c.posted);
+        if any {
+            c.forget();
+        }
+        self.metrics.publish(c.engine.stats());
+        drop(c);
         match r {
             Ok(n) if n > 0 => self.activity(),
+            Ok(_) if posted => self.activity(),
             Ok(_) => {}
             Err(e) => tracing::warn!("{e}: every pipe on this endpoint failed"),
         }
-        if any {
-            self.forget();
-        }
-        self.publish();
         any
     }
 
     /// How long after the last completion or post the actor keeps reading the CQ on every turn
     /// of its thread: `busy_poll` where it could sleep on the wait fd; where it polls anyway (no
     /// wait fd, or ops backlogged), at least `spin`.
-    fn spin_window(&self) -> Duration {
-        if self.wait.is_some() && !self.engine.backlogged() {
+    fn spin_window(&self, backlogged: bool) -> Duration {
+        if self.wait.is_some() && !backlogged {
             self.config.busy_poll
         } else {
             self.config.busy_poll.max(self.config.spin)
         }
     }
 
-    /// Whether a spin is due: ops in flight, and the last activity within the spin window.
-    fn spin_due(&self) -> bool {
-        self.spin_due_at(Instant::now())
+    /// Whether ops are posted or backlogged.
+    fn busy(&self) -> bool {
+        self.core().engine.busy()
     }
 
+    /// Whether a spin is due at `now`: ops in flight, and the last activity within the spin
+    /// window.
     fn spin_due_at(&self, now: Instant) -> bool {
-        self.engine.busy() && now.saturating_duration_since(self.last_activity) < self.spin_window()
+        let c = self.core();
+        self.due(&c.engine, now)
+    }
+
+    fn due(&self, engine: &Engine, now: Instant) -> bool {
+        engine.busy()
+            && now.saturating_duration_since(self.last_activity)
+                < self.spin_window(engine.backlogged())
     }
 
     fn activity(&mut self) {
@@ -313,67 +323,91 @@ impl FabricEndpoint {
         self.driver = Driver::Idle;
     }
 
+    /// What to arm next, decided under the lock: whether the actor spins is published to the
+    /// posters (`Core::spinning`) in the same critical section that takes their `posted`, so
+    /// a direct post either extends a spin that goes on or kicks a wait.
+    fn plan(&mut self) -> Plan {
+        let mut c = lock(&self.core);
+        if std::mem::take(&mut c.posted) {
+            self.last_activity = Instant::now();
+            self.sleep = Duration::from_millis(1);
+        }
+        let spin = self.due(&c.engine, Instant::now());
+        c.spinning = spin;
+        if spin {
+            return Plan::Spin;
+        }
+        let fd_mode = self.wait.is_some() && !c.engine.backlogged();
+        let quiet = self.last_activity.elapsed();
+        if fd_mode && !c.engine.busy() && quiet < self.config.busy_poll {
+            return Plan::Defer(self.config.busy_poll - quiet);
+        }
+        if fd_mode {
+            return match c.engine.endpoint().trywait() {
+                true => Plan::Wait,
+                // Completions (or provider work) are pending: go round once more.
+                false => Plan::Poll(Duration::ZERO),
+            };
+        }
+        if !c.engine.busy() {
+            return Plan::Nothing;
+        }
+        // Past the spin window (a spin was due otherwise): sleep between polls.
+        let delay = self.sleep;
+        self.sleep = (self.sleep * 2).min(self.config.max_sleep.max(Duration::from_millis(1)));
+        Plan::Poll(delay)
+    }
+
     /// Arms the next progress: a spin, the wait fd, a poll, or nothing.
     fn schedule(&mut self, ctx: &mut Context<Self>) {
-        if self.spin_due() {
-            if self.driver != Driver::Spinning {
-                self.cancel(ctx);
-                self.driver = Driver::Spinning;
-                self.handle = Some(ctx.spawn(Spinner::new()));
+        match self.plan() {
+            Plan::Spin => {
+                if self.driver != Driver::Spinning {
+                    self.cancel(ctx);
+                    self.driver = Driver::Spinning;
+                    self.handle = Some(ctx.spawn(Spinner::new()));
+                }
             }
-            return;
-        }
-        let fd_mode = self.wait.is_some() && !self.engine.backlogged();
-        let quiet = self.last_activity.elapsed();
-        if fd_mode && !self.engine.busy() && quiet < self.config.busy_poll {
-            // Spin mode, nothing in flight, within the window: a ping-pong's next post comes
-            // soon and reads the CQ itself. Sleeping on the fd would first take `fi_trywait`,
-            // which makes the provider signal its wait fd again for the next completions.
-            // Only the window's end is armed: then the fd, as usual.
-            if self.driver != Driver::Deferred {
+            Plan::Defer(rest) => {
+                // Spin mode, nothing in flight, within the window: a ping-pong's next post
+                // comes soon and reads the CQ itself. Sleeping on the fd would first take
+                // `fi_trywait`, which makes the provider signal its wait fd again for the next
+                // completions. Only the window's end is armed: then the fd, as usual.
+                if self.driver != Driver::Deferred {
+                    self.cancel(ctx);
+                    self.driver = Driver::Deferred;
+                    let fut = tokio::time::sleep(rest);
+                    self.handle =
+                        Some(ctx.spawn(wrap_future(fut).map(|(), act: &mut Self, ctx| {
+                            act.driver = Driver::Idle;
+                            act.handle = None;
+                            act.tick(ctx);
+                        })));
+                }
+            }
+            Plan::Wait => {
+                if self.driver == Driver::Waiting {
+                    return;
+                }
                 self.cancel(ctx);
-                self.driver = Driver::Deferred;
-                let fut = tokio::time::sleep(self.config.busy_poll - quiet);
+                let Some(afd) = self.wait.clone() else {
+                    return;
+                };
+                let fut = async move {
+                    if let Ok(mut guard) = afd.readable().await {
+                        guard.clear_ready();
+                    }
+                };
+                self.driver = Driver::Waiting;
                 self.handle = Some(ctx.spawn(wrap_future(fut).map(|(), act: &mut Self, ctx| {
                     act.driver = Driver::Idle;
                     act.handle = None;
                     act.tick(ctx);
                 })));
             }
-            return;
+            Plan::Poll(delay) => self.poll_soon(ctx, delay),
+            Plan::Nothing => self.cancel(ctx),
         }
-        if fd_mode {
-            if !self.engine.endpoint().trywait() {
-                // Completions (or provider work) are pending: go round once more.
-                return self.poll_soon(ctx, Duration::ZERO);
-            }
-            if self.driver == Driver::Waiting {
-                return;
-            }
-            self.cancel(ctx);
-            let Some(afd) = self.wait.clone() else {
-                return;
-            };
-            let fut = async move {
-                if let Ok(mut guard) = afd.readable().await {
-                    guard.clear_ready();
-                }
-            };
-            self.driver = Driver::Waiting;
-            self.handle = Some(ctx.spawn(wrap_future(fut).map(|(), act: &mut Self, ctx| {
-                act.driver = Driver::Idle;
-                act.handle = None;
-                act.tick(ctx);
-            })));
-            return;
-        }
-        if !self.engine.busy() {
-            return self.cancel(ctx);
-        }
-        // Past the spin window (a spin was due otherwise): sleep between polls.
-        let delay = self.sleep;
-        self.sleep = (self.sleep * 2).min(self.config.max_sleep.max(Duration::from_millis(1)));
-        self.poll_soon(ctx, delay);
     }
 
     fn poll_soon(&mut self, ctx: &mut Context<Self>, delay: Duration) {
@@ -395,11 +429,6 @@ impl FabricEndpoint {
             act.tick(ctx);
         })));
     }
-
-    /// Publishes the counters' increments since the last call.
-    fn publish(&mut self) {
-        self.metrics.publish(self.engine.stats());
-    }
 }
 
 impl Actor for FabricEndpoint {
@@ -413,6 +442,13 @@ impl Actor for FabricEndpoint {
 
     fn stopped(&mut self, ctx: &mut Self::Context) {
         self.cancel(ctx);
+        // Nothing progresses the engine any more: posters stop posting, and the pipes' queues
+        // close (their halves see the actor gone). The engine itself closes with the last
+        // reference to the core.
+        let mut c = self.core();
+        c.closed = true;
+        c.spinning = false;
+        c.sinks.clear();
     }
 }
 
@@ -493,6 +529,11 @@ pub struct FabricQuarantine {
     pub buffers: Arc<Mutex<Vec<Memory>>>,
 }
 
+/// Asks for a [`Poster`]: a handle that posts a pipe's ops without a message to the actor.
+#[derive(Message)]
+#[rtype(result = "Poster")]
+pub struct FabricShare;
+
 /// Asks for the endpoint's address and attributes.
 #[derive(Message)]
 #[rtype(result = "EndpointInfo")]
@@ -511,30 +552,48 @@ pub struct FabricFaults(pub Faults);
 impl Handler<FabricAttach> for FabricEndpoint {
     type Result = Result<u32, Error>;
     fn handle(&mut self, m: FabricAttach, _: &mut Context<Self>) -> Self::Result {
-        let pipe = self
+        let mut c = self.core();
+        let pipe = c
             .engine
             .attach(&m.peer)
             .map_err(|e| fabric_error(e, &self.origin))?;
-        self.sinks.insert(pipe, m.sink);
+        c.sinks.insert(pipe, m.sink);
         Ok(pipe)
+    }
+}
+
+impl Handler<FabricShare> for FabricEndpoint {
+    type Result = MessageResult<FabricShare>;
+    fn handle(&mut self, _: FabricShare, ctx: &mut Context<Self>) -> Self::Result {
+        MessageResult(Poster::new(self.core.clone(), ctx.address()))
+    }
+}
+
+impl Handler<FabricKick> for FabricEndpoint {
+    type Result = ();
+    fn handle(&mut self, _: FabricKick, ctx: &mut Context<Self>) {
+        self.core().kicked = false;
+        self.activity();
+        // Manual-progress providers move data only when the CQ is read: read it now.
+        self.tick(ctx);
     }
 }
 
 impl Handler<FabricDetach> for FabricEndpoint {
     type Result = ();
     fn handle(&mut self, m: FabricDetach, ctx: &mut Context<Self>) {
-        let e = FabricError {
-            op: "pipe",
-            provider: self.engine.attributes().provider.clone(),
-            code: crate::fabric::ecanceled(),
-            text: m.reason,
-        };
-        let mut out = Vec::new();
-        self.engine.detach(m.pipe, e, &mut |f| out.push(f));
-        for f in out {
-            self.deliver(f);
+        {
+            let mut c = self.core();
+            let e = FabricError {
+                op: "pipe",
+                provider: c.engine.attributes().provider.clone(),
+                code: crate::fabric::ecanceled(),
+                text: m.reason,
+            };
+            let Core { engine, sinks, .. } = &mut *c;
+            engine.detach(m.pipe, e, &mut |f| deliver(sinks, f));
+            c.forget();
         }
-        self.forget();
         self.schedule(ctx);
         self.maybe_stop(ctx, false);
     }
@@ -543,13 +602,7 @@ impl Handler<FabricDetach> for FabricEndpoint {
 impl Handler<FabricPost> for FabricEndpoint {
     type Result = ();
     fn handle(&mut self, m: FabricPost, ctx: &mut Context<Self>) {
-        let mut out = Vec::new();
-        for op in m.ops {
-            self.engine.post(m.pipe, op, &mut |f| out.push(f));
-        }
-        for f in out {
-            self.deliver(f);
-        }
+        self.core().post(m.pipe, m.ops);
         self.activity();
         // Manual-progress providers move data only when the CQ is read: read it now.
         self.tick(ctx);
@@ -559,19 +612,8 @@ impl Handler<FabricPost> for FabricEndpoint {
 impl Handler<FabricPostRegions> for FabricEndpoint {
     type Result = ();
     fn handle(&mut self, m: FabricPostRegions, ctx: &mut Context<Self>) {
-        let mut out = Vec::new();
-        for op in m.ops {
-            // SAFETY: `FabricPostRegions::new`'s contract is `post_region`'s.
-            unsafe {
-                self.engine
-                    .post_region(m.pipe, op.kind, op.tag, op.region, op.id, &mut |f| {
-                        out.push(f)
-                    })
-            };
-        }
-        for f in out {
-            self.deliver(f);
-        }
+        // SAFETY: `FabricPostRegions::new`'s contract is `post_region`'s.
+        unsafe { self.core().post_regions(m.pipe, &m.ops) };
         self.activity();
         self.tick(ctx);
     }
@@ -580,8 +622,9 @@ impl Handler<FabricPostRegions> for FabricEndpoint {
 impl Handler<FabricQuarantine> for FabricEndpoint {
     type Result = ();
     fn handle(&mut self, m: FabricQuarantine, _: &mut Context<Self>) {
-        if self.engine.attached(m.pipe) {
-            self.quarantine.entry(m.pipe).or_default().push(m.buffers);
+        let mut c = self.core();
+        if c.engine.attached(m.pipe) {
+            c.quarantine.entry(m.pipe).or_default().push(m.buffers);
         }
     }
 }
@@ -589,9 +632,10 @@ impl Handler<FabricQuarantine> for FabricEndpoint {
 impl Handler<FabricDescribe> for FabricEndpoint {
     type Result = MessageResult<FabricDescribe>;
     fn handle(&mut self, _: FabricDescribe, _: &mut Context<Self>) -> Self::Result {
+        let c = self.core();
         MessageResult(EndpointInfo {
-            name: self.engine.endpoint().name().to_vec(),
-            attributes: self.engine.attributes().clone(),
+            name: c.engine.endpoint().name().to_vec(),
+            attributes: c.engine.attributes().clone(),
             wait_fd: self.wait.is_some(),
         })
     }
@@ -602,7 +646,7 @@ impl Handler<FabricStats> for FabricEndpoint {
     fn handle(&mut self, _: FabricStats, _: &mut Context<Self>) -> Self::Result {
         MessageResult(Stats {
             polls: self.polls,
-            ..self.engine.stats()
+            ..self.core().engine.stats()
         })
     }
 }
@@ -610,6 +654,6 @@ impl Handler<FabricStats> for FabricEndpoint {
 impl Handler<FabricFaults> for FabricEndpoint {
     type Result = ();
     fn handle(&mut self, m: FabricFaults, _: &mut Context<Self>) {
-        self.engine.set_faults(m.0);
+        self.core().engine.set_faults(m.0);
     }
 }

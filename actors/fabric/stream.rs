@@ -8,7 +8,9 @@
 //! message is one write's bytes (a vectored write gathers its slices) copied into a pooled
 //! bounce buffer: one copy in, one copy out, as the shm rings cost. The reader reposts each
 //! buffer once its bytes are read, and returns credits in one small message per `WINDOW / 2`
-//! buffers. A zero-length message is the end of the stream (`shutdown`).
+//! buffers. A zero-length message is the end of the stream (`shutdown`). Both halves post
+//! through the endpoint's [`Poster`], straight into its engine from the half's own poll (no
+//! mailbox hop); the actor reads the CQ and hands the ends to the halves' queues.
 //!
 //! The TCP connection that bootstrapped the stream stays open and carries nothing: its end (the
 //! peer closed or died: the kernel closes it either way) fails both halves' pending operations,
@@ -20,11 +22,10 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
 
-use actix::Addr;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc;
 
-use super::{FabricDetach, FabricEndpoint, FabricPost};
+use super::{FabricDetach, Poster};
 use crate::fabric::engine::{Finished, Kind, Op};
 use crate::fabric::tag::{self, Stream as TagStream};
 
@@ -76,7 +77,7 @@ pub struct Wiring {
 
 /// The reading half.
 pub struct FabricRead {
-    ep: Addr<FabricEndpoint>,
+    ep: Poster,
     wiring: Wiring,
     done: mpsc::UnboundedReceiver<Finished>,
     bounce: usize,
@@ -91,22 +92,20 @@ pub struct FabricRead {
 }
 
 /// Posts receives `0..n` of `size` bytes, tagged for `stream` of `pipe` (sequence = op id).
-fn post_receives(ep: &Addr<FabricEndpoint>, stream: TagStream, pipe: u32, n: u32, size: usize) {
-    let ops = (0..n)
-        .map(|seq| Op {
-            kind: Kind::Recv,
-            tag: tag::make(stream, pipe, seq),
-            mem: vec![0; size],
-            id: seq as u64,
-        })
-        .collect();
-    ep.do_send(FabricPost { pipe, ops });
+fn post_receives(ep: &Poster, stream: TagStream, pipe: u32, n: u32, size: usize) {
+    let ops = (0..n).map(|seq| Op {
+        kind: Kind::Recv,
+        tag: tag::make(stream, pipe, seq),
+        mem: vec![0; size],
+        id: seq as u64,
+    });
+    ep.post(pipe, ops);
 }
 
 impl FabricRead {
     /// The half, with its `WINDOW` receives posted.
     pub fn new(
-        ep: Addr<FabricEndpoint>,
+        ep: Poster,
         wiring: Wiring,
         done: mpsc::UnboundedReceiver<Finished>,
         bounce: usize,
@@ -134,18 +133,19 @@ impl FabricRead {
         mem.resize(self.bounce, 0);
         let seq = self.next_seq;
         self.next_seq = self.next_seq.wrapping_add(1);
-        let mut ops = vec![Op {
+        let recv = Op {
             kind: Kind::Recv,
             tag: tag::make(TagStream::Control, self.wiring.read, seq),
             mem,
             id: seq as u64,
-        }];
+        };
         self.consumed += 1;
+        let mut credit = None;
         if self.consumed >= WINDOW / 2 {
             let mut m = self.spare.pop().unwrap_or_default();
             m.clear();
             m.extend_from_slice(&self.consumed.to_le_bytes());
-            ops.push(Op {
+            credit = Some(Op {
                 kind: Kind::Send,
                 tag: tag::make(TagStream::Credit, self.wiring.peer_write, self.credit_seq),
                 mem: m,
@@ -154,10 +154,8 @@ impl FabricRead {
             self.credit_seq = self.credit_seq.wrapping_add(1);
             self.consumed = 0;
         }
-        self.ep.do_send(FabricPost {
-            pipe: self.wiring.read,
-            ops,
-        });
+        self.ep
+            .post(self.wiring.read, std::iter::once(recv).chain(credit));
     }
 }
 
@@ -201,7 +199,7 @@ impl AsyncRead for FabricRead {
 
 impl Drop for FabricRead {
     fn drop(&mut self) {
-        self.ep.do_send(FabricDetach {
+        self.ep.endpoint().do_send(FabricDetach {
             pipe: self.wiring.read,
             reason: "stream closed".into(),
         });
@@ -210,7 +208,7 @@ impl Drop for FabricRead {
 
 /// The writing half.
 pub struct FabricWrite {
-    ep: Addr<FabricEndpoint>,
+    ep: Poster,
     wiring: Wiring,
     done: mpsc::UnboundedReceiver<Finished>,
     bounce: usize,
@@ -230,7 +228,7 @@ const CREDIT_RECVS: u32 = 2;
 impl FabricWrite {
     /// The half, with its credit receives posted.
     pub fn new(
-        ep: Addr<FabricEndpoint>,
+        ep: Poster,
         wiring: Wiring,
         done: mpsc::UnboundedReceiver<Finished>,
         bounce: usize,
@@ -279,15 +277,15 @@ impl FabricWrite {
                     self.credits += u32::from_le_bytes(n);
                     let seq = self.credit_recv_seq;
                     self.credit_recv_seq = seq.wrapping_add(1);
-                    self.ep.do_send(FabricPost {
-                        pipe: self.wiring.write,
-                        ops: vec![Op {
+                    self.ep.post(
+                        self.wiring.write,
+                        [Op {
                             kind: Kind::Recv,
                             tag: tag::make(TagStream::Credit, self.wiring.write, seq),
                             mem: f.mem,
                             id: seq as u64,
                         }],
-                    });
+                    );
                 }
             }
         }
@@ -321,15 +319,15 @@ impl FabricWrite {
         self.seq = seq.wrapping_add(1);
         self.credits -= 1;
         self.in_flight += 1;
-        self.ep.do_send(FabricPost {
-            pipe: self.wiring.write,
-            ops: vec![Op {
+        self.ep.post(
+            self.wiring.write,
+            [Op {
                 kind: Kind::Send,
                 tag: tag::make(TagStream::Control, self.wiring.peer_read, seq),
                 mem: m,
                 id: seq as u64,
             }],
-        });
+        );
         Poll::Ready(Ok(n))
     }
 }
@@ -379,15 +377,15 @@ impl AsyncWrite for FabricWrite {
             self.credits -= 1;
             self.in_flight += 1;
             self.shut = true;
-            self.ep.do_send(FabricPost {
-                pipe: self.wiring.write,
-                ops: vec![Op {
+            self.ep.post(
+                self.wiring.write,
+                [Op {
                     kind: Kind::Send,
                     tag: tag::make(TagStream::Control, self.wiring.peer_read, seq),
                     mem: Vec::new(),
                     id: seq as u64,
                 }],
-            });
+            );
         }
         self.reap(cx)?;
         if self.in_flight == 0 {
@@ -401,7 +399,7 @@ impl AsyncWrite for FabricWrite {
 
 impl Drop for FabricWrite {
     fn drop(&mut self) {
-        self.ep.do_send(FabricDetach {
+        self.ep.endpoint().do_send(FabricDetach {
             pipe: self.wiring.write,
             reason: "stream closed".into(),
         });

@@ -21,7 +21,9 @@ use actix::{Addr, WeakAddr};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::stream::{FabricRead, FabricWrite, Shared, Wiring, BOUNCE};
-use super::{EndpointConfig, FabricAttach, FabricDescribe, FabricDetach, FabricEndpoint};
+use super::{
+    EndpointConfig, FabricAttach, FabricDescribe, FabricDetach, FabricEndpoint, FabricShare,
+};
 use crate::error::{Error, Origin};
 use crate::fabric::InfoList;
 use crate::transport::tcp::{Bootstrap, BootstrapAcceptor, TcpAcceptor};
@@ -319,8 +321,10 @@ impl Efa {
                 }
             }
         });
-        let read = FabricRead::new(ep.clone(), wiring, rd, bounce, shared.clone());
-        let write = FabricWrite::new(ep, wiring, wd, bounce, shared);
+        // The halves post straight into the endpoint's engine (no mailbox hop per op).
+        let poster = ep.send(FabricShare).await.map_err(|_| gone(&origin))?;
+        let read = FabricRead::new(poster.clone(), wiring, rd, bounce, shared.clone());
+        let write = FabricWrite::new(poster, wiring, wd, bounce, shared);
         Ok(Stream {
             read: Box::new(read),
             write: Box::new(write),

@@ -1,0 +1,191 @@
+//! Direct posting: what the endpoint actor shares with the pipes that post on it.
+//!
+//! The engine (endpoint, backlog, per-pipe order, fault injection) and the pipes' queues of ends
+//! live in one [`Core`] behind one lock. The actor takes the lock for each progress pass (its
+//! CQ reads) and for the messages it still handles; a [`Poster`] takes it to post a pipe's ops
+//! straight into the engine, with no mailbox hop: [`Engine::post`] keeps its order rule under
+//! the lock (an op of a pipe with ops in the backlog goes behind them; `-FI_EAGAIN` puts it at
+//! the back of the backlog, which the actor retries after its next CQ read), and an end that a
+//! post produces at once (the pipe already failed) goes to the pipe's queue before the lock is
+//! released, in the pipe's order. The actor stays the only one that reads the CQ, and so the
+//! one place completion errors fan out from.
+//!
+//! Progress after a direct post: while the actor spins it reads the CQ on every turn anyway,
+//! and the post only extends its window (`posted`). Otherwise the poster sends one
+//! [`FabricKick`] (coalesced: none while one is on its way), which reads the CQ at once and
+//! arms the next progress, as a `FabricPost` did. Whether the actor spins is decided under the
+//! lock, together with taking `posted`, so a post never falls between a spin's end and the
+//! wait that follows it without a kick.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use actix::prelude::*;
+use tokio::sync::mpsc;
+
+use super::{FabricEndpoint, RegionOp};
+use crate::fabric::engine::{Engine, Finished, Op};
+use crate::transport::stream::Memory;
+
+/// What the actor and its posters share (see the module docs).
+pub(super) struct Core {
+    // First: dropped (the endpoint closed) before the quarantined buffers below.
+    pub(super) engine: Engine,
+    /// Each pipe's queue of ends, given at `FabricAttach`.
+    pub(super) sinks: HashMap<u32, mpsc::UnboundedSender<Finished>>,
+    /// Buffers of detached pipes that the provider may still touch, kept until the engine has
+    /// forgotten their pipe (or has closed: they drop after it).
+    pub(super) quarantine: HashMap<u32, Vec<Arc<Mutex<Vec<Memory>>>>>,
+    /// The actor is spinning: it reads the CQ on every turn, a post needs no kick.
+    pub(super) spinning: bool,
+    /// Ops were posted directly since the actor last looked (activity: extends its window).
+    pub(super) posted: bool,
+    /// A [`FabricKick`] is on its way.
+    pub(super) kicked: bool,
+    /// The actor has stopped: nothing progresses the engine any more.
+    pub(super) closed: bool,
+}
+
+// SAFETY: what makes `Core` `!Send` is the libfabric objects under `engine` (opened with
+// `FI_THREAD_DOMAIN`: the provider needs every call on the domain serialized, not made from one
+// thread) and the `Rc<Domain>` they share. The endpoint's domain is opened for this engine alone
+// (`FabricEndpoint::open`), every object holding one of those `Rc`s lives inside the engine
+// (endpoint, CQ, AV, registrations) and none is handed out, so every call and every count
+// change happens under the `Mutex` that holds the `Core` (or in its drop, which has it alone).
+// The queues' senders and the quarantined buffers are `Send`.
+unsafe impl Send for Core {}
+
+impl Core {
+    pub(super) fn new(engine: Engine) -> Core {
+        Core {
+            engine,
+            sinks: HashMap::new(),
+            quarantine: HashMap::new(),
+            spinning: false,
+            posted: false,
+            kicked: false,
+            closed: false,
+        }
+    }
+
+    /// Drops the queues (and quarantined buffers) of pipes the engine has forgotten.
+    pub(super) fn forget(&mut self) {
+        if self.engine.stats().pipes < self.sinks.len() {
+            let engine = &self.engine;
+            self.sinks.retain(|p, _| engine.attached(*p));
+        }
+        if !self.quarantine.is_empty() {
+            let engine = &self.engine;
+            self.quarantine.retain(|p, _| engine.attached(*p));
+        }
+    }
+
+    /// Posts `ops` for `pipe`; ends that come at once go to the pipe's queue.
+    pub(super) fn post(&mut self, pipe: u32, ops: impl IntoIterator<Item = Op>) {
+        let Core { engine, sinks, .. } = self;
+        for op in ops {
+            engine.post(pipe, op, &mut |f| deliver(sinks, f));
+        }
+    }
+
+    /// Posts in-place ops for `pipe`, as [`Core::post`].
+    ///
+    /// # Safety
+    /// [`Engine::post_region`]'s, for each op.
+    pub(super) unsafe fn post_regions(&mut self, pipe: u32, ops: &[RegionOp]) {
+        let Core { engine, sinks, .. } = self;
+        for op in ops {
+            // SAFETY: the caller's contract is `post_region`'s.
+            unsafe {
+                engine.post_region(pipe, op.kind, op.tag, op.region, op.id, &mut |f| {
+                    deliver(sinks, f)
+                })
+            };
+        }
+    }
+}
+
+/// Hands `f` to its pipe's queue.
+pub(super) fn deliver(sinks: &HashMap<u32, mpsc::UnboundedSender<Finished>>, f: Finished) {
+    if let Some(s) = sinks.get(&f.pipe) {
+        // A pipe that dropped its queue no longer wants its buffers back.
+        let _ = s.send(f);
+    }
+}
+
+/// The lock, whether or not a holder panicked (the engine's state is consistent between calls).
+pub(super) fn lock(core: &Mutex<Core>) -> MutexGuard<'_, Core> {
+    core.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Wakes a `FabricEndpoint` that is not spinning after a direct post: it reads its CQ and arms
+/// its next progress.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct FabricKick;
+
+/// A handle that posts a pipe's ops straight into an endpoint's engine (see the module docs),
+/// from any thread. `FabricShare` gives one.
+#[derive(Clone)]
+pub struct Poster {
+    core: Arc<Mutex<Core>>,
+    ep: Addr<FabricEndpoint>,
+}
+
+impl Poster {
+    pub(super) fn new(core: Arc<Mutex<Core>>, ep: Addr<FabricEndpoint>) -> Poster {
+        Poster { core, ep }
+    }
+
+    /// The endpoint actor (for the messages that still go through it: attach, detach, stats).
+    pub fn endpoint(&self) -> &Addr<FabricEndpoint> {
+        &self.ep
+    }
+
+    /// Posts `ops` for `pipe`, in order, as `FabricPost` does but without its mailbox hop:
+    /// their ends come on the pipe's queue, in its order. After the actor has stopped the ops
+    /// are dropped (the pipe's queue is closed then).
+    pub fn post(&self, pipe: u32, ops: impl IntoIterator<Item = Op>) {
+        let kick = {
+            let mut c = lock(&self.core);
+            if c.closed {
+                return;
+            }
+            c.post(pipe, ops);
+            c.after_post()
+        };
+        if kick {
+            self.ep.do_send(FabricKick);
+        }
+    }
+
+    /// Posts ops that move caller memory in place, as [`Poster::post`] does.
+    ///
+    /// # Safety
+    /// Each op's region stays allocated, and untouched by anyone else, until that op's end has
+    /// come back on the pipe's queue (as [`Engine::post_region`] requires).
+    pub unsafe fn post_regions(&self, pipe: u32, ops: &[RegionOp]) {
+        let kick = {
+            let mut c = lock(&self.core);
+            if c.closed {
+                return;
+            }
+            // SAFETY: this function's contract is `post_regions`'s.
+            unsafe { c.post_regions(pipe, ops) };
+            c.after_post()
+        };
+        if kick {
+            self.ep.do_send(FabricKick);
+        }
+    }
+}
+
+impl Core {
+    /// Notes a direct post; says whether the actor needs a kick.
+    fn after_post(&mut self) -> bool {
+        self.posted = true;
+        let kick = !self.spinning && !self.kicked;
+        self.kicked |= kick;
+        kick
+    }
+}
