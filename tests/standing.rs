@@ -10,19 +10,7 @@ use actorpipe::*;
 use common::*;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-/// The default pipe (shm and, in one process, xth), tcp + basic and tcp + mpt.
-const CONFIGS: [Setup; 3] = [
-    ("default", Context::builder),
-    ("tcp+basic", tcp_basic),
-    ("tcp+mpt", tcp_mpt),
-];
-
-fn tcp_mpt() -> ContextBuilder {
-    Context::builder()
-        .without("shm")
-        .only_channels(&["mpt"])
-        .chunk_size(64 << 10)
-}
+const CONFIGS: [Setup; 3] = READ_CONFIGS;
 
 /// Message `i` of the mixed plan: 64 B, 1 MiB, 64 B with a 1 KiB tensor, a 1 MiB tensor.
 fn mixed(i: u64) -> Message {
@@ -47,6 +35,16 @@ fn write_all(
     done
 }
 
+/// A pair of pipes whose receiving side (the second) stands, delivering to the returned queue.
+async fn standing(
+    builder: fn() -> ContextBuilder,
+) -> (Addr<Pipe>, Addr<Pipe>, UnboundedReceiver<ReadDone>, Server) {
+    let (tx, rx, s) = pair(builder(), builder()).await;
+    let (to, inbox) = actorpipe::inbox::<ReadDone>();
+    rx.receive_all(to).await.unwrap();
+    (tx, rx, inbox, s)
+}
+
 /// The next `ReadDone`, within 30 s.
 async fn next(inbox: &mut UnboundedReceiver<ReadDone>) -> ReadDone {
     within(30, "a ReadDone", inbox.recv())
@@ -69,9 +67,7 @@ async fn nothing_more(inbox: &mut UnboundedReceiver<ReadDone>, what: &str) {
 #[actix::test]
 async fn every_message_arrives_in_order_across_small_and_large() {
     for (name, builder) in CONFIGS {
-        let (tx, rx, _s) = pair(builder(), builder()).await;
-        let (to, mut inbox) = actorpipe::inbox::<ReadDone>();
-        rx.receive_all(to).await.unwrap();
+        let (tx, rx, mut inbox, _s) = standing(builder).await;
         let mut writes = write_all(&tx, (0..48).map(mixed));
         let mut last_id = None;
         for i in 0..48u64 {
@@ -127,9 +123,7 @@ async fn messages_read_ahead_go_first() {
 #[actix::test]
 async fn peer_gone_mid_stream() {
     for (name, builder) in CONFIGS {
-        let (tx, rx, _s) = pair(builder(), builder()).await;
-        let (to, mut inbox) = actorpipe::inbox::<ReadDone>();
-        rx.receive_all(to).await.unwrap();
+        let (tx, rx, mut inbox, _s) = standing(builder).await;
         let messages = (0..40u64).map(|i| match i {
             20 => checked_message(i, &[16 << 20], &[]),
             _ => mixed(i),
@@ -175,9 +169,7 @@ async fn peer_gone_mid_stream() {
 /// Closing the pipe ends the stand with one error, then nothing.
 #[actix::test]
 async fn close_while_standing() {
-    let (tx, rx, _s) = pair(tcp_basic(), tcp_basic()).await;
-    let (to, mut inbox) = actorpipe::inbox::<ReadDone>();
-    rx.receive_all(to).await.unwrap();
+    let (tx, rx, mut inbox, _s) = standing(tcp_basic).await;
     tx.write(mixed(0)).await.unwrap();
     assert_eq!(verify(&next(&mut inbox).await.message), 0);
     let closed = within(10, "close", rx.close(Close::because("done"))).await;

@@ -191,13 +191,7 @@ impl Catch for Catcher {
                 };
                 let total = message.total_bytes();
                 // Sent under the lock, so the pipe cannot deliver a later message before it.
-                s.to.do_send(ReadDone {
-                    id: s.next_id,
-                    result: Ok(()),
-                    message,
-                    #[cfg(feature = "cuda")]
-                    cuda: Default::default(),
-                });
+                s.to.do_send(read(s.next_id, message));
                 s.seq += 1;
                 s.next_id += 1;
                 s.delivered += 1;
@@ -218,13 +212,7 @@ impl Catch for Catcher {
                 };
                 let total = message.total_bytes();
                 // Completed under the lock, so the pipe cannot complete a later read first.
-                p.completer.complete(ReadDone {
-                    id: p.id,
-                    result: Ok(()),
-                    message,
-                    #[cfg(feature = "cuda")]
-                    cuda: Default::default(),
-                });
+                p.completer.complete(read(p.id, message));
                 *slot = Slot::Delivered(p.since, total, p.seq);
                 Caught::Told
             }
@@ -276,6 +264,17 @@ impl Catcher {
                 })
                 .collect(),
         })
+    }
+}
+
+/// A successful read of host memory (nothing for CUDA to wait for).
+fn read(id: u64, message: Message) -> ReadDone {
+    ReadDone {
+        id,
+        result: Ok(()),
+        message,
+        #[cfg(feature = "cuda")]
+        cuda: Default::default(),
     }
 }
 
