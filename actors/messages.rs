@@ -573,7 +573,8 @@ pub struct PipeInfo {
     /// `Receive`s the connection's read loop completed itself, without a turn of the pipe's
     /// task: those for messages read whole with their frame (payloads and small host tensors
     /// on the control stream, at most 16 KiB in all) that were waiting when their message
-    /// arrived (docs/architecture.md, "Read path", step 5).
+    /// arrived (docs/architecture.md, "Read path", step 5), and the messages it delivered to
+    /// a standing receive ([`ReceiveAll`], step 6).
     pub received_by_read_loop: u64,
     /// Writes a [`PipeWriter`](crate::PipeWriter) wrote into the connection and completed
     /// itself, without a turn of the pipe's task (docs/architecture.md, "Write path", step 6).
