@@ -19,7 +19,7 @@ use actix::{Actor, Addr, Handler, Message as ActixMessage};
 
 use super::messages::{
     Accepted, Close, Closed, Connect, GetInfo, GetWriter, Listen, Listening, PipeInfo, Read,
-    ReadDescriptor, ReadDone, Receive, Write, WriteDone,
+    ReadDescriptor, ReadDone, Receive, ReceiveAll, StopReceiving, Write, WriteDone,
 };
 use super::{Context, Pipe, PipeWriter};
 use crate::error::Result;
@@ -100,6 +100,11 @@ pub trait PipeExt {
     fn receive(&self) -> Call<Pipe, Receive, Message>;
     /// Receives the next message into `spare`'s buffers, fitted to it.
     fn receive_reusing(&self, spare: Allocation) -> Call<Pipe, Receive, Message>;
+    /// Delivers every message from now on to `to` (the standing receive, [`ReceiveAll`]).
+    fn receive_all(&self, to: actix::Recipient<ReadDone>) -> Call<Pipe, ReceiveAll, ()>;
+    /// Ends the standing receive ([`StopReceiving`]); `Ok` carries the id one past its last
+    /// `ReadDone`.
+    fn stop_receiving(&self) -> Call<Pipe, StopReceiving, u64>;
     /// What the pipe is and what it negotiated.
     fn info(&self) -> Call<Pipe, GetInfo, PipeInfo>;
     /// A [`PipeWriter`]: writes small messages from the caller's task (see [`GetWriter`]).
@@ -131,6 +136,14 @@ impl PipeExt for Addr<Pipe> {
 
     fn receive_reusing(&self, spare: Allocation) -> Call<Pipe, Receive, Message> {
         call(self, Receive::reusing(spare), read_result)
+    }
+
+    fn receive_all(&self, to: actix::Recipient<ReadDone>) -> Call<Pipe, ReceiveAll, ()> {
+        call(self, ReceiveAll::to(to), |r| r)
+    }
+
+    fn stop_receiving(&self) -> Call<Pipe, StopReceiving, u64> {
+        call(self, StopReceiving, |r| r)
     }
 
     fn info(&self) -> Call<Pipe, GetInfo, PipeInfo> {

@@ -421,6 +421,56 @@ impl Op for Receive {
     }
 }
 
+/// The *standing receive*: deliver every message from now on to `to`, as a [`ReadDone`], without
+/// a [`Receive`] per message. While it stands, the connection's read loop hands each
+/// self-contained message (payloads and small host tensors read whole with their frame, at most
+/// 16 KiB) straight to `to`, with no turn of the pipe's task; any other message (larger, or with
+/// tensors on a channel of their own) the pipe reads as a `Receive` would, into buffers it
+/// allocates, and delivers to `to` too. Messages arrive strictly in order: the read loop
+/// delivers nothing while the pipe still holds an earlier message.
+///
+/// - **Answer**: `Ok(())` once standing; [`Error::InvalidArgument`] if a standing receive
+///   already stands or reads are pending (a `ReadDescriptor` without its `Read`, a `Receive`);
+///   the pipe's error if it has failed. Messages already read ahead go to `to` first.
+/// - **Conflicts**: `Read`, `ReadDescriptor` and `Receive` sent while it stands complete at once
+///   with [`Error::InvalidArgument`].
+/// - **Ending**: [`StopReceiving`] ends it. If the pipe fails or is closed, every message the
+///   pipe was still reading completes with the error, in order; if it held none, `to` gets one
+///   `ReadDone` with the error; after that, nothing. No deadlines apply while it stands.
+/// - **A recipient that is gone** (its actor stopped) fails the pipe with [`Error::Closed`] when
+///   the next message arrives: nobody would read it.
+/// - **Back-pressure**: each delivery is a `do_send`, which does not wait for room in `to`'s
+///   mailbox: a recipient slower than the peer lets its mailbox grow. The pipe itself reads at
+///   most 16 messages (the prefetch bound) at once on the recipient's behalf.
+#[derive(Debug)]
+pub struct ReceiveAll {
+    /// Who gets every message.
+    pub to: Recipient<ReadDone>,
+}
+
+impl ReceiveAll {
+    /// Deliver every message to `to`.
+    pub fn to(to: Recipient<ReadDone>) -> Self {
+        ReceiveAll { to }
+    }
+}
+
+impl ActixMessage for ReceiveAll {
+    type Result = Result<(), Error>;
+}
+
+/// Ends the standing receive ([`ReceiveAll`]). The read loop delivers nothing more; messages
+/// the pipe had begun to read still go to the recipient. Answers the id one past the last
+/// `ReadDone` the stand sends (every one of them has a smaller id), or
+/// [`Error::InvalidArgument`] if none stands. Later messages wait for the next `Receive`,
+/// `ReadDescriptor` or `ReceiveAll`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StopReceiving;
+
+impl ActixMessage for StopReceiving {
+    type Result = Result<u64, Error>;
+}
+
 /// Close the pipe now: pending operations complete with [`Error::Closed`], the peer is told, and
 /// subscribers get [`Closed`]. Resolves once every pending operation has completed.
 #[derive(Debug, Clone, Default)]
@@ -523,7 +573,8 @@ pub struct PipeInfo {
     /// `Receive`s the connection's read loop completed itself, without a turn of the pipe's
     /// task: those for messages read whole with their frame (payloads and small host tensors
     /// on the control stream, at most 16 KiB in all) that were waiting when their message
-    /// arrived (docs/architecture.md, "Read path", step 5).
+    /// arrived (docs/architecture.md, "Read path", step 5), and the messages it delivered to
+    /// a standing receive ([`ReceiveAll`], step 6).
     pub received_by_read_loop: u64,
     /// Writes a [`PipeWriter`](crate::PipeWriter) wrote into the connection and completed
     /// itself, without a turn of the pipe's task (docs/architecture.md, "Write path", step 6).

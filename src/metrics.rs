@@ -349,6 +349,13 @@ impl PipeMetrics {
         }
     }
 
+    /// A message a standing receive's read loop delivered itself: counted as read, never
+    /// pending (no backlog) and not timed (it had no start).
+    pub fn read_whole(&self, bytes: u64) {
+        self.messages_read.increment(1);
+        self.bytes_read.increment(bytes);
+    }
+
     /// The pipe closed because of `e`.
     pub fn closed(&self, e: &Error) {
         self.open.decrement(1.0);

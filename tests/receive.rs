@@ -5,19 +5,7 @@ mod common;
 use actorpipe::*;
 use common::*;
 
-/// The default pipe (shm and, in one process, xth), tcp + basic and tcp + mpt (64 KiB chunks).
-const CONFIGS: [Setup; 3] = [
-    ("default", Context::builder),
-    ("tcp+basic", tcp_basic),
-    ("tcp+mpt", tcp_mpt),
-];
-
-fn tcp_mpt() -> ContextBuilder {
-    Context::builder()
-        .without("shm")
-        .only_channels(&["mpt"])
-        .chunk_size(64 << 10)
-}
+const CONFIGS: [Setup; 3] = READ_CONFIGS;
 
 /// Messages of every shape arrive intact through `Receive`, mixed with `ReadDescriptor` + `Read`
 /// on the same pipe, each `Receive` reusing the buffers of the message before it (whatever its

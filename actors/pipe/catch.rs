@@ -11,10 +11,15 @@
 //! must fail it (the pipe failed), it takes it back first ([`Catcher::reclaim`]); the lock makes
 //! the two sides agree on who completed it, even with the read loop on another thread.
 
+//!
+//! The same slot holds a standing receive ([`ReceiveAll`], `stand.rs`): the read loop then
+//! delivers every self-contained message that comes next in order to its recipient, and goes
+//! on reading by itself without telling the pipe ([`Caught::Silently`]).
+
 use std::sync::{Mutex, MutexGuard};
 
 use super::*;
-use crate::transport::stream::{Carried, Catch};
+use crate::transport::stream::{Carried, Catch, Caught};
 
 /// A parked `Receive`.
 pub(super) struct Parked {
@@ -27,9 +32,23 @@ pub(super) struct Parked {
     pub(super) completer: Completer<ReadDone>,
 }
 
+/// A standing receive, as the read loop sees it.
+pub(super) struct Stand {
+    pub(super) to: Recipient<ReadDone>,
+    /// The sequence number of the only message the read loop may deliver next. The loop moves
+    /// it on as it delivers; the pipe moves it past the messages it read itself once it holds
+    /// none (`Pipe::stand_turn`), so a message never overtakes one the pipe still holds.
+    pub(super) seq: u64,
+    /// The id of the next `ReadDone`, whoever completes it.
+    pub(super) next_id: u64,
+    /// Messages the read loop delivered.
+    pub(super) delivered: u64,
+}
+
 enum Slot {
     Empty,
     Parked(Parked),
+    Standing(Stand),
     /// The read loop completed it: (when it was issued, bytes read) for the pipe's metrics,
     /// and the message's sequence number.
     Delivered(Option<Instant>, u64, u64),
@@ -54,15 +73,23 @@ pub(super) struct Catcher {
     carried: Carried,
     /// The pipe's routing table, to check each tensor's route as the pipe does.
     routes: Routes,
+    /// The pipe's metrics, counted by the read loop for the messages of a standing receive.
+    metrics: Arc<PipeMetrics>,
 }
 
 impl Catcher {
-    pub(super) fn new(routes: Routes, cpu_channel: usize, carried: Carried) -> Catcher {
+    pub(super) fn new(
+        routes: Routes,
+        cpu_channel: usize,
+        carried: Carried,
+        metrics: Arc<PipeMetrics>,
+    ) -> Catcher {
         Catcher {
             slot: Mutex::new(Slot::Empty),
             cpu_channel,
             carried,
             routes,
+            metrics,
         }
     }
 
@@ -78,10 +105,45 @@ impl Catcher {
     }
 
     pub(super) fn reclaim(&self) -> Reclaim {
-        match mem::replace(&mut *self.lock(), Slot::Empty) {
+        let mut slot = self.lock();
+        match mem::replace(&mut *slot, Slot::Empty) {
             Slot::Empty => Reclaim::Nothing,
             Slot::Parked(p) => Reclaim::Parked(p),
             Slot::Delivered(since, bytes, seq) => Reclaim::Delivered(since, bytes, seq),
+            standing @ Slot::Standing(_) => {
+                *slot = standing;
+                Reclaim::Nothing
+            }
+        }
+    }
+
+    /// Starts a standing receive.
+    pub(super) fn stand(&self, s: Stand) {
+        let mut slot = self.lock();
+        debug_assert!(
+            matches!(*slot, Slot::Empty),
+            "a stand over a parked Receive"
+        );
+        *slot = Slot::Standing(s);
+    }
+
+    /// Ends the standing receive, if one stands: what the read loop did with it.
+    pub(super) fn unstand(&self) -> Option<Stand> {
+        let mut slot = self.lock();
+        match mem::replace(&mut *slot, Slot::Empty) {
+            Slot::Standing(s) => Some(s),
+            other => {
+                *slot = other;
+                None
+            }
+        }
+    }
+
+    /// Runs `f` on the standing receive (the pipe's side of it).
+    pub(super) fn with_stand<T>(&self, f: impl FnOnce(&mut Stand) -> T) -> Option<T> {
+        match &mut *self.lock() {
+            Slot::Standing(s) => Some(f(s)),
+            _ => None,
         }
     }
 
@@ -115,23 +177,62 @@ impl Catcher {
 }
 
 impl Catch for Catcher {
-    fn catch(&self, wd: &mut WireDescriptor, bytes: &mut Vec<u8>) -> bool {
+    fn catch(&self, wd: &mut WireDescriptor, bytes: &mut Vec<u8>) -> Caught {
         if !self.all_read_with_frame(wd) {
-            return false;
+            return Caught::No;
         }
         let mut slot = self.lock();
-        let Slot::Parked(p) = &*slot else {
-            return false;
-        };
-        if p.seq != wd.seq {
-            return false;
+        match &mut *slot {
+            // A recipient that is gone is the pipe's to notice (it fails the pipe).
+            Slot::Standing(s) if s.seq == wd.seq && s.to.connected() => {
+                let Ok(message) = self.take(wd, bytes, None) else {
+                    // Sizes that fit no address space: the pipe reports it, in order.
+                    return Caught::No;
+                };
+                let total = message.total_bytes();
+                // Sent under the lock, so the pipe cannot deliver a later message before it.
+                s.to.do_send(read(s.next_id, message));
+                s.seq += 1;
+                s.next_id += 1;
+                s.delivered += 1;
+                self.metrics.read_whole(total);
+                Caught::Silently
+            }
+            Slot::Parked(p) if p.seq == wd.seq => {
+                let Slot::Parked(p) = mem::replace(&mut *slot, Slot::Empty) else {
+                    unreachable!("matched above")
+                };
+                let message = match self.take(wd, bytes, p.spare) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        *slot = Slot::Parked(Parked { spare: None, ..p });
+                        tracing::debug!(error = %e, "a parked Receive left to the pipe");
+                        return Caught::No;
+                    }
+                };
+                let total = message.total_bytes();
+                // Completed under the lock, so the pipe cannot complete a later read first.
+                p.completer.complete(read(p.id, message));
+                *slot = Slot::Delivered(p.since, total, p.seq);
+                Caught::Told
+            }
+            _ => Caught::No,
         }
-        let Slot::Parked(p) = mem::replace(&mut *slot, Slot::Empty) else {
-            unreachable!("matched above")
-        };
+    }
+}
+
+impl Catcher {
+    /// The message of `wd` and `bytes` (which `all_read_with_frame` accepted), in `spare`'s
+    /// buffers or new ones; on an error both are left as they were.
+    fn take(
+        &self,
+        wd: &mut WireDescriptor,
+        bytes: &mut Vec<u8>,
+        spare: Option<Allocation>,
+    ) -> Result<Message, Error> {
         let descriptor = &mut wd.descriptor;
         for t in &mut descriptor.tensors {
-            // Where the tensor lands, as `check_descriptor` sets it (checked above).
+            // Where the tensor lands, as `check_descriptor` sets it (checked before).
             if let Ok(target) =
                 self.routes
                     .check(self.cpu_channel, t.source_device, t.target_device)
@@ -139,27 +240,15 @@ impl Catch for Catcher {
                 t.target_device = target;
             }
         }
-        let alloc = match (p.spare, descriptor.payloads.len(), descriptor.tensors.len()) {
+        let alloc = match (spare, descriptor.payloads.len(), descriptor.tensors.len()) {
             // The one payload is the bytes read with the frame: no copy.
-            (None, 1, 0) => Ok(Allocation {
+            (None, 1, 0) => Allocation {
                 payloads: vec![mem::take(bytes)],
                 tensors: Vec::new(),
-            }),
-            (spare, _, _) => spare
-                .unwrap_or_default()
-                .refit(descriptor)
-                .map(|a| fill(a, bytes)),
+            },
+            (spare, _, _) => fill(spare.unwrap_or_default().refit(descriptor)?, bytes),
         };
-        let alloc = match alloc {
-            Ok(a) => a,
-            Err(e) => {
-                // Sizes that fit no address space: the pipe reports it, in order.
-                *slot = Slot::Parked(Parked { spare: None, ..p });
-                tracing::debug!(error = %e, "a parked Receive left to the pipe");
-                return false;
-            }
-        };
-        let message = Message {
+        Ok(Message {
             metadata: mem::take(&mut descriptor.metadata),
             payloads: (alloc.payloads.into_iter().zip(&mut descriptor.payloads))
                 .map(|(data, d)| Payload {
@@ -174,18 +263,18 @@ impl Catch for Catcher {
                     target_device: d.target_device,
                 })
                 .collect(),
-        };
-        let total = message.total_bytes();
-        // Completed under the lock, so the pipe cannot complete a later read before this one.
-        p.completer.complete(ReadDone {
-            id: p.id,
-            result: Ok(()),
-            message,
-            #[cfg(feature = "cuda")]
-            cuda: Default::default(),
-        });
-        *slot = Slot::Delivered(p.since, total, p.seq);
-        true
+        })
+    }
+}
+
+/// A successful read of host memory (nothing for CUDA to wait for).
+fn read(id: u64, message: Message) -> ReadDone {
+    ReadDone {
+        id,
+        result: Ok(()),
+        message,
+        #[cfg(feature = "cuda")]
+        cuda: Default::default(),
     }
 }
 

@@ -39,11 +39,16 @@ impl Pipe {
                 self.tensor_written(seq, index, memory.into_buffer(), result);
             }
             Done::Frame {
+                ticket,
                 result,
                 payloads,
                 caught,
-                ..
             } => {
+                // Frames a standing receive's read loop delivered used the tickets before it.
+                self.in_ticket = self.in_ticket.max(ticket + 1);
+                if !caught {
+                    self.stand_catch_up();
+                }
                 let outcome = result.and_then(|f| match f {
                     Frame::Descriptor(mut wd) => self.check_descriptor(&mut wd).map(|_| wd),
                     f => Err(unexpected(f, "a message descriptor", &self.origin)),

@@ -195,6 +195,10 @@ pub struct Pipe {
     catcher: Arc<catch::Catcher>,
     /// One past the last message the read loop delivered itself.
     caught_through: u64,
+    /// The standing receive, while one stands ([`stand`]).
+    stand: Option<stand::Standing>,
+    /// `stand_turn` is running (it starts reads, which call it again).
+    stand_turning: bool,
 }
 
 /// A descriptor read ahead, with its payloads' bytes (and its small tensors') if they were read
@@ -338,6 +342,7 @@ impl Pipe {
         };
         self.error = Some(e);
         self.info.closed = true;
+        self.end_stand_failed();
         // Writers write nothing more themselves: what they issue comes here, and fails.
         self.close_wire();
         if let Some((conn, _link)) = self.conn.take() {
@@ -429,6 +434,11 @@ impl Pipe {
     fn submit(&mut self, op: PendingOp, ctx: &mut actix::Context<Self>) {
         let span = self.span.clone();
         let _entered = span.enter();
+        if self.stand.is_some() && matches!(op, PendingOp::ReadDescriptor(_) | PendingOp::Read(..))
+        {
+            self.refuse_while_standing(op);
+            return;
+        }
         match op {
             PendingOp::Write(m, deadline, c, counted) => {
                 self.metrics.issued(OpKind::Write);
@@ -658,6 +668,7 @@ impl Handler<GetInfo> for Pipe {
     fn handle(&mut self, _: GetInfo, _: &mut Self::Context) -> Self::Result {
         let mut info = self.info.clone();
         info.fallbacks = self.fallbacks.load(Ordering::Relaxed);
+        info.received_by_read_loop = self.received_by_read_loop();
         let l = self.share.lock();
         info.tensors_on_control = l.sent_on_control;
         info.tensors_by_channel = l.sent_by_channel;
@@ -674,6 +685,7 @@ mod done;
 mod read;
 mod routes;
 mod spawn;
+mod stand;
 #[cfg(test)]
 mod tests;
 mod write;

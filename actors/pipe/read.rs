@@ -396,6 +396,7 @@ impl Pipe {
                 }
             }
         }
+        self.stand_turn();
         self.maybe_closed();
     }
 

@@ -209,6 +209,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         .get(cpu_channel)
         .map_or("none", |c| c.name.as_str());
     let metrics = Arc::new(PipeMetrics::open(&choice.transport, cpu_name));
+    let metrics_for_catcher = metrics.clone();
     let share = Arc::new(super::writer::WriteShare::new(
         origin.clone(),
         config.limits,
@@ -267,8 +268,11 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
             catcher_routes,
             cpu_channel,
             cpu_kind.carried(),
+            metrics_for_catcher,
         )),
         caught_through: 0,
+        stand: None,
+        stand_turning: false,
     }
     .start()
 }

@@ -55,6 +55,22 @@ pub fn tcp_basic() -> ContextBuilder {
     Context::builder().without("shm").only_channels(&["basic"])
 }
 
+/// A context restricted to TCP and the mpt channel, with 64 KiB chunks.
+pub fn tcp_mpt() -> ContextBuilder {
+    Context::builder()
+        .without("shm")
+        .only_channels(&["mpt"])
+        .chunk_size(64 << 10)
+}
+
+/// The default pipe (shm and, in one process, xth), tcp + basic and tcp + mpt (64 KiB chunks):
+/// the read paths a test of reads runs over.
+pub const READ_CONFIGS: [Setup; 3] = [
+    ("default", Context::builder),
+    ("tcp+basic", tcp_basic),
+    ("tcp+mpt", tcp_mpt),
+];
+
 /// Asserts that an operation was refused with `InvalidArgument` saying `what`.
 pub fn assert_invalid(result: &Result<()>, what: &str) {
     match result {

@@ -37,6 +37,9 @@ pub enum Api {
     /// actor's own handler when nothing else of the pipe's is pending (`receive` sends `Write`
     /// to the pipe: the path before `PipeWriter`, for A/B).
     Writer,
+    /// As `writer`, reading with one standing receive (`ReceiveAll`) instead of a `Receive`
+    /// per message: the connection's read loop hands each small message to the actor itself.
+    Standing,
 }
 
 impl Api {
@@ -47,12 +50,22 @@ impl Api {
             Api::Fired => "fired",
             Api::Receive => "receive",
             Api::Writer => "writer",
+            Api::Standing => "standing",
         }
     }
 
-    /// Whether reads are one `Receive`.
-    pub fn receives(&self) -> bool {
-        matches!(self, Api::Receive | Api::Writer)
+    /// Whether writes go through a `PipeWriter`.
+    pub fn writes_directly(&self) -> bool {
+        matches!(self, Api::Writer | Api::Standing)
+    }
+
+    /// How the actors read.
+    pub fn reading(&self) -> crate::fired::Reading {
+        match self {
+            Api::Standing => crate::fired::Reading::Standing,
+            Api::Receive | Api::Writer => crate::fired::Reading::Receive,
+            Api::Fired | Api::Awaited => crate::fired::Reading::TwoStep,
+        }
     }
 }
 
@@ -68,12 +81,12 @@ pub async fn listen(builder: ContextBuilder, url: &str, api: Api) -> Result<List
                 Api::Awaited => {
                     actix::spawn(echo(a.pipe));
                 }
-                Api::Fired | Api::Receive | Api::Writer => {
-                    let writer = match api {
-                        Api::Writer => a.pipe.send(GetWriter).await.ok(),
-                        _ => None,
+                Api::Fired | Api::Receive | Api::Writer | Api::Standing => {
+                    let writer = match api.writes_directly() {
+                        true => a.pipe.send(GetWriter).await.ok(),
+                        false => None,
                     };
-                    actix::Actor::start(crate::fired::Echo::new(a.pipe, api.receives(), writer));
+                    actix::Actor::start(crate::fired::Echo::new(a.pipe, api.reading(), writer));
                 }
             }
         }
@@ -210,14 +223,14 @@ impl Client {
             },
         };
         let (samples, buffers) = match self.api {
-            Api::Fired | Api::Receive | Api::Writer => {
+            Api::Fired | Api::Receive | Api::Writer | Api::Standing => {
                 let pipe = self.pipe.clone();
-                let writer = match self.api {
-                    Api::Writer => Some(pipe.send(GetWriter).await?),
-                    _ => None,
+                let writer = match self.api.writes_directly() {
+                    true => Some(pipe.send(GetWriter).await?),
+                    false => None,
                 };
-                let receive = self.api.receives();
-                crate::fired::Pinger::measure(pipe, writer, buffers, counts, progress, receive)
+                let reading = self.api.reading();
+                crate::fired::Pinger::measure(pipe, writer, buffers, counts, progress, reading)
                     .await?
             }
             Api::Awaited => self.measure_awaited(buffers, counts, progress).await?,

@@ -173,8 +173,9 @@ pub struct RunArgs {
     /// How the benchmark drives pipes: writer (actors that read with `Receive`, fired with
     /// `notify`, and write through a `PipeWriter`, which writes a small message from the
     /// actor's own handler), receive (the same, writing by sending `Write` to the pipe: the path
-    /// before `PipeWriter`), fired (as receive, reading with `ReadDescriptor` then `Read`) or
-    /// awaited (async code that awaits `pipe.send(op)`, two-step reads).
+    /// before `PipeWriter`), fired (as receive, reading with `ReadDescriptor` then `Read`),
+    /// awaited (async code that awaits `pipe.send(op)`, two-step reads) or standing (as
+    /// writer, reading with one standing receive, `ReceiveAll`, instead of a `Receive` each).
     #[arg(long, value_enum, default_value = "writer")]
     pub api: Api,
 

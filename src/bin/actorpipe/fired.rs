@@ -3,7 +3,9 @@
 //! does. Comparing the two shows what awaiting costs (a oneshot, a boxed future and a spawned
 //! task per operation). Both actors make their recipients once and fire with `notify_shared`.
 //! With a [`PipeWriter`] (`--api writer`) they write through it: a small message is written
-//! from the handler itself and its `WriteDone` is the call's return value.
+//! from the handler itself and its `WriteDone` is the call's return value. With a standing
+//! receive (`--api standing`) they ask for no message: every one comes to their `ReadDone`
+//! handler by itself.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -12,7 +14,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use actorpipe::{
     Allocation, Close, Closed, DescriptorReady, Op, Pipe, PipeWriter, Read, ReadDescriptor,
-    ReadDone, Receive, Subscribe, Write, WriteDone,
+    ReadDone, Receive, ReceiveAll, StopReceiving, Subscribe, Write, WriteDone,
 };
 use tokio::sync::oneshot;
 
@@ -24,6 +26,17 @@ use crate::report::Progress;
 /// How long one round trip may take before the run gives up.
 const ROUND_TRIP_LIMIT: Duration = Duration::from_secs(60);
 
+/// How the actors read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reading {
+    /// `ReadDescriptor`, then `Read`.
+    TwoStep,
+    /// One `Receive` per message.
+    Receive,
+    /// One standing receive (`ReceiveAll`) for the whole run.
+    Standing,
+}
+
 /// An actor's recipients for the completions of fired operations, made once.
 struct Recipients {
     wrote: Arc<Recipient<WriteDone>>,
@@ -33,16 +46,18 @@ struct Recipients {
 
 impl Recipients {
     /// Asks `pipe` for the next message: with `Receive` (into `spare`'s buffers), or with
-    /// `ReadDescriptor`, whose handler then sends the `Read`.
-    fn read_next(&self, pipe: &Addr<Pipe>, receive: bool, spare: Option<Allocation>) {
-        if receive {
-            let op = Receive {
-                spare,
-                ..Receive::default()
-            };
-            pipe.do_send(op.notify_shared(&self.read));
-        } else {
-            pipe.do_send(ReadDescriptor.notify_shared(&self.described));
+    /// `ReadDescriptor`, whose handler then sends the `Read`; a standing receive asks nothing.
+    fn read_next(&self, pipe: &Addr<Pipe>, reading: Reading, spare: Option<Allocation>) {
+        match reading {
+            Reading::Receive => {
+                let op = Receive {
+                    spare,
+                    ..Receive::default()
+                };
+                pipe.do_send(op.notify_shared(&self.read));
+            }
+            Reading::TwoStep => pipe.do_send(ReadDescriptor.notify_shared(&self.described)),
+            Reading::Standing => {}
         }
     }
 
@@ -84,19 +99,18 @@ pub struct Echo {
     writer: Option<PipeWriter>,
     spare: Option<Allocation>,
     to: Option<Recipients>,
-    /// Read with `Receive` instead of `ReadDescriptor` and `Read`.
-    receive: bool,
+    reading: Reading,
 }
 
 impl Echo {
     /// An echo of `pipe`, not started; it writes through `writer` if given.
-    pub fn new(pipe: Addr<Pipe>, receive: bool, writer: Option<PipeWriter>) -> Echo {
+    pub fn new(pipe: Addr<Pipe>, reading: Reading, writer: Option<PipeWriter>) -> Echo {
         Echo {
             pipe,
             writer,
             spare: None,
             to: None,
-            receive,
+            reading,
         }
     }
 
@@ -107,7 +121,7 @@ impl Echo {
     /// Asks for the next message.
     fn next(&mut self) {
         let spare = self.spare.take();
-        self.to().read_next(&self.pipe, self.receive, spare);
+        self.to().read_next(&self.pipe, self.reading, spare);
     }
 }
 
@@ -118,6 +132,14 @@ impl Actor for Echo {
         let me = ctx.address();
         self.pipe.do_send(Subscribe(me.clone().recipient()));
         self.to = Some(Recipients::of(&me));
+        if self.reading == Reading::Standing {
+            let stand = self.pipe.send(ReceiveAll::to(me.recipient()));
+            actix::spawn(async move {
+                if let Ok(Err(e)) = stand.await {
+                    eprintln!("echo server: no standing receive: {e}");
+                }
+            });
+        }
         self.next();
     }
 }
@@ -203,8 +225,7 @@ pub struct Pinger {
     samples: Samples,
     finish: Option<oneshot::Sender<Result<(Samples, Buffers), Failure>>>,
     to: Option<Recipients>,
-    /// Read with `Receive` instead of `ReadDescriptor` and `Read`.
-    receive: bool,
+    reading: Reading,
 }
 
 impl Pinger {
@@ -215,7 +236,7 @@ impl Pinger {
         buffers: Buffers,
         counts: Counts,
         progress: &Progress,
-        receive: bool,
+        reading: Reading,
     ) -> Result<(Samples, Buffers), Failure> {
         let size = buffers.size;
         let (tx, mut rx) = oneshot::channel();
@@ -236,7 +257,7 @@ impl Pinger {
             samples: Samples::with_capacity(counts.iters as usize),
             finish: Some(tx),
             to: None,
-            receive,
+            reading,
         }
         .start();
         // A round trip that never ends must end the run, not hang it. The watchdog is a task of
@@ -269,7 +290,7 @@ impl Pinger {
         let message = self.message.take().expect("a message to send");
         self.start = Instant::now();
         let done = to.write(&self.pipe, self.writer.as_ref(), message);
-        to.read_next(&self.pipe, self.receive, self.spare.take());
+        to.read_next(&self.pipe, self.reading, self.spare.take());
         if let Some(w) = done {
             self.wrote(w, ctx);
         }
@@ -286,6 +307,7 @@ impl Pinger {
     }
 
     fn fail(&mut self, e: Failure, ctx: &mut Context<Self>) {
+        self.stop_standing();
         if let Some(f) = self.finish.take() {
             let _ = f.send(Err(e));
         }
@@ -322,6 +344,7 @@ impl Pinger {
                     self.size
                 )))
             };
+            self.stop_standing();
             if let Some(f) = self.finish.take() {
                 let _ = f.send(result);
             }
@@ -331,6 +354,16 @@ impl Pinger {
         self.message = Some(sent);
         self.spare = Some(Allocation::from(back));
         self.fire(ctx);
+    }
+}
+
+impl Pinger {
+    /// Ends the standing receive, before the actor (its recipient) stops: the next size's
+    /// pinger stands anew on the same pipe.
+    fn stop_standing(&mut self) {
+        if self.reading == Reading::Standing {
+            self.pipe.do_send(StopReceiving);
+        }
     }
 }
 
@@ -348,6 +381,15 @@ impl Actor for Pinger {
                 let _ = f.send(Ok((Samples::new(), buffers)));
             }
             ctx.stop();
+            return;
+        }
+        if self.reading == Reading::Standing {
+            let stand = self.pipe.send(ReceiveAll::to(ctx.address().recipient()));
+            ctx.wait(stand.into_actor(self).map(|r, act, ctx| match r {
+                Ok(Ok(())) => act.fire(ctx),
+                Ok(Err(e)) => act.fail(e.into(), ctx),
+                Err(e) => act.fail(Failure::Failed(e.to_string()), ctx),
+            }));
             return;
         }
         self.fire(ctx);

@@ -197,6 +197,9 @@ pub fn measure(plan: &Plan, args: &RunArgs) -> Result<Report, Failure> {
             bench::Api::Writer => {
                 "as receive, writing through a PipeWriter (small messages written from the actor's handler)"
             }
+            bench::Api::Standing => {
+                "as writer, reading with one standing receive (ReceiveAll): small messages go from the read loop to the actor"
+            }
             bench::Api::Awaited => "async code awaits each operation",
         }
     ));

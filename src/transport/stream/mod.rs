@@ -35,9 +35,21 @@ use crate::wire::{self, ChunkHeader, Frame, FrameKind, Limits, WireDescriptor, L
 /// `Receive` completes without a trip through the pipe's task (docs/architecture.md, read path).
 pub trait Catch: Send + Sync {
     /// Offered every [`self_contained`] descriptor with the bytes read with it. Takes the message
-    /// (its descriptor's parts and the bytes, as it needs) and returns true; or leaves both as
-    /// they were and returns false, and the frame goes to the owner as usual.
-    fn catch(&self, wd: &mut WireDescriptor, bytes: &mut Vec<u8>) -> bool;
+    /// (its descriptor's parts and the bytes, as it needs) and says how; or leaves both as they
+    /// were and returns [`Caught::No`], and the frame goes to the owner as usual.
+    fn catch(&self, wd: &mut WireDescriptor, bytes: &mut Vec<u8>) -> Caught;
+}
+
+/// What a [`Catch`] did with a descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Caught {
+    /// Left it: the frame goes to the owner.
+    No,
+    /// Took it; the owner is told ([`Done::Frame`] with `caught: true`).
+    Told,
+    /// Took it, and the owner catches up by itself: nothing is sent, and the loop reads the
+    /// next frame at the next ticket by itself, without counting it against `more`.
+    Silently,
 }
 
 impl std::fmt::Debug for dyn Catch {

@@ -227,8 +227,23 @@ pub async fn read_loop(
                 let whole = matches!(&frame, Frame::Descriptor(wd) if self_contained(wd, carried));
                 let caught = match (&catch, &mut frame) {
                     (Some(c), Frame::Descriptor(wd)) if whole => c.catch(wd, &mut payloads),
-                    _ => false,
+                    _ => Caught::No,
                 };
+                if caught == Caught::Silently {
+                    // The owner counts this ticket as used when its next frame reaches it.
+                    let next = InOp::Frame {
+                        ticket: ticket + 1,
+                        reply,
+                        more,
+                        carried,
+                        catch,
+                    };
+                    if let Err(op) = seq.push(ticket + 1, next) {
+                        op.fail(Error::invalid("duplicate or stale connection ticket"));
+                    }
+                    continue;
+                }
+                let caught = caught == Caught::Told;
                 let next = (more > 0 && whole).then(|| InOp::Frame {
                     ticket: ticket + 1,
                     reply: reply.clone(),

@@ -1,0 +1,298 @@
+//! The standing receive (`ReceiveAll`): one recipient gets every message, in order, whether the
+//! read loop delivered it (self-contained) or the pipe read it (large, tensors on a channel).
+
+mod common;
+
+use std::time::Duration;
+
+use actix::Addr;
+use actorpipe::*;
+use common::*;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+const CONFIGS: [Setup; 3] = READ_CONFIGS;
+
+/// Message `i` of the mixed plan: 64 B, 1 MiB, 64 B with a 1 KiB tensor, a 1 MiB tensor.
+fn mixed(i: u64) -> Message {
+    match i % 4 {
+        0 => checked_message(i, &[64], &[]),
+        1 => checked_message(i, &[1 << 20], &[]),
+        2 => checked_message(i, &[64], &[1 << 10]),
+        _ => checked_message(i, &[32], &[1 << 20]),
+    }
+}
+
+/// Writes `messages` at once (`do_send`: an awaited `send` would wait for room in the pipe's
+/// mailbox); their completions come out of the returned queue.
+fn write_all(
+    pipe: &Addr<Pipe>,
+    messages: impl Iterator<Item = Message>,
+) -> UnboundedReceiver<WriteDone> {
+    let (to, done) = actorpipe::inbox::<WriteDone>();
+    for m in messages {
+        pipe.do_send(Write::new(m).notify(to.clone()));
+    }
+    done
+}
+
+/// A pair of pipes whose receiving side (the second) stands, delivering to the returned queue.
+async fn standing(
+    builder: fn() -> ContextBuilder,
+) -> (Addr<Pipe>, Addr<Pipe>, UnboundedReceiver<ReadDone>, Server) {
+    let (tx, rx, s) = pair(builder(), builder()).await;
+    let (to, inbox) = actorpipe::inbox::<ReadDone>();
+    rx.receive_all(to).await.unwrap();
+    (tx, rx, inbox, s)
+}
+
+/// The next `ReadDone`, within 30 s.
+async fn next(inbox: &mut UnboundedReceiver<ReadDone>) -> ReadDone {
+    within(30, "a ReadDone", inbox.recv())
+        .await
+        .expect("the inbox is alive")
+}
+
+/// Nothing more arrives (the pipe's own work is over once `Close` has answered).
+async fn nothing_more(inbox: &mut UnboundedReceiver<ReadDone>, what: &str) {
+    if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(300), inbox.recv()).await {
+        panic!(
+            "{what}: a ReadDone after the last one: id {} {:?}",
+            d.id, d.result
+        );
+    }
+}
+
+/// Small and large messages, with basic tensors and tensors on channels, all written at once:
+/// each arrives whole and in order, with ids in order, the small ones from the read loop.
+#[actix::test]
+async fn every_message_arrives_in_order_across_small_and_large() {
+    for (name, builder) in CONFIGS {
+        let (tx, rx, mut inbox, _s) = standing(builder).await;
+        let mut writes = write_all(&tx, (0..48).map(mixed));
+        let mut last_id = None;
+        for i in 0..48u64 {
+            let d = within(30, &format!("{name} {i}"), inbox.recv())
+                .await
+                .unwrap();
+            d.result
+                .unwrap_or_else(|e| panic!("{name}: message {i}: {e}"));
+            assert_eq!(verify(&d.message), i, "{name}: order");
+            assert!(last_id.is_none_or(|l| d.id > l), "{name}: ids in order");
+            last_id = Some(d.id);
+        }
+        for _ in 0..48 {
+            let w = within(30, "a write", writes.recv()).await.unwrap();
+            w.result.unwrap();
+        }
+        let before = rx.info().await.unwrap().received_by_read_loop;
+        // Written one at a time, each waiting for the one before: the other interleaving.
+        for i in 48..64u64 {
+            tx.write(mixed(i)).await.unwrap();
+            let d = within(30, &format!("{name} {i}"), inbox.recv())
+                .await
+                .unwrap();
+            assert_eq!(verify(&d.message), i, "{name}");
+        }
+        // Each 64 B message follows a delivered one: the read loop delivers it itself.
+        let after = rx.info().await.unwrap().received_by_read_loop;
+        assert!(after - before >= 4, "{name}: {before} -> {after}");
+    }
+}
+
+/// Messages read ahead before the stand began reach the recipient first.
+#[actix::test]
+async fn messages_read_ahead_go_first() {
+    let (tx, rx, _s) = pair(tcp_basic(), tcp_basic()).await;
+    for i in 0..3 {
+        tx.write(mixed(i)).await.unwrap();
+    }
+    // The pipe reads descriptors ahead by itself; give it the time to.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (to, mut inbox) = actorpipe::inbox::<ReadDone>();
+    rx.receive_all(to).await.unwrap();
+    for i in 3..8 {
+        tx.write(mixed(i)).await.unwrap();
+    }
+    for i in 0..8 {
+        assert_eq!(verify(&next(&mut inbox).await.message), i);
+    }
+}
+
+/// The peer goes away in the middle of a stream (it aborts with writes in flight, one of them
+/// 16 MiB): what arrived whole arrives in order, then errors only, then nothing; no hang.
+#[actix::test]
+async fn peer_gone_mid_stream() {
+    for (name, builder) in CONFIGS {
+        let (tx, rx, mut inbox, _s) = standing(builder).await;
+        let messages = (0..40u64).map(|i| match i {
+            20 => checked_message(i, &[16 << 20], &[]),
+            _ => mixed(i),
+        });
+        let _writes = write_all(&tx, messages);
+        // Wait for the first message, then abort the sender mid-stream.
+        let first = next(&mut inbox).await;
+        assert_eq!(verify(&first.message), 0, "{name}");
+        tx.do_send(Close::because("peer death, simulated"));
+        let mut expect = 1;
+        let mut errors = 0;
+        loop {
+            let d = next(&mut inbox).await;
+            match d.result {
+                Ok(()) => {
+                    assert_eq!(errors, 0, "{name}: a message after an error");
+                    assert_eq!(verify(&d.message), expect, "{name}: order");
+                    expect += 1;
+                }
+                Err(e) => {
+                    assert!(
+                        matches!(e, Error::PeerClosed { .. }),
+                        "{name}: not the peer's close: {e}"
+                    );
+                    errors += 1;
+                    if rx.info().await.unwrap().closed {
+                        // The pipe failed: the error that ends the stand may follow.
+                        let closed = within(10, "close", rx.close(Close::default())).await;
+                        assert!(matches!(closed.unwrap().error, Error::PeerClosed { .. }));
+                        while let Ok(d) = inbox.try_recv() {
+                            assert!(d.result.is_err(), "{name}: success after an error");
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+        assert!(expect <= 40, "{name}");
+        nothing_more(&mut inbox, name).await;
+    }
+}
+
+/// Closing the pipe ends the stand with one error, then nothing.
+#[actix::test]
+async fn close_while_standing() {
+    let (tx, rx, mut inbox, _s) = standing(tcp_basic).await;
+    tx.write(mixed(0)).await.unwrap();
+    assert_eq!(verify(&next(&mut inbox).await.message), 0);
+    let closed = within(10, "close", rx.close(Close::because("done"))).await;
+    assert!(matches!(closed.unwrap().error, Error::Closed { .. }));
+    let last = next(&mut inbox).await;
+    assert!(
+        matches!(last.result, Err(Error::Closed { .. })),
+        "{:?}",
+        last.result
+    );
+    nothing_more(&mut inbox, "close").await;
+    // A stand on a closed pipe is refused with its error.
+    let (to, _inbox) = actorpipe::inbox::<ReadDone>();
+    assert!(matches!(
+        rx.receive_all(to).await,
+        Err(Error::Closed { .. })
+    ));
+}
+
+/// While a stand stands, `Read`, `ReadDescriptor`, `Receive` and a second `ReceiveAll` are
+/// refused; so is a stand with a read pending. The stand goes on unharmed.
+#[actix::test]
+async fn conflicting_reads_are_refused() {
+    let (tx, rx, _s) = pair(tcp_basic(), tcp_basic()).await;
+    // A pending ReadDescriptor: no stand.
+    let pending = rx.send(ReadDescriptor);
+    tokio::task::yield_now().await;
+    let (to, mut inbox) = actorpipe::inbox::<ReadDone>();
+    let pending = actix::spawn(pending);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_invalid(&rx.receive_all(to.clone()).await, "reads pending");
+    tx.write(mixed(0)).await.unwrap();
+    let d = within(10, "descriptor", pending).await.unwrap().unwrap();
+    let got = rx
+        .read(Allocation::for_descriptor(&d.descriptor.unwrap()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(verify(&got), 0);
+
+    rx.receive_all(to.clone()).await.unwrap();
+    assert_invalid(&rx.receive_all(to).await, "while a standing receive stands");
+    let refused = rx.send(Receive::new()).await.unwrap();
+    assert_invalid(&refused.result, "standing receive");
+    let refused = rx.send(ReadDescriptor).await.unwrap();
+    assert_invalid(&refused.descriptor.map(|_| ()), "standing receive");
+    let spare = Allocation::for_descriptor(&mixed(1).descriptor()).unwrap();
+    let refused = rx.send(Read::new(spare)).await.unwrap();
+    assert_invalid(&refused.result, "standing receive");
+    assert_eq!(refused.message.payloads.len(), 1, "the buffers come back");
+    for i in 1..5 {
+        tx.write(mixed(i)).await.unwrap();
+        assert_eq!(verify(&next(&mut inbox).await.message), i);
+    }
+}
+
+/// `StopReceiving` ends the stand: the messages after it wait for a `Receive`, ids go on, and
+/// a new stand can begin. Without a stand it is refused.
+#[actix::test]
+async fn stopping_the_stand() {
+    for (name, builder) in CONFIGS {
+        let (tx, rx, _s) = pair(builder(), builder()).await;
+        assert_invalid(&rx.stop_receiving().await.map(|_| ()), "no standing");
+        let (to, mut inbox) = actorpipe::inbox::<ReadDone>();
+        rx.receive_all(to.clone()).await.unwrap();
+        let mut ids = Vec::new();
+        for i in 0..6 {
+            tx.write(mixed(i)).await.unwrap();
+            let d = next(&mut inbox).await;
+            assert_eq!(verify(&d.message), i, "{name}");
+            ids.push(d.id);
+        }
+        let through = rx.stop_receiving().await.unwrap();
+        assert!(
+            ids.iter().all(|id| *id < through),
+            "{name}: {ids:?} {through}"
+        );
+        for i in 6..10 {
+            // Not awaited first: an xth tensor's write completes once it is read.
+            let mut w = write_all(&tx, std::iter::once(mixed(i)));
+            let d = within(30, "a Receive", rx.send(Receive::new()))
+                .await
+                .unwrap();
+            assert!(d.id >= through, "{name}: ids go on");
+            d.result.unwrap();
+            assert_eq!(verify(&d.message), i, "{name}");
+            within(30, "a write", w.recv())
+                .await
+                .unwrap()
+                .result
+                .unwrap();
+        }
+        nothing_more(&mut inbox, name).await;
+        // Written before the stand begins again: read ahead, then delivered first.
+        let _w = write_all(&tx, std::iter::once(mixed(10)));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        rx.receive_all(to).await.unwrap();
+        let _w = write_all(&tx, (11..14).map(mixed));
+        for i in 10..14 {
+            assert_eq!(verify(&next(&mut inbox).await.message), i, "{name}");
+        }
+    }
+}
+
+/// A recipient whose actor stopped fails the pipe when the next message comes: nobody would
+/// read it.
+#[actix::test]
+async fn a_recipient_gone_fails_the_pipe() {
+    let (tx, rx, _s) = pair(tcp_basic(), tcp_basic()).await;
+    let (to, inbox) = actorpipe::inbox::<ReadDone>();
+    rx.receive_all(to).await.unwrap();
+    // The inbox actor stops at the first message it cannot pass on.
+    drop(inbox);
+    for i in 0..100 {
+        if tx.write(mixed(i % 4)).await.is_err() || rx.info().await.unwrap().closed {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let closed = within(10, "close", rx.close(Close::default()))
+        .await
+        .unwrap();
+    match closed.error {
+        Error::Closed { reason, .. } => assert!(reason.contains("recipient"), "{reason}"),
+        e => panic!("not the recipient's: {e}"),
+    }
+}
