@@ -459,6 +459,21 @@ impl ActixMessage for ReceiveAll {
     type Result = Result<(), Error>;
 }
 
+/// Hands the standing receive ([`ReceiveAll`]) buffers to reuse, typically those of a message
+/// it delivered, back from its echo's `WriteDone`. The pipe fits the next message it reads for
+/// the stand into them (as [`Receive::reusing`] does: resized in place, allocated only where
+/// missing or too small) instead of allocating: what keeps large messages from costing a fresh
+/// allocation and its page faults each. Only messages the pipe reads use them (payloads over
+/// 16 KiB in all, tensors that do not ride with the frame); the read loop's deliveries are the
+/// bytes it read with the frame. The pipe keeps at most 16 sets, the last given used first;
+/// more, or any without a stand, are dropped.
+#[derive(Debug, Default)]
+pub struct Recycle(pub Allocation);
+
+impl ActixMessage for Recycle {
+    type Result = ();
+}
+
 /// Ends the standing receive ([`ReceiveAll`]). The read loop delivers nothing more; messages
 /// the pipe had begun to read still go to the recipient. Answers the id one past the last
 /// `ReadDone` the stand sends (every one of them has a smaller id), or

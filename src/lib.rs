@@ -72,7 +72,7 @@ pub mod prelude {
         inbox, Accepted, Call, ChannelInfo, Close, Closed, Connect, ContextBuilder, ContextExt,
         DescriptorReady, Endpoint, GetInfo, GetMetricsAddr, GetWriter, Inbox, LaneInfo, Listen,
         Listener, Listening, Op, Pipe, PipeExt, PipeInfo, PipeWriter, ReadDescriptor, ReadDone,
-        Receive, ReceiveAll, StopListening, StopReceiving, Subscribe, WriteDone,
+        Receive, ReceiveAll, Recycle, StopListening, StopReceiving, Subscribe, WriteDone,
     };
     pub use crate::error::{Error, ErrorClass, Origin};
     pub use crate::message::{

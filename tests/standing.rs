@@ -296,3 +296,36 @@ async fn a_recipient_gone_fails_the_pipe() {
         e => panic!("not the recipient's: {e}"),
     }
 }
+
+/// Buffers handed back with `Recycle` are the ones the next large message is read into: no
+/// allocation per large message. The spare is told apart by its capacity (3 MiB for a 1 MiB
+/// payload), which a fresh allocation would not have.
+#[actix::test]
+async fn recycled_buffers_take_the_next_large_message() {
+    const SPARE: usize = 3 << 20;
+    for (name, builder) in CONFIGS {
+        let (tx, rx, mut inbox, _s) = standing(builder).await;
+        let mut spare = Vec::with_capacity(SPARE);
+        spare.resize(1 << 20, 0u8);
+        // Awaited: handled before the next message's frame can reach the pipe.
+        rx.send(Recycle(Allocation {
+            payloads: vec![spare],
+            tensors: Vec::new(),
+        }))
+        .await
+        .unwrap();
+        tx.write(mixed(1)).await.unwrap();
+        let d = next(&mut inbox).await;
+        assert_eq!(verify(&d.message), 1, "{name}");
+        assert_eq!(
+            d.message.payloads[0].data.capacity(),
+            SPARE,
+            "{name}: the 1 MiB payload was read into the recycled buffer"
+        );
+        // Without a spare, the next one gets buffers of its own.
+        tx.write(mixed(5)).await.unwrap();
+        let d = next(&mut inbox).await;
+        assert_eq!(verify(&d.message), 5, "{name}");
+        assert_ne!(d.message.payloads[0].data.capacity(), SPARE, "{name}");
+    }
+}

@@ -22,6 +22,8 @@ use super::*;
 /// The pipe's side of a standing receive.
 pub(super) struct Standing {
     to: Arc<Recipient<ReadDone>>,
+    /// Buffers to read the next messages into ([`Recycle`]), the last given first.
+    spares: Vec<Allocation>,
 }
 
 impl Pipe {
@@ -69,7 +71,10 @@ impl Pipe {
             next_id: self.next_read_id,
             delivered: 0,
         });
-        self.stand = Some(Standing { to: Arc::new(to) });
+        self.stand = Some(Standing {
+            to: Arc::new(to),
+            spares: Vec::new(),
+        });
         // Messages read ahead already go first.
         self.stand_turn();
         Ok(())
@@ -131,12 +136,13 @@ impl Pipe {
             for _ in 0..n {
                 let id = self.take_read_id();
                 self.metrics.issued(OpKind::Read);
+                let spare = self.stand.as_mut().and_then(|s| s.spares.pop());
                 self.reads.push_back(PendingRead::Read {
                     id,
                     since: self.metrics.start(),
                     completer: Completer::Shared(to.clone()),
                     message: Message::default(),
-                    state: ReadState::Receiving(None),
+                    state: ReadState::Receiving(spare),
                     data_complete: false,
                 });
             }
@@ -212,6 +218,18 @@ impl Handler<ReceiveAll> for Pipe {
         let span = self.span.clone();
         let _entered = span.enter();
         self.begin_stand(to)
+    }
+}
+
+impl Handler<Recycle> for Pipe {
+    type Result = ();
+
+    fn handle(&mut self, Recycle(spare): Recycle, _: &mut Self::Context) {
+        if let Some(s) = &mut self.stand {
+            if s.spares.len() < MAX_PREFETCH {
+                s.spares.push(spare);
+            }
+        }
     }
 }
 

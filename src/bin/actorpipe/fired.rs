@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use actorpipe::{
     Allocation, Close, Closed, DescriptorReady, Op, Pipe, PipeWriter, Read, ReadDescriptor,
-    ReadDone, Receive, ReceiveAll, StopReceiving, Subscribe, Write, WriteDone,
+    ReadDone, Receive, ReceiveAll, Recycle, StopReceiving, Subscribe, Write, WriteDone,
 };
 use tokio::sync::oneshot;
 
@@ -37,6 +37,15 @@ pub enum Reading {
     Standing,
 }
 
+/// Buffers of a message larger than this go back to a standing receive ([`Recycle`]): the
+/// messages the pipe reads itself are those over 16 KiB.
+const RECYCLE_ABOVE: u64 = 16 << 10;
+
+fn bytes(a: &Allocation) -> u64 {
+    let payloads: usize = a.payloads.iter().map(Vec::len).sum();
+    payloads as u64 + a.tensors.iter().map(|t| t.len()).sum::<u64>()
+}
+
 /// An actor's recipients for the completions of fired operations, made once.
 struct Recipients {
     wrote: Arc<Recipient<WriteDone>>,
@@ -57,7 +66,13 @@ impl Recipients {
                 pipe.do_send(op.notify_shared(&self.read));
             }
             Reading::TwoStep => pipe.do_send(ReadDescriptor.notify_shared(&self.described)),
-            Reading::Standing => {}
+            // The standing receive asks nothing; it gets large buffers back to read the next
+            // large message into (small ones arrive in the bytes read with their frame).
+            Reading::Standing => {
+                if let Some(spare) = spare.filter(|a| bytes(a) > RECYCLE_ABOVE) {
+                    pipe.do_send(Recycle(spare));
+                }
+            }
         }
     }
 
@@ -185,7 +200,15 @@ impl Handler<ReadDone> for Echo {
 impl Echo {
     fn wrote(&mut self, w: WriteDone) {
         if w.result.is_ok() {
-            self.spare = Some(Allocation::from(w.message));
+            let spare = Allocation::from(w.message);
+            match self.reading {
+                // Back to the stand now: it asks for nothing, so `next` would not hand it on.
+                Reading::Standing => {
+                    self.to()
+                        .read_next(&self.pipe, Reading::Standing, Some(spare))
+                }
+                _ => self.spare = Some(spare),
+            }
         }
     }
 }
