@@ -481,6 +481,117 @@ async fn trial(b: &Backend, death: Death, t: u32) -> Trial {
     report
 }
 
+/// A standing receive (`ReceiveAll`) when the peer is killed with large messages in flight both
+/// ways: what arrived whole arrives in order, then only errors (the last one the stand's own
+/// ending), each within the bound, then nothing; the pipe closes.
+async fn standing_trial(b: &Backend, t: u32) -> Duration {
+    let (mut peer, pipe, server) = open(b, Death::Kill, t % 2 == 1).await;
+    let (r_to, mut reads) = inbox::<ReadDone>();
+    pipe.send(ReceiveAll::to(r_to)).await.unwrap().unwrap();
+    let (closed_to, mut closed) = inbox::<Closed>();
+    pipe.send(Subscribe(closed_to)).await.unwrap();
+    let (w_to, mut writes) = inbox::<WriteDone>();
+    for i in 1..=IN_FLIGHT {
+        pipe.do_send(Write::new(checked_message(i, &[], &[SIZE])).notify(w_to.clone()));
+    }
+    let first = within(20, "first echo", reads.recv()).await.unwrap();
+    first.result.expect("the first echo, before the kill");
+    assert_eq!(verify(&first.message), 1);
+    tokio::time::sleep(Duration::from_millis(t as u64 % 4 * 4)).await;
+    peer.process.kill();
+    let killed = Instant::now();
+    let (mut last_id, mut next_ok, mut failed) = (first.id, 2, 0);
+    let last = within(BOUND.as_secs() + 10, "the stand after the kill", async {
+        loop {
+            let r = reads
+                .recv()
+                .await
+                .expect("the stand ends with an error, then closes");
+            assert!(
+                r.id > last_id,
+                "{}: ids in order: {} after {last_id}",
+                b.name,
+                r.id
+            );
+            last_id = r.id;
+            match r.result {
+                Ok(()) => {
+                    assert_eq!(failed, 0, "{}: a message after an error", b.name);
+                    assert_eq!(verify(&r.message), next_ok, "{}: order", b.name);
+                    next_ok += 1;
+                }
+                Err(e) => {
+                    assert!(allowed(&e), "{}: {e}", b.name);
+                    failed += 1;
+                    // The stand's own last `ReadDone` carries no buffers; a message the pipe
+                    // was reading comes back with its own.
+                    if r.message.tensors.is_empty() {
+                        break killed.elapsed();
+                    }
+                }
+            }
+        }
+    })
+    .await;
+    assert!(
+        last <= BOUND,
+        "{}: the stand ended {last:?} after the kill",
+        b.name
+    );
+    assert!(
+        next_ok <= IN_FLIGHT + 1,
+        "{}: more echoes than writes",
+        b.name
+    );
+    for i in 1..=IN_FLIGHT {
+        let w = within(10, "writes after the kill", writes.recv())
+            .await
+            .unwrap();
+        // Write ids count from 0 (no warm-up write here); messages from 1.
+        assert_eq!(w.id, i - 1, "{}: write completions in order", b.name);
+    }
+    let c = within(10, "Closed", closed.recv()).await.unwrap();
+    assert!(allowed(&c.error), "Closed: {}", c.error);
+    if let Ok(Some(r)) = tokio::time::timeout(Duration::from_millis(300), reads.recv()).await {
+        panic!(
+            "{}: a ReadDone after the stand's last: {:?}",
+            b.name, r.result
+        );
+    }
+    if let Some(s) = server {
+        s.listener.send(StopListening).await.unwrap();
+    }
+    last
+}
+
+/// [`standing_trial`] on one backend, twice (the child listening, then dialing), then the
+/// descriptor check.
+fn survive_standing(name: &str) {
+    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    actix::System::new().block_on(async {
+        let b = backend(name);
+        let baseline = fd_count();
+        let mut ends = Vec::new();
+        for t in 0..2 {
+            ends.push(standing_trial(b, t).await);
+        }
+        if let Err(now) = fds_back_to(&baseline, Duration::from_secs(6)).await {
+            panic!("{name}: descriptors leaked: before {baseline:?}, after {now:?}");
+        }
+        eprintln!("{name}: standing receive, 2 kills, the stand ended {ends:?} after each");
+    });
+}
+
+#[test]
+fn peer_killed_while_standing_tcp_basic() {
+    survive_standing("tcp_basic")
+}
+
+#[test]
+fn peer_killed_while_standing_default_shm_cma() {
+    survive_standing("default")
+}
+
 /// Every trial of one backend, then the descriptor check, on a system of its own that exists
 /// only while this test holds the lock (a runtime has descriptors too).
 fn survive(name: &str, death: Death) {
