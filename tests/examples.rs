@@ -215,6 +215,22 @@ fn bench_layers_measures_each_layer() {
         assert!(r["p99_us"].as_f64().unwrap() >= lo, "{r}");
     }
     assert!(v["ns_per_xorshift_step"].as_f64().unwrap() > 0.0, "{v}");
+    // Over loopback TCP too.
+    let v = bench_json(&[
+        "bench",
+        "layers",
+        "--transport",
+        "tcp",
+        "--iters",
+        "50",
+        "--warmup",
+        "5",
+        "--rounds",
+        "1",
+    ]);
+    assert_eq!(v["transport"], "tcp", "{v}");
+    assert_eq!(v["rows"].as_array().map(Vec::len), Some(2), "{v}");
+    assert_eq!(v["rows"][1]["round_trips"], 50, "{v}");
 }
 
 /// `connect_burst` against an `echo_peer`: every connect is accounted for and every pipe echoes.

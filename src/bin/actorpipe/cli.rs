@@ -240,7 +240,11 @@ impl RunArgs {
 /// Options of `bench layers`.
 #[derive(Debug, Clone, Args)]
 pub struct LayersArgs {
-    /// Spin for this many microseconds before sleeping on a doorbell (`Shm::with_spin`).
+    /// The transport: shm (the default) or tcp (loopback, keepalive on as in a pipe).
+    #[arg(long, value_name = "NAME", default_value = "shm")]
+    pub transport: String,
+
+    /// shm: spin for this many microseconds before sleeping on a doorbell (`Shm::with_spin`).
     #[arg(long, value_name = "MICROS", default_value_t = 20)]
     pub spin: u64,
 

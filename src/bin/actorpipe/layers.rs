@@ -1,10 +1,11 @@
-//! `actorpipe bench layers`: the floor under a 64 B round trip over the shm transport, one layer
+//! `actorpipe bench layers`: the floor under a 64 B round trip over the shm (or tcp) transport, one layer
 //! at a time, so that a pipe's figure can be split into what the ring costs, what the
 //! runtime's task and reactor cost, and what delivering each message to an actor costs.
 //!
 //! Both sides run in this process, each on a thread of its own with its own actix system (a
-//! tokio current-thread runtime), over one shm connection per layer (`transport::shm`, the
-//! transport's own halves, spinning as `--spin` says). The rows:
+//! tokio current-thread runtime), over one connection per round of the transport that
+//! `--transport` names (`shm` by default, spinning as `--spin` says; or `tcp`), through the
+//! transport's own halves. The rows:
 //!
 //! - `halves`: one task per side, `write_all` then `read_exact` (the echo side the reverse). No
 //!   actor, no channel, no allocation: the transport's halves under tokio.
@@ -14,7 +15,7 @@
 //!   `PipeWriter` does. One mailbox hop per message and side: what any design pays that
 //!   tells an application actor about each message.
 //!
-//! `bench transport --backend shm --spin US [--pin]` measures the raw ring (blocking threads,
+//! `bench transport --backend shm|tcp [--spin US] [--pin]` measures the raw path (blocking threads,
 //! no tokio) and the whole pipe; run both to see every layer.
 
 use std::io;
@@ -23,7 +24,11 @@ use std::task::{Context as TaskContext, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use std::sync::Arc;
+
 use actorpipe::transport::shm::Shm;
+use actorpipe::transport::tcp::Tcp;
+use actorpipe::transport::Transport;
 use actorpipe::transport::{BoxWrite, Stream};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -45,17 +50,27 @@ pub fn run(args: &LayersArgs) -> Result<(), Failure> {
     // Before pinning: the machine line counts the CPUs this process may run on.
     let here = crate::report::Provenance::here();
     let spin = Duration::from_micros(args.spin);
-    let shm = Shm::new().with_spin(spin);
+    let (transport, listen): (Arc<dyn Transport>, &str) = match args.transport.as_str() {
+        "shm" => (Arc::new(Shm::new().with_spin(spin)), "shm://"),
+        // As a pipe's own: keepalive on.
+        "tcp" => (Arc::new(Tcp::default()), "tcp://127.0.0.1:0"),
+        other => {
+            return Err(crate::failure::bad(format!(
+                "bench layers: --transport shm or tcp, not {other:?}"
+            )))
+        }
+    };
+    let name = args.transport.clone();
     let (url_tx, url_rx) = std::sync::mpsc::channel::<Result<String, String>>();
     let pin = args.pin;
-    let server_shm = shm.clone();
+    let server_transport = transport.clone();
     let server = std::thread::Builder::new()
         .name("layers-echo".into())
         .spawn(move || {
             if pin {
                 crate::run::pin_to(1).map_err(|e| e.to_string())?;
             }
-            System::new().block_on(echo_side(server_shm, url_tx))
+            System::new().block_on(echo_side(server_transport, listen, url_tx))
         })
         .map_err(|e| Failure::Failed(format!("cannot start the echo thread: {e}")))?;
     let url = url_rx
@@ -71,8 +86,8 @@ pub fn run(args: &LayersArgs) -> Result<(), Failure> {
             let mut p50s = Vec::new();
             let mut all = Vec::new();
             for _ in 0..args.rounds {
-                let stream = shm
-                    .connect_url(&url, Duration::from_secs(10))
+                let stream = transport
+                    .connect(&url, Duration::from_secs(10))
                     .await
                     .map_err(|e| Failure::Failed(format!("connect {url}: {e}")))?;
                 let samples = match layer {
@@ -113,6 +128,7 @@ pub fn run(args: &LayersArgs) -> Result<(), Failure> {
             "date": here.date,
             "command": here.command,
             "ns_per_xorshift_step": speed,
+            "transport": name,
             "spin_us": args.spin,
             "pinned": pin,
             "rows": rows,
@@ -120,15 +136,18 @@ pub fn run(args: &LayersArgs) -> Result<(), Failure> {
         println!("{v}");
     } else {
         println!(
-            "actorpipe bench layers: {SIZE} B round trips over shm, both sides in this process"
+            "actorpipe bench layers: {SIZE} B round trips over {name}, both sides in this process"
         );
         println!("  machine:  {}", here.machine);
         println!("  date:     {}", here.date);
         println!("  command:  {}", here.command);
         println!("  cpu:      {speed:.2} ns per dependent xorshift64 step (one thread, best of 3)");
         println!(
-            "  spin {} µs{}; {} rounds of {} round trips each (after {} untimed), a new connection per round",
-            args.spin,
+            "  {}{}; {} rounds of {} round trips each (after {} untimed), a new connection per round",
+            match name.as_str() {
+                "shm" => format!("spin {} µs", args.spin),
+                _ => "no spin (tcp)".to_string(),
+            },
             if pin {
                 ", client thread on CPU 0, echo thread on CPU 1"
             } else {
@@ -155,9 +174,12 @@ pub fn run(args: &LayersArgs) -> Result<(), Failure> {
             );
         }
         println!();
+        let spin = match name.as_str() {
+            "shm" => format!(" --spin {}", args.spin),
+            _ => String::new(),
+        };
         println!(
-            "The raw ring and the whole pipe: `actorpipe bench transport --backend shm --spin {} --sizes 64{}`.",
-            args.spin,
+            "The raw path and the whole pipe: `actorpipe bench transport --backend {name}{spin} --sizes 64{}`.",
             if pin { " --pin" } else { "" }
         );
     }
@@ -198,11 +220,11 @@ fn us(d: Duration) -> String {
 /// The echo side: accepts one connection per round and layer; the connection's first block
 /// (`hello`) names the layer.
 async fn echo_side(
-    shm: Shm,
+    transport: Arc<dyn Transport>,
+    listen: &str,
     url_tx: std::sync::mpsc::Sender<Result<String, String>>,
 ) -> Result<(), String> {
-    use actorpipe::transport::Acceptor;
-    let mut acceptor = match shm.listen_name(None).await {
+    let mut acceptor = match transport.listen(listen).await {
         Ok(a) => a,
         Err(e) => {
             let _ = url_tx.send(Err(format!("listen: {e}")));
