@@ -240,14 +240,22 @@ impl Catcher {
                 t.target_device = target;
             }
         }
-        let alloc = match (spare, descriptor.payloads.len(), descriptor.tensors.len()) {
+        if let (None, [d], []) = (
+            &spare,
+            &mut descriptor.payloads[..],
+            &descriptor.tensors[..],
+        ) {
             // The one payload is the bytes read with the frame: no copy.
-            (None, 1, 0) => Allocation {
-                payloads: vec![mem::take(bytes)],
+            return Ok(Message {
+                metadata: mem::take(&mut descriptor.metadata),
+                payloads: vec![Payload {
+                    data: mem::take(bytes),
+                    metadata: mem::take(&mut d.metadata),
+                }],
                 tensors: Vec::new(),
-            },
-            (spare, _, _) => fill(spare.unwrap_or_default().refit(descriptor)?, bytes),
-        };
+            });
+        }
+        let alloc = fill(spare.unwrap_or_default().refit(descriptor)?, bytes);
         Ok(Message {
             metadata: mem::take(&mut descriptor.metadata),
             payloads: (alloc.payloads.into_iter().zip(&mut descriptor.payloads))

@@ -193,7 +193,9 @@ async fn the_shared_frame_reader_sees_peer_closed() {
         };
         encode_serde(&mut frame, FrameKind::Close, &bye);
         let origin = Origin::new("shm://test", "shm");
-        let (mut r, limits, mut buf) = (&mut s.read, Limits::default(), Vec::new());
+        // Frames are read through a buffer, as a connection reads them.
+        let mut r = tokio::io::BufReader::new(&mut s.read);
+        let (limits, mut buf) = (Limits::default(), Vec::new());
         let (w, f) = tokio::join!(
             c.write.write_all(&frame),
             read_frame(&mut r, &mut buf, &limits, &origin)
@@ -201,7 +203,7 @@ async fn the_shared_frame_reader_sees_peer_closed() {
         w.unwrap();
         assert_eq!(f.unwrap(), Frame::Close(bye));
         drop(c);
-        let e = read_frame(&mut s.read, &mut buf, &limits, &origin)
+        let e = read_frame(&mut r, &mut buf, &limits, &origin)
             .await
             .unwrap_err();
         assert_eq!(e.class(), "peer_closed", "{e}");

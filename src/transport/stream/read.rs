@@ -42,16 +42,43 @@ pub async fn read_frame_bytes<R: AsyncRead + Unpin + ?Sized>(
     Ok(())
 }
 
+/// The length (prefix included) of the frame at the start of `avail`, if all of it is there.
+fn whole_frame(avail: &[u8], limits: &Limits, origin: &Origin) -> Result<Option<usize>, Error> {
+    let Some(prefix) = avail.first_chunk::<LEN_PREFIX>() else {
+        return Ok(None);
+    };
+    let len =
+        wire::check_frame_len(u32::from_le_bytes(*prefix), limits).map_err(|e| e.at(origin))?;
+    Ok((avail.len() - LEN_PREFIX >= len).then_some(LEN_PREFIX + len))
+}
+
 /// Reads and decodes one frame, skipping heartbeats.
-pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(
+///
+/// A frame that is in the read buffer whole (a small frame usually arrives in one read) is
+/// decoded where it lies; any other is read into `buf` first.
+pub async fn read_frame<R: AsyncBufRead + Unpin + ?Sized>(
     r: &mut R,
     buf: &mut Vec<u8>,
     limits: &Limits,
     origin: &Origin,
 ) -> Result<Frame, Error> {
     let frame = loop {
-        read_frame_bytes(r, buf, limits, origin).await?;
-        match wire::decode_frame(buf, limits) {
+        let avail = r
+            .fill_buf()
+            .await
+            .map_err(|e| io_error("reading a frame", e, origin))?;
+        let decoded = match whole_frame(avail, limits, origin)? {
+            Some(end) => {
+                let f = wire::decode_frame(&avail[LEN_PREFIX..end], limits);
+                r.consume(end);
+                f
+            }
+            None => {
+                read_frame_bytes(r, buf, limits, origin).await?;
+                wire::decode_frame(buf, limits)
+            }
+        };
+        match decoded {
             Ok(Frame::Ping) => continue,
             f => break f.map_err(|e| e.at(origin)),
         }
@@ -119,9 +146,15 @@ async fn read_op(
                 if let Some(inline) = inline_len(wd, *carried) {
                     payloads.resize(inline.total.unwrap_or(inline.payloads), 0);
                     let (mine, mut rest) = payloads.split_at_mut(inline.payloads);
-                    r.read_exact(mine)
-                        .await
-                        .map_err(|e| io_error("reading a payload", e, origin))?;
+                    if let Some(there) = r.buffer().get(..mine.len()) {
+                        // They came with the frame: no read to wait on.
+                        mine.copy_from_slice(there);
+                        r.consume(mine.len());
+                    } else {
+                        r.read_exact(mine)
+                            .await
+                            .map_err(|e| io_error("reading a payload", e, origin))?;
+                    }
                     if inline.whole() {
                         let tensors = wd.descriptor.tensors.iter().zip(&wd.routes);
                         for (i, (t, (_, data))) in tensors.enumerate() {

@@ -270,3 +270,92 @@ fn sequencer_restores_ticket_order() {
     left.sort();
     assert_eq!(left, vec!["d", "f"]);
 }
+
+/// A reader that hands out its bytes `piece` at a time, then ends.
+struct Pieces {
+    data: Vec<u8>,
+    at: usize,
+    piece: usize,
+}
+
+impl AsyncRead for Pieces {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let n = self
+            .piece
+            .min(buf.remaining())
+            .min(self.data.len() - self.at);
+        let at = self.at;
+        buf.put_slice(&self.data[at..at + n]);
+        self.at += n;
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+/// `read_frame` decodes a frame the read buffer holds whole in place and reads any other into
+/// its own buffer: every way the stream may cut frames (inside the prefix, inside the body,
+/// several frames in one read, frames larger than the read buffer) gives the same frames, with
+/// heartbeats skipped, then the right error at the end.
+#[tokio::test]
+async fn frames_read_the_same_however_the_stream_cuts_them() {
+    let farewells: Vec<_> = [0usize, 1, 10, 300, 5000]
+        .iter()
+        .map(|&n| wire::Farewell {
+            reason: "r".repeat(n),
+            graceful: n % 2 == 0,
+        })
+        .collect();
+    let mut stream = Vec::new();
+    for f in &farewells {
+        stream.extend_from_slice(&wire::PING_FRAME);
+        let mut frame = Vec::new();
+        wire::encode_serde(&mut frame, FrameKind::Close, f);
+        stream.extend_from_slice(&frame);
+    }
+    let limits = Limits::default();
+    let origin = Origin::new("test://pieces", "test");
+    for capacity in [8, 16, 512, 8192] {
+        for piece in [1, 3, 4, 5, 64, 1000, stream.len()] {
+            for cut in [stream.len(), stream.len() - 2] {
+                let data = stream[..cut].to_vec();
+                let mut r = BufReader::with_capacity(capacity, Pieces { data, at: 0, piece });
+                let mut buf = Vec::new();
+                let what = format!("capacity {capacity}, piece {piece}, cut at {cut}");
+                let last = if cut == stream.len() { 5 } else { 4 };
+                for f in &farewells[..last] {
+                    let got = read_frame(&mut r, &mut buf, &limits, &origin).await;
+                    assert_eq!(got.unwrap(), Frame::Close(f.clone()), "{what}");
+                }
+                let e = read_frame(&mut r, &mut buf, &limits, &origin)
+                    .await
+                    .unwrap_err();
+                // Cut inside the last frame: the end of stream surfaces from inside a read.
+                assert_eq!(e.class(), "peer_closed", "{what}: {e}");
+                let clean = matches!(&e, Error::PeerClosed { reason, .. }
+                    if reason == "the peer closed the connection");
+                assert_eq!(clean, cut == stream.len(), "{what}: {e}");
+            }
+        }
+    }
+    // A length over the limit fails as a protocol error, whether or not its body is there.
+    let small = Limits {
+        max_frame_size: 100,
+        ..Limits::default()
+    };
+    for piece in [2, 5000] {
+        let mut frame = Vec::new();
+        wire::encode_serde(&mut frame, FrameKind::Close, &farewells[3]);
+        let mut r = BufReader::new(Pieces {
+            data: frame,
+            at: 0,
+            piece,
+        });
+        let e = read_frame(&mut r, &mut Vec::new(), &small, &origin)
+            .await
+            .unwrap_err();
+        assert_eq!(e.class(), "limit", "piece {piece}: {e}");
+    }
+}
