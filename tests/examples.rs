@@ -228,6 +228,14 @@ fn bench_layers_measures_each_layer() {
     assert_eq!(v["transport"], "tcp", "{v}");
     assert_eq!(v["rows"].as_array().map(Vec::len), Some(2), "{v}");
     assert_eq!(v["rows"][1]["round_trips"], 50, "{v}");
+    // One layer alone, as a profiler counts it.
+    let v = bench_json(&[
+        "bench", "layers", "--layers", "actor", "--iters", "50", "--warmup", "5", "--rounds", "1",
+    ]);
+    let rows = v["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 1, "{v}");
+    assert_eq!(rows[0]["layer"], "halves + actor", "{v}");
+    assert_eq!(rows[0]["round_trips"], 50, "{v}");
 }
 
 /// `connect_burst` against an `echo_peer`: every connect is accounted for and every pipe echoes.

@@ -266,6 +266,12 @@ pub struct LayersArgs {
     #[arg(long)]
     pub pin: bool,
 
+    /// The layers to run: `halves`, `actor` (`halves + actor`), or both, comma-separated (one
+    /// alone, to count what it costs under a profiler).
+    #[arg(long, value_name = "LIST", value_delimiter = ',', default_value = "halves,actor",
+          value_parser = ["halves", "actor"])]
+    pub layers: Vec<String>,
+
     /// Print the results as JSON on stdout.
     #[arg(long)]
     pub json: bool,

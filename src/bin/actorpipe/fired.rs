@@ -200,14 +200,17 @@ impl Handler<ReadDone> for Echo {
 impl Echo {
     fn wrote(&mut self, w: WriteDone) {
         if w.result.is_ok() {
-            let spare = Allocation::from(w.message);
             match self.reading {
                 // Back to the stand now: it asks for nothing, so `next` would not hand it on.
-                Reading::Standing => {
-                    self.to()
-                        .read_next(&self.pipe, Reading::Standing, Some(spare))
-                }
-                _ => self.spare = Some(spare),
+                // A small message's buffers are not worth a mailbox hop: it reads small ones
+                // with their frame, into buffers of its own.
+                Reading::Standing if w.message.total_bytes() <= RECYCLE_ABOVE => {}
+                Reading::Standing => self.to().read_next(
+                    &self.pipe,
+                    Reading::Standing,
+                    Some(Allocation::from(w.message)),
+                ),
+                _ => self.spare = Some(Allocation::from(w.message)),
             }
         }
     }

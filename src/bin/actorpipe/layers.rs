@@ -82,7 +82,11 @@ pub fn run(args: &LayersArgs) -> Result<(), Failure> {
     }
     let mut rows = Vec::new();
     let client = System::new().block_on(async {
-        for layer in LAYERS {
+        let chosen = |layer: &str| {
+            let short = if layer == "halves" { "halves" } else { "actor" };
+            args.layers.iter().any(|l| l == short)
+        };
+        for layer in LAYERS.into_iter().filter(|l| chosen(l)) {
             let mut p50s = Vec::new();
             let mut all = Vec::new();
             for _ in 0..args.rounds {
