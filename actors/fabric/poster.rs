@@ -17,7 +17,6 @@
 //! lock, together with taking `posted`, so a post never falls between a spin's end and the
 //! wait that follows it without a kick.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use actix::prelude::*;
@@ -25,6 +24,7 @@ use tokio::sync::mpsc;
 
 use super::{FabricEndpoint, RegionOp};
 use crate::fabric::engine::{Engine, Finished, Op};
+use crate::fabric::keymap::KeyMap;
 use crate::transport::stream::Memory;
 
 /// What the actor and its posters share (see the module docs).
@@ -32,10 +32,10 @@ pub(super) struct Core {
     // First: dropped (the endpoint closed) before the quarantined buffers below.
     pub(super) engine: Engine,
     /// Each pipe's queue of ends, given at `FabricAttach`.
-    pub(super) sinks: HashMap<u32, mpsc::UnboundedSender<Finished>>,
+    pub(super) sinks: KeyMap<u32, mpsc::UnboundedSender<Finished>>,
     /// Buffers of detached pipes that the provider may still touch, kept until the engine has
     /// forgotten their pipe (or has closed: they drop after it).
-    pub(super) quarantine: HashMap<u32, Vec<Arc<Mutex<Vec<Memory>>>>>,
+    pub(super) quarantine: KeyMap<u32, Vec<Arc<Mutex<Vec<Memory>>>>>,
     /// The actor is spinning: it reads the CQ on every turn, a post needs no kick.
     pub(super) spinning: bool,
     /// Ops were posted directly since the actor last looked (activity: extends its window).
@@ -59,8 +59,8 @@ impl Core {
     pub(super) fn new(engine: Engine) -> Core {
         Core {
             engine,
-            sinks: HashMap::new(),
-            quarantine: HashMap::new(),
+            sinks: KeyMap::default(),
+            quarantine: KeyMap::default(),
             spinning: false,
             posted: false,
             kicked: false,
@@ -106,7 +106,7 @@ impl Core {
 }
 
 /// Hands `f` to its pipe's queue.
-pub(super) fn deliver(sinks: &HashMap<u32, mpsc::UnboundedSender<Finished>>, f: Finished) {
+pub(super) fn deliver(sinks: &KeyMap<u32, mpsc::UnboundedSender<Finished>>, f: Finished) {
     if let Some(s) = sinks.get(&f.pipe) {
         // A pipe that dropped its queue no longer wants its buffers back.
         let _ = s.send(f);
