@@ -53,6 +53,7 @@ use crate::fabric::{Attributes, Domain, Endpoint, FabricError, InfoList};
 use crate::transport::stream::Memory;
 use poster::{deliver, lock, Core};
 pub use poster::{FabricKick, Poster};
+use poster::{KickSignal, Kicks};
 use spin::Spinner;
 
 /// How a [`FabricEndpoint`] progresses its completion queue.
@@ -167,6 +168,8 @@ pub struct FabricEndpoint {
     wait: Option<Rc<AsyncFd<OwnedFd>>>,
     // The engine, the pipes' queues and the quarantine, shared with the pipes' [`Poster`]s.
     core: Arc<Mutex<Core>>,
+    // How the posters kick the actor when it does not spin (see `poster.rs`).
+    signal: Arc<KickSignal>,
     config: EndpointConfig,
     driver: Driver,
     handle: Option<SpawnHandle>,
@@ -250,6 +253,7 @@ impl FabricEndpoint {
         Ok(FabricEndpoint {
             wait,
             core: Arc::new(Mutex::new(Core::new(engine))),
+            signal: Arc::default(),
             config,
             driver: Driver::Idle,
             handle: None,
@@ -348,6 +352,13 @@ impl FabricEndpoint {
 
     /// Ops moved (a completion, a post): the spin window starts again, polls back off from
     /// 1 ms again.
+    /// A kick (a direct post while not spinning): reads the CQ now and arms the next progress.
+    fn kicked(&mut self, ctx: &mut Context<Self>) {
+        self.activity();
+        // Manual-progress providers move data only when the CQ is read: read it now.
+        self.tick(ctx);
+    }
+
     fn activity(&mut self) {
         self.last_activity.touch();
         self.sleep = Duration::from_millis(1);
@@ -487,6 +498,7 @@ impl Actor for FabricEndpoint {
         // An endpoint opened and never used (a bootstrap that failed before attaching) has no
         // message left to notice that it is unused: look every 2 s.
         ctx.run_interval(ORPHAN_CHECK, |act, ctx| act.maybe_stop(ctx, true));
+        ctx.spawn(Kicks::new(self.signal.clone()));
     }
 
     fn stopped(&mut self, ctx: &mut Self::Context) {
@@ -614,7 +626,11 @@ impl Handler<FabricAttach> for FabricEndpoint {
 impl Handler<FabricShare> for FabricEndpoint {
     type Result = MessageResult<FabricShare>;
     fn handle(&mut self, _: FabricShare, ctx: &mut Context<Self>) -> Self::Result {
-        MessageResult(Poster::new(self.core.clone(), ctx.address()))
+        MessageResult(Poster::new(
+            self.core.clone(),
+            self.signal.clone(),
+            ctx.address(),
+        ))
     }
 }
 
@@ -622,9 +638,7 @@ impl Handler<FabricKick> for FabricEndpoint {
     type Result = ();
     fn handle(&mut self, _: FabricKick, ctx: &mut Context<Self>) {
         self.core().kicked = false;
-        self.activity();
-        // Manual-progress providers move data only when the CQ is read: read it now.
-        self.tick(ctx);
+        self.kicked(ctx);
     }
 }
 
