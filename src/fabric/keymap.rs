@@ -3,9 +3,10 @@
 //!
 //! Their keys are our own numbers and addresses, never a peer's choice (a completion names its
 //! pipe through our context pointer, not its tag), so SipHash's resistance to chosen keys buys
-//! nothing here; it cost about 110 instructions a lookup, and a 64 B round trip of the `efa`
-//! channel made some 50 of them (callgrind, docs/efa.md "Instruction counts"). This one is a
-//! multiply and a rotate per word (the `FxHash` of rustc).
+//! nothing here; it cost about 110 instructions a lookup, some 3,000 instructions per 64 B
+//! round trip of `bench efa`'s `transport` row and 5,800 of its `channel` row (callgrind,
+//! docs/efa.md, "Instruction counts"). This one is a multiply and a rotate per word (the
+//! `FxHash` of rustc).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
