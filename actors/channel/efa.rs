@@ -99,6 +99,8 @@ pub(super) struct Fabric {
     next_peer: usize,
     /// Tensors handed over before the set-up finished: (sending, seq, index, buffer).
     waiting: VecDeque<(bool, u64, u32, Memory)>,
+    /// `efa_move`'s lists of ops, one per link, kept empty between tensors.
+    posts: Vec<Vec<RegionOp>>,
 }
 
 impl Fabric {
@@ -118,6 +120,7 @@ impl Fabric {
             attaching: 0,
             next_peer: 0,
             waiting: VecDeque::new(),
+            posts: Vec::new(),
         }
     }
 
@@ -462,7 +465,9 @@ impl Channel {
             let e = f.failed.clone().unwrap_or_else(|| gone(&self.origin));
             return self.hand_back(sending, seq, index, buffer, Err(e));
         }
-        let mut posts: Vec<Vec<RegionOp>> = vec![Vec::new(); f.links.len()];
+        // One list of ops per link, reused from tensor to tensor (no allocation per tensor).
+        let mut posts = std::mem::take(&mut f.posts);
+        posts.resize_with(f.links.len(), Vec::new);
         let stripes = crate::channel::mpt::stripes(len as u64, f.links.len() as u32);
         for (k, start, n) in stripes {
             let l = &mut f.links[k as usize];
@@ -497,8 +502,9 @@ impl Channel {
         // The buffer moves into `held`; its heap memory, which the regions name, does not.
         self.hold(key, buffer, out);
         let f = self.fabric();
-        for (l, ops) in f.links.iter().zip(posts) {
+        for (l, ops) in f.links.iter().zip(&mut posts) {
             let (Some(poster), Some(pipe)) = (&l.poster, l.pipe) else {
+                ops.clear();
                 continue; // not reached: `ready` above checked every link's pipe
             };
             if !ops.is_empty() {
@@ -508,16 +514,19 @@ impl Channel {
                 // `release` waits for zero; a failing channel hands back a stand-in and leaves
                 // the buffer with the endpoints; a channel torn down with ops out forgets the
                 // buffer rather than free it).
-                unsafe { poster.post_regions(pipe, &ops) };
+                unsafe { poster.post_regions(pipe, ops) };
+                ops.clear();
             }
         }
+        f.posts = posts;
         self.maybe_stop(ctx);
     }
 
     /// One chunk ended on link `link` (from that endpoint's queue for our pipe, in post order).
     pub(super) fn efa_finished(&mut self, link: usize, done: Finished, ctx: &mut Context<Self>) {
-        let origin = self.origin.clone();
-        let f = self.fabric();
+        // The origin is borrowed, not cloned: only an error needs it.
+        let origin = &self.origin;
+        let f = self.fabric.as_mut().expect("efa state");
         let Some(l) = f.links.get_mut(link) else {
             return tracing::warn!("efa channel: an end on no link");
         };
@@ -533,11 +542,11 @@ impl Channel {
         };
         let result = match (done.result, want) {
             // Once the channel has failed (and detached its pipes), its ops end with that error.
-            (Err(e), _) => Err(f.failed.clone().unwrap_or_else(|| chunk_error(e, &origin))),
+            (Err(e), _) => Err(f.failed.clone().unwrap_or_else(|| chunk_error(e, origin))),
             // Short or long chunks: the two sides cut differently, and every later tag is off.
             (Ok(n), Some(w)) if n != w => Err(Error::protocol(
                 format!("efa channel: a chunk of {n} bytes arrived where {w} were expected"),
-                &origin,
+                origin,
             )),
             (Ok(_), _) => Ok(()),
         };

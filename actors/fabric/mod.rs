@@ -53,6 +53,7 @@ use crate::fabric::{Attributes, Domain, Endpoint, FabricError, InfoList};
 use crate::transport::stream::Memory;
 use poster::{deliver, lock, Core};
 pub use poster::{FabricKick, Poster};
+use poster::{KickSignal, Kicks};
 use spin::Spinner;
 
 /// How a [`FabricEndpoint`] progresses its completion queue.
@@ -123,16 +124,57 @@ enum Driver {
     Deferred,
 }
 
+/// When ops last moved on an endpoint. Where no spin window applies while nothing is
+/// backlogged (a wait fd and no `busy_poll`), an activity is not stamped with the clock at once
+/// but at the next look at a window, if one comes (a backlog: its post or retry is itself
+/// such an activity, a moment before): in a VM a clock read costs as much as the rest of a
+/// pass's bookkeeping, and that mode reads the clock for nothing else.
+struct Stamp {
+    at: Instant,
+    lazily: bool,
+    due: bool,
+}
+
+impl Stamp {
+    fn new(lazily: bool) -> Stamp {
+        Stamp {
+            at: Instant::now(),
+            lazily,
+            due: false,
+        }
+    }
+
+    /// An activity now.
+    fn touch(&mut self) {
+        if self.lazily {
+            self.due = true;
+        } else {
+            self.at = Instant::now();
+        }
+    }
+
+    /// How long since the last activity, at `now` (stamping one not stamped yet with `now`).
+    fn quiet(&mut self, now: Instant) -> Duration {
+        if std::mem::take(&mut self.due) {
+            self.at = now;
+        }
+        now.saturating_duration_since(self.at)
+    }
+}
+
 /// One endpoint actor. See the module docs.
 pub struct FabricEndpoint {
     // Our own duplicate of the CQ's wait fd: it stays valid whenever libfabric closes its own.
     wait: Option<Rc<AsyncFd<OwnedFd>>>,
     // The engine, the pipes' queues and the quarantine, shared with the pipes' [`Poster`]s.
     core: Arc<Mutex<Core>>,
+    // How the posters kick the actor when it does not spin (see `poster.rs`).
+    signal: Arc<KickSignal>,
     config: EndpointConfig,
     driver: Driver,
     handle: Option<SpawnHandle>,
-    last_activity: Instant,
+    // When ops last moved (a completion, a post).
+    last_activity: Stamp,
     sleep: Duration,
     metrics: metrics::EndpointMetrics,
     // Progress passes (CQ reads) made: `FabricStats::polls`.
@@ -203,6 +245,7 @@ impl FabricEndpoint {
             }
             _ => None,
         };
+        let lazily = wait.is_some() && config.busy_poll.is_zero();
         let a = ep.domain().attributes();
         let metrics = metrics::EndpointMetrics::open(&a.provider, &a.domain);
         let mut engine = Engine::new(ep, config.faults);
@@ -210,10 +253,11 @@ impl FabricEndpoint {
         Ok(FabricEndpoint {
             wait,
             core: Arc::new(Mutex::new(Core::new(engine))),
+            signal: Arc::default(),
             config,
             driver: Driver::Idle,
             handle: None,
-            last_activity: Instant::now(),
+            last_activity: Stamp::new(lazily),
             sleep: Duration::from_millis(1),
             metrics,
             polls: 0,
@@ -300,19 +344,23 @@ impl FabricEndpoint {
 
     /// Whether a spin is due at `now`: ops in flight, and the last activity within the spin
     /// window.
-    fn spin_due_at(&self, now: Instant) -> bool {
-        let c = self.core();
-        self.due(&c.engine, now)
+    fn spin_due_at(&mut self, now: Instant) -> bool {
+        let c = lock(&self.core);
+        let window = self.spin_window(c.engine.backlogged());
+        c.engine.busy() && self.last_activity.quiet(now) < window
     }
 
-    fn due(&self, engine: &Engine, now: Instant) -> bool {
-        engine.busy()
-            && now.saturating_duration_since(self.last_activity)
-                < self.spin_window(engine.backlogged())
+    /// Ops moved (a completion, a post): the spin window starts again, polls back off from
+    /// 1 ms again.
+    /// A kick (a direct post while not spinning): reads the CQ now and arms the next progress.
+    fn kicked(&mut self, ctx: &mut Context<Self>) {
+        self.activity();
+        // Manual-progress providers move data only when the CQ is read: read it now.
+        self.tick(ctx);
     }
 
     fn activity(&mut self) {
-        self.last_activity = Instant::now();
+        self.last_activity.touch();
         self.sleep = Duration::from_millis(1);
     }
 
@@ -329,18 +377,30 @@ impl FabricEndpoint {
     fn plan(&mut self) -> Plan {
         let mut c = lock(&self.core);
         if std::mem::take(&mut c.posted) {
-            self.last_activity = Instant::now();
+            self.last_activity.touch();
             self.sleep = Duration::from_millis(1);
         }
-        let spin = self.due(&c.engine, Instant::now());
+        let (busy, backlogged) = (c.engine.busy(), c.engine.backlogged());
+        let window = self.spin_window(backlogged);
+        let fd_mode = self.wait.is_some() && !backlogged;
+        let defer = if fd_mode && !busy {
+            self.config.busy_poll
+        } else {
+            Duration::ZERO
+        };
+        // The clock only where a window is open (none without spin where there is a wait fd).
+        let quiet = if (busy && !window.is_zero()) || !defer.is_zero() {
+            self.last_activity.quiet(Instant::now())
+        } else {
+            Duration::MAX
+        };
+        let spin = busy && quiet < window;
         c.spinning = spin;
         if spin {
             return Plan::Spin;
         }
-        let fd_mode = self.wait.is_some() && !c.engine.backlogged();
-        let quiet = self.last_activity.elapsed();
-        if fd_mode && !c.engine.busy() && quiet < self.config.busy_poll {
-            return Plan::Defer(self.config.busy_poll - quiet);
+        if quiet < defer {
+            return Plan::Defer(defer - quiet);
         }
         if fd_mode {
             return match c.engine.endpoint().trywait() {
@@ -438,6 +498,7 @@ impl Actor for FabricEndpoint {
         // An endpoint opened and never used (a bootstrap that failed before attaching) has no
         // message left to notice that it is unused: look every 2 s.
         ctx.run_interval(ORPHAN_CHECK, |act, ctx| act.maybe_stop(ctx, true));
+        ctx.spawn(Kicks::new(self.signal.clone()));
     }
 
     fn stopped(&mut self, ctx: &mut Self::Context) {
@@ -565,7 +626,11 @@ impl Handler<FabricAttach> for FabricEndpoint {
 impl Handler<FabricShare> for FabricEndpoint {
     type Result = MessageResult<FabricShare>;
     fn handle(&mut self, _: FabricShare, ctx: &mut Context<Self>) -> Self::Result {
-        MessageResult(Poster::new(self.core.clone(), ctx.address()))
+        MessageResult(Poster::new(
+            self.core.clone(),
+            self.signal.clone(),
+            ctx.address(),
+        ))
     }
 }
 
@@ -573,9 +638,7 @@ impl Handler<FabricKick> for FabricEndpoint {
     type Result = ();
     fn handle(&mut self, _: FabricKick, ctx: &mut Context<Self>) {
         self.core().kicked = false;
-        self.activity();
-        // Manual-progress providers move data only when the CQ is read: read it now.
-        self.tick(ctx);
+        self.kicked(ctx);
     }
 }
 

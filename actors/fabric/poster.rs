@@ -11,20 +11,29 @@
 //! one place completion errors fan out from.
 //!
 //! Progress after a direct post: while the actor spins it reads the CQ on every turn anyway,
-//! and the post only extends its window (`posted`). Otherwise the poster sends one
-//! [`FabricKick`] (coalesced: none while one is on its way), which reads the CQ at once and
-//! arms the next progress, as a `FabricPost` did. Whether the actor spins is decided under the
-//! lock, together with taking `posted`, so a post never falls between a spin's end and the
-//! wait that follows it without a kick.
+//! and the post only extends its window (`posted`). Otherwise the poster kicks the actor
+//! (coalesced: none while one is pending), which reads the CQ at once and arms the next
+//! progress, as a `FabricPost` did. Whether the actor spins is decided under the lock, together
+//! with taking `posted`, so a post never falls between a spin's end and the wait that follows
+//! it without a kick. A kick is no message: the poster raises a [`KickSignal`] and wakes
+//! [`Kicks`], a future the actor runs for its whole life, which looks at the signal (one atomic
+//! load) each time the actor's task runs. A [`FabricKick`] through the mailbox boxed an
+//! envelope per kick and queued it: about 600 instructions a kick (malloc and free, the queue,
+//! the mailbox's dispatch) against some 300 now (the flag, the wake-up, the future's polls),
+//! and a 64 B round trip without spin makes 4 (`transport`) to 6 (`channel`) kicks (callgrind,
+//! docs/efa.md, "Instruction counts").
 
-use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Poll, Waker};
 
 use actix::prelude::*;
 use tokio::sync::mpsc;
 
 use super::{FabricEndpoint, RegionOp};
 use crate::fabric::engine::{Engine, Finished, Op};
+use crate::fabric::keymap::KeyMap;
 use crate::transport::stream::Memory;
 
 /// What the actor and its posters share (see the module docs).
@@ -32,15 +41,15 @@ pub(super) struct Core {
     // First: dropped (the endpoint closed) before the quarantined buffers below.
     pub(super) engine: Engine,
     /// Each pipe's queue of ends, given at `FabricAttach`.
-    pub(super) sinks: HashMap<u32, mpsc::UnboundedSender<Finished>>,
+    pub(super) sinks: KeyMap<u32, mpsc::UnboundedSender<Finished>>,
     /// Buffers of detached pipes that the provider may still touch, kept until the engine has
     /// forgotten their pipe (or has closed: they drop after it).
-    pub(super) quarantine: HashMap<u32, Vec<Arc<Mutex<Vec<Memory>>>>>,
+    pub(super) quarantine: KeyMap<u32, Vec<Arc<Mutex<Vec<Memory>>>>>,
     /// The actor is spinning: it reads the CQ on every turn, a post needs no kick.
     pub(super) spinning: bool,
     /// Ops were posted directly since the actor last looked (activity: extends its window).
     pub(super) posted: bool,
-    /// A [`FabricKick`] is on its way.
+    /// A kick is on its way: [`Kicks`] has not taken it yet.
     pub(super) kicked: bool,
     /// The actor has stopped: nothing progresses the engine any more.
     pub(super) closed: bool,
@@ -59,8 +68,8 @@ impl Core {
     pub(super) fn new(engine: Engine) -> Core {
         Core {
             engine,
-            sinks: HashMap::new(),
-            quarantine: HashMap::new(),
+            sinks: KeyMap::default(),
+            quarantine: KeyMap::default(),
             spinning: false,
             posted: false,
             kicked: false,
@@ -106,7 +115,7 @@ impl Core {
 }
 
 /// Hands `f` to its pipe's queue.
-pub(super) fn deliver(sinks: &HashMap<u32, mpsc::UnboundedSender<Finished>>, f: Finished) {
+pub(super) fn deliver(sinks: &KeyMap<u32, mpsc::UnboundedSender<Finished>>, f: Finished) {
     if let Some(s) = sinks.get(&f.pipe) {
         // A pipe that dropped its queue no longer wants its buffers back.
         let _ = s.send(f);
@@ -119,7 +128,8 @@ pub(super) fn lock(core: &Mutex<Core>) -> MutexGuard<'_, Core> {
 }
 
 /// Wakes a `FabricEndpoint` that is not spinning after a direct post: it reads its CQ and arms
-/// its next progress.
+/// its next progress. [`Poster`]s kick without it (see the module docs); the message does the
+/// same for anyone else.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct FabricKick;
@@ -129,12 +139,17 @@ pub struct FabricKick;
 #[derive(Clone)]
 pub struct Poster {
     core: Arc<Mutex<Core>>,
+    signal: Arc<KickSignal>,
     ep: Addr<FabricEndpoint>,
 }
 
 impl Poster {
-    pub(super) fn new(core: Arc<Mutex<Core>>, ep: Addr<FabricEndpoint>) -> Poster {
-        Poster { core, ep }
+    pub(super) fn new(
+        core: Arc<Mutex<Core>>,
+        signal: Arc<KickSignal>,
+        ep: Addr<FabricEndpoint>,
+    ) -> Poster {
+        Poster { core, signal, ep }
     }
 
     /// The endpoint actor (for the messages that still go through it: attach, detach, stats).
@@ -155,7 +170,7 @@ impl Poster {
             c.after_post()
         };
         if kick {
-            self.ep.do_send(FabricKick);
+            self.signal.raise();
         }
     }
 
@@ -175,17 +190,95 @@ impl Poster {
             c.after_post()
         };
         if kick {
-            self.ep.do_send(FabricKick);
+            self.signal.raise();
         }
     }
 }
 
 impl Core {
-    /// Notes a direct post; says whether the actor needs a kick.
+    /// Notes a direct post; says whether the actor needs a kick (it does not spin, and none is
+    /// on its way).
     fn after_post(&mut self) -> bool {
         self.posted = true;
         let kick = !self.spinning && !self.kicked;
         self.kicked |= kick;
         kick
+    }
+}
+
+/// How a poster kicks the actor: a flag and the waker of [`Kicks`].
+#[derive(Default)]
+pub(super) struct KickSignal {
+    raised: AtomicBool,
+    waker: Mutex<Option<Waker>>,
+}
+
+impl KickSignal {
+    /// Raises the flag, then wakes [`Kicks`] if it waits (it re-reads the flag after arming).
+    fn raise(&self) {
+        self.raised.store(true, Ordering::Release);
+        let waker = self.waker.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+/// The actor's end of the kicks: one future for the actor's life (spawned when it starts),
+/// woken by the poster that kicks; each kick it takes reads the CQ and arms the next progress
+/// ([`FabricEndpoint::kicked`]). The actor's task polls it whenever it runs, for whatever
+/// reason: with no kick and its waker in place that costs one atomic load.
+pub(super) struct Kicks {
+    signal: Arc<KickSignal>,
+    /// Its waker is in the signal (a poster that takes it raises the flag first).
+    armed: bool,
+}
+
+impl Kicks {
+    pub(super) fn new(signal: Arc<KickSignal>) -> Kicks {
+        Kicks {
+            signal,
+            armed: false,
+        }
+    }
+}
+
+impl ActorFuture<FabricEndpoint> for Kicks {
+    type Output = ();
+
+    fn poll(
+        mut self: Pin<&mut Self>,
+        act: &mut FabricEndpoint,
+        ctx: &mut Context<FabricEndpoint>,
+        task: &mut std::task::Context<'_>,
+    ) -> Poll<()> {
+        if self.armed && !self.signal.raised.load(Ordering::Acquire) {
+            return Poll::Pending;
+        }
+        loop {
+            if self.signal.raised.swap(false, Ordering::AcqRel) {
+                // Its waker went with the kick (or goes soon: then one spurious wake-up).
+                self.armed = false;
+                {
+                    let mut c = lock(&act.core);
+                    if c.closed {
+                        return Poll::Ready(());
+                    }
+                    // Posts from now on kick again; the pass below covers the ones before.
+                    c.kicked = false;
+                }
+                act.kicked(ctx);
+                continue;
+            }
+            if !self.armed {
+                let mut w = self.signal.waker.lock().unwrap_or_else(|p| p.into_inner());
+                *w = Some(task.waker().clone());
+                drop(w);
+                self.armed = true;
+                // A kick raised before the waker was in place finds no waker: look again.
+                continue;
+            }
+            return Poll::Pending;
+        }
     }
 }

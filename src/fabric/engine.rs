@@ -28,6 +28,7 @@ use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 
 use super::faults::{Dice, Faults};
+use super::keymap::KeyMap;
 use super::regcache::RegCache;
 use super::{eio, Attributes, Completion, Endpoint, FabricError, FiAddr, Mr, PostError};
 
@@ -167,7 +168,7 @@ pub struct Engine {
     slots: Vec<Slot>,
     free: Vec<usize>,
     backlog: VecDeque<usize>,
-    pipes: HashMap<u32, PipeState>,
+    pipes: KeyMap<u32, PipeState>,
     peers: HashMap<Vec<u8>, (FiAddr, usize)>,
     next_pipe: u32,
     faults: Faults,
@@ -188,7 +189,7 @@ impl Engine {
             slots: Vec::new(),
             free: Vec::new(),
             backlog: VecDeque::new(),
-            pipes: HashMap::new(),
+            pipes: KeyMap::default(),
             peers: HashMap::new(),
             next_pipe: 0,
             dice: Dice::new(faults.seed),

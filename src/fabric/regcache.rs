@@ -16,16 +16,16 @@
 //! memory is unmapped, the memory-hook machinery of libfabric's own MR cache; this rule needs
 //! none.)
 
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::rc::Rc;
 
+use super::keymap::KeyMap;
 use super::{Domain, FabricError, Mr};
 
 /// Registrations in use, keyed by buffer. See the module docs.
 #[derive(Default)]
 pub struct RegCache {
-    entries: HashMap<(usize, usize), (Mr, usize)>,
+    entries: KeyMap<(usize, usize), (Mr, usize)>,
     registrations: u64,
 }
 

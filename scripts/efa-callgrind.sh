@@ -1,0 +1,98 @@
+#!/bin/bash
+# Instructions per 64 B round trip of `actorpipe bench efa` rows, counted by valgrind's
+# callgrind (the 2-core VM has no hardware counters): each row alone (`--rows`), at
+# --iters 2000 and 4000, the two totals subtracted and divided by the 2200 round trips between
+# them (the bench adds a tenth of --iters as warm-up), with the functions whose exclusive
+# counts moved most. `--fair-sched=yes`: with valgrind's default lock the two bench threads'
+# interleaving, and so the number of CQ reads and fd waits per round trip, varied from run to
+# run (the same binary's `transport` row measured 79 and 88 thousand; with it, 85.5 and 85.6).
+# Rows that spin (`raw`, `... spin`) count their spin loops: read those as upper bounds.
+# Run: bash scripts/efa-callgrind.sh BIN OUTDIR [ROW...] (default rows: transport channel raw;
+# PROVIDER overrides 'tcp;ofi_rxm'). About 2 minutes for the default rows on the 2-core VM.
+# Then: bash scripts/efa-callgrind.sh --compare OLDDIR NEWDIR [ROW...]: the two runs' counts
+# per round trip side by side, per function (exclusive), those that moved most first.
+set -u
+if [ "${1:-}" = "--compare" ]; then
+  old=${2:?usage: efa-callgrind.sh --compare OLDDIR NEWDIR [ROW...]}
+  new=${3:?usage: efa-callgrind.sh --compare OLDDIR NEWDIR [ROW...]}
+  shift 3
+  rows=("$@")
+  [ ${#rows[@]} -eq 0 ] && rows=(transport channel)
+  for row in "${rows[@]}"; do
+    python3 - "$old" "$new" "$row" <<'EOF'
+import collections, re, subprocess, sys
+
+def functions(path):
+    text = subprocess.run(
+        ["callgrind_annotate", "--threshold=100", "--auto=no", "--inclusive=no", path],
+        capture_output=True, text=True).stdout
+    counts = collections.Counter()
+    for line in text.splitlines():
+        m = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+(.*)", line)
+        if m and "PROGRAM TOTALS" not in line:
+            name = re.sub(r" \[.*\]$", "", m.group(2))
+            name = re.sub(r"^.*?:(?=[A-Za-z_<?])", "", name, count=1)
+            counts[name] += int(m.group(1).replace(",", ""))
+    return counts
+
+old, new, row = sys.argv[1:4]
+trips = 2200
+per = []
+for d in (old, new):
+    a, b = functions(f"{d}/{row}-4000.cg"), functions(f"{d}/{row}-2000.cg")
+    per.append({k: (a[k] - b[k]) / trips for k in set(a) | set(b)})
+keys = set(per[0]) | set(per[1])
+total = [sum(p.values()) for p in per]
+print(f"## {row}: per round trip: old, new, new - old ({old} -> {new})")
+print(f"{total[0]:9.0f} {total[1]:9.0f} {total[1] - total[0]:9.0f}  (all functions)")
+for k in sorted(keys, key=lambda k: -abs(per[1].get(k, 0) - per[0].get(k, 0)))[:40]:
+    o, n = per[0].get(k, 0), per[1].get(k, 0)
+    print(f"{o:9.1f} {n:9.1f} {n - o:9.1f}  {k[:130]}")
+EOF
+  done
+  exit 0
+fi
+bin=$(realpath "${1:?usage: efa-callgrind.sh BIN OUTDIR [ROW...]}")
+out=${2:?usage: efa-callgrind.sh BIN OUTDIR [ROW...]}
+shift 2
+rows=("$@")
+[ ${#rows[@]} -eq 0 ] && rows=(transport channel raw)
+provider=${PROVIDER:-tcp;ofi_rxm}
+mkdir -p "$out"
+echo "# $(basename "$bin") $(date -u +%FT%TZ) load $(cut -d' ' -f1 /proc/loadavg) $(valgrind --version)"
+for row in "${rows[@]}"; do
+  for n in 2000 4000; do
+    valgrind --tool=callgrind --fair-sched=yes --callgrind-out-file="$out/$row-$n.cg" \
+      "$bin" bench efa --providers "$provider" --sizes 64 --iters $n --rounds 1 --rows "$row" \
+      >"$out/$row-$n.log" 2>&1
+  done
+  python3 - "$out/$row-4000.cg" "$out/$row-2000.cg" "$row" <<'EOF'
+import collections, re, subprocess, sys
+
+def total(path):
+    for line in open(path):
+        if line.startswith("summary:") or line.startswith("totals:"):
+            return int(line.split()[1])
+
+def functions(path):
+    text = subprocess.run(
+        ["callgrind_annotate", "--threshold=100", "--auto=no", "--inclusive=no", path],
+        capture_output=True, text=True).stdout
+    counts = collections.Counter()
+    for line in text.splitlines():
+        m = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+(.*)", line)
+        if m and "PROGRAM TOTALS" not in line:
+            name = re.sub(r" \[.*\]$", "", m.group(2))
+            name = re.sub(r"^.*?:(?=[A-Za-z_<?])", "", name, count=1)
+            counts[name] += int(m.group(1).replace(",", ""))
+    return counts
+
+big, small, row = sys.argv[1:4]
+trips = 2200
+print(f"## {row}: {(total(big) - total(small)) / trips:.0f} instructions per round trip")
+a, b = functions(big), functions(small)
+moved = {k: (a[k] - b[k]) / trips for k in set(a) | set(b)}
+for name, per in sorted(moved.items(), key=lambda kv: -abs(kv[1]))[:25]:
+    print(f"{per:9.1f}  {name[:150]}")
+EOF
+done
