@@ -40,6 +40,7 @@ pub mod error;
 pub mod fabric;
 pub mod fds;
 pub mod handshake;
+pub mod keymap;
 pub mod message;
 pub mod metrics;
 pub mod negotiate;

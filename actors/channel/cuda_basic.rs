@@ -18,7 +18,7 @@
 //!   connection is shut, nothing more is issued, and every tensor completes with the error once
 //!   its operations in flight have come back.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use super::*;
 use crate::channel::cuda_basic::{self as engine, CHUNK, DEPTH};

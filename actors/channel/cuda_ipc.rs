@@ -21,6 +21,8 @@
 //! Per tensor: one descriptor's 164 bytes of channel data, one ack frame back, no mailbox hop
 //! beyond the pipe's hand-off; on a cache hit no `cuIpcGetMemHandle` / `cuIpcOpenMemHandle`.
 
+use std::collections::HashMap;
+
 use super::*;
 use crate::actors::hardware::cuda_ipc::IpcCaches;
 use crate::channel::cuda_ipc::{self as engine, IpcTensor, Outgoing};

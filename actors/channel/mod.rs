@@ -19,7 +19,7 @@
 //! must hand every buffer back even when stopped), then go on to the pipe. A stopping channel
 //! stays alive until every buffer it holds has gone back.
 
-use std::collections::HashMap;
+use crate::keymap::KeyMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -78,7 +78,7 @@ pub struct Channel {
     /// The receiving end of `own`, until a handler hands it to the actor's context.
     own_rx: Option<mpsc::UnboundedReceiver<Done>>,
     origin: Origin,
-    held: HashMap<HeldKey, Held>,
+    held: KeyMap<HeldKey, Held>,
     /// Parked xth tensors, with their direction (`true` when sending).
     xth_keys: Vec<(bool, crate::channel::xth::Key)>,
     ack_armed: bool,
@@ -171,7 +171,7 @@ impl Channel {
             own: None,
             own_rx: None,
             origin,
-            held: HashMap::new(),
+            held: KeyMap::default(),
             xth_keys: Vec::new(),
             ack_armed: false,
             #[cfg(feature = "cuda")]

@@ -33,7 +33,7 @@ use tokio::sync::mpsc;
 
 use super::{FabricEndpoint, RegionOp};
 use crate::fabric::engine::{Engine, Finished, Op};
-use crate::fabric::keymap::KeyMap;
+use crate::keymap::KeyMap;
 use crate::transport::stream::Memory;
 
 /// What the actor and its posters share (see the module docs).

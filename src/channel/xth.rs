@@ -6,7 +6,7 @@
 //! the same key. Whoever arrives second copies and completes both sides, so neither waits on the
 //! other's mailbox. Either side can withdraw what it parked when its pipe closes.
 
-use std::collections::HashMap;
+use crate::keymap::KeyMap;
 use std::sync::{Mutex, OnceLock};
 
 use super::ChannelBackend;
@@ -76,12 +76,12 @@ enum Slot {
     },
 }
 
-fn table() -> &'static Mutex<HashMap<Key, Slot>> {
-    static TABLE: OnceLock<Mutex<HashMap<Key, Slot>>> = OnceLock::new();
+fn table() -> &'static Mutex<KeyMap<Key, Slot>> {
+    static TABLE: OnceLock<Mutex<KeyMap<Key, Slot>>> = OnceLock::new();
     TABLE.get_or_init(Default::default)
 }
 
-fn lock() -> std::sync::MutexGuard<'static, HashMap<Key, Slot>> {
+fn lock() -> std::sync::MutexGuard<'static, KeyMap<Key, Slot>> {
     // A panic while holding the lock cannot leave the map inconsistent (each operation is one
     // insert or remove), so a poisoned lock is still usable.
     table().lock().unwrap_or_else(|p| p.into_inner())

@@ -28,9 +28,9 @@ use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 
 use super::faults::{Dice, Faults};
-use super::keymap::KeyMap;
 use super::regcache::RegCache;
 use super::{eio, Attributes, Completion, Endpoint, FabricError, FiAddr, Mr, PostError};
+use crate::keymap::KeyMap;
 
 /// Which way an op moves bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

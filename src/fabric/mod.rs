@@ -17,7 +17,7 @@
 pub mod engine;
 pub mod faults;
 mod ffi;
-pub mod keymap;
+pub use crate::keymap;
 mod linger;
 pub mod regcache;
 pub mod tag;

@@ -19,8 +19,8 @@
 use std::ffi::c_void;
 use std::rc::Rc;
 
-use super::keymap::KeyMap;
 use super::{Domain, FabricError, Mr};
+use crate::keymap::KeyMap;
 
 /// Registrations in use, keyed by buffer. See the module docs.
 #[derive(Default)]

@@ -1,12 +1,12 @@
-//! The hash map of the endpoint's hot lookups: pipes by number (the engine's state, the
-//! actor's queues of ends) and registrations by buffer (the cache).
+//! The hash map of hot lookups keyed by our own numbers: a channel's held tensors by (direction,
+//! message, tensor), xth's rendezvous table, the efa endpoint's pipes and its registration cache.
 //!
-//! Their keys are our own numbers and addresses, never a peer's choice (a completion names its
-//! pipe through our context pointer, not its tag), so SipHash's resistance to chosen keys buys
-//! nothing here; it cost about 110 instructions a lookup, some 3,000 instructions per 64 B
-//! round trip of `bench efa`'s `transport` row and 5,800 of its `channel` row (callgrind,
-//! docs/efa.md, "Instruction counts"). This one is a multiply and a rotate per word (the
-//! `FxHash` of rustc).
+//! Their keys are our own numbers and addresses, or sequence numbers the pipe has checked
+//! against the next one it expects, never a peer's free choice, and each map holds only what is
+//! in flight; so SipHash's resistance to chosen keys buys nothing here. It cost about 110
+//! instructions a lookup: some 3,000 instructions per 64 B round trip of `bench efa`'s
+//! `transport` row and 5,800 of its `channel` row (callgrind, docs/efa.md, "Instruction
+//! counts"). This one is a multiply and a rotate per word (the `FxHash` of rustc).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
