@@ -340,7 +340,7 @@ async fn frames_read_the_same_however_the_stream_cuts_them() {
             }
         }
     }
-    // A length over the limit fails as a protocol error, whether or not its body is there.
+    // A length over the limit fails as a limit error, whether or not its body is there.
     let small = Limits {
         max_frame_size: 100,
         ..Limits::default()
