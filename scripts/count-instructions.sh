@@ -35,28 +35,14 @@ for k in 1 2; do
     --callgrind-out-file="$dir/$k/cg.%p" \
     "$@" --iters $((k * n)) > "$dir/$k/log" 2>&1 || { tail -20 "$dir/$k/log" >&2; exit 1; }
 done
-python3 - "$dir" "$n" "$top" <<'PY'
-import collections, glob, re, subprocess, sys
+PYTHONPATH="$(dirname "$0")" python3 - "$dir" "$n" "$top" <<'PY'
+import collections, glob, re, sys
+from callgrind_counts import command, functions
 d, n, top = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 
 def load(path):
     """(command, total, {function: exclusive instructions}) of one callgrind file."""
-    cmd = next((l[5:].strip() for l in open(path, errors="replace") if l.startswith("cmd:")), "?")
-    out = subprocess.run(["callgrind_annotate", "--threshold=100", "--auto=no", path],
-                         capture_output=True, text=True).stdout
-    fns, total = collections.Counter(), 0
-    for line in out.splitlines():
-        m = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+(.*)", line)
-        if not m:
-            continue
-        v = int(m.group(1).replace(",", ""))
-        if "PROGRAM TOTALS" in line:
-            total = v
-            continue
-        name = re.sub(r" \[.*\]$", "", m.group(2))
-        name = re.sub(r"^.*?:(?=[A-Za-z_<])", "", name, count=1)
-        fns[name] += v
-    return cmd, total, fns
+    return (command(path), *functions(path))
 
 def key(cmd):
     # The same process of both runs: its command without the iteration count.

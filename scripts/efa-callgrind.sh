@@ -19,27 +19,15 @@ if [ "${1:-}" = "--compare" ]; then
   rows=("$@")
   [ ${#rows[@]} -eq 0 ] && rows=(transport channel)
   for row in "${rows[@]}"; do
-    python3 - "$old" "$new" "$row" <<'EOF'
-import collections, re, subprocess, sys
-
-def functions(path):
-    text = subprocess.run(
-        ["callgrind_annotate", "--threshold=100", "--auto=no", "--inclusive=no", path],
-        capture_output=True, text=True).stdout
-    counts = collections.Counter()
-    for line in text.splitlines():
-        m = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+(.*)", line)
-        if m and "PROGRAM TOTALS" not in line:
-            name = re.sub(r" \[.*\]$", "", m.group(2))
-            name = re.sub(r"^.*?:(?=[A-Za-z_<?])", "", name, count=1)
-            counts[name] += int(m.group(1).replace(",", ""))
-    return counts
+    PYTHONPATH="$(dirname "$0")" python3 - "$old" "$new" "$row" <<'EOF'
+import sys
+from callgrind_counts import functions
 
 old, new, row = sys.argv[1:4]
 trips = 2200
 per = []
 for d in (old, new):
-    a, b = functions(f"{d}/{row}-4000.cg"), functions(f"{d}/{row}-2000.cg")
+    (_, a), (_, b) = functions(f"{d}/{row}-4000.cg"), functions(f"{d}/{row}-2000.cg")
     per.append({k: (a[k] - b[k]) / trips for k in set(a) | set(b)})
 keys = set(per[0]) | set(per[1])
 total = [sum(p.values()) for p in per]
@@ -66,31 +54,14 @@ for row in "${rows[@]}"; do
       "$bin" bench efa --providers "$provider" --sizes 64 --iters $n --rounds 1 --rows "$row" \
       >"$out/$row-$n.log" 2>&1
   done
-  python3 - "$out/$row-4000.cg" "$out/$row-2000.cg" "$row" <<'EOF'
-import collections, re, subprocess, sys
-
-def total(path):
-    for line in open(path):
-        if line.startswith("summary:") or line.startswith("totals:"):
-            return int(line.split()[1])
-
-def functions(path):
-    text = subprocess.run(
-        ["callgrind_annotate", "--threshold=100", "--auto=no", "--inclusive=no", path],
-        capture_output=True, text=True).stdout
-    counts = collections.Counter()
-    for line in text.splitlines():
-        m = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+(.*)", line)
-        if m and "PROGRAM TOTALS" not in line:
-            name = re.sub(r" \[.*\]$", "", m.group(2))
-            name = re.sub(r"^.*?:(?=[A-Za-z_<?])", "", name, count=1)
-            counts[name] += int(m.group(1).replace(",", ""))
-    return counts
+  PYTHONPATH="$(dirname "$0")" python3 - "$out/$row-4000.cg" "$out/$row-2000.cg" "$row" <<'EOF'
+import sys
+from callgrind_counts import functions
 
 big, small, row = sys.argv[1:4]
 trips = 2200
-print(f"## {row}: {(total(big) - total(small)) / trips:.0f} instructions per round trip")
-a, b = functions(big), functions(small)
+(total_big, a), (total_small, b) = functions(big), functions(small)
+print(f"## {row}: {(total_big - total_small) / trips:.0f} instructions per round trip")
 moved = {k: (a[k] - b[k]) / trips for k in set(a) | set(b)}
 for name, per in sorted(moved.items(), key=lambda kv: -abs(kv[1]))[:25]:
     print(f"{per:9.1f}  {name[:150]}")

@@ -51,8 +51,8 @@ use crate::fabric::engine::{Engine, Finished, Kind, Op, Region, Stats};
 use crate::fabric::faults::Faults;
 use crate::fabric::{Attributes, Domain, Endpoint, FabricError, InfoList};
 use crate::transport::stream::Memory;
+pub use poster::Poster;
 use poster::{deliver, lock, Core};
-pub use poster::{FabricKick, Poster};
 use poster::{KickSignal, Kicks};
 use spin::Spinner;
 
@@ -350,8 +350,6 @@ impl FabricEndpoint {
         c.engine.busy() && self.last_activity.quiet(now) < window
     }
 
-    /// Ops moved (a completion, a post): the spin window starts again, polls back off from
-    /// 1 ms again.
     /// A kick (a direct post while not spinning): reads the CQ now and arms the next progress.
     fn kicked(&mut self, ctx: &mut Context<Self>) {
         self.activity();
@@ -359,6 +357,8 @@ impl FabricEndpoint {
         self.tick(ctx);
     }
 
+    /// Ops moved (a completion, a post): the spin window starts again, polls back off from
+    /// 1 ms again.
     fn activity(&mut self) {
         self.last_activity.touch();
         self.sleep = Duration::from_millis(1);
@@ -544,7 +544,8 @@ pub struct FabricPost {
     pub ops: Vec<Op>,
 }
 
-/// One op that moves caller memory in place (see [`FabricPostRegions`]).
+/// One op that moves caller memory in place (the `efa` channel's, through
+/// [`Poster::post_regions`]); its end comes back on the pipe's queue with an empty `mem`.
 #[derive(Debug, Clone, Copy)]
 pub struct RegionOp {
     /// Send or receive.
@@ -555,26 +556,6 @@ pub struct RegionOp {
     pub region: Region,
     /// The caller's number for it, handed back in its [`Finished`].
     pub id: u64,
-}
-
-/// Posts ops that move caller memory in place (the `efa` channel), for a pipe, in order; their
-/// ends come back on the pipe's queue with an empty `mem`.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct FabricPostRegions {
-    pipe: u32,
-    ops: Vec<RegionOp>,
-}
-
-impl FabricPostRegions {
-    /// The message.
-    ///
-    /// # Safety
-    /// Each op's region stays allocated, and untouched by anyone else, until that op's
-    /// [`Finished`] has come back on the pipe's queue (as [`Engine::post_region`] requires).
-    pub unsafe fn new(pipe: u32, ops: Vec<RegionOp>) -> FabricPostRegions {
-        FabricPostRegions { pipe, ops }
-    }
 }
 
 /// Hands the endpoint buffers of a detached pipe that its provider may still read or write
@@ -634,14 +615,6 @@ impl Handler<FabricShare> for FabricEndpoint {
     }
 }
 
-impl Handler<FabricKick> for FabricEndpoint {
-    type Result = ();
-    fn handle(&mut self, _: FabricKick, ctx: &mut Context<Self>) {
-        self.core().kicked = false;
-        self.kicked(ctx);
-    }
-}
-
 impl Handler<FabricDetach> for FabricEndpoint {
     type Result = ();
     fn handle(&mut self, m: FabricDetach, ctx: &mut Context<Self>) {
@@ -668,16 +641,6 @@ impl Handler<FabricPost> for FabricEndpoint {
         self.core().post(m.pipe, m.ops);
         self.activity();
         // Manual-progress providers move data only when the CQ is read: read it now.
-        self.tick(ctx);
-    }
-}
-
-impl Handler<FabricPostRegions> for FabricEndpoint {
-    type Result = ();
-    fn handle(&mut self, m: FabricPostRegions, ctx: &mut Context<Self>) {
-        // SAFETY: `FabricPostRegions::new`'s contract is `post_region`'s.
-        unsafe { self.core().post_regions(m.pipe, &m.ops) };
-        self.activity();
         self.tick(ctx);
     }
 }

@@ -17,7 +17,7 @@
 //! with taking `posted`, so a post never falls between a spin's end and the wait that follows
 //! it without a kick. A kick is no message: the poster raises a [`KickSignal`] and wakes
 //! [`Kicks`], a future the actor runs for its whole life, which looks at the signal (one atomic
-//! load) each time the actor's task runs. A [`FabricKick`] through the mailbox boxed an
+//! load) each time the actor's task runs. A kick message through the mailbox boxed an
 //! envelope per kick and queued it: about 600 instructions a kick (malloc and free, the queue,
 //! the mailbox's dispatch) against some 300 now (the flag, the wake-up, the future's polls),
 //! and a 64 B round trip without spin makes 4 (`transport`) to 6 (`channel`) kicks (callgrind,
@@ -126,13 +126,6 @@ pub(super) fn deliver(sinks: &KeyMap<u32, mpsc::UnboundedSender<Finished>>, f: F
 pub(super) fn lock(core: &Mutex<Core>) -> MutexGuard<'_, Core> {
     core.lock().unwrap_or_else(|p| p.into_inner())
 }
-
-/// Wakes a `FabricEndpoint` that is not spinning after a direct post: it reads its CQ and arms
-/// its next progress. [`Poster`]s kick without it (see the module docs); the message does the
-/// same for anyone else.
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct FabricKick;
 
 /// A handle that posts a pipe's ops straight into an endpoint's engine (see the module docs),
 /// from any thread. `FabricShare` gives one.
