@@ -454,6 +454,39 @@ mod pipes {
         });
     }
 
+    /// Tensors of 1 to the inline limit (8 KiB by default) ride the control stream; larger
+    /// ones and empty ones go in place. The sender alone decides, so a peer with no inline
+    /// limit (every tensor in place) talks to one with the default both ways.
+    pub fn small_tensors_inline(provider: &str) {
+        actix::System::new().block_on(async {
+            let config = EndpointConfig::default();
+            let (server, t) = with_transport(provider, config);
+            let in_place = actorpipe::channel::efa::Efa::over(&t)
+                .max_message(64 << 10)
+                .inline_max(0);
+            let server = server.channel(Arc::new(in_place));
+            let client = efa_context(provider, config);
+            let (tx, rx, _s) = pair(client, server).await;
+            check_backends(&tx, "efa", "efa").await;
+            let sizes = [64, 8192, 0, 8193, 65_536];
+            let check = |from: Addr<Pipe>, to: Addr<Pipe>, on_control: u64| async move {
+                for i in 0..3 {
+                    from.do_send(Write::new(checked_message(i, &[100], &sizes)));
+                    let m = within(30, "a message", read_one(&to)).await.expect("read");
+                    assert_eq!(verify(&m), i);
+                }
+                let info = from.send(GetInfo).await.unwrap();
+                assert_eq!(
+                    (info.tensors_on_control, info.tensors_by_channel),
+                    (3 * on_control, 3 * (5 - on_control)),
+                    "{provider}"
+                );
+            };
+            check(tx.clone(), rx.clone(), 2).await;
+            check(rx, tx, 0).await;
+        });
+    }
+
     /// A peer that vanishes (its thread's actor system stops: sockets and endpoint close with
     /// nothing said) fails that pipe's pending reads, in order, and the endpoint it shared
     /// with another pipe carries on for that one.
@@ -586,6 +619,7 @@ fn main() {
         ),
         ("pipes_many_share_one_endpoint", pipes::many_pipes),
         ("pipes_with_registration_forced", pipes::registered),
+        ("pipes_small_tensors_inline", pipes::small_tensors_inline),
         (
             "pipes_dead_peer_spares_the_other_pipes",
             pipes::dead_peer_spares_the_other_pipes,

@@ -442,6 +442,23 @@ impl Channel {
         self.efa_move(sending, seq, index, buffer, ctx);
     }
 
+    /// A tensor to receive in place: its channel data must give its length (an inline one's is
+    /// empty, and the pipe reads it itself).
+    pub(super) fn efa_recv(&mut self, m: RecvTensor, ctx: &mut Context<Self>) {
+        if m.data != (m.buffer.len() as u64).to_le_bytes() {
+            let e = Error::protocol(
+                format!(
+                    "efa channel data {:?} does not give the tensor's length {}",
+                    m.data,
+                    m.buffer.len()
+                ),
+                &self.origin,
+            );
+            return self.hand_back(false, m.seq, m.index, Memory::Owned(m.buffer), Err(e));
+        }
+        self.efa_tensor(false, m.seq, m.index, Memory::Owned(m.buffer), ctx)
+    }
+
     /// Posts a tensor's chunks, straight from or into its buffer, which stays in `held` until
     /// every chunk has ended: stripe `k` of mpt's plan on link `k`, chunked.
     fn efa_move(

@@ -41,8 +41,9 @@ pub(crate) enum ChannelKind {
     #[cfg(all(feature = "cuda", feature = "ibv"))]
     CudaGdr,
     /// Tagged messages on a libfabric endpoint, in place (its state is in `Channel::fabric`).
+    /// Tensors of 1..=`inline_max` bytes travel like basic ones.
     #[cfg(feature = "efa")]
-    Efa,
+    Efa { chunk_size: usize, inline_max: u64 },
 }
 
 impl ChannelKind {
@@ -54,6 +55,8 @@ impl ChannelKind {
             ChannelKind::Cma { inline_max, .. } => len > 0 && len <= inline_max,
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { inline_max, .. } => len > 0 && len <= inline_max,
+            #[cfg(feature = "efa")]
+            ChannelKind::Efa { inline_max, .. } => len > 0 && len <= inline_max,
             _ => false,
         }
     }
@@ -76,7 +79,7 @@ impl ChannelKind {
             #[cfg(all(feature = "cuda", feature = "ibv"))]
             ChannelKind::CudaGdr => Carried::Nothing,
             #[cfg(feature = "efa")]
-            ChannelKind::Efa => Carried::Nothing,
+            ChannelKind::Efa { .. } => Carried::NoData,
         }
     }
 
@@ -88,6 +91,8 @@ impl ChannelKind {
             | ChannelKind::Mpt { chunk_size } => chunk_size,
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { chunk_size, .. } => chunk_size,
+            #[cfg(feature = "efa")]
+            ChannelKind::Efa { chunk_size, .. } => chunk_size,
             ChannelKind::Xth { .. } => usize::MAX,
             #[cfg(feature = "cuda")]
             ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
@@ -95,8 +100,6 @@ impl ChannelKind {
             }
             #[cfg(all(feature = "cuda", feature = "ibv"))]
             ChannelKind::CudaGdr => usize::MAX,
-            #[cfg(feature = "efa")]
-            ChannelKind::Efa => usize::MAX,
         }
     }
 

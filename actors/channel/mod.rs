@@ -469,7 +469,7 @@ impl Channel {
             _ => {}
         }
         #[cfg(feature = "efa")]
-        if self.kind == ChannelKind::Efa {
+        if matches!(self.kind, ChannelKind::Efa { .. }) {
             self.efa_lane(d, ctx);
             return self.maybe_stop(ctx);
         }
@@ -577,7 +577,7 @@ impl Actor for Channel {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         #[cfg(feature = "efa")]
-        if self.kind == ChannelKind::Efa {
+        if matches!(self.kind, ChannelKind::Efa { .. }) {
             self.efa_start(ctx);
         }
         self.poll_own(ctx);
@@ -642,7 +642,7 @@ impl Handler<SendTensor> for Channel {
                 return self.ibv_flush(ctx);
             }
             #[cfg(feature = "efa")]
-            ChannelKind::Efa => self.efa_tensor(true, m.seq, m.index, m.buffer, ctx),
+            ChannelKind::Efa { .. } => self.efa_tensor(true, m.seq, m.index, m.buffer, ctx),
         }
         self.poll_own(ctx);
     }
@@ -681,9 +681,7 @@ impl Handler<RecvTensor> for Channel {
                 return self.ibv_flush(ctx);
             }
             #[cfg(feature = "efa")]
-            ChannelKind::Efa => {
-                self.efa_tensor(false, m.seq, m.index, Memory::Owned(m.buffer), ctx)
-            }
+            ChannelKind::Efa { .. } => self.efa_recv(m, ctx),
         }
         self.poll_own(ctx);
     }
@@ -710,7 +708,7 @@ impl Handler<StopChannel> for Channel {
             self.basic_stop(e.clone(), ctx);
         }
         #[cfg(feature = "efa")]
-        if self.kind == ChannelKind::Efa {
+        if matches!(self.kind, ChannelKind::Efa { .. }) {
             self.efa_stop(ctx);
             self.poll_own(ctx);
             return;

@@ -127,7 +127,11 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                         .map_or(crate::channel::ibv::MIN_INLINE, |b| b.inline_max()),
                 },
                 #[cfg(feature = "efa")]
-                "efa" => ChannelKind::Efa,
+                "efa" => ChannelKind::Efa {
+                    chunk_size,
+                    inline_max: backend_of::<crate::channel::efa::Efa>(config, "efa")
+                        .map_or(crate::channel::efa::INLINE_MAX, |b| b.inline_limit()),
+                },
                 // Negotiation only offers what this build has; everything else is basic (and
                 // a channel of another device pair run as basic is never routed to: `Routes`).
                 _ => ChannelKind::Basic { chunk_size },
@@ -189,7 +193,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
             };
             #[cfg(feature = "efa")]
             let channel = match kind {
-                ChannelKind::Efa => channel.with_fabric(efa_port(config, &origin)),
+                ChannelKind::Efa { .. } => channel.with_fabric(efa_port(config, &origin)),
                 _ => channel,
             };
             channel.start()
@@ -278,7 +282,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
 }
 
 /// The context's channel backend called `name`, as its concrete type.
-#[cfg(feature = "ibv")]
+#[cfg(any(feature = "ibv", feature = "efa"))]
 fn backend_of<T: Clone + 'static>(config: &Config, name: &str) -> Option<T> {
     config
         .channels

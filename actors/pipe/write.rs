@@ -163,6 +163,13 @@ impl Pipe {
                             data.set(&len.to_le_bytes())
                         }
                     }
+                    #[cfg(feature = "efa")]
+                    ChannelKind::Efa { .. } => {
+                        let len = message.tensors[i].buffer.len();
+                        if !kind.sends_on_control(len) {
+                            data.set(&len.to_le_bytes())
+                        }
+                    }
                     _ => {}
                 }
                 cpu

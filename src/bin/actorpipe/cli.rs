@@ -101,7 +101,7 @@ pub struct EfaArgs {
     pub rounds: u32,
 
     /// Only these actorpipe rows, named as the table prints them (`actor`, `transport`,
-    /// `channel`, `striped`, and with --spin `actor spin`, …; `raw` for the baseline, without
+    /// `channel`, `in-place`, `striped`, and with --spin `actor spin`, …; `raw` for the baseline, without
     /// which the ratio column is empty). [default: all]
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub rows: Vec<String>,

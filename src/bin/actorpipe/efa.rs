@@ -56,7 +56,7 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
                 .map_or(0, |d| d.len());
             let mut rows = vec![("raw".to_string(), Samples::new())];
             for (suffix, _) in &configs {
-                for name in ["actor", "transport", "channel", "striped"] {
+                for name in ["actor", "transport", "channel", "in-place", "striped"] {
                     rows.push((format!("{name}{suffix}"), Samples::new()));
                 }
             }
@@ -67,7 +67,7 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
                         .extend(raw_round(provider, size as usize, counts)?);
                 }
                 for (k, (suffix, config)) in configs.iter().enumerate() {
-                    let at = 1 + 4 * k;
+                    let at = 1 + 5 * k;
                     let wanted = |row: &str| wanted(&format!("{row}{suffix}"));
                     if wanted("actor") {
                         rows[at]
@@ -77,6 +77,7 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
                     let pipe_rows = [
                         crate::efa_pipe::Row::Transport,
                         crate::efa_pipe::Row::Channel,
+                        crate::efa_pipe::Row::InPlace,
                         crate::efa_pipe::Row::Striped,
                     ];
                     for (j, row) in pipe_rows.into_iter().enumerate() {

@@ -4,7 +4,9 @@
 //! - `transport`: the `efa` transport with the `basic` channel (the tensor's bytes travel on the
 //!   control stream: copied into and out of the stream's bounce buffers);
 //! - `channel`: the `efa` transport with the `efa` channel (the tensor goes from the sender's
-//!   buffer into the receiver's, in place);
+//!   buffer into the receiver's, in place; up to the channel's inline limit, 8 KiB by default,
+//!   it rides the control stream instead, as in `transport`);
+//! - `in-place`: the same with no inline limit: every tensor in place, whatever its size;
 //! - `striped`: the same with the channel on every domain of the provider (tensors over 64 KiB
 //!   striped over them), where it lists two or more.
 //!
@@ -30,6 +32,8 @@ pub enum Row {
     Transport,
     /// `efa` transport, `efa` channel.
     Channel,
+    /// `efa` transport, `efa` channel with every tensor in place (no inline limit).
+    InPlace,
     /// `efa` transport, `efa` channel on every domain of the provider.
     Striped,
 }
@@ -45,6 +49,10 @@ impl Row {
                 .transport(Arc::new(t))
                 .channel(Arc::new(c))
                 .only_channels(&["efa", "basic"]),
+            Row::InPlace => b
+                .transport(Arc::new(t))
+                .channel(Arc::new(c.inline_max(0)))
+                .only_channels(&["efa", "basic"]),
             Row::Striped => b
                 .transport(Arc::new(t))
                 .channel(Arc::new(c.all_domains()))
@@ -57,6 +65,7 @@ impl Row {
         match self {
             Row::Transport => "transport",
             Row::Channel => "channel",
+            Row::InPlace => "in-place",
             Row::Striped => "striped",
         }
     }
@@ -64,7 +73,7 @@ impl Row {
     fn channel(self) -> &'static str {
         match self {
             Row::Transport => "basic",
-            Row::Channel | Row::Striped => "efa",
+            Row::Channel | Row::InPlace | Row::Striped => "efa",
         }
     }
 }
