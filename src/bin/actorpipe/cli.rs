@@ -112,6 +112,13 @@ pub struct EfaArgs {
     #[arg(long, value_name = "US", value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub spin: Option<u64>,
 
+    /// How the pipe rows drive their pipes (as `bench transport --api`): receive (the default
+    /// here, as in the efa measurements before 2026-11-25), writer or standing (the fastest:
+    /// a `PipeWriter` and one standing receive, as `bench transport`'s targets are measured),
+    /// fired or awaited.
+    #[arg(long, value_enum, default_value = "receive")]
+    pub api: Api,
+
     /// Instead: hold an endpoint with a receive posted for SECS seconds, per provider and
     /// progress mode (wait fd, polling), and print the CPU it used.
     #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..=3600))]

@@ -86,7 +86,7 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
                             continue;
                         }
                         rows[at + 1 + j].1.extend(crate::efa_pipe::round(
-                            row, provider, size, counts, *config,
+                            row, provider, size, counts, *config, args.api,
                         )?);
                     }
                 }

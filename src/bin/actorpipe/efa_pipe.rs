@@ -10,8 +10,8 @@
 //! - `striped`: the same with the channel on every domain of the provider (tensors over 64 KiB
 //!   striped over them), where it lists two or more.
 //!
-//! Both use the public API only ([`crate::bench`]'s echo server and client, `--api receive`, the
-//! default of the other benches: fired operations, reads with `Receive`).
+//! All use the public API only ([`crate::bench`]'s echo server and client), driven as `--api`
+//! says (`receive` by default: fired operations, reads with `Receive`).
 
 use std::sync::{mpsc as std_mpsc, Arc};
 
@@ -85,15 +85,14 @@ pub fn round(
     size: u64,
     counts: Counts,
     config: EndpointConfig,
+    api: Api,
 ) -> Result<Samples, Failure> {
     let (url_tx, url_rx) = std_mpsc::channel::<Result<String, Failure>>();
     let (stop_tx, stop_rx) = std_mpsc::channel::<()>();
     let p = provider.to_string();
     let server = std::thread::spawn(move || {
         actix::System::new().block_on(async move {
-            match crate::bench::listen(row.builder(&p, config), "tcp://127.0.0.1:0", Api::Receive)
-                .await
-            {
+            match crate::bench::listen(row.builder(&p, config), "tcp://127.0.0.1:0", api).await {
                 Ok(listening) => {
                     let _ = url_tx.send(Ok(listening.urls[0].clone()));
                     let _ = tokio::task::spawn_blocking(move || stop_rx.recv()).await;
@@ -109,13 +108,8 @@ pub fn round(
         .recv()
         .map_err(|_| Failure::Failed("efa echo server: stopped".into()))??;
     let result = actix::System::new().block_on(async {
-        let mut client = Client::connect(
-            row.builder(provider, config),
-            &url,
-            Shape::Tensor,
-            Api::Receive,
-        )
-        .await?;
+        let mut client =
+            Client::connect(row.builder(provider, config), &url, Shape::Tensor, api).await?;
         if client.info.transport != "efa" || client.channel() != row.channel() {
             return Err(Failure::Failed(format!(
                 "negotiated {} / {}, expected efa / {}",
