@@ -113,7 +113,7 @@ pub struct EfaArgs {
     pub spin: Option<u64>,
 
     /// How the pipe rows drive their pipes (as `bench transport --api`): receive (the default
-    /// here, as in the efa measurements before 2026-11-25), writer or standing (the fastest:
+    /// here, as in the earlier efa measurements), writer or standing (the fastest:
     /// a `PipeWriter` and one standing receive, as `bench transport`'s targets are measured),
     /// fired or awaited.
     #[arg(long, value_enum, default_value = "receive")]
