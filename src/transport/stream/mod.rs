@@ -220,6 +220,19 @@ impl<T> Sequencer<T> {
         }
     }
 
+    /// Files `item` under `ticket` and takes it out again, as `push` then `pop` would, when
+    /// `ticket` is the next one and nothing is filed under it: the item comes back (`Ok(Some)`)
+    /// without a trip through the ring. Otherwise it is filed as `push` files it (`Ok(None)`), or
+    /// refused.
+    pub fn take_turn(&mut self, ticket: u64, item: T) -> Result<Option<T>, T> {
+        if ticket == self.next && !matches!(self.slots.front(), Some(Some(_))) {
+            self.slots.pop_front();
+            self.next += 1;
+            return Ok(Some(item));
+        }
+        self.push(ticket, item).map(|()| None)
+    }
+
     /// Whether nothing is held.
     pub fn is_empty(&self) -> bool {
         self.slots.iter().all(Option::is_none)

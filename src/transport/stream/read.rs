@@ -222,12 +222,17 @@ pub async fn read_loop(
     let mut alarm = std::pin::pin!(tokio::time::sleep(
         timeout.min(Duration::from_secs(1 << 30))
     ));
+    // The next op, when the loop made it itself and it took its turn at once
+    // (`Sequencer::take_turn`): what `next_op` would return first.
+    let mut held = None;
     let failure = loop {
-        let Some(mut op) = next_op(&mut seq, &mut rx, &mut halt, &mut halted).await else {
-            if !halted {
-                return;
-            }
-            break cancelled(&origin);
+        let mut op = match held.take() {
+            Some(op) => op,
+            None => match next_op(&mut seq, &mut rx, &mut halt, &mut halted).await {
+                Some(op) => op,
+                None if !halted => return,
+                None => break cancelled(&origin),
+            },
         };
         // Silence counts from the start of a wait, not from the last message.
         pulse.beat();
@@ -271,8 +276,9 @@ pub async fn read_loop(
                         carried,
                         catch,
                     };
-                    if let Err(op) = seq.push(ticket + 1, next) {
-                        op.fail(Error::invalid("duplicate or stale connection ticket"));
+                    match seq.take_turn(ticket + 1, next) {
+                        Ok(next) => held = next,
+                        Err(op) => op.fail(Error::invalid("duplicate or stale connection ticket")),
                     }
                     continue;
                 }
@@ -293,9 +299,13 @@ pub async fn read_loop(
                         caught,
                     },
                 );
-                if let Some(Err(op)) = next.map(|op| seq.push(ticket + 1, op)) {
+                match next.map(|op| seq.take_turn(ticket + 1, op)) {
+                    Some(Ok(next)) => held = next,
                     // The owner sent that ticket itself: a bug on its side.
-                    op.fail(Error::invalid("duplicate or stale connection ticket"));
+                    Some(Err(op)) => {
+                        op.fail(Error::invalid("duplicate or stale connection ticket"))
+                    }
+                    None => {}
                 }
             }
             (Ok(_), op) => op.complete(Ok(())),
