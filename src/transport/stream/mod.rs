@@ -27,7 +27,7 @@ use tokio::io::{
 use tokio::sync::{mpsc, watch};
 use tokio::time::Sleep;
 
-use super::liveness::{silence, Coarse, Heartbeat, Pulse, Stamped};
+use super::liveness::{Alarm, Coarse, Heartbeat, Pulse, Stamped};
 use super::{BoxRead, BoxWrite};
 use crate::error::{Error, Origin};
 use crate::message::{Descriptor, Payload};

@@ -219,9 +219,10 @@ pub async fn read_loop(
         *r.get_mut() = Box::new(Stamped::new(inner, pulse.clone()));
     }
     let timeout = heartbeat.map_or(Duration::MAX, |h| h.timeout);
-    let mut alarm = std::pin::pin!(tokio::time::sleep(
+    let sleep = std::pin::pin!(tokio::time::sleep(
         timeout.min(Duration::from_secs(1 << 30))
     ));
+    let mut alarm = Alarm::new(sleep);
     // The next op, when the loop made it itself and it took its turn at once
     // (`Sequencer::take_turn`): what `next_op` would return first.
     let mut held = None;
@@ -243,7 +244,7 @@ pub async fn read_loop(
                 break cancelled(&origin);
             }
             r = read_op(&mut r, &mut op, &mut buf, &limits, &origin) => r,
-            () = silence(alarm.as_mut(), &pulse, timeout), if heartbeat.is_some() => {
+            () = alarm.silence(&pulse, timeout), if heartbeat.is_some() => {
                 Err(Error::Timeout {
                     what: "waiting for the peer (no heartbeat or data)",
                     after: timeout,
