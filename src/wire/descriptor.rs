@@ -327,6 +327,24 @@ impl<'a> Cursor<'a> {
 
 /// Decodes a descriptor body, checking every limit before allocating for it.
 pub fn decode_descriptor(body: &[u8], limits: &Limits) -> Result<WireDescriptor, WireError> {
+    decode_descriptor_reusing(body, limits, &mut None)
+}
+
+/// [`decode_descriptor`], with the lists (payloads, tensors, routes) of `spare`, a descriptor
+/// done with, if there is one: cleared and filled again, so that a reader that decodes one
+/// descriptor after another allocates them once. `spare` is taken either way.
+pub fn decode_descriptor_reusing(
+    body: &[u8],
+    limits: &Limits,
+    spare: &mut Option<WireDescriptor>,
+) -> Result<WireDescriptor, WireError> {
+    let (mut payloads, mut tensors, mut routes) = match spare.take() {
+        Some(wd) => (wd.descriptor.payloads, wd.descriptor.tensors, wd.routes),
+        None => Default::default(),
+    };
+    payloads.clear();
+    tensors.clear();
+    routes.clear();
     let mut c = Cursor { rest: body };
     let max_meta = limits.max_metadata_size;
     let mut budget = max_meta;
@@ -334,7 +352,7 @@ pub fn decode_descriptor(body: &[u8], limits: &Limits) -> Result<WireDescriptor,
     let seq = c.uint("sequence number")?;
     let metadata = c.bin("message metadata", &mut budget, max_meta)?;
     let (np, cap) = c.count("payload count", limits.max_payloads, 3)?;
-    let mut payloads = Vec::with_capacity(cap);
+    payloads.reserve_exact(cap);
     for _ in 0..np {
         c.fixed_array(2, "payload entry")?;
         let length = c.size("payload size", limits.max_payload_size)?;
@@ -342,8 +360,8 @@ pub fn decode_descriptor(body: &[u8], limits: &Limits) -> Result<WireDescriptor,
         payloads.push(PayloadDescriptor { length, metadata });
     }
     let (nt, cap) = c.count("tensor count", limits.max_tensors, 7)?;
-    let mut tensors = Vec::with_capacity(cap);
-    let mut routes = Vec::with_capacity(cap);
+    tensors.reserve_exact(cap);
+    routes.reserve_exact(cap);
     for _ in 0..nt {
         c.fixed_array(6, "tensor entry")?;
         let length = c.size("tensor size", limits.max_tensor_size)?;
@@ -543,6 +561,36 @@ mod tests {
         assert_eq!(d.seq, 42);
         assert_eq!(d.descriptor, m.descriptor());
         assert_eq!(d.routes, vec![(0, b"cd".to_vec()), (1, b"cd".to_vec())]);
+    }
+
+    /// Decoding into a spare descriptor's lists gives what a fresh decode gives, whatever the
+    /// spare held.
+    #[test]
+    fn decoding_into_a_spare_is_decoding() {
+        let limits = Limits::default();
+        let mut small = Vec::new();
+        encode_descriptor(
+            &mut small,
+            7,
+            &Message::new().with_payload(Payload::new(vec![1; 64])),
+            |_, _| 0,
+        );
+        let mut big = Vec::new();
+        encode_descriptor(&mut big, 42, &sample(), |i, d| {
+            d.set(b"cd");
+            i as u8
+        });
+        let mut spare = None;
+        for body in [&small, &big, &big, &small, &small, &big] {
+            let d = decode_descriptor_reusing(body, &limits, &mut spare).unwrap();
+            assert!(spare.is_none());
+            assert_eq!(d, decode_descriptor(body, &limits).unwrap());
+            spare = Some(d);
+        }
+        // A refusal takes the spare too, and leaves nothing behind.
+        let truncated = &big[..big.len() - 1];
+        assert!(decode_descriptor_reusing(truncated, &limits, &mut spare).is_err());
+        assert!(spare.is_none());
     }
 
     #[test]

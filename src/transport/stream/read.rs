@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// The most payloads, and the most tensors, a descriptor the read loop keeps for its lists
+/// ([`read_frame_reusing`]) may have room for.
+const SPARE_ENTRIES: usize = 64;
+
 /// Reads one frame's bytes (after the prefix) into `buf`. End of stream before the first byte
 /// is a clean close by the peer.
 pub async fn read_frame_bytes<R: AsyncRead + Unpin + ?Sized>(
@@ -62,6 +66,18 @@ pub async fn read_frame<R: AsyncBufRead + Unpin + ?Sized>(
     limits: &Limits,
     origin: &Origin,
 ) -> Result<Frame, Error> {
+    read_frame_reusing(r, buf, &mut None, limits, origin).await
+}
+
+/// [`read_frame`], decoding a descriptor into the lists of `spare`, a descriptor done with
+/// ([`wire::decode_frame_reusing`]).
+async fn read_frame_reusing<R: AsyncBufRead + Unpin + ?Sized>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+    spare: &mut Option<WireDescriptor>,
+    limits: &Limits,
+    origin: &Origin,
+) -> Result<Frame, Error> {
     let frame = loop {
         let avail = r
             .fill_buf()
@@ -69,13 +85,13 @@ pub async fn read_frame<R: AsyncBufRead + Unpin + ?Sized>(
             .map_err(|e| io_error("reading a frame", e, origin))?;
         let decoded = match whole_frame(avail, limits, origin)? {
             Some(end) => {
-                let f = wire::decode_frame(&avail[LEN_PREFIX..end], limits);
+                let f = wire::decode_frame_reusing(&avail[LEN_PREFIX..end], limits, spare);
                 r.consume(end);
                 f
             }
             None => {
                 read_frame_bytes(r, buf, limits, origin).await?;
-                wire::decode_frame(buf, limits)
+                wire::decode_frame_reusing(buf, limits, spare)
             }
         };
         match decoded {
@@ -135,12 +151,13 @@ async fn read_op(
     r: &mut BufReader<BoxRead>,
     op: &mut InOp,
     buf: &mut Vec<u8>,
+    spare: &mut Option<WireDescriptor>,
     limits: &Limits,
     origin: &Origin,
 ) -> Result<Option<(Frame, Vec<u8>)>, Error> {
     match op {
         InOp::Frame { carried, .. } => {
-            let frame = read_frame(r, buf, limits, origin).await?;
+            let frame = read_frame_reusing(r, buf, spare, limits, origin).await?;
             let mut payloads = Vec::new();
             if let Frame::Descriptor(wd) = &frame {
                 if let Some(inline) = inline_len(wd, *carried) {
@@ -209,6 +226,8 @@ pub async fn read_loop(
 ) {
     let mut seq = Sequencer::default();
     let mut buf = Vec::with_capacity(256);
+    // The last descriptor a catcher took the message of: its lists serve the next decode.
+    let mut spare = None;
     let mut halted = false;
     let mut halt = Halt::new(stop);
     let pulse = Pulse::new();
@@ -243,7 +262,7 @@ pub async fn read_loop(
                 op.fail(cancelled(&origin));
                 break cancelled(&origin);
             }
-            r = read_op(&mut r, &mut op, &mut buf, &limits, &origin) => r,
+            r = read_op(&mut r, &mut op, &mut buf, &mut spare, &limits, &origin) => r,
             () = alarm.silence(&pulse, timeout), if heartbeat.is_some() => {
                 Err(Error::Timeout {
                     what: "waiting for the peer (no heartbeat or data)",
@@ -269,6 +288,16 @@ pub async fn read_loop(
                     _ => Caught::No,
                 };
                 if caught == Caught::Silently {
+                    match frame {
+                        // Lists of a message of many parts are not worth pinning.
+                        Frame::Descriptor(wd)
+                            if wd.descriptor.payloads.capacity() <= SPARE_ENTRIES
+                                && wd.descriptor.tensors.capacity() <= SPARE_ENTRIES =>
+                        {
+                            spare = Some(wd)
+                        }
+                        _ => {}
+                    }
                     // The owner counts this ticket as used when its next frame reaches it.
                     let next = InOp::Frame {
                         ticket: ticket + 1,
