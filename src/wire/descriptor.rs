@@ -102,6 +102,7 @@ fn device_from(code: u64) -> Result<Device, WireError> {
 // took about a third of a 64 B message's encode and decode (docs/performance.md, "Sixth
 // round"). `descriptor_encoders_agree` and `hand_msgpack_matches_rmp` hold them to rmp.
 
+#[inline(always)]
 fn put_uint(b: &mut Vec<u8>, v: u64) {
     if v < 0x80 {
         b.push(v as u8);
@@ -130,6 +131,7 @@ fn put_wide_len(b: &mut Vec<u8>, n: u32, m16: u8, m32: u8) {
     }
 }
 
+#[inline(always)]
 fn put_bin(b: &mut Vec<u8>, v: &[u8]) {
     let n = v.len() as u32;
     if n <= 0xff {
@@ -140,6 +142,7 @@ fn put_bin(b: &mut Vec<u8>, v: &[u8]) {
     b.extend_from_slice(v);
 }
 
+#[inline(always)]
 fn put_array(b: &mut Vec<u8>, n: usize) {
     let n = n as u32;
     if n < 16 {
