@@ -207,6 +207,7 @@ fn malformed(what: &str) -> WireError {
 }
 
 impl<'a> Cursor<'a> {
+    #[inline(always)]
     fn byte(&mut self, what: &str) -> Result<u8, WireError> {
         let (&b, rest) = self.rest.split_first().ok_or_else(|| malformed(what))?;
         self.rest = rest;
@@ -214,6 +215,7 @@ impl<'a> Cursor<'a> {
     }
 
     /// The next `n` bytes (1, 2, 4 or 8) as a big-endian number.
+    #[inline(always)]
     fn be(&mut self, n: usize, what: &str) -> Result<u64, WireError> {
         if self.rest.len() < n {
             return Err(malformed(what));
@@ -224,6 +226,7 @@ impl<'a> Cursor<'a> {
     }
 
     /// Any MessagePack integer that is not negative (as `rmp::decode::read_int::<u64>`).
+    #[inline(always)]
     fn uint(&mut self, what: &str) -> Result<u64, WireError> {
         match self.byte(what)? {
             m @ 0x00..=0x7f => Ok(m as u64),
@@ -238,6 +241,7 @@ impl<'a> Cursor<'a> {
         }
     }
 
+    #[inline(always)]
     fn array(&mut self, what: &str) -> Result<u32, WireError> {
         match self.byte(what)? {
             m @ 0x90..=0x9f => Ok((m & 0x0f) as u32),
@@ -247,6 +251,7 @@ impl<'a> Cursor<'a> {
         }
     }
 
+    #[inline(always)]
     fn bin_len(&mut self, what: &str) -> Result<u64, WireError> {
         match self.byte(what)? {
             m @ 0xc4..=0xc6 => self.be(1 << (m - 0xc4), what),
@@ -254,6 +259,7 @@ impl<'a> Cursor<'a> {
         }
     }
 
+    #[inline(always)]
     fn fixed_array(&mut self, n: u32, what: &str) -> Result<(), WireError> {
         match self.array(what)? {
             got if got == n => Ok(()),
@@ -264,6 +270,7 @@ impl<'a> Cursor<'a> {
     }
 
     /// A bin field; `budget` is what is left of the metadata limit, charged before copying.
+    #[inline(always)]
     fn bin(&mut self, what: &str, budget: &mut u64, max: u64) -> Result<Vec<u8>, WireError> {
         let len = self.bin_len(what)?;
         if len > *budget {
@@ -287,6 +294,7 @@ impl<'a> Cursor<'a> {
 
     /// Checks an announced count and returns a capacity that the remaining bytes can justify:
     /// every element takes at least `min_bytes`, so garbage cannot reserve memory.
+    #[inline(always)]
     fn count(
         &mut self,
         what: &'static str,
@@ -304,6 +312,7 @@ impl<'a> Cursor<'a> {
         Ok((n, (n as usize).min(self.rest.len() / min_bytes)))
     }
 
+    #[inline(always)]
     fn size(&mut self, what: &'static str, max: u64) -> Result<u64, WireError> {
         let v = self.uint(what)?;
         if v > max {
@@ -316,6 +325,7 @@ impl<'a> Cursor<'a> {
         Ok(v)
     }
 
+    #[inline(always)]
     fn done(&self) -> Result<(), WireError> {
         if self.rest.is_empty() {
             Ok(())
