@@ -220,17 +220,15 @@ impl<T> Sequencer<T> {
         }
     }
 
-    /// Files `item` under `ticket` and takes it out again, as `push` then `pop` would, when
-    /// `ticket` is the next one and nothing is filed under it: the item comes back (`Ok(Some)`)
-    /// without a trip through the ring. Otherwise it is filed as `push` files it (`Ok(None)`), or
-    /// refused.
-    pub fn take_turn(&mut self, ticket: u64, item: T) -> Result<Option<T>, T> {
-        if ticket == self.next && !matches!(self.slots.front(), Some(Some(_))) {
-            self.slots.pop_front();
-            self.next += 1;
-            return Ok(Some(item));
+    /// Takes `ticket`'s turn for an item held outside, as `push` then `pop` of it would, when
+    /// `ticket` is the next one and nothing is filed under it; says whether it did.
+    pub fn take_turn(&mut self, ticket: u64) -> bool {
+        if ticket != self.next || matches!(self.slots.front(), Some(Some(_))) {
+            return false;
         }
-        self.push(ticket, item).map(|()| None)
+        self.slots.pop_front();
+        self.next += 1;
+        true
     }
 
     /// Whether nothing is held.

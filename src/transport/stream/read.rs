@@ -214,6 +214,18 @@ async fn read_op(
     }
 }
 
+/// Files `op`, a frame op the read loop made itself: in `held`, to run next, when its ticket's
+/// turn is now (what `next_op` would return first), else in the sequencer. A ticket the owner
+/// used itself (a bug on its side) fails it.
+fn follow(seq: &mut Sequencer<InOp>, held: &mut Option<InOp>, op: InOp) {
+    let ticket = op.ticket();
+    if seq.take_turn(ticket) {
+        *held = Some(op);
+    } else if let Err(op) = seq.push(ticket, op) {
+        op.fail(Error::invalid("duplicate or stale connection ticket"));
+    }
+}
+
 /// Runs a connection's read side until every sender is gone. With a `heartbeat`, a read that
 /// waits `timeout` without receiving a byte fails with [`Error::Timeout`].
 pub async fn read_loop(
@@ -242,8 +254,7 @@ pub async fn read_loop(
         timeout.min(Duration::from_secs(1 << 30))
     ));
     let mut alarm = Alarm::new(sleep);
-    // The next op, when the loop made it itself and it took its turn at once
-    // (`Sequencer::take_turn`): what `next_op` would return first.
+    // The next op, when the loop made it itself and it took its turn at once (`follow`).
     let mut held = None;
     let failure = loop {
         let mut op = match held.take() {
@@ -306,10 +317,7 @@ pub async fn read_loop(
                         carried,
                         catch,
                     };
-                    match seq.take_turn(ticket + 1, next) {
-                        Ok(next) => held = next,
-                        Err(op) => op.fail(Error::invalid("duplicate or stale connection ticket")),
-                    }
+                    follow(&mut seq, &mut held, next);
                     continue;
                 }
                 let caught = caught == Caught::Told;
@@ -329,13 +337,8 @@ pub async fn read_loop(
                         caught,
                     },
                 );
-                match next.map(|op| seq.take_turn(ticket + 1, op)) {
-                    Some(Ok(next)) => held = next,
-                    // The owner sent that ticket itself: a bug on its side.
-                    Some(Err(op)) => {
-                        op.fail(Error::invalid("duplicate or stale connection ticket"))
-                    }
-                    None => {}
+                if let Some(next) = next {
+                    follow(&mut seq, &mut held, next);
                 }
             }
             (Ok(_), op) => op.complete(Ok(())),
