@@ -338,6 +338,15 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// Room for `n` entries in the empty `v`, allocated exactly (as `Vec::with_capacity`) when it
+/// has less; the capacity check is inline, where a spare's lists usually have the room.
+#[inline(always)]
+fn reserve<T>(v: &mut Vec<T>, n: usize) {
+    if v.capacity() < n {
+        v.reserve_exact(n);
+    }
+}
+
 /// Decodes a descriptor body, checking every limit before allocating for it.
 pub fn decode_descriptor(body: &[u8], limits: &Limits) -> Result<WireDescriptor, WireError> {
     decode_descriptor_reusing(body, limits, &mut None)
@@ -365,7 +374,7 @@ pub fn decode_descriptor_reusing(
     let seq = c.uint("sequence number")?;
     let metadata = c.bin("message metadata", &mut budget, max_meta)?;
     let (np, cap) = c.count("payload count", limits.max_payloads, 3)?;
-    payloads.reserve_exact(cap);
+    reserve(&mut payloads, cap);
     for _ in 0..np {
         c.fixed_array(2, "payload entry")?;
         let length = c.size("payload size", limits.max_payload_size)?;
@@ -373,8 +382,8 @@ pub fn decode_descriptor_reusing(
         payloads.push(PayloadDescriptor { length, metadata });
     }
     let (nt, cap) = c.count("tensor count", limits.max_tensors, 7)?;
-    tensors.reserve_exact(cap);
-    routes.reserve_exact(cap);
+    reserve(&mut tensors, cap);
+    reserve(&mut routes, cap);
     for _ in 0..nt {
         c.fixed_array(6, "tensor entry")?;
         let length = c.size("tensor size", limits.max_tensor_size)?;
