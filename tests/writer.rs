@@ -539,3 +539,88 @@ async fn the_writer_writes_again_after_each_hand_over() {
         assert_eq!(info.written_by_caller, 3, "{name}");
     }
 }
+
+/// A write over the writing side's limits goes to the pipe, which refuses it alone and in
+/// order (LimitExceeded, its buffers back), whichever limit it is over: the metadata limit
+/// with the others roomy (the writer then checks that one only), and each count and size limit
+/// set low. The writes within the limits, before and after it, arrive.
+#[actix::test]
+async fn a_writer_leaves_writes_over_the_limits_to_the_pipe() {
+    let small = |i| checked_message(i, &[64], &[16]);
+    let metadata = |m: &Message| {
+        m.metadata.len()
+            + m.payloads.iter().map(|p| p.metadata.len()).sum::<usize>()
+            + m.tensors.iter().map(|t| t.metadata.len()).sum::<usize>()
+    };
+    let most = metadata(&small(0)).max(metadata(&small(2))) as u64;
+    let more_metadata = checked_message(1, &[64, 64, 64], &[]);
+    assert!(metadata(&more_metadata) as u64 > most);
+    let d = Limits::default;
+    let cases = [
+        (
+            Limits {
+                max_metadata_size: most,
+                ..d()
+            },
+            more_metadata,
+            "metadata size",
+        ),
+        (
+            Limits {
+                max_payloads: 2,
+                ..d()
+            },
+            checked_message(1, &[8, 8, 8], &[]),
+            "payload count",
+        ),
+        (
+            Limits {
+                max_payload_size: 100,
+                ..d()
+            },
+            checked_message(1, &[200], &[]),
+            "payload size",
+        ),
+        (
+            Limits {
+                max_tensors: 1,
+                ..d()
+            },
+            checked_message(1, &[8], &[16, 16]),
+            "tensor count",
+        ),
+        (
+            Limits {
+                max_tensor_size: 32,
+                ..d()
+            },
+            checked_message(1, &[8], &[64]),
+            "tensor size",
+        ),
+    ];
+    for (limits, over, limit) in cases {
+        let (tx, rx, _keep) = pair(tcp_basic().limits(limits), tcp_basic()).await;
+        let writer = tx.send(GetWriter).await.unwrap();
+        let (to, mut completions) = inbox::<WriteDone>();
+        let to = Arc::new(to);
+        let mut out = Outcomes::new(3);
+        out.returned(0, writer.write(Write::new(small(0)), &to));
+        let done = writer.write(Write::new(over), &to);
+        assert!(done.is_none(), "{limit}: written direct");
+        out.returned(2, writer.write(Write::new(small(2)), &to));
+        out.collect(&mut completions).await;
+        let [first, refused, last] = &out.done[..] else {
+            unreachable!("three writes")
+        };
+        first.as_ref().unwrap().result.as_ref().unwrap();
+        let refused = refused.as_ref().unwrap();
+        match &refused.result {
+            Err(Error::LimitExceeded { limit: l, .. }) => assert_eq!(*l, limit),
+            other => panic!("{limit}: expected LimitExceeded, got {other:?}"),
+        }
+        assert_eq!(verify(&refused.message), 1, "{limit}: its buffers");
+        last.as_ref().unwrap().result.as_ref().unwrap();
+        assert_eq!(verify(&read_one(&rx).await.unwrap()), 0, "{limit}");
+        assert_eq!(verify(&read_one(&rx).await.unwrap()), 2, "{limit}");
+    }
+}

@@ -185,11 +185,13 @@ impl Catch for Catcher {
         match &mut *slot {
             // A recipient that is gone is the pipe's to notice (it fails the pipe).
             Slot::Standing(s) if s.seq == wd.seq && s.to.connected() => {
+                // Its payloads' and tensors' bytes, all read with the frame.
+                let total = bytes.len() as u64;
                 let Ok(message) = self.take(wd, bytes, None) else {
                     // Sizes that fit no address space: the pipe reports it, in order.
                     return Caught::No;
                 };
-                let total = message.total_bytes();
+                debug_assert_eq!(total, message.total_bytes());
                 // Sent under the lock, so the pipe cannot deliver a later message before it.
                 s.to.do_send(read(s.next_id, message));
                 s.seq += 1;
@@ -202,6 +204,7 @@ impl Catch for Catcher {
                 let Slot::Parked(p) = mem::replace(&mut *slot, Slot::Empty) else {
                     unreachable!("matched above")
                 };
+                let total = bytes.len() as u64;
                 let message = match self.take(wd, bytes, p.spare) {
                     Ok(m) => m,
                     Err(e) => {
@@ -210,7 +213,7 @@ impl Catch for Catcher {
                         return Caught::No;
                     }
                 };
-                let total = message.total_bytes();
+                debug_assert_eq!(total, message.total_bytes());
                 // Completed under the lock, so the pipe cannot complete a later read first.
                 p.completer.complete(read(p.id, message));
                 *slot = Slot::Delivered(p.since, total, p.seq);

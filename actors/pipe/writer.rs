@@ -57,6 +57,10 @@ pub(super) struct WriteShare {
     cpu_kind: ChannelKind,
     routes: Routes,
     pub(super) metrics: Arc<PipeMetrics>,
+    /// Whether the limits on counts and sizes are all at least what a message that otherwise
+    /// [qualifies](WriteShare::qualifies) can have (`IOV_BATCH - 1` payloads, `IOV_BATCH / 2`
+    /// tensors, none over [`INLINE_PAYLOADS`] bytes): only its metadata is then left to check.
+    roomy: bool,
 }
 
 /// What became of a writer's attempt.
@@ -146,6 +150,10 @@ impl WriteShare {
                 written_by_caller: 0,
             }),
             origin,
+            roomy: limits.max_payloads as usize >= IOV_BATCH
+                && limits.max_tensors as usize >= IOV_BATCH / 2
+                && limits.max_payload_size >= INLINE_PAYLOADS
+                && limits.max_tensor_size >= INLINE_PAYLOADS,
             limits,
             cpu_channel,
             cpu_kind,
@@ -163,16 +171,18 @@ impl WriteShare {
     /// write, at most [`INLINE_PAYLOADS`] bytes in all (what the peer's read loop reads with the
     /// frame), each tensor host memory routed to the CPU channel and carried on the control
     /// stream in one chunk, and within the limits (a write over them goes to the pipe, which
-    /// refuses it in order).
-    fn qualifies(&self, m: &Message) -> bool {
+    /// refuses it in order). If it may, its bytes ([`Message::total_bytes`]).
+    fn qualifies(&self, m: &Message) -> Option<u64> {
         let tensors = m.tensors.len();
         if tensors > IOV_BATCH / 2 || 1 + m.payloads.len() + 2 * tensors > IOV_BATCH {
-            return false;
+            return None;
         }
         let chunk = DIRECT_TENSOR_MAX.min(self.cpu_kind.control_chunk()) as u64;
         let mut total = 0u64;
+        let mut metadata = m.metadata.len();
         for p in &m.payloads {
             total += p.data.len() as u64;
+            metadata += p.metadata.len();
         }
         for t in &m.tensors {
             let len = t.buffer.len();
@@ -181,14 +191,23 @@ impl WriteShare {
                 || !self.cpu_kind.sends_on_control(len)
                 || self.routes.for_tensor(t.device(), t.target_device) != Some(self.cpu_channel)
             {
-                return false;
+                return None;
             }
             total += len;
+            metadata += t.metadata.len();
+        }
+        if total > INLINE_PAYLOADS {
+            return None;
         }
         let channel_data =
             tensors * channel_data_len(&self.routes, self.cpu_kind, self.cpu_channel);
-        total <= INLINE_PAYLOADS
-            && check_limits(&self.limits, &self.origin, m, channel_data).is_ok()
+        let within = if self.roomy {
+            // `check_limits`' last check, the only one that can fail here.
+            (metadata + channel_data) as u64 <= self.limits.max_metadata_size
+        } else {
+            check_limits(&self.limits, &self.origin, m, channel_data).is_ok()
+        };
+        within.then_some(total)
     }
 
     /// Writes `message` at once if it qualifies and nothing of the pipe's is queued or in
@@ -201,8 +220,8 @@ impl WriteShare {
         let qualifies = self.qualifies(&message);
         let mut guard = self.lock();
         let l = &mut *guard;
-        let wire = match (&l.wire, l.outstanding) {
-            (Some(wire), 0) if qualifies => wire,
+        let (wire, bytes) = match (&l.wire, l.outstanding, qualifies) {
+            (Some(wire), 0, Some(bytes)) => (wire, bytes),
             _ => {
                 l.outstanding += 1;
                 return Direct::ToPipe(message);
@@ -267,8 +286,7 @@ impl WriteShare {
             l.batch = batch;
             l.written_by_caller += 1;
             drop(guard);
-            self.metrics
-                .finished(OpKind::Write, since, Ok(message.total_bytes()));
+            self.metrics.finished(OpKind::Write, since, Ok(bytes));
             return Direct::Done(WriteDone {
                 id,
                 result: Ok(()),

@@ -16,6 +16,7 @@
 //! flight or not, within `timeout` of the last byte received. The price is one small frame per
 //! `interval` on an idle connection, and a timer per connection.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -179,25 +180,78 @@ impl<R: AsyncRead + Unpin> AsyncRead for Stamped<R> {
 /// Resolves once `pulse` has not beaten for `timeout`.
 ///
 /// `alarm` is a timer owned by the caller for the life of the loop: it is only reset when it
-/// fires, so an operation that completes in time costs no timer work.
-pub async fn silence(mut alarm: Pin<&mut Sleep>, pulse: &Pulse, timeout: Duration) {
-    let mut overdue = false;
-    loop {
-        alarm.as_mut().await;
-        let due = pulse.last() + timeout;
-        if Instant::now() < due {
-            alarm.as_mut().reset(due.into());
-            overdue = false;
-            continue;
+/// fires, so an operation that completes in time costs no timer work. A loop that waits for
+/// silence once per operation keeps an `Alarm` instead, which also saves the timer's polls.
+pub async fn silence(alarm: Pin<&mut Sleep>, pulse: &Pulse, timeout: Duration) {
+    Alarm::new(alarm).silence(pulse, timeout).await
+}
+
+/// A loop's silence timer, owned by the loop for its life and polled only when it may have
+/// fired.
+///
+/// Once a poll has reached the timer (and said `Pending`), the timer holds the polling task's
+/// waker until it fires or is reset: polling it again before then would only say `Pending`
+/// again, and register the same waker again. A loop polls its alarm from one task only, so
+/// that waker stays the right one.
+pub(crate) struct Alarm<'a> {
+    sleep: Pin<&'a mut Sleep>,
+    /// A poll reached the timer and it had not fired; it has not been reset since.
+    armed: bool,
+}
+
+impl std::fmt::Debug for Alarm<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Alarm")
+            .field("armed", &self.armed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Alarm<'a> {
+    /// An alarm on `sleep`.
+    pub(crate) fn new(sleep: Pin<&'a mut Sleep>) -> Self {
+        Alarm {
+            sleep,
+            armed: false,
         }
-        if overdue {
-            return;
+    }
+
+    fn poll_fired(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.armed && !self.sleep.is_elapsed() {
+            return Poll::Pending;
         }
-        // Overdue. If this thread was busy, bytes may be waiting that the reactor has not
-        // reported yet: let it run once, and let the reader have them, before judging again
-        // (the alarm has fired, so the next await returns at once).
-        overdue = true;
-        tokio::task::yield_now().await;
+        // Out of the task's budget: a poll refused for want of it would reach no timer.
+        let mut sleep = tokio::task::coop::unconstrained(self.sleep.as_mut());
+        let fired = Pin::new(&mut sleep).poll(cx);
+        self.armed = fired.is_pending();
+        fired
+    }
+
+    fn reset(&mut self, deadline: Instant) {
+        self.sleep.as_mut().reset(deadline.into());
+        self.armed = false;
+    }
+
+    /// Resolves once `pulse` has not beaten for `timeout` (see [`silence`]).
+    pub(crate) async fn silence(&mut self, pulse: &Pulse, timeout: Duration) {
+        let mut overdue = false;
+        loop {
+            std::future::poll_fn(|cx| self.poll_fired(cx)).await;
+            let due = pulse.last() + timeout;
+            if Instant::now() < due {
+                self.reset(due);
+                overdue = false;
+                continue;
+            }
+            if overdue {
+                return;
+            }
+            // Overdue. If this thread was busy, bytes may be waiting that the reactor has not
+            // reported yet: let it run once, and let the reader have them, before judging
+            // again (the alarm has fired, so the next wait returns at once).
+            overdue = true;
+            tokio::task::yield_now().await;
+        }
     }
 }
 
@@ -232,6 +286,33 @@ mod tests {
         let waited = start.elapsed();
         assert!(waited >= Duration::from_millis(300), "{waited:?}");
         assert!(waited < Duration::from_secs(10), "{waited:?}");
+    }
+
+    /// The read loop's way: a fresh wait on the same alarm per operation, most ending in time
+    /// (the alarm polled once, then only when it fires), past the alarm's first deadline (it
+    /// fires, and is reset, in the middle of one); then silence, judged a timeout after the
+    /// last beat.
+    #[tokio::test]
+    async fn an_alarm_kept_across_waits_still_fires() {
+        let pulse = Pulse::new();
+        let timeout = Duration::from_millis(100);
+        let sleep = std::pin::pin!(tokio::time::sleep(timeout));
+        let mut alarm = Alarm::new(sleep);
+        let start = Instant::now();
+        while start.elapsed() < 3 * timeout {
+            pulse.beat();
+            tokio::select! {
+                biased;
+                () = tokio::time::sleep(Duration::from_millis(5)) => {}
+                () = alarm.silence(&pulse, timeout) => panic!("silence while beating"),
+            }
+        }
+        let start = Instant::now();
+        pulse.beat();
+        let judged = tokio::time::timeout(Duration::from_secs(10), alarm.silence(&pulse, timeout));
+        judged.await.expect("no verdict of silence");
+        let waited = start.elapsed();
+        assert!(waited >= timeout, "{waited:?}");
     }
 
     #[tokio::test]

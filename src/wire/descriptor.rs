@@ -102,6 +102,7 @@ fn device_from(code: u64) -> Result<Device, WireError> {
 // took about a third of a 64 B message's encode and decode (docs/performance.md, "Sixth
 // round"). `descriptor_encoders_agree` and `hand_msgpack_matches_rmp` hold them to rmp.
 
+#[inline(always)]
 fn put_uint(b: &mut Vec<u8>, v: u64) {
     if v < 0x80 {
         b.push(v as u8);
@@ -130,6 +131,7 @@ fn put_wide_len(b: &mut Vec<u8>, n: u32, m16: u8, m32: u8) {
     }
 }
 
+#[inline(always)]
 fn put_bin(b: &mut Vec<u8>, v: &[u8]) {
     let n = v.len() as u32;
     if n <= 0xff {
@@ -140,6 +142,7 @@ fn put_bin(b: &mut Vec<u8>, v: &[u8]) {
     b.extend_from_slice(v);
 }
 
+#[inline(always)]
 fn put_array(b: &mut Vec<u8>, n: usize) {
     let n = n as u32;
     if n < 16 {
@@ -204,6 +207,7 @@ fn malformed(what: &str) -> WireError {
 }
 
 impl<'a> Cursor<'a> {
+    #[inline(always)]
     fn byte(&mut self, what: &str) -> Result<u8, WireError> {
         let (&b, rest) = self.rest.split_first().ok_or_else(|| malformed(what))?;
         self.rest = rest;
@@ -211,6 +215,7 @@ impl<'a> Cursor<'a> {
     }
 
     /// The next `n` bytes (1, 2, 4 or 8) as a big-endian number.
+    #[inline(always)]
     fn be(&mut self, n: usize, what: &str) -> Result<u64, WireError> {
         if self.rest.len() < n {
             return Err(malformed(what));
@@ -221,6 +226,7 @@ impl<'a> Cursor<'a> {
     }
 
     /// Any MessagePack integer that is not negative (as `rmp::decode::read_int::<u64>`).
+    #[inline(always)]
     fn uint(&mut self, what: &str) -> Result<u64, WireError> {
         match self.byte(what)? {
             m @ 0x00..=0x7f => Ok(m as u64),
@@ -235,6 +241,7 @@ impl<'a> Cursor<'a> {
         }
     }
 
+    #[inline(always)]
     fn array(&mut self, what: &str) -> Result<u32, WireError> {
         match self.byte(what)? {
             m @ 0x90..=0x9f => Ok((m & 0x0f) as u32),
@@ -244,6 +251,7 @@ impl<'a> Cursor<'a> {
         }
     }
 
+    #[inline(always)]
     fn bin_len(&mut self, what: &str) -> Result<u64, WireError> {
         match self.byte(what)? {
             m @ 0xc4..=0xc6 => self.be(1 << (m - 0xc4), what),
@@ -251,6 +259,7 @@ impl<'a> Cursor<'a> {
         }
     }
 
+    #[inline(always)]
     fn fixed_array(&mut self, n: u32, what: &str) -> Result<(), WireError> {
         match self.array(what)? {
             got if got == n => Ok(()),
@@ -261,6 +270,7 @@ impl<'a> Cursor<'a> {
     }
 
     /// A bin field; `budget` is what is left of the metadata limit, charged before copying.
+    #[inline(always)]
     fn bin(&mut self, what: &str, budget: &mut u64, max: u64) -> Result<Vec<u8>, WireError> {
         let len = self.bin_len(what)?;
         if len > *budget {
@@ -284,6 +294,7 @@ impl<'a> Cursor<'a> {
 
     /// Checks an announced count and returns a capacity that the remaining bytes can justify:
     /// every element takes at least `min_bytes`, so garbage cannot reserve memory.
+    #[inline(always)]
     fn count(
         &mut self,
         what: &'static str,
@@ -301,6 +312,7 @@ impl<'a> Cursor<'a> {
         Ok((n, (n as usize).min(self.rest.len() / min_bytes)))
     }
 
+    #[inline(always)]
     fn size(&mut self, what: &'static str, max: u64) -> Result<u64, WireError> {
         let v = self.uint(what)?;
         if v > max {
@@ -313,6 +325,7 @@ impl<'a> Cursor<'a> {
         Ok(v)
     }
 
+    #[inline(always)]
     fn done(&self) -> Result<(), WireError> {
         if self.rest.is_empty() {
             Ok(())
@@ -325,8 +338,35 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// Room for `n` entries in the empty `v`, allocated exactly (as `Vec::with_capacity`) when it
+/// has less; the capacity check is inline, where a spare's lists usually have the room.
+#[inline(always)]
+fn reserve<T>(v: &mut Vec<T>, n: usize) {
+    if v.capacity() < n {
+        v.reserve_exact(n);
+    }
+}
+
 /// Decodes a descriptor body, checking every limit before allocating for it.
 pub fn decode_descriptor(body: &[u8], limits: &Limits) -> Result<WireDescriptor, WireError> {
+    decode_descriptor_reusing(body, limits, &mut None)
+}
+
+/// [`decode_descriptor`], with the lists (payloads, tensors, routes) of `spare`, a descriptor
+/// done with, if there is one: cleared and filled again, so that a reader that decodes one
+/// descriptor after another allocates them once. `spare` is taken either way.
+pub fn decode_descriptor_reusing(
+    body: &[u8],
+    limits: &Limits,
+    spare: &mut Option<WireDescriptor>,
+) -> Result<WireDescriptor, WireError> {
+    let (mut payloads, mut tensors, mut routes) = match spare.take() {
+        Some(wd) => (wd.descriptor.payloads, wd.descriptor.tensors, wd.routes),
+        None => Default::default(),
+    };
+    payloads.clear();
+    tensors.clear();
+    routes.clear();
     let mut c = Cursor { rest: body };
     let max_meta = limits.max_metadata_size;
     let mut budget = max_meta;
@@ -334,7 +374,7 @@ pub fn decode_descriptor(body: &[u8], limits: &Limits) -> Result<WireDescriptor,
     let seq = c.uint("sequence number")?;
     let metadata = c.bin("message metadata", &mut budget, max_meta)?;
     let (np, cap) = c.count("payload count", limits.max_payloads, 3)?;
-    let mut payloads = Vec::with_capacity(cap);
+    reserve(&mut payloads, cap);
     for _ in 0..np {
         c.fixed_array(2, "payload entry")?;
         let length = c.size("payload size", limits.max_payload_size)?;
@@ -342,8 +382,8 @@ pub fn decode_descriptor(body: &[u8], limits: &Limits) -> Result<WireDescriptor,
         payloads.push(PayloadDescriptor { length, metadata });
     }
     let (nt, cap) = c.count("tensor count", limits.max_tensors, 7)?;
-    let mut tensors = Vec::with_capacity(cap);
-    let mut routes = Vec::with_capacity(cap);
+    reserve(&mut tensors, cap);
+    reserve(&mut routes, cap);
     for _ in 0..nt {
         c.fixed_array(6, "tensor entry")?;
         let length = c.size("tensor size", limits.max_tensor_size)?;
@@ -543,6 +583,36 @@ mod tests {
         assert_eq!(d.seq, 42);
         assert_eq!(d.descriptor, m.descriptor());
         assert_eq!(d.routes, vec![(0, b"cd".to_vec()), (1, b"cd".to_vec())]);
+    }
+
+    /// Decoding into a spare descriptor's lists gives what a fresh decode gives, whatever the
+    /// spare held.
+    #[test]
+    fn decoding_into_a_spare_is_decoding() {
+        let limits = Limits::default();
+        let mut small = Vec::new();
+        encode_descriptor(
+            &mut small,
+            7,
+            &Message::new().with_payload(Payload::new(vec![1; 64])),
+            |_, _| 0,
+        );
+        let mut big = Vec::new();
+        encode_descriptor(&mut big, 42, &sample(), |i, d| {
+            d.set(b"cd");
+            i as u8
+        });
+        let mut spare = None;
+        for body in [&small, &big, &big, &small, &small, &big] {
+            let d = decode_descriptor_reusing(body, &limits, &mut spare).unwrap();
+            assert!(spare.is_none());
+            assert_eq!(d, decode_descriptor(body, &limits).unwrap());
+            spare = Some(d);
+        }
+        // A refusal takes the spare too, and leaves nothing behind.
+        let truncated = &big[..big.len() - 1];
+        assert!(decode_descriptor_reusing(truncated, &limits, &mut spare).is_err());
+        assert!(spare.is_none());
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Frame kinds, encoding into a reusable buffer, and decoding with limits.
 
 use super::descriptor::{
-    decode_ack, decode_chunk, decode_descriptor, Ack, ChunkHeader, WireDescriptor,
+    decode_ack, decode_chunk, decode_descriptor_reusing, Ack, ChunkHeader, WireDescriptor,
 };
 use super::{Limits, WireError, LEN_PREFIX};
 use crate::negotiate::{Choice, Hello, Join};
@@ -236,6 +236,17 @@ fn serde_body<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> Result
 
 /// Decodes a frame from its bytes after the length prefix (kind byte, then body).
 pub fn decode_frame(bytes: &[u8], limits: &Limits) -> Result<Frame, WireError> {
+    decode_frame_reusing(bytes, limits, &mut None)
+}
+
+/// [`decode_frame`], decoding a descriptor into the lists of `spare`, a descriptor done with
+/// (see [`decode_descriptor_reusing`](super::decode_descriptor_reusing)); a frame of another
+/// kind leaves it.
+pub fn decode_frame_reusing(
+    bytes: &[u8],
+    limits: &Limits,
+    spare: &mut Option<WireDescriptor>,
+) -> Result<Frame, WireError> {
     let (&k, body) = bytes
         .split_first()
         .ok_or_else(|| WireError::Malformed("empty frame".into()))?;
@@ -245,7 +256,7 @@ pub fn decode_frame(bytes: &[u8], limits: &Limits) -> Result<Frame, WireError> {
         FrameKind::Hello => Frame::Hello(serde_body(body, "hello")?),
         FrameKind::Choice => Frame::Choice(serde_body(body, "choice")?),
         FrameKind::Reject => Frame::Reject(serde_body(body, "reject")?),
-        FrameKind::Descriptor => Frame::Descriptor(decode_descriptor(body, limits)?),
+        FrameKind::Descriptor => Frame::Descriptor(decode_descriptor_reusing(body, limits, spare)?),
         FrameKind::Chunk => Frame::Chunk(decode_chunk(body)?),
         FrameKind::Close => Frame::Close(serde_body(body, "close")?),
         FrameKind::Join => Frame::Join(serde_body(body, "join")?),

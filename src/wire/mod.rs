@@ -20,12 +20,12 @@ mod descriptor;
 mod frame;
 
 pub use descriptor::{
-    decode_ack, decode_chunk, decode_descriptor, encode_ack, encode_chunk, encode_descriptor, Ack,
-    ChannelData, ChunkHeader, WireDescriptor,
+    decode_ack, decode_chunk, decode_descriptor, decode_descriptor_reusing, encode_ack,
+    encode_chunk, encode_descriptor, Ack, ChannelData, ChunkHeader, WireDescriptor,
 };
 pub use frame::{
-    decode_frame, encode_frame, encode_serde, Farewell, Frame, FrameKind, PING_FRAME,
-    SERDE_RESERVE_PER_BYTE,
+    decode_frame, decode_frame_reusing, encode_frame, encode_serde, Farewell, Frame, FrameKind,
+    PING_FRAME, SERDE_RESERVE_PER_BYTE,
 };
 
 use crate::error::{Error, Origin};

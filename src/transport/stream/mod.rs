@@ -27,7 +27,7 @@ use tokio::io::{
 use tokio::sync::{mpsc, watch};
 use tokio::time::Sleep;
 
-use super::liveness::{silence, Coarse, Heartbeat, Pulse, Stamped};
+use super::liveness::{Alarm, Coarse, Heartbeat, Pulse, Stamped};
 use super::{BoxRead, BoxWrite};
 use crate::error::{Error, Origin};
 use crate::message::{Descriptor, Payload};
@@ -218,6 +218,17 @@ impl<T> Sequencer<T> {
             }
             _ => None,
         }
+    }
+
+    /// Takes `ticket`'s turn for an item held outside, as `push` then `pop` of it would, when
+    /// `ticket` is the next one and nothing is filed under it; says whether it did.
+    pub fn take_turn(&mut self, ticket: u64) -> bool {
+        if ticket != self.next || matches!(self.slots.front(), Some(Some(_))) {
+            return false;
+        }
+        self.slots.pop_front();
+        self.next += 1;
+        true
     }
 
     /// Whether nothing is held.

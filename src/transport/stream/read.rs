@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// The most payloads, and the most tensors, a descriptor the read loop keeps for its lists
+/// ([`read_frame_reusing`]) may have room for.
+const SPARE_ENTRIES: usize = 64;
+
 /// Reads one frame's bytes (after the prefix) into `buf`. End of stream before the first byte
 /// is a clean close by the peer.
 pub async fn read_frame_bytes<R: AsyncRead + Unpin + ?Sized>(
@@ -62,6 +66,18 @@ pub async fn read_frame<R: AsyncBufRead + Unpin + ?Sized>(
     limits: &Limits,
     origin: &Origin,
 ) -> Result<Frame, Error> {
+    read_frame_reusing(r, buf, &mut None, limits, origin).await
+}
+
+/// [`read_frame`], decoding a descriptor into the lists of `spare`, a descriptor done with
+/// ([`wire::decode_frame_reusing`]).
+async fn read_frame_reusing<R: AsyncBufRead + Unpin + ?Sized>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+    spare: &mut Option<WireDescriptor>,
+    limits: &Limits,
+    origin: &Origin,
+) -> Result<Frame, Error> {
     let frame = loop {
         let avail = r
             .fill_buf()
@@ -69,13 +85,13 @@ pub async fn read_frame<R: AsyncBufRead + Unpin + ?Sized>(
             .map_err(|e| io_error("reading a frame", e, origin))?;
         let decoded = match whole_frame(avail, limits, origin)? {
             Some(end) => {
-                let f = wire::decode_frame(&avail[LEN_PREFIX..end], limits);
+                let f = wire::decode_frame_reusing(&avail[LEN_PREFIX..end], limits, spare);
                 r.consume(end);
                 f
             }
             None => {
                 read_frame_bytes(r, buf, limits, origin).await?;
-                wire::decode_frame(buf, limits)
+                wire::decode_frame_reusing(buf, limits, spare)
             }
         };
         match decoded {
@@ -135,12 +151,13 @@ async fn read_op(
     r: &mut BufReader<BoxRead>,
     op: &mut InOp,
     buf: &mut Vec<u8>,
+    spare: &mut Option<WireDescriptor>,
     limits: &Limits,
     origin: &Origin,
 ) -> Result<Option<(Frame, Vec<u8>)>, Error> {
     match op {
         InOp::Frame { carried, .. } => {
-            let frame = read_frame(r, buf, limits, origin).await?;
+            let frame = read_frame_reusing(r, buf, spare, limits, origin).await?;
             let mut payloads = Vec::new();
             if let Frame::Descriptor(wd) = &frame {
                 if let Some(inline) = inline_len(wd, *carried) {
@@ -197,6 +214,18 @@ async fn read_op(
     }
 }
 
+/// Files `op`, a frame op the read loop made itself: in `held`, to run next, when its ticket's
+/// turn is now (what `next_op` would return first), else in the sequencer. A ticket the owner
+/// used itself (a bug on its side) fails it.
+fn follow(seq: &mut Sequencer<InOp>, held: &mut Option<InOp>, op: InOp) {
+    let ticket = op.ticket();
+    if seq.take_turn(ticket) {
+        *held = Some(op);
+    } else if let Err(op) = seq.push(ticket, op) {
+        op.fail(Error::invalid("duplicate or stale connection ticket"));
+    }
+}
+
 /// Runs a connection's read side until every sender is gone. With a `heartbeat`, a read that
 /// waits `timeout` without receiving a byte fails with [`Error::Timeout`].
 pub async fn read_loop(
@@ -209,6 +238,8 @@ pub async fn read_loop(
 ) {
     let mut seq = Sequencer::default();
     let mut buf = Vec::with_capacity(256);
+    // The last descriptor a catcher took the message of: its lists serve the next decode.
+    let mut spare = None;
     let mut halted = false;
     let mut halt = Halt::new(stop);
     let pulse = Pulse::new();
@@ -219,15 +250,20 @@ pub async fn read_loop(
         *r.get_mut() = Box::new(Stamped::new(inner, pulse.clone()));
     }
     let timeout = heartbeat.map_or(Duration::MAX, |h| h.timeout);
-    let mut alarm = std::pin::pin!(tokio::time::sleep(
+    let sleep = std::pin::pin!(tokio::time::sleep(
         timeout.min(Duration::from_secs(1 << 30))
     ));
+    let mut alarm = Alarm::new(sleep);
+    // The next op, when the loop made it itself and it took its turn at once (`follow`).
+    let mut held = None;
     let failure = loop {
-        let Some(mut op) = next_op(&mut seq, &mut rx, &mut halt, &mut halted).await else {
-            if !halted {
-                return;
-            }
-            break cancelled(&origin);
+        let mut op = match held.take() {
+            Some(op) => op,
+            None => match next_op(&mut seq, &mut rx, &mut halt, &mut halted).await {
+                Some(op) => op,
+                None if !halted => return,
+                None => break cancelled(&origin),
+            },
         };
         // Silence counts from the start of a wait, not from the last message.
         pulse.beat();
@@ -237,8 +273,8 @@ pub async fn read_loop(
                 op.fail(cancelled(&origin));
                 break cancelled(&origin);
             }
-            r = read_op(&mut r, &mut op, &mut buf, &limits, &origin) => r,
-            () = silence(alarm.as_mut(), &pulse, timeout), if heartbeat.is_some() => {
+            r = read_op(&mut r, &mut op, &mut buf, &mut spare, &limits, &origin) => r,
+            () = alarm.silence(&pulse, timeout), if heartbeat.is_some() => {
                 Err(Error::Timeout {
                     what: "waiting for the peer (no heartbeat or data)",
                     after: timeout,
@@ -263,6 +299,16 @@ pub async fn read_loop(
                     _ => Caught::No,
                 };
                 if caught == Caught::Silently {
+                    match frame {
+                        // Lists of a message of many parts are not worth pinning.
+                        Frame::Descriptor(wd)
+                            if wd.descriptor.payloads.capacity() <= SPARE_ENTRIES
+                                && wd.descriptor.tensors.capacity() <= SPARE_ENTRIES =>
+                        {
+                            spare = Some(wd)
+                        }
+                        _ => {}
+                    }
                     // The owner counts this ticket as used when its next frame reaches it.
                     let next = InOp::Frame {
                         ticket: ticket + 1,
@@ -271,9 +317,7 @@ pub async fn read_loop(
                         carried,
                         catch,
                     };
-                    if let Err(op) = seq.push(ticket + 1, next) {
-                        op.fail(Error::invalid("duplicate or stale connection ticket"));
-                    }
+                    follow(&mut seq, &mut held, next);
                     continue;
                 }
                 let caught = caught == Caught::Told;
@@ -293,9 +337,8 @@ pub async fn read_loop(
                         caught,
                     },
                 );
-                if let Some(Err(op)) = next.map(|op| seq.push(ticket + 1, op)) {
-                    // The owner sent that ticket itself: a bug on its side.
-                    op.fail(Error::invalid("duplicate or stale connection ticket"));
+                if let Some(next) = next {
+                    follow(&mut seq, &mut held, next);
                 }
             }
             (Ok(_), op) => op.complete(Ok(())),

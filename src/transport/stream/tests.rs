@@ -271,6 +271,31 @@ fn sequencer_restores_ticket_order() {
     assert_eq!(left, vec!["d", "f"]);
 }
 
+#[test]
+fn sequencer_take_turn_is_push_then_pop() {
+    let mut s = Sequencer::default();
+    // The next ticket with nothing filed: its turn is taken.
+    assert!(s.take_turn(0));
+    assert!(s.take_turn(1));
+    assert_eq!(s.push(1, "stale"), Err("stale"));
+    assert!(!s.take_turn(0));
+    // Later tickets filed already do not stop it, and stay in order behind it.
+    s.push(3, "d").unwrap();
+    assert!(s.take_turn(2));
+    assert_eq!(s.pop(), Some("d"));
+    assert_eq!(s.pop(), None);
+    // The next ticket filed already: not taken; the filed one comes next.
+    s.push(4, "e").unwrap();
+    assert!(!s.take_turn(4));
+    assert_eq!(s.pop(), Some("e"));
+    // A ticket past the next one: not taken (it is the sequencer's to file).
+    assert!(!s.take_turn(6));
+    s.push(6, "g").unwrap();
+    assert!(s.take_turn(5));
+    assert_eq!(s.pop(), Some("g"));
+    assert!(s.is_empty());
+}
+
 /// A reader that hands out its bytes `piece` at a time, then ends.
 struct Pieces {
     data: Vec<u8>,
