@@ -395,6 +395,17 @@ transport_suite!(shm, "shm", || {
         .transport(Arc::new(Shm::new().with_capacity(RING)))
         .only_channels(&["basic"])
 });
+// Spin mode: the halves poll their rings in bursts, and the read loop gives way after each
+// message it hands to a standing receive.
+transport_suite!(shm_spin, "shm", || {
+    base()
+        .transport(Arc::new(
+            Shm::new()
+                .with_capacity(RING)
+                .with_spin(std::time::Duration::from_micros(20)),
+        ))
+        .only_channels(&["basic"])
+});
 
 channel_suite!(basic, || base().without("shm").only_channels(&["basic"]));
 channel_suite!(xth, || base()

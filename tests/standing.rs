@@ -10,7 +10,20 @@ use actorpipe::*;
 use common::*;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-const CONFIGS: [Setup; 3] = READ_CONFIGS;
+const CONFIGS: [Setup; 4] = [
+    READ_CONFIGS[0],
+    READ_CONFIGS[1],
+    READ_CONFIGS[2],
+    // The read loop of a spinning shm connection gives way after each message it hands over.
+    ("shm spin", shm_spin),
+];
+
+/// The default context with its shm transport in spin mode (20 µs).
+fn shm_spin() -> ContextBuilder {
+    Context::builder().transport(std::sync::Arc::new(
+        actorpipe::transport::shm::Shm::new().with_spin(Duration::from_micros(20)),
+    ))
+}
 
 /// Message `i` of the mixed plan: 64 B, 1 MiB, 64 B with a 1 KiB tensor, a 1 MiB tensor.
 fn mixed(i: u64) -> Message {

@@ -180,6 +180,20 @@ pub(crate) struct ShmRead {
     pub(crate) silent: bool,
 }
 
+/// Whether `r` is the read half of an shm connection in spin mode ([`super::Shm::with_spin`]):
+/// a connection's read loop then gives its thread's other tasks a turn after each message it
+/// hands over (`transport::stream::read_loop`).
+pub(crate) fn spins(r: &dyn crate::transport::ReadHalf) -> bool {
+    // `ReadHalf: Any`, so this is the concrete type's id, through the trait object's vtable.
+    if std::any::Any::type_id(r) != std::any::TypeId::of::<ShmRead>() {
+        return false;
+    }
+    // SAFETY: the type id says the trait object's data is a `ShmRead`, so its data pointer
+    // points to one, alive and shared for as long as `r` is borrowed.
+    let read = unsafe { &*(r as *const dyn crate::transport::ReadHalf as *const ShmRead) };
+    read.spin.is_some()
+}
+
 impl AsyncRead for ShmRead {
     fn poll_read(
         self: Pin<&mut Self>,

@@ -266,6 +266,20 @@ fn a_spinning_read_gives_way_to_other_tasks_on_its_thread() {
     }))
 }
 
+/// The read loop asks `halves::spins` whether to give way after each message: yes for a
+/// spinning shm half only, through the boxed trait object the loop holds.
+#[test]
+fn only_a_spinning_shm_half_spins() {
+    runtime().block_on(bounded(async {
+        let (_c, s) = pair(&Shm::new().with_spin(Duration::from_micros(20))).await;
+        assert!(super::halves::spins(&*s.read));
+        let (_c, s) = pair(&Shm::new()).await;
+        assert!(!super::halves::spins(&*s.read));
+        let other: crate::transport::BoxRead = Box::new(tokio::io::empty());
+        assert!(!super::halves::spins(&*other));
+    }))
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
