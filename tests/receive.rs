@@ -5,7 +5,7 @@ mod common;
 use actorpipe::*;
 use common::*;
 
-const CONFIGS: [Setup; 3] = READ_CONFIGS;
+const CONFIGS: [Setup; 4] = READ_CONFIGS_SPIN;
 
 /// Messages of every shape arrive intact through `Receive`, mixed with `ReadDescriptor` + `Read`
 /// on the same pipe, each `Receive` reusing the buffers of the message before it (whatever its

@@ -10,20 +10,7 @@ use actorpipe::*;
 use common::*;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-const CONFIGS: [Setup; 4] = [
-    READ_CONFIGS[0],
-    READ_CONFIGS[1],
-    READ_CONFIGS[2],
-    // The read loop of a spinning shm connection gives way after each message it hands over.
-    ("shm spin", shm_spin),
-];
-
-/// The default context with its shm transport in spin mode (20 µs).
-fn shm_spin() -> ContextBuilder {
-    Context::builder().transport(std::sync::Arc::new(
-        actorpipe::transport::shm::Shm::new().with_spin(Duration::from_micros(20)),
-    ))
-}
+const CONFIGS: [Setup; 4] = READ_CONFIGS_SPIN;
 
 /// Message `i` of the mixed plan: 64 B, 1 MiB, 64 B with a 1 KiB tensor, a 1 MiB tensor.
 fn mixed(i: u64) -> Message {

@@ -55,6 +55,22 @@ pub fn tcp_basic() -> ContextBuilder {
     Context::builder().without("shm").only_channels(&["basic"])
 }
 
+/// The default context with its shm transport in spin mode (20 µs): the read loop of a
+/// spinning connection gives its thread a turn after each message it hands over.
+pub fn shm_spin() -> ContextBuilder {
+    Context::builder().transport(std::sync::Arc::new(
+        actorpipe::transport::shm::Shm::new().with_spin(Duration::from_micros(20)),
+    ))
+}
+
+/// [`READ_CONFIGS`] and the default context in spin mode.
+pub const READ_CONFIGS_SPIN: [Setup; 4] = [
+    READ_CONFIGS[0],
+    READ_CONFIGS[1],
+    READ_CONFIGS[2],
+    ("shm spin", shm_spin),
+];
+
 /// A context restricted to TCP and the mpt channel, with 64 KiB chunks.
 pub fn tcp_mpt() -> ContextBuilder {
     Context::builder()
