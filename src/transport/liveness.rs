@@ -193,18 +193,11 @@ pub async fn silence(alarm: Pin<&mut Sleep>, pulse: &Pulse, timeout: Duration) {
 /// waker until it fires or is reset: polling it again before then would only say `Pending`
 /// again, and register the same waker again. A loop polls its alarm from one task only, so
 /// that waker stays the right one.
+#[derive(Debug)]
 pub(crate) struct Alarm<'a> {
     sleep: Pin<&'a mut Sleep>,
     /// A poll reached the timer and it had not fired; it has not been reset since.
     armed: bool,
-}
-
-impl std::fmt::Debug for Alarm<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Alarm")
-            .field("armed", &self.armed)
-            .finish_non_exhaustive()
-    }
 }
 
 impl<'a> Alarm<'a> {
