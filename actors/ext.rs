@@ -102,6 +102,12 @@ pub trait PipeExt {
     fn receive_reusing(&self, spare: Allocation) -> Call<Pipe, Receive, Message>;
     /// Delivers every message from now on to `to` (the standing receive, [`ReceiveAll`]).
     fn receive_all(&self, to: actix::Recipient<ReadDone>) -> Call<Pipe, ReceiveAll, ()>;
+    /// Starts a standing receive that calls `handler` with every message, in place
+    /// ([`ReceiveAll::calling`]).
+    fn receive_all_calling(
+        &self,
+        handler: impl FnMut(ReadDone) + Send + 'static,
+    ) -> Call<Pipe, ReceiveAll, ()>;
     /// Ends the standing receive ([`StopReceiving`]); `Ok` carries the id one past its last
     /// `ReadDone`.
     fn stop_receiving(&self) -> Call<Pipe, StopReceiving, u64>;
@@ -140,6 +146,13 @@ impl PipeExt for Addr<Pipe> {
 
     fn receive_all(&self, to: actix::Recipient<ReadDone>) -> Call<Pipe, ReceiveAll, ()> {
         call(self, ReceiveAll::to(to), |r| r)
+    }
+
+    fn receive_all_calling(
+        &self,
+        handler: impl FnMut(ReadDone) + Send + 'static,
+    ) -> Call<Pipe, ReceiveAll, ()> {
+        call(self, ReceiveAll::calling(handler), |r| r)
     }
 
     fn stop_receiving(&self) -> Call<Pipe, StopReceiving, u64> {

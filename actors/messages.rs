@@ -442,16 +442,53 @@ impl Op for Receive {
 /// - **Back-pressure**: each delivery is a `do_send`, which does not wait for room in `to`'s
 ///   mailbox: a recipient slower than the peer lets its mailbox grow. The pipe itself reads at
 ///   most 16 messages (the prefetch bound) at once on the recipient's behalf.
-#[derive(Debug)]
+///
+/// **A handler instead of a recipient** ([`ReceiveAll::calling`]): the function is called with
+/// each `ReadDone` where the message is complete, with no mailbox hop: by the connection's read
+/// loop for a self-contained message, by the pipe's handler for the others, on the context's
+/// arbiter, in order, one call at a time. That is the shortest path from the connection to the
+/// application (docs/architecture.md, "Read path"): a handler that answers through a
+/// [`PipeWriter`](crate::PipeWriter) writes the answer before any other task runs. It runs in
+/// the middle of the pipe's work, so it must be short and must not block: no waiting on the
+/// pipe or on anything that waits on it (hand longer work to an actor or a queue). The same
+/// rules apply as with a recipient; a handler that panics counts as a recipient that is gone
+/// (the message it was given is lost, the pipe fails with [`Error::Closed`] when the next one
+/// arrives), and the panic goes no further than the call.
 pub struct ReceiveAll {
-    /// Who gets every message.
-    pub to: Recipient<ReadDone>,
+    pub(crate) to: Deliver,
+}
+
+/// Where a standing receive delivers.
+pub(crate) enum Deliver {
+    To(Recipient<ReadDone>),
+    Calling(Box<dyn FnMut(ReadDone) + Send>),
+}
+
+impl std::fmt::Debug for ReceiveAll {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.to {
+            Deliver::To(r) => f.debug_struct("ReceiveAll").field("to", r).finish(),
+            Deliver::Calling(_) => f
+                .debug_struct("ReceiveAll")
+                .field("calling", &"FnMut(ReadDone)")
+                .finish(),
+        }
+    }
 }
 
 impl ReceiveAll {
     /// Deliver every message to `to`.
     pub fn to(to: Recipient<ReadDone>) -> Self {
-        ReceiveAll { to }
+        ReceiveAll {
+            to: Deliver::To(to),
+        }
+    }
+
+    /// Call `handler` with every message, in place (see above): no mailbox hop.
+    pub fn calling(handler: impl FnMut(ReadDone) + Send + 'static) -> Self {
+        ReceiveAll {
+            to: Deliver::Calling(Box::new(handler)),
+        }
     }
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use actix::Addr;
 use actorpipe::*;
 use common::*;
-use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::sync::mpsc::{self, UnboundedReceiver};
 
 const CONFIGS: [Setup; 4] = READ_CONFIGS_SPIN;
 
@@ -35,13 +35,43 @@ fn write_all(
     done
 }
 
+/// How a stand delivers: to a recipient (an actor's mailbox), or to a handler called in place.
+#[derive(Debug, Clone, Copy)]
+enum How {
+    Recipient,
+    Handler,
+}
+
+/// Both ways, for the tests that hold for each.
+const HOWS: [How; 2] = [How::Recipient, How::Handler];
+
+/// A stand that delivers, `how` says, into a queue; the queue's end.
+fn stand(how: How) -> (ReceiveAll, UnboundedReceiver<ReadDone>) {
+    match how {
+        How::Recipient => {
+            let (to, inbox) = actorpipe::inbox::<ReadDone>();
+            (ReceiveAll::to(to), inbox)
+        }
+        How::Handler => {
+            let (tx, inbox) = mpsc::unbounded_channel();
+            (
+                ReceiveAll::calling(move |d| {
+                    let _ = tx.send(d);
+                }),
+                inbox,
+            )
+        }
+    }
+}
+
 /// A pair of pipes whose receiving side (the second) stands, delivering to the returned queue.
 async fn standing(
     builder: fn() -> ContextBuilder,
+    how: How,
 ) -> (Addr<Pipe>, Addr<Pipe>, UnboundedReceiver<ReadDone>, Server) {
     let (tx, rx, s) = pair(builder(), builder()).await;
-    let (to, inbox) = actorpipe::inbox::<ReadDone>();
-    rx.receive_all(to).await.unwrap();
+    let (all, inbox) = stand(how);
+    rx.send(all).await.unwrap().unwrap();
     (tx, rx, inbox, s)
 }
 
@@ -66,8 +96,9 @@ async fn nothing_more(inbox: &mut UnboundedReceiver<ReadDone>, what: &str) {
 /// each arrives whole and in order, with ids in order, the small ones from the read loop.
 #[actix::test]
 async fn every_message_arrives_in_order_across_small_and_large() {
-    for (name, builder) in CONFIGS {
-        let (tx, rx, mut inbox, _s) = standing(builder).await;
+    for ((name, builder), how) in CONFIGS.into_iter().flat_map(|c| HOWS.map(|h| (c, h))) {
+        let name = &format!("{name} {how:?}");
+        let (tx, rx, mut inbox, _s) = standing(builder, how).await;
         let mut writes = write_all(&tx, (0..48).map(mixed));
         let mut last_id = None;
         for i in 0..48u64 {
@@ -122,8 +153,9 @@ async fn messages_read_ahead_go_first() {
 /// 16 MiB): what arrived whole arrives in order, then errors only, then nothing; no hang.
 #[actix::test]
 async fn peer_gone_mid_stream() {
-    for (name, builder) in CONFIGS {
-        let (tx, rx, mut inbox, _s) = standing(builder).await;
+    for ((name, builder), how) in CONFIGS.into_iter().flat_map(|c| HOWS.map(|h| (c, h))) {
+        let name = &format!("{name} {how:?}");
+        let (tx, rx, mut inbox, _s) = standing(builder, how).await;
         let messages = (0..40u64).map(|i| match i {
             20 => checked_message(i, &[16 << 20], &[]),
             _ => mixed(i),
@@ -169,24 +201,26 @@ async fn peer_gone_mid_stream() {
 /// Closing the pipe ends the stand with one error, then nothing.
 #[actix::test]
 async fn close_while_standing() {
-    let (tx, rx, mut inbox, _s) = standing(tcp_basic).await;
-    tx.write(mixed(0)).await.unwrap();
-    assert_eq!(verify(&next(&mut inbox).await.message), 0);
-    let closed = within(10, "close", rx.close(Close::because("done"))).await;
-    assert!(matches!(closed.unwrap().error, Error::Closed { .. }));
-    let last = next(&mut inbox).await;
-    assert!(
-        matches!(last.result, Err(Error::Closed { .. })),
-        "{:?}",
-        last.result
-    );
-    nothing_more(&mut inbox, "close").await;
-    // A stand on a closed pipe is refused with its error.
-    let (to, _inbox) = actorpipe::inbox::<ReadDone>();
-    assert!(matches!(
-        rx.receive_all(to).await,
-        Err(Error::Closed { .. })
-    ));
+    for how in HOWS {
+        let (tx, rx, mut inbox, _s) = standing(tcp_basic, how).await;
+        tx.write(mixed(0)).await.unwrap();
+        assert_eq!(verify(&next(&mut inbox).await.message), 0);
+        let closed = within(10, "close", rx.close(Close::because("done"))).await;
+        assert!(matches!(closed.unwrap().error, Error::Closed { .. }));
+        let last = next(&mut inbox).await;
+        assert!(
+            matches!(last.result, Err(Error::Closed { .. })),
+            "{how:?}: {:?}",
+            last.result
+        );
+        nothing_more(&mut inbox, "close").await;
+        // A stand on a closed pipe is refused with its error.
+        let (all, _inbox) = stand(how);
+        assert!(matches!(
+            rx.send(all).await.unwrap(),
+            Err(Error::Closed { .. })
+        ));
+    }
 }
 
 /// While a stand stands, `Read`, `ReadDescriptor`, `Receive` and a second `ReceiveAll` are
@@ -229,11 +263,12 @@ async fn conflicting_reads_are_refused() {
 /// a new stand can begin. Without a stand it is refused.
 #[actix::test]
 async fn stopping_the_stand() {
-    for (name, builder) in CONFIGS {
+    for ((name, builder), how) in CONFIGS.into_iter().flat_map(|c| HOWS.map(|h| (c, h))) {
+        let name = &format!("{name} {how:?}");
         let (tx, rx, _s) = pair(builder(), builder()).await;
         assert_invalid(&rx.stop_receiving().await.map(|_| ()), "no standing");
-        let (to, mut inbox) = actorpipe::inbox::<ReadDone>();
-        rx.receive_all(to.clone()).await.unwrap();
+        let (all, mut inbox) = stand(how);
+        rx.send(all).await.unwrap().unwrap();
         let mut ids = Vec::new();
         for i in 0..6 {
             tx.write(mixed(i)).await.unwrap();
@@ -265,12 +300,29 @@ async fn stopping_the_stand() {
         // Written before the stand begins again: read ahead, then delivered first.
         let _w = write_all(&tx, std::iter::once(mixed(10)));
         tokio::time::sleep(Duration::from_millis(50)).await;
-        rx.receive_all(to).await.unwrap();
+        let (all, again) = stand(how);
+        inbox = again;
+        rx.send(all).await.unwrap().unwrap();
         let _w = write_all(&tx, (11..14).map(mixed));
         for i in 10..14 {
             assert_eq!(verify(&next(&mut inbox).await.message), i, "{name}");
         }
     }
+}
+
+/// Writes messages from `tx` until `rx` has failed (or 100 were written), then closes `rx`:
+/// the error its pending operations got.
+async fn write_until_failed(tx: &Addr<Pipe>, rx: &Addr<Pipe>) -> Error {
+    for i in 0..100 {
+        if tx.write(mixed(i % 4)).await.is_err() || rx.info().await.unwrap().closed {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    within(10, "close", rx.close(Close::default()))
+        .await
+        .unwrap()
+        .error
 }
 
 /// A recipient whose actor stopped fails the pipe when the next message comes: nobody would
@@ -282,16 +334,7 @@ async fn a_recipient_gone_fails_the_pipe() {
     rx.receive_all(to).await.unwrap();
     // The inbox actor stops at the first message it cannot pass on.
     drop(inbox);
-    for i in 0..100 {
-        if tx.write(mixed(i % 4)).await.is_err() || rx.info().await.unwrap().closed {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let closed = within(10, "close", rx.close(Close::default()))
-        .await
-        .unwrap();
-    match closed.error {
+    match write_until_failed(&tx, &rx).await {
         Error::Closed { reason, .. } => assert!(reason.contains("recipient"), "{reason}"),
         e => panic!("not the recipient's: {e}"),
     }
@@ -303,8 +346,9 @@ async fn a_recipient_gone_fails_the_pipe() {
 #[actix::test]
 async fn recycled_buffers_take_the_next_large_message() {
     const SPARE: usize = 3 << 20;
-    for (name, builder) in CONFIGS {
-        let (tx, rx, mut inbox, _s) = standing(builder).await;
+    for ((name, builder), how) in CONFIGS.into_iter().flat_map(|c| HOWS.map(|h| (c, h))) {
+        let name = &format!("{name} {how:?}");
+        let (tx, rx, mut inbox, _s) = standing(builder, how).await;
         let mut spare = Vec::with_capacity(SPARE);
         spare.resize(1 << 20, 0u8);
         // Awaited: handled before the next message's frame can reach the pipe.
@@ -327,5 +371,96 @@ async fn recycled_buffers_take_the_next_large_message() {
         let d = next(&mut inbox).await;
         assert_eq!(verify(&d.message), 5, "{name}");
         assert_ne!(d.message.payloads[0].data.capacity(), SPARE, "{name}");
+    }
+}
+
+/// A handler that panics fails the pipe (`Closed`, naming the handler) when the next message
+/// comes, as a recipient that stopped does; the panic goes no further, and nothing hangs.
+#[actix::test]
+async fn a_panicking_handler_fails_the_pipe() {
+    let (tx, rx, _s) = pair(tcp_basic(), tcp_basic()).await;
+    let (seen, mut calls) = mpsc::unbounded_channel();
+    rx.receive_all_calling(move |d| {
+        let _ = seen.send(d.id);
+        panic!("a handler that panics (on purpose, in a test)");
+    })
+    .await
+    .unwrap();
+    match write_until_failed(&tx, &rx).await {
+        Error::Closed { reason, .. } => assert!(
+            reason.contains("handler") && reason.contains("panicked"),
+            "{reason}"
+        ),
+        e => panic!("not the handler's: {e}"),
+    }
+    // Called once: a broken handler is not called again.
+    assert!(calls.try_recv().is_ok(), "the handler was called");
+    assert!(calls.try_recv().is_err(), "the handler was called again");
+}
+
+/// Handlers that answer in place: each side's handler writes the next message through a
+/// `PipeWriter`, from the read loop, for a ping-pong of small and large messages; everything
+/// arrives in order, and the small ones went from the read loop straight to the handler, which
+/// wrote their answer itself.
+#[actix::test]
+async fn handlers_answer_in_place() {
+    const ROUNDS: u64 = 200;
+    for (name, builder) in CONFIGS {
+        let (tx, rx, _s) = pair(builder(), builder()).await;
+        // The echo: every message goes back as it came.
+        let back = rx.writer().await.unwrap();
+        let (wrote, _late) = actorpipe::inbox::<WriteDone>();
+        let wrote = std::sync::Arc::new(wrote);
+        rx.receive_all_calling(move |d| {
+            if d.result.is_ok() {
+                let _ = back.write(Write::new(d.message), &wrote);
+            }
+        })
+        .await
+        .unwrap();
+        // The client: checks each echo and sends the next message from its handler.
+        let out = tx.writer().await.unwrap();
+        let (wrote, _late) = actorpipe::inbox::<WriteDone>();
+        let wrote = std::sync::Arc::new(wrote);
+        let (done, mut finished) = mpsc::unbounded_channel();
+        let mut expect = 0;
+        let first = out.clone();
+        tx.receive_all_calling(move |d| {
+            let got = d.result.as_ref().map(|_| verify(&d.message));
+            if !matches!(got, Ok(i) if i == expect) {
+                let _ = done.send(Err(format!("echo {expect}: {got:?}")));
+                return;
+            }
+            expect += 1;
+            if expect == ROUNDS {
+                let _ = done.send(Ok(()));
+                return;
+            }
+            let _ = out.write(Write::new(mixed(expect)), &wrote);
+        })
+        .await
+        .unwrap();
+        let _ = first.write(
+            Write::new(mixed(0)),
+            &std::sync::Arc::new(actorpipe::inbox::<WriteDone>().0),
+        );
+        within(60, name, finished.recv())
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let (echo, client) = (rx.info().await.unwrap(), tx.info().await.unwrap());
+        // Half the messages are 64 B payloads, read with their frame and written back at once.
+        for (side, info) in [("echo", &echo), ("client", &client)] {
+            assert!(
+                info.received_by_read_loop >= ROUNDS / 4,
+                "{name}: {side} read loop delivered {}",
+                info.received_by_read_loop
+            );
+            assert!(
+                info.written_by_caller >= ROUNDS / 8,
+                "{name}: {side} wrote {} itself",
+                info.written_by_caller
+            );
+        }
     }
 }

@@ -251,12 +251,31 @@ impl FabricWrite {
         }
     }
 
-    /// Takes every end that has arrived; registers the waker when none is left.
-    fn reap(&mut self, cx: &mut TaskContext<'_>) -> io::Result<()> {
+    /// Takes every end that has arrived. With `cx`, registers its waker when none is left (the
+    /// next end wakes the task); without, takes what is there and registers nothing.
+    ///
+    /// Only a writer about to return `Pending` (no credit, or a shutdown waiting for its sends)
+    /// registers: the writer is polled from whoever writes, often the application's own handler
+    /// through a `PipeWriter`, and a waker left registered by a write that went through made
+    /// every send's completion wake that task for nothing (one more turn of the application
+    /// actor per message).
+    fn reap(&mut self, cx: Option<&mut TaskContext<'_>>) -> io::Result<()> {
         if let Some(e) = &self.error {
             return Err(io::Error::new(e.kind(), e.to_string()));
         }
-        while let Poll::Ready(f) = self.done.poll_recv(cx) {
+        let mut cx = cx;
+        loop {
+            let f = match cx.as_deref_mut() {
+                Some(cx) => match self.done.poll_recv(cx) {
+                    Poll::Ready(f) => f,
+                    Poll::Pending => break,
+                },
+                None => match self.done.try_recv() {
+                    Ok(f) => Some(f),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => None,
+                },
+            };
             let Some(f) = f else {
                 self.error = Some(stopped());
                 return Err(stopped());
@@ -298,9 +317,13 @@ impl FabricWrite {
         cx: &mut TaskContext<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        self.reap(cx)?;
+        self.reap(None)?;
         if self.credits == 0 {
-            return Poll::Pending;
+            // Out of credits: wait for the reader's, registered this time.
+            self.reap(Some(cx))?;
+            if self.credits == 0 {
+                return Poll::Pending;
+            }
         }
         let mut m = self
             .pool
@@ -359,17 +382,20 @@ impl AsyncWrite for FabricWrite {
         true
     }
 
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
+    fn poll_flush(mut self: Pin<&mut Self>, _: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
         // Every message has been handed to the endpoint, which delivers it reliably.
-        self.reap(cx)?;
+        self.reap(None)?;
         Poll::Ready(Ok(()))
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
         if !self.shut {
-            self.reap(cx)?;
+            self.reap(None)?;
             if self.credits == 0 {
-                return Poll::Pending;
+                self.reap(Some(cx))?;
+                if self.credits == 0 {
+                    return Poll::Pending;
+                }
             }
             // The end-of-stream marker: an empty message.
             let seq = self.seq;
@@ -387,7 +413,7 @@ impl AsyncWrite for FabricWrite {
                 }],
             );
         }
-        self.reap(cx)?;
+        self.reap(Some(cx))?;
         if self.in_flight == 0 {
             Poll::Ready(Ok(()))
         } else {

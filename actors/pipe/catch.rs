@@ -34,7 +34,7 @@ pub(super) struct Parked {
 
 /// A standing receive, as the read loop sees it.
 pub(super) struct Stand {
-    pub(super) to: Recipient<ReadDone>,
+    pub(super) to: Sink<ReadDone>,
     /// The sequence number of the only message the read loop may deliver next. The loop moves
     /// it on as it delivers; the pipe moves it past the messages it read itself once it holds
     /// none (`Pipe::stand_turn`), so a message never overtakes one the pipe still holds.
@@ -192,8 +192,9 @@ impl Catch for Catcher {
                     return Caught::No;
                 };
                 debug_assert_eq!(total, message.total_bytes());
-                // Sent under the lock, so the pipe cannot deliver a later message before it.
-                s.to.do_send(read(s.next_id, message));
+                // Sent (or the handler called) under the lock, so the pipe cannot deliver a
+                // later message before it.
+                s.to.send(read(s.next_id, message));
                 s.seq += 1;
                 s.next_id += 1;
                 s.delivered += 1;

@@ -1,12 +1,17 @@
-//! Where a pipe's completions go: an awaiting caller (through a deferred answer) or a recipient.
+//! Where a pipe's completions go: an awaiting caller (through a deferred answer), a recipient,
+//! or a function called in place (a standing receive's handler).
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::*;
 
-/// Where a completion goes: back to an awaiting caller, or to a recipient.
+/// Where a completion goes: back to an awaiting caller, to a recipient, or to a function.
 pub(crate) enum Completer<T: actix::Message<Result = ()> + Send> {
     Reply(Waiter<T>),
     Notify(Recipient<T>),
     Shared(Arc<Recipient<T>>),
+    Call(Arc<Calls<T>>),
 }
 
 impl<T: actix::Message<Result = ()> + Send + 'static> Completer<T> {
@@ -15,6 +20,87 @@ impl<T: actix::Message<Result = ()> + Send + 'static> Completer<T> {
             Completer::Reply(w) => w.complete(v),
             Completer::Notify(r) => r.do_send(v),
             Completer::Shared(r) => r.do_send(v),
+            Completer::Call(c) => c.call(v),
+        }
+    }
+}
+
+/// A function that completions are handed to where they happen (the connection's read loop,
+/// or the pipe's own handler), with no mailbox in between: a standing receive's handler
+/// ([`ReceiveAll::calling`]). The lock serializes calls from the read loop and from the pipe
+/// (which the standing receive's sequence numbers already order); a call that panics breaks
+/// the function for good, and the pipe fails at its next look, as for a recipient that stopped.
+pub(crate) struct Calls<T> {
+    f: Mutex<Box<dyn FnMut(T) + Send>>,
+    broken: AtomicBool,
+}
+
+impl<T> Calls<T> {
+    pub(crate) fn new(f: Box<dyn FnMut(T) + Send>) -> Calls<T> {
+        Calls {
+            f: Mutex::new(f),
+            broken: AtomicBool::new(false),
+        }
+    }
+
+    /// Calls the function with `v`, unless an earlier call panicked.
+    pub(super) fn call(&self, v: T) {
+        if !self.alive() {
+            return;
+        }
+        let mut f = self.f.lock().unwrap_or_else(|e| e.into_inner());
+        // A panic must not unwind through the read loop or the pipe: it ends the function's
+        // use instead (the pipe then fails with `Closed`).
+        if catch_unwind(AssertUnwindSafe(|| (*f)(v))).is_err() {
+            self.broken.store(true, Ordering::Relaxed);
+            tracing::error!("the standing receive's handler panicked: the pipe fails");
+        }
+    }
+
+    /// Whether no call has panicked.
+    pub(super) fn alive(&self) -> bool {
+        !self.broken.load(Ordering::Relaxed)
+    }
+}
+
+/// Where every message of a standing receive goes: a recipient, or a handler called in place.
+pub(super) enum Sink<T: actix::Message<Result = ()> + Send> {
+    Actor(Arc<Recipient<T>>),
+    Call(Arc<Calls<T>>),
+}
+
+impl<T: actix::Message<Result = ()> + Send + 'static> Sink<T> {
+    /// A completer that hands a completion to the same place.
+    pub(super) fn completer(&self) -> Completer<T> {
+        match self {
+            Sink::Actor(r) => Completer::Shared(r.clone()),
+            Sink::Call(c) => Completer::Call(c.clone()),
+        }
+    }
+
+    /// Whether anyone still takes completions (the recipient's actor runs; the handler has not
+    /// panicked).
+    pub(super) fn connected(&self) -> bool {
+        match self {
+            Sink::Actor(r) => r.connected(),
+            Sink::Call(c) => c.alive(),
+        }
+    }
+
+    /// Hands `v` over: a `do_send`, or a call.
+    pub(super) fn send(&self, v: T) {
+        match self {
+            Sink::Actor(r) => r.do_send(v),
+            Sink::Call(c) => c.call(v),
+        }
+    }
+}
+
+impl<T: actix::Message<Result = ()> + Send> Clone for Sink<T> {
+    fn clone(&self) -> Self {
+        match self {
+            Sink::Actor(r) => Sink::Actor(r.clone()),
+            Sink::Call(c) => Sink::Call(c.clone()),
         }
     }
 }

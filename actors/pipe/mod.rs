@@ -694,6 +694,7 @@ mod writer;
 use completion::deferred;
 pub(crate) use completion::Completer;
 pub use completion::Deferred;
+use completion::{Calls, Sink};
 use routes::Routes;
 pub(crate) use spawn::{spawn_pipe, PipeParts};
 pub use writer::PipeWriter;

@@ -21,7 +21,7 @@ use super::*;
 
 /// The pipe's side of a standing receive.
 pub(super) struct Standing {
-    to: Arc<Recipient<ReadDone>>,
+    to: Sink<ReadDone>,
     /// Buffers to read the next messages into ([`Recycle`]), the last given first.
     spares: Vec<Allocation>,
 }
@@ -41,7 +41,7 @@ impl Pipe {
         self.next_read_id - 1
     }
 
-    fn begin_stand(&mut self, to: Recipient<ReadDone>) -> Result<(), Error> {
+    fn begin_stand(&mut self, to: Deliver) -> Result<(), Error> {
         if let Some(e) = &self.error {
             return Err(e.clone());
         }
@@ -65,6 +65,10 @@ impl Pipe {
             Some(first) => first.wd.seq,
             None => self.expect_seq.max(self.caught_through),
         };
+        let to = match to {
+            Deliver::To(r) => Sink::Actor(Arc::new(r)),
+            Deliver::Calling(f) => Sink::Call(Arc::new(Calls::new(f))),
+        };
         self.catcher.stand(catch::Stand {
             to: to.clone(),
             seq,
@@ -72,7 +76,7 @@ impl Pipe {
             delivered: 0,
         });
         self.stand = Some(Standing {
-            to: Arc::new(to),
+            to,
             spares: Vec::new(),
         });
         // Messages read ahead already go first.
@@ -81,8 +85,8 @@ impl Pipe {
     }
 
     /// Ends the stand: the read loop delivers nothing more, and the pipe takes its
-    /// bookkeeping back. Returns the recipient, if one stood.
-    pub(super) fn end_stand(&mut self) -> Option<Arc<Recipient<ReadDone>>> {
+    /// bookkeeping back. Returns where it delivered, if one stood.
+    pub(super) fn end_stand(&mut self) -> Option<Sink<ReadDone>> {
         let standing = self.stand.take()?;
         if let Some(s) = self.catcher.unstand() {
             self.expect_seq = self.expect_seq.max(s.seq);
@@ -103,7 +107,7 @@ impl Pipe {
         self.reads.push_back(PendingRead::Read {
             id,
             since: self.metrics.start(),
-            completer: Completer::Shared(to),
+            completer: to.completer(),
             message: Message::default(),
             state: ReadState::Receiving(None),
             data_complete: false,
@@ -119,8 +123,12 @@ impl Pipe {
             return;
         }
         if !standing.to.connected() {
+            let reason = match &standing.to {
+                Sink::Actor(_) => "the recipient of the standing receive (ReceiveAll) stopped",
+                Sink::Call(_) => "the handler of the standing receive (ReceiveAll) panicked",
+            };
             self.fail(Error::Closed {
-                reason: "the recipient of the standing receive (ReceiveAll) stopped".into(),
+                reason: reason.into(),
                 origin: self.origin.clone(),
             });
             return;
@@ -140,7 +148,7 @@ impl Pipe {
                 self.reads.push_back(PendingRead::Read {
                     id,
                     since: self.metrics.start(),
-                    completer: Completer::Shared(to.clone()),
+                    completer: to.completer(),
                     message: Message::default(),
                     state: ReadState::Receiving(spare),
                     data_complete: false,

@@ -40,6 +40,10 @@ pub enum Api {
     /// As `writer`, reading with one standing receive (`ReceiveAll`) instead of a `Receive`
     /// per message: the connection's read loop hands each small message to the actor itself.
     Standing,
+    /// As `standing`, with a handler called in place (`ReceiveAll::calling`) instead of an
+    /// actor: each side writes its next message from inside the handler, on the read loop,
+    /// with no mailbox hop.
+    Handler,
 }
 
 impl Api {
@@ -51,18 +55,19 @@ impl Api {
             Api::Receive => "receive",
             Api::Writer => "writer",
             Api::Standing => "standing",
+            Api::Handler => "handler",
         }
     }
 
     /// Whether writes go through a `PipeWriter`.
     pub fn writes_directly(&self) -> bool {
-        matches!(self, Api::Writer | Api::Standing)
+        matches!(self, Api::Writer | Api::Standing | Api::Handler)
     }
 
     /// How the actors read.
     pub fn reading(&self) -> crate::fired::Reading {
         match self {
-            Api::Standing => crate::fired::Reading::Standing,
+            Api::Standing | Api::Handler => crate::fired::Reading::Standing,
             Api::Receive | Api::Writer => crate::fired::Reading::Receive,
             Api::Fired | Api::Awaited => crate::fired::Reading::TwoStep,
         }
@@ -81,6 +86,12 @@ pub async fn listen(builder: ContextBuilder, url: &str, api: Api) -> Result<List
                 Api::Awaited => {
                     actix::spawn(echo(a.pipe));
                 }
+                Api::Handler => match a.pipe.send(GetWriter).await {
+                    Ok(writer) => {
+                        actix::spawn(crate::handler::echo(a.pipe, writer));
+                    }
+                    Err(e) => eprintln!("echo server: no PipeWriter: {e}"),
+                },
                 Api::Fired | Api::Receive | Api::Writer | Api::Standing => {
                     let writer = match api.writes_directly() {
                         true => a.pipe.send(GetWriter).await.ok(),
@@ -231,6 +242,11 @@ impl Client {
                 };
                 let reading = self.api.reading();
                 crate::fired::Pinger::measure(pipe, writer, buffers, counts, progress, reading)
+                    .await?
+            }
+            Api::Handler => {
+                let writer = self.pipe.send(GetWriter).await?;
+                crate::handler::measure(self.pipe.clone(), writer, buffers, counts, progress)
                     .await?
             }
             Api::Awaited => self.measure_awaited(buffers, counts, progress).await?,

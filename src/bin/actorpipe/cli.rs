@@ -113,9 +113,9 @@ pub struct EfaArgs {
     pub spin: Option<u64>,
 
     /// How the pipe rows drive their pipes (as `bench transport --api`): receive (the default
-    /// here, as in the earlier efa measurements), writer or standing (the fastest:
-    /// a `PipeWriter` and one standing receive, as `bench transport`'s targets are measured),
-    /// fired or awaited.
+    /// here, as in the earlier efa measurements), writer, standing (a `PipeWriter` and one
+    /// standing receive, as `bench transport`'s targets are measured), handler (the fastest:
+    /// the standing receive's handler writes the next message in place), fired or awaited.
     #[arg(long, value_enum, default_value = "receive")]
     pub api: Api,
 
@@ -181,8 +181,10 @@ pub struct RunArgs {
     /// `notify`, and write through a `PipeWriter`, which writes a small message from the
     /// actor's own handler), receive (the same, writing by sending `Write` to the pipe: the path
     /// before `PipeWriter`), fired (as receive, reading with `ReadDescriptor` then `Read`),
-    /// awaited (async code that awaits `pipe.send(op)`, two-step reads) or standing (as
-    /// writer, reading with one standing receive, `ReceiveAll`, instead of a `Receive` each).
+    /// awaited (async code that awaits `pipe.send(op)`, two-step reads), standing (as
+    /// writer, reading with one standing receive, `ReceiveAll`, instead of a `Receive` each) or
+    /// handler (as standing, with a handler called in place, `ReceiveAll::calling`, that writes
+    /// the next message itself: no mailbox hop).
     #[arg(long, value_enum, default_value = "writer")]
     pub api: Api,
 

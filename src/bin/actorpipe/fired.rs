@@ -39,7 +39,7 @@ pub enum Reading {
 
 /// Buffers of a message larger than this go back to a standing receive ([`Recycle`]): the
 /// messages the pipe reads itself are those over 16 KiB.
-const RECYCLE_ABOVE: u64 = 16 << 10;
+pub const RECYCLE_ABOVE: u64 = 16 << 10;
 
 fn bytes(a: &Allocation) -> u64 {
     let payloads: usize = a.payloads.iter().map(Vec::len).sum();
@@ -232,23 +232,129 @@ impl Handler<Closed> for Echo {
     }
 }
 
+/// Waits for a run's samples on `rx`. A round trip that never ends must end the run, not hang
+/// it: `trips` (the round trips so far) has to move at least once per [`ROUND_TRIP_LIMIT`]. The
+/// watchdog is a task of its own: an interval on the pinging actor would be polled at every
+/// completion it handles.
+pub async fn watch(
+    mut rx: oneshot::Receiver<Result<(Samples, Buffers), Failure>>,
+    trips: &AtomicU32,
+    size: u64,
+) -> Result<(Samples, Buffers), Failure> {
+    let mut seen = 0;
+    loop {
+        match tokio::time::timeout(ROUND_TRIP_LIMIT, &mut rx).await {
+            Ok(done) => {
+                return done.unwrap_or_else(|_| Err(Failure::Failed("the pinger stopped".into())))
+            }
+            Err(_) => {
+                let now = trips.load(Ordering::Relaxed);
+                if now == seen {
+                    return Err(Failure::Failed(format!(
+                        "no echo of {size} bytes within {ROUND_TRIP_LIMIT:?}"
+                    )));
+                }
+                seen = now;
+            }
+        }
+    }
+}
+
+/// A run's bookkeeping: the clock of the round trip in flight, the samples, the count.
+pub struct Tally {
+    size: u64,
+    counts: Counts,
+    progress: Progress,
+    start: Instant,
+    trips: u32,
+    /// `trips`, for the watchdog ([`watch`]).
+    shared_trips: Arc<AtomicU32>,
+    samples: Samples,
+}
+
+/// What comes after a round trip.
+pub enum Next {
+    /// Another: send `sent` again, read into `back`'s buffers.
+    Again {
+        sent: actorpipe::Message,
+        back: actorpipe::Message,
+    },
+    /// The run is over: its samples and buffers, or why it failed.
+    Done(Result<(Samples, Buffers), Failure>),
+}
+
+impl Tally {
+    /// The bookkeeping of a run of `counts` round trips of `size` bytes, and its trip count
+    /// for [`watch`].
+    pub fn new(size: u64, counts: Counts, progress: &Progress) -> (Tally, Arc<AtomicU32>) {
+        let trips = Arc::new(AtomicU32::new(0));
+        let tally = Tally {
+            size,
+            counts,
+            progress: progress.clone(),
+            start: Instant::now(),
+            trips: 0,
+            shared_trips: trips.clone(),
+            samples: Samples::with_capacity(counts.iters as usize),
+        };
+        (tally, trips)
+    }
+
+    /// A round trip starts now.
+    pub fn start(&mut self) {
+        self.start = Instant::now();
+    }
+
+    /// Once a round trip's write and read are both back (`sent` and `back` hold them; else
+    /// `None`): records it, and says whether another follows (the last one's echo is checked
+    /// against what was sent).
+    pub fn ended(
+        &mut self,
+        sent: &mut Option<actorpipe::Message>,
+        back: &mut Option<actorpipe::Message>,
+    ) -> Option<Next> {
+        if sent.is_none() || back.is_none() {
+            return None;
+        }
+        let (sent, back) = (sent.take().expect("sent"), back.take().expect("back"));
+        let took = self.start.elapsed();
+        if self.trips >= self.counts.warmup {
+            self.samples.push(took);
+        }
+        self.trips += 1;
+        self.shared_trips.store(self.trips, Ordering::Relaxed);
+        self.progress.inc();
+        if self.trips < self.counts.total() {
+            return Some(Next::Again { sent, back });
+        }
+        Some(Next::Done(if same_bytes(&sent, &back) {
+            let buffers = Buffers {
+                size: self.size,
+                message: sent,
+                spare: Some(Allocation::from(back)),
+            };
+            Ok((std::mem::take(&mut self.samples), buffers))
+        } else {
+            Err(Failure::Failed(format!(
+                "the echo of {} bytes differs from what was sent",
+                self.size
+            )))
+        }))
+    }
+}
+
 /// Measures round trips of one size, then stops and hands the samples over.
 pub struct Pinger {
     pipe: Addr<Pipe>,
     writer: Option<PipeWriter>,
     size: u64,
     counts: Counts,
-    progress: Progress,
+    tally: Tally,
     /// The message to send next (back from the last `WriteDone`).
     message: Option<actorpipe::Message>,
     spare: Option<Allocation>,
     sent: Option<actorpipe::Message>,
     back: Option<actorpipe::Message>,
-    start: Instant,
-    trips: u32,
-    /// `trips`, for the watchdog in [`Pinger::measure`].
-    shared_trips: Arc<AtomicU32>,
-    samples: Samples,
     finish: Option<oneshot::Sender<Result<(Samples, Buffers), Failure>>>,
     to: Option<Recipients>,
     reading: Reading,
@@ -265,48 +371,24 @@ impl Pinger {
         reading: Reading,
     ) -> Result<(Samples, Buffers), Failure> {
         let size = buffers.size;
-        let (tx, mut rx) = oneshot::channel();
-        let trips = Arc::new(AtomicU32::new(0));
+        let (tx, rx) = oneshot::channel();
+        let (tally, trips) = Tally::new(size, counts, progress);
         Pinger {
             pipe,
             writer,
             size,
             counts,
-            progress: progress.clone(),
+            tally,
             message: Some(buffers.message),
             spare: buffers.spare,
             sent: None,
             back: None,
-            start: Instant::now(),
-            trips: 0,
-            shared_trips: trips.clone(),
-            samples: Samples::with_capacity(counts.iters as usize),
             finish: Some(tx),
             to: None,
             reading,
         }
         .start();
-        // A round trip that never ends must end the run, not hang it. The watchdog is a task of
-        // its own: an interval on the actor would be polled at every completion it handles.
-        let mut seen = 0;
-        loop {
-            match tokio::time::timeout(ROUND_TRIP_LIMIT, &mut rx).await {
-                Ok(done) => {
-                    return done.unwrap_or_else(|_| {
-                        Err(Failure::Failed("the pinger actor stopped".into()))
-                    })
-                }
-                Err(_) => {
-                    let now = trips.load(Ordering::Relaxed);
-                    if now == seen {
-                        return Err(Failure::Failed(format!(
-                            "no echo of {size} bytes within {ROUND_TRIP_LIMIT:?}"
-                        )));
-                    }
-                    seen = now;
-                }
-            }
-        }
+        watch(rx, &trips, size).await
     }
 
     fn fire(&mut self, ctx: &mut Context<Self>) {
@@ -314,7 +396,7 @@ impl Pinger {
             .to
             .get_or_insert_with(|| Recipients::of(&ctx.address()));
         let message = self.message.take().expect("a message to send");
-        self.start = Instant::now();
+        self.tally.start();
         let done = to.write(&self.pipe, self.writer.as_ref(), message);
         to.read_next(&self.pipe, self.reading, self.spare.take());
         if let Some(w) = done {
@@ -342,41 +424,20 @@ impl Pinger {
 
     /// Once both the write and the read of a round trip are back: record, go on or finish.
     fn maybe_next(&mut self, ctx: &mut Context<Self>) {
-        if self.sent.is_none() || self.back.is_none() {
+        let Some(next) = self.tally.ended(&mut self.sent, &mut self.back) else {
             return;
-        }
-        let took = self.start.elapsed();
-        if self.trips >= self.counts.warmup {
-            self.samples.push(took);
-        }
-        self.trips += 1;
-        self.shared_trips.store(self.trips, Ordering::Relaxed);
-        self.progress.inc();
-        let (sent, back) = (
-            self.sent.take().expect("sent"),
-            self.back.take().expect("back"),
-        );
-        if self.trips == self.counts.total() {
-            let result = if same_bytes(&sent, &back) {
-                let buffers = Buffers {
-                    size: self.size,
-                    message: sent,
-                    spare: Some(Allocation::from(back)),
-                };
-                Ok((std::mem::take(&mut self.samples), buffers))
-            } else {
-                Err(Failure::Failed(format!(
-                    "the echo of {} bytes differs from what was sent",
-                    self.size
-                )))
-            };
-            self.stop_standing();
-            if let Some(f) = self.finish.take() {
-                let _ = f.send(result);
+        };
+        let (sent, back) = match next {
+            Next::Again { sent, back } => (sent, back),
+            Next::Done(result) => {
+                self.stop_standing();
+                if let Some(f) = self.finish.take() {
+                    let _ = f.send(result);
+                }
+                ctx.stop();
+                return;
             }
-            ctx.stop();
-            return;
-        }
+        };
         self.message = Some(sent);
         self.spare = Some(Allocation::from(back));
         self.fire(ctx);

@@ -19,6 +19,7 @@ mod efa;
 mod efa_pipe;
 mod failure;
 mod fired;
+mod handler;
 mod idle;
 mod info;
 mod layers;

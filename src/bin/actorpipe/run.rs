@@ -200,6 +200,9 @@ pub fn measure(plan: &Plan, args: &RunArgs) -> Result<Report, Failure> {
             bench::Api::Standing => {
                 "as writer, reading with one standing receive (ReceiveAll): small messages go from the read loop to the actor"
             }
+            bench::Api::Handler => {
+                "as standing, with a handler called in place (ReceiveAll::calling): each side writes its next message from the read loop, no mailbox hop"
+            }
             bench::Api::Awaited => "async code awaits each operation",
         }
     ));
