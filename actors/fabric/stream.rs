@@ -82,6 +82,8 @@ pub struct FabricRead {
     done: mpsc::UnboundedReceiver<Finished>,
     bounce: usize,
     current: Option<(Vec<u8>, usize, usize)>,
+    /// A buffer read out, to repost at the next poll (see `poll_read`).
+    emptied: Option<Vec<u8>>,
     next_seq: u32,
     consumed: u32,
     credit_seq: u32,
@@ -118,6 +120,7 @@ impl FabricRead {
             done,
             bounce,
             current: None,
+            emptied: None,
             next_seq: WINDOW,
             consumed: 0,
             credit_seq: 0,
@@ -166,6 +169,14 @@ impl AsyncRead for FabricRead {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
+        // The buffer the last call emptied is reposted now, not then: between the two calls
+        // the reader handles what it read (a small message's frame: the pipe's read loop
+        // decodes it and may answer it, through a standing receive's handler), and a post
+        // there (the provider's `fi_trecv`, and every `WINDOW / 2` a credit's `fi_tsend`)
+        // would delay that answer. The window stays `WINDOW` receives, one of them late.
+        if let Some(mem) = this.emptied.take() {
+            this.recycle(mem);
+        }
         loop {
             if let Some((mem, pos, len)) = this.current.as_mut() {
                 let n = (*len - *pos).min(buf.remaining());
@@ -173,7 +184,7 @@ impl AsyncRead for FabricRead {
                 *pos += n;
                 if *pos == *len {
                     let (mem, _, _) = this.current.take().expect("checked");
-                    this.recycle(mem);
+                    this.emptied = Some(mem);
                 }
                 return Poll::Ready(Ok(()));
             }
