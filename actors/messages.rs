@@ -454,6 +454,28 @@ impl Op for Receive {
 /// rules apply as with a recipient; a handler that panics counts as a recipient that is gone
 /// (the message it was given is lost, the pipe fails with [`Error::Closed`] when the next one
 /// arrives), and the panic goes no further than the call.
+///
+/// An echo that answers each message from the read loop:
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use actorpipe::prelude::*;
+///
+/// # async fn echo(pipe: actix::Addr<actorpipe::Pipe>) -> actorpipe::Result<()> {
+/// let writer = pipe.writer().await?;
+/// // Where a write goes that cannot complete at once (a large message): nobody reads it here.
+/// let (late, _) = actorpipe::inbox::<actorpipe::WriteDone>();
+/// let late = Arc::new(late);
+/// pipe.receive_all_calling(move |done: actorpipe::ReadDone| {
+///     if done.result.is_ok() {
+///         // Written now, from the read loop; a small write's `WriteDone` comes back at once.
+///         let _ = writer.write(actorpipe::Write::new(done.message), &late);
+///     }
+/// })
+/// .await?;
+/// # Ok(())
+/// # }
+/// ```
 pub struct ReceiveAll {
     pub(crate) to: Deliver,
 }
