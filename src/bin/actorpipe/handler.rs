@@ -15,9 +15,10 @@ use tokio::sync::oneshot;
 
 use crate::bench::Buffers;
 use crate::failure::Failure;
-use crate::fired::{watch, Next, Tally, RECYCLE_ABOVE};
+use crate::fired::RECYCLE_ABOVE;
 use crate::measure::{Counts, Samples};
 use crate::report::Progress;
+use crate::tally::{watch, Next, Tally};
 
 /// A recipient for the `WriteDone`s a `PipeWriter` could not return at once (a large message,
 /// which the pipe writes): each goes to `then`, from a task of its own.

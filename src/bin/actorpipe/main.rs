@@ -30,6 +30,7 @@ mod report;
 mod run;
 mod scaling;
 mod server;
+mod tally;
 mod units;
 
 use clap::Parser;
