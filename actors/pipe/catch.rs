@@ -199,7 +199,10 @@ impl Catch for Catcher {
                 s.next_id += 1;
                 s.delivered += 1;
                 self.metrics.read_whole(total);
-                Caught::Silently
+                match s.to {
+                    Sink::Call(_) => Caught::Called,
+                    Sink::Actor(_) => Caught::Silently,
+                }
             }
             Slot::Parked(p) if p.seq == wd.seq => {
                 let Slot::Parked(p) = mem::replace(&mut *slot, Slot::Empty) else {

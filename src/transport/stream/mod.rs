@@ -52,6 +52,10 @@ pub enum Caught {
     /// Took it, and the owner catches up by itself: nothing is sent, and the loop reads the
     /// next frame at the next ticket by itself, without counting it against `more`.
     Silently,
+    /// As `Silently`, and the message went to a function called in place (a standing
+    /// receive's handler), which has run: no task was made ready by it, so a spinning loop
+    /// has nobody to give way to.
+    Called,
 }
 
 impl std::fmt::Debug for dyn Catch {

@@ -320,7 +320,7 @@ pub async fn read_loop(
                     (Some(c), Frame::Descriptor(wd)) if whole => c.catch(wd, &mut payloads),
                     _ => Caught::No,
                 };
-                if caught == Caught::Silently {
+                if matches!(caught, Caught::Silently | Caught::Called) {
                     match frame {
                         // Lists of a message of many parts are not worth pinning.
                         Frame::Descriptor(wd)
@@ -340,7 +340,8 @@ pub async fn read_loop(
                         catch,
                     };
                     follow(&mut seq, &mut held, next);
-                    handed = give_way && r.buffer().is_empty();
+                    // A recipient's task is ready now; a handler has already run.
+                    handed = caught == Caught::Silently && give_way && r.buffer().is_empty();
                     continue;
                 }
                 let caught = caught == Caught::Told;
