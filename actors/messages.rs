@@ -453,7 +453,8 @@ impl Op for Receive {
 /// pipe or on anything that waits on it (hand longer work to an actor or a queue). The same
 /// rules apply as with a recipient; a handler that panics counts as a recipient that is gone
 /// (the message it was given is lost, the pipe fails with [`Error::Closed`] when the next one
-/// arrives), and the panic goes no further than the call.
+/// arrives), and the panic goes no further than the call (with Rust's default `panic =
+/// "unwind"`; a program built to abort on panic aborts).
 ///
 /// An echo that answers each message from the read loop:
 ///
