@@ -149,6 +149,30 @@ fn bench_command_runs_end_to_end() {
         assert!(r["p50_us"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["baseline_p50_us"].as_f64().unwrap() > 0.0, "{r}");
     }
+    // The standing receive, with a recipient actor and with a handler answering in place: a
+    // small message from the read loop, a large one (70 KiB) from the pipe, on both sides.
+    for api in ["standing", "handler"] {
+        let v = bench_json(&[
+            "bench",
+            "transport",
+            "--backend",
+            "shm",
+            "--sizes",
+            "64,70K",
+            "--iters",
+            "20",
+            "--rounds",
+            "2",
+            "--api",
+            api,
+        ]);
+        let rows = v["rows"].as_array().expect("rows");
+        assert_eq!(rows.len(), 2, "{api}: {v}");
+        for r in rows {
+            assert_eq!(r["round_trips"], 20, "{api}: {r}");
+            assert!(r["p50_us"].as_f64().unwrap() > 0.0, "{api}: {r}");
+        }
+    }
     // mpt lanes from two loopback addresses, as from two NICs.
     let v = bench_json(&[
         "bench",
