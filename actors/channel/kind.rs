@@ -61,6 +61,18 @@ impl ChannelKind {
         }
     }
 
+    /// Whether a tensor this channel moves in place has its length as channel data (`ibv`,
+    /// `efa`: the receiver checks it against its buffer; an inline tensor's data is empty).
+    pub fn gives_length(&self) -> bool {
+        match *self {
+            #[cfg(feature = "ibv")]
+            ChannelKind::Ibv { .. } => true,
+            #[cfg(feature = "efa")]
+            ChannelKind::Efa { .. } => true,
+            _ => false,
+        }
+    }
+
     /// Which tensors we receive travel on the pipe's control connection, after their
     /// descriptor. The sender decides ([`Self::sends_on_control`]); an inline cma tensor is the
     /// one whose channel data is empty (a [`RemoteBuffer`] never is).

@@ -156,15 +156,7 @@ impl Pipe {
                         }
                     }
                     // The length: never empty, unlike an inline tensor's.
-                    #[cfg(feature = "ibv")]
-                    ChannelKind::Ibv { .. } => {
-                        let len = message.tensors[i].buffer.len();
-                        if !kind.sends_on_control(len) {
-                            data.set(&len.to_le_bytes())
-                        }
-                    }
-                    #[cfg(feature = "efa")]
-                    ChannelKind::Efa { .. } => {
+                    k if k.gives_length() => {
                         let len = message.tensors[i].buffer.len();
                         if !kind.sends_on_control(len) {
                             data.set(&len.to_le_bytes())

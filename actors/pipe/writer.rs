@@ -366,10 +366,7 @@ pub(super) fn channel_data_len(routes: &Routes, cpu_kind: ChannelKind, ch: usize
     match kind {
         ChannelKind::Xth { .. } => 8,
         ChannelKind::Cma { .. } => crate::channel::cma::REMOTE_BUFFER_LEN,
-        #[cfg(feature = "ibv")]
-        ChannelKind::Ibv { .. } => 8,
-        #[cfg(feature = "efa")]
-        ChannelKind::Efa { .. } => 8,
+        k if k.gives_length() => 8,
         #[cfg(feature = "cuda")]
         ChannelKind::CudaIpc { .. } => crate::channel::cuda_ipc::IPC_TENSOR_LEN,
         k if k.carries_cuda() => 8,
