@@ -62,6 +62,9 @@ pub const EFA_POSTS: &str = "actorpipe_efa_posts_total";
 /// libfabric posts refused with `-FI_EAGAIN` (and retried from the backlog), by provider
 /// (counter; feature `efa`).
 pub const EFA_EAGAIN: &str = "actorpipe_efa_eagain_total";
+/// libfabric sends that went out as injects (`fi_tinject`: no completion), by provider; also
+/// counted in [`EFA_POSTS`] (counter; feature `efa`).
+pub const EFA_INJECTS: &str = "actorpipe_efa_injects_total";
 /// Completions read from libfabric completion queues, by provider (counter; feature `efa`).
 pub const EFA_COMPLETIONS: &str = "actorpipe_efa_completions_total";
 /// Failed libfabric posts and error completions, by provider (counter; feature `efa`).
@@ -117,6 +120,7 @@ fn describe() {
     describe_gauge!(CUDA_IPC_OPEN, "CUDA IPC memory handles opened from peers.");
     describe_counter!(EFA_POSTS, "libfabric posts accepted, by provider.");
     describe_counter!(EFA_EAGAIN, "libfabric posts refused with -FI_EAGAIN.");
+    describe_counter!(EFA_INJECTS, "libfabric sends injected (no completion).");
     describe_counter!(EFA_COMPLETIONS, "libfabric completions read.");
     describe_counter!(EFA_ERRORS, "libfabric failed posts and error completions.");
     describe_gauge!(EFA_BACKLOG, "Operations in libfabric -FI_EAGAIN backlogs.");

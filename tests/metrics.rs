@@ -155,3 +155,50 @@ async fn counters_equal_the_traffic() {
     let other = SocketAddr::from(([127, 0, 0, 1], addr.port().wrapping_add(1)));
     assert!(actorpipe::metrics::serve(other).is_err());
 }
+
+#[cfg(feature = "efa")]
+#[path = "common/efa.rs"]
+#[allow(dead_code)]
+mod efa_support;
+
+/// An exchange on the `shm` provider (part of every libfabric build, as the `efa` feature's own
+/// tests rely on): the endpoint counters scraped equal the endpoints' own, injects included.
+#[cfg(feature = "efa")]
+#[test]
+fn efa_counters_equal_the_endpoints() {
+    use actorpipe::actors::fabric::FabricStats;
+    use efa_support::*;
+    let addr = actorpipe::metrics::serve("127.0.0.1:0".parse().unwrap()).unwrap();
+    actix::System::new().block_on(async {
+        let (a, b) = endpoints(
+            "shm",
+            config(actorpipe::fabric::faults::Faults::NONE, false),
+        )
+        .await;
+        let (tx, rx) = pipe(&a, &b).await;
+        exchange(tx.direct(), rx.direct(), 200, 16).await;
+        let (sa, sb) = (
+            a.send(FabricStats).await.unwrap(),
+            b.send(FabricStats).await.unwrap(),
+        );
+        assert!(sa.injected > 0, "small sends were injected: {sa:?}");
+        assert!(sa.injected < sa.posted, "large ones were not: {sa:?}");
+        let text = scrape(addr);
+        let shm = [("provider", "shm")];
+        for (name, want) in [
+            ("actorpipe_efa_posts_total", sa.posted + sb.posted),
+            ("actorpipe_efa_injects_total", sa.injected + sb.injected),
+            (
+                "actorpipe_efa_completions_total",
+                sa.completions + sb.completions,
+            ),
+            ("actorpipe_efa_errors_total", 0),
+        ] {
+            assert_eq!(
+                value(&text, name, &shm),
+                Some(want as f64),
+                "{name}\n{text}"
+            );
+        }
+    });
+}

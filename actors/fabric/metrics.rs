@@ -10,6 +10,7 @@ use crate::fabric::engine::Stats;
 pub(super) struct EndpointMetrics {
     posts: Counter,
     eagain: Counter,
+    injects: Counter,
     completions: Counter,
     errors: Counter,
     backlog: Gauge,
@@ -30,6 +31,7 @@ impl EndpointMetrics {
         EndpointMetrics {
             posts: counter!(crate::metrics::EFA_POSTS, &labels),
             eagain: counter!(crate::metrics::EFA_EAGAIN, &labels),
+            injects: counter!(crate::metrics::EFA_INJECTS, &labels),
             completions: counter!(crate::metrics::EFA_COMPLETIONS, &labels),
             errors: counter!(crate::metrics::EFA_ERRORS, &labels),
             backlog,
@@ -45,10 +47,11 @@ impl EndpointMetrics {
             return;
         }
         // Only the counters that moved: each handle is a call through a pointer and an atomic
-        // add, and a pass moves two or three of the five.
+        // add, and a pass moves two or three of the six.
         for (c, now, then) in [
             (&self.posts, s.posted, p.posted),
             (&self.eagain, s.eagain, p.eagain),
+            (&self.injects, s.injected, p.injected),
             (&self.completions, s.completions, p.completions),
             (&self.errors, s.errors, p.errors),
             (&self.bytes, s.bytes, p.bytes),

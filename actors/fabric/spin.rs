@@ -17,16 +17,7 @@ pub(super) struct Spinner {
     os_yield: Instant,
     /// Turns so far: the clock is read on every `CLOCK_EVERY`-th only.
     turns: u32,
-    /// Turns left that skip the CQ (see `QUIET_TURNS`).
-    rest: u32,
 }
-
-/// After a pass that handed out ends, this many turns of a spin skip the CQ: the tasks those
-/// ends woke (the stream's read loop, the pipe, the channel, the application) run first, each
-/// followed by a turn of ours, and no answer can come before they have sent again. On
-/// `tcp;ofi_rxm` a pass costs system calls (the provider's own `epoll_wait`), and 8 quiet turns
-/// took a 64 B `channel spin` round trip from 45 µs to 36 µs on the 2-core VM (docs/efa.md).
-const QUIET_TURNS: u32 = 8;
 
 /// How often a spin offers its CPU to other threads (`sched_yield`). Without it a peer woken
 /// onto this CPU waits for the whole spin to end (on the 2-core VM, a `tcp;ofi_rxm` round trip
@@ -44,7 +35,6 @@ impl Spinner {
         Spinner {
             os_yield: Instant::now(),
             turns: 0,
-            rest: 0,
         }
     }
 }
@@ -61,16 +51,11 @@ impl ActorFuture<FabricEndpoint> for Spinner {
         if act.driver != Driver::Spinning {
             return Poll::Ready(());
         }
-        // Where a CQ read is cheap (no wait fd: `shm`), a direct post ends the quiet turns:
-        // its CQ read comes at once, as when a post was a message whose handler read the CQ.
-        // On `tcp;ofi_rxm` (a read costs the provider's `epoll_wait`) that extra read cost the
-        // 64 B `transport spin` row 16.3 -> 19.8 us, while `shm`'s gained 4.3 -> 4.0 us and its
-        // `channel spin` 8.6 -> 7.4 us (2-core VM, docs/efa.md).
-        if self.rest > 0 && !(act.wait.is_none() && act.core().posted) {
-            self.rest -= 1;
-        } else if act.pass() {
-            self.rest = QUIET_TURNS;
-        }
+        // Every turn reads the CQ. Skipping it for 8 turns after a pass that handed out ends
+        // (so that the tasks those ends woke ran first) cost 64 B round trips once the stream
+        // posted straight into the engine: on 16 cores `tcp;ofi_rxm` `actor spin` 1.69x ->
+        // 1.46x raw, on the 2-core VM `shm` `transport spin` 2.45 -> 2.00 us (docs/efa.md).
+        act.pass();
         self.turns = self.turns.wrapping_add(1);
         let now = (self.turns % CLOCK_EVERY == 0).then(Instant::now);
         let due = match now {
@@ -89,12 +74,6 @@ impl ActorFuture<FabricEndpoint> for Spinner {
             // runtime (an `epoll_wait`) between turns, as `yield_now` would do.
             task.waker().wake_by_ref();
             return Poll::Pending;
-        }
-        if self.rest > 0 {
-            // The window closed during quiet turns: read the CQ once more before waiting, or
-            // an end that came meanwhile would wait for the next poll (a sleep, in polling
-            // mode) instead of being handed out now.
-            act.pass();
         }
         act.driver = Driver::Idle;
         act.handle = None;

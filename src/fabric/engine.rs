@@ -95,6 +95,9 @@ pub struct Stats {
     pub eagain: u64,
     /// Completions read from the CQ.
     pub completions: u64,
+    /// Sends that went out as injects (`fi_tinject`, no completion to read); counted in
+    /// `posted` too.
+    pub injected: u64,
     /// Errors: failed posts and error completions.
     pub errors: u64,
     /// Ops in the backlog now.
@@ -174,6 +177,8 @@ pub struct Engine {
     faults: Faults,
     dice: Dice,
     stats: Stats,
+    /// Sends of 1 to this many bytes are injects.
+    inject_limit: usize,
     // Reused between calls: no allocation per completion.
     batch: Vec<Completion>,
     dirty: Vec<u32>,
@@ -182,7 +187,9 @@ pub struct Engine {
 impl Engine {
     /// An engine over `ep`.
     pub fn new(ep: Endpoint, faults: Faults) -> Engine {
+        let inject_limit = ep.domain().attributes().inject_size as usize;
         Engine {
+            inject_limit,
             ep,
             regs: RegCache::default(),
             register_all: false,
@@ -220,6 +227,14 @@ impl Engine {
     /// does not require it (tests; measuring what registration costs).
     pub fn set_register_all(&mut self, on: bool) {
         self.register_all = on;
+    }
+
+    /// Sends of at most `limit` bytes (capped at the provider's inject size) go out as
+    /// injects: `fi_tinject` copies them at once and generates no completion, so the op ends
+    /// when the post returns. `0` sends everything with `fi_tsend` (tests of the completion
+    /// path; measuring what injects save).
+    pub fn set_inject_limit(&mut self, limit: usize) {
+        self.inject_limit = limit.min(self.attributes().inject_size as usize);
     }
 
     /// The counters.
@@ -489,6 +504,30 @@ impl Engine {
         let Some(peer) = self.pipes.get(&l.pipe).map(|p| p.peer) else {
             return Ok(());
         };
+        let len = l.region.map_or(l.mem.len(), |r| r.len);
+        if l.kind == Kind::Send && len > 0 && len <= self.inject_limit {
+            let bytes = match l.region {
+                // SAFETY: `post_region`'s contract keeps the region's bytes allocated and
+                // unwritten until the op's end, which is after this call.
+                Some(r) => unsafe {
+                    std::slice::from_raw_parts((r.base + r.offset) as *const u8, r.len)
+                },
+                None => &l.mem[..],
+            };
+            let r = self.ep.tinject(bytes, peer, l.tag);
+            match &r {
+                Ok(()) => {
+                    let pipe = l.pipe;
+                    self.stats.posted += 1;
+                    self.stats.injected += 1;
+                    let result = self.finish(pipe, Ok(len));
+                    self.end_op(index, pipe, result);
+                }
+                Err(PostError::Again) => self.stats.eagain += 1,
+                Err(PostError::Failed(_)) => self.stats.errors += 1,
+            }
+            return r;
+        }
         // Providers that need registered local memory (FI_MR_LOCAL: efa) get it per op for the
         // engine's own buffers, and through the cache for caller memory (regions).
         if let Some(r) = l
@@ -550,17 +589,45 @@ impl Engine {
         // SAFETY: every context we post is the address of a live boxed Ctx of ours; the
         // provider hands it back unchanged.
         let index = unsafe { (*(c.context as *const Ctx)).index };
-        let inject = self.faults.cq_error > 0.0 && self.dice.roll(self.faults.cq_error);
         let l = self.slots.get_mut(index)?.live.as_mut()?;
         if !matches!(l.state, State::Posted) {
             return None;
         }
         self.stats.in_flight -= 1;
         let pipe = l.pipe;
-        let mut result = c.result.map(|()| match l.kind {
+        let result = c.result.map(|()| match l.kind {
             Kind::Recv => c.len as usize,
             Kind::Send => l.region.map_or(l.mem.len(), |r| r.len),
         });
+        let result = self.finish(pipe, result);
+        self.end_op(index, pipe, result);
+        Some(pipe)
+    }
+
+    /// Records `result` as the op's end, fails its pipe if that is the pipe's first error,
+    /// and marks the pipe for draining.
+    fn end_op(&mut self, index: usize, pipe: u32, result: Result<usize, FabricError>) {
+        let first = match &result {
+            Err(e) if self.pipes.get(&pipe).is_some_and(|p| p.error.is_none()) => Some(e.clone()),
+            _ => None,
+        };
+        self.set_state(index, State::Done(result));
+        if let Some(e) = first {
+            self.fail_pipe(pipe, e);
+        }
+        self.mark(pipe);
+    }
+
+    /// The result an op of `pipe` that ended with `result` (a completion, or an inject's
+    /// post) is handed out with: an injected fault's error, or the pipe's own if it has
+    /// failed. The caller records it as the op's state, then fails the pipe with it if it is a
+    /// new error ((`end_op`)).
+    fn finish(
+        &mut self,
+        pipe: u32,
+        mut result: Result<usize, FabricError>,
+    ) -> Result<usize, FabricError> {
+        let inject = self.faults.cq_error > 0.0 && self.dice.roll(self.faults.cq_error);
         if inject && result.is_ok() {
             result = Err(FabricError {
                 op: "completion",
@@ -569,28 +636,17 @@ impl Engine {
                 text: "injected completion error (fault injection)".into(),
             });
         }
-        let pipe_error = self.pipes.get(&pipe).and_then(|p| p.error.clone());
-        let fail = match (result, pipe_error) {
+        match (result, self.pipes.get(&pipe).and_then(|p| p.error.clone())) {
             (Err(e), None) => {
                 self.stats.errors += 1;
-                l.state = State::Done(Err(e.clone()));
-                Some(e)
+                Err(e)
             }
-            (_, Some(e)) => {
-                l.state = State::Done(Err(e));
-                None
-            }
+            (_, Some(e)) => Err(e),
             (Ok(n), None) => {
                 self.stats.bytes += n as u64;
-                l.state = State::Done(Ok(n));
-                None
+                Ok(n)
             }
-        };
-        if let Some(e) = fail {
-            self.fail_pipe(pipe, e);
         }
-        self.mark(pipe);
-        Some(pipe)
     }
 
     fn mark(&mut self, pipe: u32) {

@@ -49,7 +49,7 @@ extern "C" {
     pub fn ap_version() -> u32;
     pub fn ap_header_version() -> u32;
     pub fn ap_strerror(err: c_int) -> *const c_char;
-    pub fn ap_getinfo(prov: *const c_char, out: *mut *mut FiInfo) -> c_int;
+    pub fn ap_getinfo(prov: *const c_char, inject: usize, out: *mut *mut FiInfo) -> c_int;
     pub fn ap_freeinfo(info: *mut FiInfo);
     pub fn ap_info_next(info: *mut FiInfo) -> *mut FiInfo;
     pub fn ap_info_read(info: *const FiInfo, out: *mut ApInfo);
@@ -88,6 +88,8 @@ extern "C" {
         tag: u64,
         context: *mut c_void,
     ) -> isize;
+    pub fn ap_tinject(ep: *mut FidEp, buf: *const c_void, len: usize, dest: u64, tag: u64)
+        -> isize;
     pub fn ap_trecv(
         ep: *mut FidEp,
         buf: *mut c_void,

@@ -146,6 +146,11 @@ pub struct Attributes {
     pub string_addresses: bool,
 }
 
+/// The inject size [`InfoList::get`] asks a provider for when its default is smaller: a
+/// small message's frame and a 4 KiB payload's, with room for their headers. Sends up to the
+/// inject size go out with `fi_tinject` ([`engine`]): no send completion to read.
+pub const INJECT_WANTED: usize = 4096 + 256;
+
 /// The result of `fi_getinfo` for RDM endpoints with tagged messages; freed on drop.
 pub struct InfoList {
     head: *mut ffi::FiInfo,
@@ -154,7 +159,24 @@ pub struct InfoList {
 impl InfoList {
     /// Every (provider, fabric, domain) offering RDM tagged endpoints; `provider` filters by name
     /// (`tcp;ofi_rxm`, `shm`, `efa`). No match is an error with code `FI_ENODATA`.
+    ///
+    /// With a provider named, entries that inject less than [`INJECT_WANTED`] bytes by default
+    /// are asked again for that much (a hint: `tcp;ofi_rxm` offers 64 B unless asked, and up
+    /// to its 16 KiB bounce buffers if asked); a provider that cannot keeps its default.
     pub fn get(provider: Option<&str>) -> Result<InfoList, FabricError> {
+        let list = Self::get_with(provider, 0)?;
+        let short = list
+            .iter()
+            .all(|i| i.attributes().inject_size < INJECT_WANTED as u64);
+        if provider.is_some() && short {
+            if let Ok(more) = Self::get_with(provider, INJECT_WANTED) {
+                return Ok(more);
+            }
+        }
+        Ok(list)
+    }
+
+    fn get_with(provider: Option<&str>, inject: usize) -> Result<InfoList, FabricError> {
         let name = provider
             .map(CString::new)
             .transpose()
@@ -169,6 +191,7 @@ impl InfoList {
         let ret = unsafe {
             ffi::ap_getinfo(
                 name.as_ref().map_or(std::ptr::null(), |n| n.as_ptr()),
+                inject,
                 &mut head,
             )
         };
@@ -625,6 +648,17 @@ impl Endpoint {
         // SAFETY: the caller's contract above.
         let ret = unsafe { ffi::ap_tsend(self.ep.ptr, buf.cast(), len, desc, dest, tag, context) };
         self.post_result("fi_tsend", ret)
+    }
+
+    /// Sends `buf` (at most [`Attributes::inject_size`] bytes) to `dest`, tagged `tag`, as an
+    /// inject: the provider has taken the bytes when this returns `Ok`, and no completion
+    /// follows. No registration is needed.
+    pub fn tinject(&self, buf: &[u8], dest: FiAddr, tag: u64) -> Result<(), PostError> {
+        // SAFETY: `buf` is a live slice for the call; an inject copies it (or sends it) before
+        // returning, and keeps no pointer to it or to any context.
+        let ret =
+            unsafe { ffi::ap_tinject(self.ep.ptr, buf.as_ptr().cast(), buf.len(), dest, tag) };
+        self.post_result("fi_tinject", ret)
     }
 
     /// Posts a tagged receive of up to `len` bytes into `buf`, matching `tag` (bits set in

@@ -52,8 +52,9 @@ uint32_t ap_version(void) { return fi_version(); }
 uint32_t ap_header_version(void) { return FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION); }
 const char *ap_strerror(int err) { return fi_strerror(err); }
 
-/* RDM endpoints with tagged messages, for provider `prov` (NULL: any). */
-int ap_getinfo(const char *prov, struct fi_info **out)
+/* RDM endpoints with tagged messages, for provider `prov` (NULL: any); with `inject` > 0,
+ * only those that can inject (fi_tinject) at least that many bytes. */
+int ap_getinfo(const char *prov, size_t inject, struct fi_info **out)
 {
 	struct fi_info *hints = fi_allocinfo();
 	int ret;
@@ -68,6 +69,7 @@ int ap_getinfo(const char *prov, struct fi_info **out)
 	hints->domain_attr->mr_mode =
 		FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
 	hints->domain_attr->threading = FI_THREAD_DOMAIN;
+	hints->tx_attr->inject_size = inject;
 	if (prov) {
 		hints->fabric_attr->prov_name = strdup(prov);
 		if (!hints->fabric_attr->prov_name) {
@@ -193,6 +195,13 @@ ssize_t ap_tsend(struct fid_ep *ep, const void *buf, size_t len, void *desc, uin
 		 uint64_t tag, void *context)
 {
 	return fi_tsend(ep, buf, len, desc, dest, tag, context);
+}
+
+/* A tagged send of at most the inject size: the buffer is free on return and no completion
+ * is generated. */
+ssize_t ap_tinject(struct fid_ep *ep, const void *buf, size_t len, uint64_t dest, uint64_t tag)
+{
+	return fi_tinject(ep, buf, len, dest, tag);
 }
 
 ssize_t ap_trecv(struct fid_ep *ep, void *buf, size_t len, void *desc, uint64_t src,

@@ -55,6 +55,14 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
                 .domains()
                 .map_or(0, |d| d.len());
             let mut rows = vec![("raw".to_string(), Samples::new())];
+            // The raw ping-pong again, sending with fi_tinject (no send completion), as the
+            // endpoint does for sends that fit; only where this size fits.
+            let inject = InfoList::get(Some(provider))
+                .ok()
+                .and_then(|l| l.iter().next().map(|i| i.attributes().inject_size >= size))
+                .unwrap_or(false);
+            let at_raw = rows.len();
+            rows.push(("raw inject".to_string(), Samples::new()));
             for (suffix, _) in &configs {
                 for name in ["actor", "transport", "channel", "in-place", "striped"] {
                     rows.push((format!("{name}{suffix}"), Samples::new()));
@@ -64,10 +72,15 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
                 if wanted("raw") {
                     rows[0]
                         .1
-                        .extend(raw_round(provider, size as usize, counts)?);
+                        .extend(raw_round(provider, size as usize, counts, false)?);
+                }
+                if inject && wanted("raw inject") {
+                    rows[at_raw]
+                        .1
+                        .extend(raw_round(provider, size as usize, counts, true)?);
                 }
                 for (k, (suffix, config)) in configs.iter().enumerate() {
-                    let at = 1 + 5 * k;
+                    let at = at_raw + 1 + 5 * k;
                     let wanted = |row: &str| wanted(&format!("{row}{suffix}"));
                     if wanted("actor") {
                         rows[at]
@@ -168,12 +181,13 @@ fn post(
 }
 
 /// One side of the raw ping-pong: `total` exchanges; the client times each after the warm-up.
+/// With `inject`, the sends are `fi_tinject`s: no completion to wait for.
 fn raw_side(
     mut ep: Endpoint,
     peer: &[u8],
     size: usize,
     counts: Counts,
-    client: bool,
+    (client, inject): (bool, bool),
 ) -> Result<Samples, Failure> {
     let to = ep.insert(peer).map_err(|e| failed("fi_av_insert", e))?;
     let mut out = vec![7u8; size];
@@ -193,11 +207,20 @@ fn raw_side(
             reap(&mut ep, 1 - early)?;
             early = 0;
         }
-        // SAFETY: as above.
-        early += post(&mut ep, |ep| unsafe {
-            ep.tsend(pout, size, std::ptr::null_mut(), to, t, x2)
-        })?;
-        reap(&mut ep, if client { 2 } else { 1 } - early)?;
+        let sends: usize = if inject {
+            early += post(&mut ep, |ep| ep.tinject(&out, to, t))?;
+            0
+        } else {
+            // SAFETY: as above.
+            early += post(&mut ep, |ep| unsafe {
+                ep.tsend(pout, size, std::ptr::null_mut(), to, t, x2)
+            })?;
+            1
+        };
+        reap(
+            &mut ep,
+            (if client { 1 + sends } else { sends }).saturating_sub(early),
+        )?;
         if client && i >= counts.warmup {
             samples.push(start.elapsed());
         }
@@ -206,7 +229,12 @@ fn raw_side(
     Ok(samples)
 }
 
-fn raw_round(provider: &str, size: usize, counts: Counts) -> Result<Samples, Failure> {
+fn raw_round(
+    provider: &str,
+    size: usize,
+    counts: Counts,
+    inject: bool,
+) -> Result<Samples, Failure> {
     let (to_server, from_client) = std_mpsc::channel::<Vec<u8>>();
     let (to_client, from_server) = std_mpsc::channel::<Vec<u8>>();
     let p = provider.to_string();
@@ -214,12 +242,12 @@ fn raw_round(provider: &str, size: usize, counts: Counts) -> Result<Samples, Fai
         let ep = open_raw(&p)?;
         let _ = to_client.send(ep.name().to_vec());
         let peer = from_client.recv().map_err(|e| failed("setup", e))?;
-        raw_side(ep, &peer, size, counts, false)
+        raw_side(ep, &peer, size, counts, (false, inject))
     });
     let ep = open_raw(provider)?;
     let _ = to_server.send(ep.name().to_vec());
     let peer = from_server.recv().map_err(|e| failed("server", e))?;
-    let samples = raw_side(ep, &peer, size, counts, true)?;
+    let samples = raw_side(ep, &peer, size, counts, (true, inject))?;
     server.join().map_err(|_| failed("server", "panicked"))??;
     Ok(samples)
 }

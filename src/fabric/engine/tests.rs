@@ -43,10 +43,14 @@ fn pattern(seq: u64, len: usize) -> Vec<u8> {
 }
 
 /// 10 000 messages of random shape, with `faults` on both sides: every one arrives intact, and
-/// each side sees its completions in post order.
-fn storm(provider: &str, faults: Faults, count: u64) -> (Stats, Stats) {
+/// each side sees its completions in post order. Without `inject`, every send goes out with
+/// `fi_tsend` and ends with a completion.
+fn storm(provider: &str, faults: Faults, count: u64, inject: bool) -> (Stats, Stats) {
     const WINDOW: u64 = 128;
     let (mut a, pa, mut b, pb) = pair(provider, faults);
+    if !inject {
+        a.set_inject_limit(0);
+    }
     let mut dice = Dice::new(42);
     let mut x = 7u64;
     let sizes: Vec<usize> = (0..count).map(|_| shape(&mut dice, &mut x)).collect();
@@ -124,14 +128,28 @@ fn eagain_storm_delivers_everything_in_order_on_each_provider() {
         seed: 1,
     };
     for provider in PROVIDERS {
-        let (sa, sb) = storm(provider, faults, 10_000);
-        // 90 % of posts refused: about nine refusals per accepted post, on both sides.
-        assert_eq!(sa.posted, 10_000, "{provider}: {sa:?}");
-        assert!(sa.eagain > 50_000, "{provider}: {sa:?}");
-        assert!(sb.eagain > 50_000, "{provider}: {sb:?}");
-        assert!(sa.backlog_max > 1 && sb.backlog_max > 1, "{sa:?} {sb:?}");
-        assert_eq!((sa.errors, sb.errors), (0, 0));
-        assert_eq!((sa.backlog, sa.in_flight), (0, 0));
+        for inject in [true, false] {
+            let (sa, sb) = storm(provider, faults, 10_000, inject);
+            // 90 % of posts refused: about nine refusals per accepted post, on both sides.
+            assert_eq!(sa.posted, 10_000, "{provider}: {sa:?}");
+            assert!(sa.eagain > 50_000, "{provider}: {sa:?}");
+            assert!(sb.eagain > 50_000, "{provider}: {sb:?}");
+            assert!(sa.backlog_max > 1 && sb.backlog_max > 1, "{sa:?} {sb:?}");
+            assert_eq!((sa.errors, sb.errors), (0, 0));
+            assert_eq!((sa.backlog, sa.in_flight), (0, 0));
+            // Injected sends (about half the shapes fit) end without a completion.
+            if inject {
+                assert!(sa.injected > 3_000, "{provider}: {sa:?}");
+                assert_eq!(
+                    sa.completions,
+                    sa.posted - sa.injected,
+                    "{provider}: {sa:?}"
+                );
+            } else {
+                assert_eq!(sa.injected, 0, "{provider}: {sa:?}");
+                assert_eq!(sa.completions, 10_000, "{provider}: {sa:?}");
+            }
+        }
     }
 }
 
@@ -225,6 +243,102 @@ fn a_completion_error_fails_its_pipe_in_order_and_spares_the_others() {
             Some(Ok(3)),
             "{provider}: endpoint still serves other pipes"
         );
+    }
+}
+
+#[test]
+fn an_injected_send_that_fails_fails_its_pipe_in_order() {
+    for provider in PROVIDERS {
+        let (mut a, pa, mut b, pb) = pair(provider, Faults::NONE);
+        // One exchange first: rxm refuses posts (-FI_EAGAIN) while it connects, and the
+        // faults below must meet the posts themselves, not their retries.
+        let mut warm = None;
+        b.post(
+            pb,
+            Op {
+                kind: Kind::Recv,
+                tag: tag::make(Stream::Raw, pb, 99),
+                mem: vec![0; 8],
+                id: 99,
+            },
+            &mut |f| warm = Some(f.result.is_ok()),
+        );
+        let op = Op {
+            kind: Kind::Send,
+            tag: tag::make(Stream::Raw, pb, 99),
+            mem: vec![1; 8],
+            id: 99,
+        };
+        a.post(pa, op, &mut |_| {});
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while warm.is_none() && std::time::Instant::now() < deadline {
+            a.progress(&mut |_| {}).expect("cq");
+            b.progress(&mut |f| warm = Some(f.result.is_ok()))
+                .expect("cq");
+        }
+        assert_eq!(warm, Some(true), "{provider}");
+        let mut got: Vec<(u64, Result<usize, String>)> = Vec::new();
+        let record =
+            |got: &mut Vec<_>, f: Finished| got.push((f.id, f.result.map_err(|e| e.to_string())));
+        // A large send first (posted: a completion to wait for), then two that inject: the
+        // first of those meets an injected error at its post. That fails the pipe: the large
+        // send ends with the same error when its completion comes (the receive posted for it
+        // may or may not complete: the send is cancelled), then the two small ones, in order.
+        let big = 1 << 20;
+        b.post(
+            pb,
+            Op {
+                kind: Kind::Recv,
+                tag: tag::make(Stream::Raw, pb, 0),
+                mem: vec![0; big],
+                id: 0,
+            },
+            &mut |_| {},
+        );
+        a.post(
+            pa,
+            Op {
+                kind: Kind::Send,
+                tag: tag::make(Stream::Raw, pb, 0),
+                mem: vec![3; big],
+                id: 0,
+            },
+            &mut |f| record(&mut got, f),
+        );
+        a.set_faults(Faults {
+            cq_error: 1.0,
+            ..Faults::NONE
+        });
+        for id in [1, 2] {
+            let op = Op {
+                kind: Kind::Send,
+                tag: tag::make(Stream::Raw, pb, id as u32),
+                mem: vec![4; 8],
+                id,
+            };
+            a.post(pa, op, &mut |f| record(&mut got, f));
+        }
+        a.set_faults(Faults::NONE);
+        while got.len() < 3 && std::time::Instant::now() < deadline {
+            a.progress(&mut |f| record(&mut got, f)).expect("cq");
+            b.progress(&mut |_| {}).expect("cq");
+        }
+        let stats = a.stats();
+        assert_eq!(
+            stats.injected, 2,
+            "{provider}: the warm-up's and one: {stats:?}"
+        );
+        assert_eq!(got.len(), 3, "{provider}: {got:?}");
+        let e = got[1].1.as_ref().expect_err("the injected error");
+        assert!(e.contains("injected completion error"), "{provider}: {e}");
+        for (i, (id, result)) in got.iter().enumerate() {
+            assert_eq!(*id, i as u64, "{provider}: in order");
+            assert_eq!(
+                result.as_ref().err(),
+                Some(e),
+                "{provider}: the pipe's error"
+            );
+        }
     }
 }
 
