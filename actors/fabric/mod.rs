@@ -12,10 +12,11 @@
 //!   to `max_sleep`. With nothing in flight and no wait fd it does not poll at all.
 //! - **Spin** (opt-in on providers with a wait fd, [`EndpointConfig::busy_poll`]; the first
 //!   `spin` of polling mode): while ops are in flight, for the spin window after the last
-//!   completion or post, the actor reads the CQ on every turn of its thread and wakes itself
-//!   again at once (one long-lived future, `Spinner` in `spin.rs`: no allocation per turn,
-//!   and no park of the runtime in between, so no `epoll_wait` per turn and no sleep on the
-//!   wait fd). Other tasks of the thread still run between turns, and other threads get the
+//!   completion or post, the endpoint reads the CQ on every turn of its thread and wakes
+//!   itself again at once (one long-lived task of the thread, `Spinner` in `spin.rs`, sharing
+//!   the pass's state with the actor through `progress.rs`: no allocation per turn, no poll of
+//!   the actor's mailbox and timers per turn, and no park of the runtime in between, so no
+//!   `epoll_wait` per turn and no sleep on the wait fd; it tells the actor when it is over). Other tasks of the thread still run between turns, and other threads get the
 //!   CPU every 20 µs (`sched_yield`; the shm transport's spin yields too). Any completion or post extends the
 //!   window, and one that comes while the actor sleeps (on the fd, or between polls) starts a
 //!   spin at once. Past the window the actor waits as above, so an idle endpoint costs what it
@@ -30,9 +31,11 @@
 
 mod metrics;
 mod poster;
+mod progress;
 mod spin;
 pub mod stream;
 pub mod transport;
+use std::cell::RefCell;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
@@ -51,6 +54,7 @@ use crate::transport::stream::Memory;
 pub use poster::Poster;
 use poster::{deliver, lock, Core};
 use poster::{KickSignal, Kicks};
+use progress::{Progress, Stamp};
 use spin::Spinner;
 
 /// How a [`FabricEndpoint`] progresses its completion queue.
@@ -121,44 +125,6 @@ enum Driver {
     Deferred,
 }
 
-/// When ops last moved on an endpoint. Where no spin window applies while nothing is
-/// backlogged (a wait fd and no `busy_poll`), an activity is not stamped with the clock at once
-/// but at the next look at a window, if one comes (a backlog: its post or retry is itself
-/// such an activity, a moment before): in a VM a clock read costs as much as the rest of a
-/// pass's bookkeeping, and that mode reads the clock for nothing else.
-struct Stamp {
-    at: Instant,
-    lazily: bool,
-    due: bool,
-}
-
-impl Stamp {
-    fn new(lazily: bool) -> Stamp {
-        Stamp {
-            at: Instant::now(),
-            lazily,
-            due: false,
-        }
-    }
-
-    /// An activity now.
-    fn touch(&mut self) {
-        if self.lazily {
-            self.due = true;
-        } else {
-            self.at = Instant::now();
-        }
-    }
-
-    /// How long since the last activity, at `now` (stamping one not stamped yet with `now`).
-    fn quiet(&mut self, now: Instant) -> Duration {
-        if std::mem::take(&mut self.due) {
-            self.at = now;
-        }
-        now.saturating_duration_since(self.at)
-    }
-}
-
 /// One endpoint actor. See the module docs.
 pub struct FabricEndpoint {
     // Our own duplicate of the CQ's wait fd: it stays valid whenever libfabric closes its own.
@@ -170,12 +136,8 @@ pub struct FabricEndpoint {
     config: EndpointConfig,
     driver: Driver,
     handle: Option<SpawnHandle>,
-    // When ops last moved (a completion, a post).
-    last_activity: Stamp,
-    sleep: Duration,
-    metrics: metrics::EndpointMetrics,
-    // Progress passes (CQ reads) made: `FabricStats::polls`.
-    polls: u64,
+    // What passes keep between them, shared with the spin task.
+    progress: Rc<RefCell<Progress>>,
     origin: Origin,
 }
 
@@ -247,17 +209,26 @@ impl FabricEndpoint {
         let metrics = metrics::EndpointMetrics::open(&a.provider, &a.domain);
         let mut engine = Engine::new(ep, config.faults);
         engine.set_register_all(config.register_all);
-        Ok(FabricEndpoint {
-            wait,
-            core: Arc::new(Mutex::new(Core::new(engine))),
-            signal: Arc::default(),
+        let core = Arc::new(Mutex::new(Core::new(engine)));
+        let progress = Progress {
+            core: core.clone(),
             config,
-            driver: Driver::Idle,
-            handle: None,
+            wait_fd: wait.is_some(),
             last_activity: Stamp::new(lazily),
             sleep: Duration::from_millis(1),
             metrics,
             polls: 0,
+            spin: None,
+            spins: 0,
+        };
+        Ok(FabricEndpoint {
+            wait,
+            core,
+            signal: Arc::default(),
+            config,
+            driver: Driver::Idle,
+            handle: None,
+            progress: Rc::new(RefCell::new(progress)),
             origin,
         }
         .start())
@@ -291,84 +262,24 @@ impl FabricEndpoint {
 
     /// One progress pass, then the next wake-up.
     fn tick(&mut self, ctx: &mut Context<Self>) {
-        self.pass();
+        self.progress.borrow_mut().pass();
         self.schedule(ctx);
         self.maybe_stop(ctx, false);
     }
 
-    /// Reads the CQ once (and retries the backlog) and hands out what ended; says whether
-    /// anything did. Direct posts since the last look count as activity.
-    fn pass(&mut self) -> bool {
-        self.polls += 1;
-        let mut any = false;
-        let mut c = lock(&self.core);
-        let Core { engine, sinks, .. } = &mut *c;
-        // Ends go straight to their pipes' queues: no buffer of our own in between.
-        let r = engine.progress(&mut |f| {
-            any = true;
-            deliver(sinks, f);
-        });
-        let posted = std::mem::take(&mut c.posted);
-        if any {
-            c.forget();
-        }
-        // Counters move only with posts and completions (a spin's empty passes publish
-        // nothing: building the engine's `Stats` is most of what publishing costs).
-        if any || posted || !matches!(r, Ok(0)) {
-            self.metrics.publish(c.engine.stats());
-        }
-        drop(c);
-        match r {
-            Ok(n) if n > 0 => self.activity(),
-            Ok(_) if posted => self.activity(),
-            Ok(_) => {}
-            Err(e) => tracing::warn!("{e}: every pipe on this endpoint failed"),
-        }
-        any
-    }
-
-    /// How long after the last completion or post the actor keeps reading the CQ on every turn
-    /// of its thread: `busy_poll` where it could sleep on the wait fd; where it polls anyway (no
-    /// wait fd, or ops backlogged), at least `spin`.
-    fn spin_window(&self, backlogged: bool) -> Duration {
-        if self.wait.is_some() && !backlogged {
-            self.config.busy_poll
-        } else {
-            self.config.busy_poll.max(self.config.spin)
-        }
-    }
-
-    /// Whether ops are posted or backlogged.
-    fn busy(&self) -> bool {
-        self.core().engine.busy()
-    }
-
-    /// Whether a spin is due at `now`: ops in flight, and the last activity within the spin
-    /// window.
-    fn spin_due_at(&mut self, now: Instant) -> bool {
-        let c = lock(&self.core);
-        let window = self.spin_window(c.engine.backlogged());
-        c.engine.busy() && self.last_activity.quiet(now) < window
-    }
-
     /// A kick (a direct post while not spinning): reads the CQ now and arms the next progress.
     fn kicked(&mut self, ctx: &mut Context<Self>) {
-        self.activity();
+        self.progress.borrow_mut().activity();
         // Manual-progress providers move data only when the CQ is read: read it now.
         self.tick(ctx);
-    }
-
-    /// Ops moved (a completion, a post): the spin window starts again, polls back off from
-    /// 1 ms again.
-    fn activity(&mut self) {
-        self.last_activity.touch();
-        self.sleep = Duration::from_millis(1);
     }
 
     fn cancel(&mut self, ctx: &mut Context<Self>) {
         if let Some(h) = self.handle.take() {
             ctx.cancel_future(h);
         }
+        // A spin task ends at its next turn.
+        self.progress.borrow_mut().spin = None;
         self.driver = Driver::Idle;
     }
 
@@ -376,13 +287,13 @@ impl FabricEndpoint {
     /// posters (`Core::spinning`) in the same critical section that takes their `posted`, so
     /// a direct post either extends a spin that goes on or kicks a wait.
     fn plan(&mut self) -> Plan {
+        let mut p = self.progress.borrow_mut();
         let mut c = lock(&self.core);
         if std::mem::take(&mut c.posted) {
-            self.last_activity.touch();
-            self.sleep = Duration::from_millis(1);
+            p.activity();
         }
         let (busy, backlogged) = (c.engine.busy(), c.engine.backlogged());
-        let window = self.spin_window(backlogged);
+        let window = p.spin_window(backlogged);
         let fd_mode = self.wait.is_some() && !backlogged;
         let defer = if fd_mode && !busy {
             self.config.busy_poll
@@ -391,7 +302,7 @@ impl FabricEndpoint {
         };
         // The clock only where a window is open (none without spin where there is a wait fd).
         let quiet = if (busy && !window.is_zero()) || !defer.is_zero() {
-            self.last_activity.quiet(Instant::now())
+            p.last_activity.quiet(Instant::now())
         } else {
             Duration::MAX
         };
@@ -414,8 +325,8 @@ impl FabricEndpoint {
             return Plan::Nothing;
         }
         // Past the spin window (a spin was due otherwise): sleep between polls.
-        let delay = self.sleep;
-        self.sleep = (self.sleep * 2).min(self.config.max_sleep.max(Duration::from_millis(1)));
+        let delay = p.sleep;
+        p.sleep = (p.sleep * 2).min(self.config.max_sleep.max(Duration::from_millis(1)));
         Plan::Poll(delay)
     }
 
@@ -426,7 +337,13 @@ impl FabricEndpoint {
                 if self.driver != Driver::Spinning {
                     self.cancel(ctx);
                     self.driver = Driver::Spinning;
-                    self.handle = Some(ctx.spawn(Spinner::new()));
+                    let mut p = self.progress.borrow_mut();
+                    p.spins += 1;
+                    p.spin = Some(p.spins);
+                    let task =
+                        Spinner::new(self.progress.clone(), p.spins, ctx.address().downgrade());
+                    drop(p);
+                    actix::spawn(task);
                 }
             }
             Plan::Defer(rest) => {
@@ -640,7 +557,7 @@ impl Handler<FabricPost> for FabricEndpoint {
     type Result = ();
     fn handle(&mut self, m: FabricPost, ctx: &mut Context<Self>) {
         self.core().post(m.pipe, m.ops);
-        self.activity();
+        self.progress.borrow_mut().activity();
         // Manual-progress providers move data only when the CQ is read: read it now.
         self.tick(ctx);
     }
@@ -672,13 +589,35 @@ impl Handler<FabricStats> for FabricEndpoint {
     type Result = MessageResult<FabricStats>;
     fn handle(&mut self, _: FabricStats, _: &mut Context<Self>) -> Self::Result {
         let stats = self.core().engine.stats();
+        let mut p = self.progress.borrow_mut();
         // What is returned is published too: a post the actor has not looked at yet (an
         // inject, which leaves nothing to progress) shows in both at once.
-        self.metrics.publish(stats.clone());
+        p.metrics.publish(stats.clone());
         MessageResult(Stats {
-            polls: self.polls,
+            polls: p.polls,
             ..stats
         })
+    }
+}
+
+/// A spin task's word that its spin is over (no longer due): the actor arms what comes next.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(super) struct SpinOver(pub(super) u64);
+
+impl Handler<SpinOver> for FabricEndpoint {
+    type Result = ();
+    fn handle(&mut self, m: SpinOver, ctx: &mut Context<Self>) {
+        // Only the latest spin's end, while it is what drives the endpoint: a spin cancelled
+        // meanwhile (the actor armed something else, or a newer spin) is not ours to end.
+        let p = self.progress.borrow();
+        if self.driver != Driver::Spinning || p.spin.is_some() || p.spins != m.0 {
+            return;
+        }
+        drop(p);
+        self.driver = Driver::Idle;
+        self.schedule(ctx);
+        self.maybe_stop(ctx, false);
     }
 }
 

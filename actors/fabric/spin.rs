@@ -1,18 +1,32 @@
-//! Spin mode's driver (see the module docs of [`super`]): one long-lived future that reads the
+//! Spin mode's driver (see the module docs of [`super`]): one long-lived task that reads the
 //! endpoint's CQ on every turn of its thread.
 
+use std::cell::RefCell;
+use std::future::Future;
 use std::pin::Pin;
+use std::rc::Rc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use actix::prelude::*;
+use actix::WeakAddr;
 
-use super::{Driver, FabricEndpoint};
+use super::progress::Progress;
+use super::{FabricEndpoint, SpinOver};
 
-/// Spin mode's driver: one future for a whole spin, polled on every turn of the thread (it
-/// wakes itself at once), reading the CQ each time, until spin mode is no longer due; then
-/// [`FabricEndpoint::schedule`] arms the wait fd or a poll as usual.
+/// Spin mode's driver: a task of the actor's thread for a whole spin (it wakes itself at once
+/// after each turn), reading the CQ each time, until spin mode is no longer due; then it tells
+/// the actor ([`SpinOver`]), which arms the wait fd or a poll as usual. The actor ends a spin
+/// early by clearing [`Progress::spin`]: the task sees it at its next turn.
+///
+/// A task of its own, not a future of the actor's context: actix polls every future of an
+/// actor (its mailbox, its timers, its kicks) whenever the actor's task runs, so each turn as
+/// an actor future cost the whole actor's poll (about 2,500 instructions a turn on `shm`,
+/// callgrind), and a message that landed just after a CQ read waited that long for the next.
 pub(super) struct Spinner {
+    progress: Rc<RefCell<Progress>>,
+    /// This spin's number ([`Progress::spin`] while it lasts).
+    id: u64,
+    actor: WeakAddr<FabricEndpoint>,
     /// When this spin last offered the CPU to other threads.
     os_yield: Instant,
     /// Turns so far: the clock is read on every `CLOCK_EVERY`-th only.
@@ -31,43 +45,49 @@ const OS_YIELD_EVERY: Duration = Duration::from_micros(20);
 const CLOCK_EVERY: u32 = 8;
 
 impl Spinner {
-    pub(super) fn new() -> Spinner {
+    pub(super) fn new(
+        progress: Rc<RefCell<Progress>>,
+        id: u64,
+        actor: WeakAddr<FabricEndpoint>,
+    ) -> Spinner {
         Spinner {
+            progress,
+            id,
+            actor,
             os_yield: Instant::now(),
             turns: 0,
         }
     }
 }
 
-impl ActorFuture<FabricEndpoint> for Spinner {
+impl Future for Spinner {
     type Output = ();
 
-    fn poll(
-        mut self: Pin<&mut Self>,
-        act: &mut FabricEndpoint,
-        ctx: &mut Context<FabricEndpoint>,
-        task: &mut std::task::Context<'_>,
-    ) -> Poll<()> {
-        if act.driver != Driver::Spinning {
+    fn poll(mut self: Pin<&mut Self>, task: &mut std::task::Context<'_>) -> Poll<()> {
+        let this = &mut *self;
+        let mut p = this.progress.borrow_mut();
+        if p.spin != Some(this.id) {
+            // Cancelled: the actor has armed something else.
             return Poll::Ready(());
         }
         // Every turn reads the CQ. Skipping it for 8 turns after a pass that handed out ends
         // (so that the tasks those ends woke ran first) cost 64 B round trips once the stream
         // posted straight into the engine: on 16 cores `tcp;ofi_rxm` `actor spin` 1.69x ->
         // 1.46x raw, on the 2-core VM `shm` `transport spin` 2.45 -> 2.00 us (docs/efa.md).
-        act.pass();
-        self.turns = self.turns.wrapping_add(1);
-        let now = (self.turns % CLOCK_EVERY == 0).then(Instant::now);
+        p.pass();
+        this.turns = this.turns.wrapping_add(1);
+        let now = (this.turns % CLOCK_EVERY == 0).then(Instant::now);
         let due = match now {
-            Some(now) => act.spin_due_at(now),
-            None => act.busy(),
+            Some(now) => p.spin_due_at(now),
+            None => p.busy(),
         };
         if due {
+            drop(p);
             // The peer may have been woken onto this CPU (the scheduler puts a woken thread
             // next to its waker): offer it the CPU now and then, as the shm transport's spin
             // does, or it would wait for the whole spin to end.
-            if let Some(now) = now.filter(|n| n.duration_since(self.os_yield) >= OS_YIELD_EVERY) {
-                self.os_yield = now;
+            if let Some(now) = now.filter(|n| n.duration_since(this.os_yield) >= OS_YIELD_EVERY) {
+                this.os_yield = now;
                 std::thread::yield_now();
             }
             // Straight back into the run queue, behind the tasks already in it: no park of the
@@ -75,10 +95,11 @@ impl ActorFuture<FabricEndpoint> for Spinner {
             task.waker().wake_by_ref();
             return Poll::Pending;
         }
-        act.driver = Driver::Idle;
-        act.handle = None;
-        act.schedule(ctx);
-        act.maybe_stop(ctx, false);
+        p.spin = None;
+        drop(p);
+        if let Some(actor) = this.actor.upgrade() {
+            actor.do_send(SpinOver(this.id));
+        }
         Poll::Ready(())
     }
 }

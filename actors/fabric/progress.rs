@@ -1,0 +1,131 @@
+//! What the endpoint's progress passes keep between them, shared by the actor and its spin
+//! task ([`super::spin::Spinner`]): both run on the actor's thread, one at a time, so a
+//! `RefCell` holds it.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::metrics::EndpointMetrics;
+use super::poster::{deliver, lock, Core};
+use super::EndpointConfig;
+
+/// When ops last moved on an endpoint. Where no spin window applies while nothing is
+/// backlogged (a wait fd and no `busy_poll`), an activity is not stamped with the clock at once
+/// but at the next look at a window, if one comes (a backlog: its post or retry is itself
+/// such an activity, a moment before): in a VM a clock read costs as much as the rest of a
+/// pass's bookkeeping, and that mode reads the clock for nothing else.
+pub(super) struct Stamp {
+    at: Instant,
+    lazily: bool,
+    due: bool,
+}
+
+impl Stamp {
+    pub(super) fn new(lazily: bool) -> Stamp {
+        Stamp {
+            at: Instant::now(),
+            lazily,
+            due: false,
+        }
+    }
+
+    /// An activity now.
+    pub(super) fn touch(&mut self) {
+        if self.lazily {
+            self.due = true;
+        } else {
+            self.at = Instant::now();
+        }
+    }
+
+    /// How long since the last activity, at `now` (stamping one not stamped yet with `now`).
+    pub(super) fn quiet(&mut self, now: Instant) -> Duration {
+        if std::mem::take(&mut self.due) {
+            self.at = now;
+        }
+        now.saturating_duration_since(self.at)
+    }
+}
+
+/// The progress state of one endpoint (see the module docs).
+pub(super) struct Progress {
+    pub(super) core: Arc<Mutex<Core>>,
+    pub(super) config: EndpointConfig,
+    /// The CQ has a wait fd (the actor sleeps on it past a spin).
+    pub(super) wait_fd: bool,
+    /// When ops last moved (a completion, a post).
+    pub(super) last_activity: Stamp,
+    /// The next sleep between polls (no-fd mode, past the spin window).
+    pub(super) sleep: Duration,
+    pub(super) metrics: EndpointMetrics,
+    /// Progress passes (CQ reads) made: `FabricStats::polls`.
+    pub(super) polls: u64,
+    /// The spin under way: a spin task runs while this is its number.
+    pub(super) spin: Option<u64>,
+    /// Spins started so far (the next one's number).
+    pub(super) spins: u64,
+}
+
+impl Progress {
+    /// Reads the CQ once (and retries the backlog) and hands out what ended; says whether
+    /// anything did. Direct posts since the last look count as activity.
+    pub(super) fn pass(&mut self) -> bool {
+        self.polls += 1;
+        let mut any = false;
+        let mut c = lock(&self.core);
+        let Core { engine, sinks, .. } = &mut *c;
+        // Ends go straight to their pipes' queues: no buffer of our own in between.
+        let r = engine.progress(&mut |f| {
+            any = true;
+            deliver(sinks, f);
+        });
+        let posted = std::mem::take(&mut c.posted);
+        if any {
+            c.forget();
+        }
+        // Counters move only with posts and completions (a spin's empty passes publish
+        // nothing: building the engine's `Stats` is most of what publishing costs).
+        if any || posted || !matches!(r, Ok(0)) {
+            self.metrics.publish(c.engine.stats());
+        }
+        drop(c);
+        match r {
+            Ok(n) if n > 0 => self.activity(),
+            Ok(_) if posted => self.activity(),
+            Ok(_) => {}
+            Err(e) => tracing::warn!("{e}: every pipe on this endpoint failed"),
+        }
+        any
+    }
+
+    /// Ops moved (a completion, a post): the spin window starts again, polls back off from
+    /// 1 ms again.
+    pub(super) fn activity(&mut self) {
+        self.last_activity.touch();
+        self.sleep = Duration::from_millis(1);
+    }
+
+    /// How long after the last completion or post the endpoint keeps reading the CQ on every
+    /// turn of its thread: `busy_poll` where it could sleep on the wait fd; where it polls
+    /// anyway (no wait fd, or ops backlogged), at least `spin`.
+    pub(super) fn spin_window(&self, backlogged: bool) -> Duration {
+        if self.wait_fd && !backlogged {
+            self.config.busy_poll
+        } else {
+            self.config.busy_poll.max(self.config.spin)
+        }
+    }
+
+    /// Whether ops are posted or backlogged.
+    pub(super) fn busy(&self) -> bool {
+        lock(&self.core).engine.busy()
+    }
+
+    /// Whether a spin is due at `now`: ops in flight, and the last activity within the spin
+    /// window.
+    pub(super) fn spin_due_at(&mut self, now: Instant) -> bool {
+        let c = lock(&self.core);
+        let window = self.spin_window(c.engine.backlogged());
+        c.engine.busy() && self.last_activity.quiet(now) < window
+    }
+}
