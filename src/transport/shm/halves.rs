@@ -16,8 +16,12 @@
 use std::io::{self, IoSlice};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::pin::Pin;
-use std::task::{ready, Context, Poll};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{ready, Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
+
+use atomic_waker::AtomicWaker;
 
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -26,9 +30,40 @@ use super::fd::{self, EventFd};
 use super::ring::{Consumer, Producer};
 
 /// Watches the bootstrap socket: the peer closing it (or dying) is how we learn it is gone.
+///
+/// The socket's readiness is watched with a waker of our own ([`Watch`]), registered once:
+/// it stays registered until the socket becomes readable (the peer hung up), which raises a
+/// flag and wakes the half's task. So a half asks "gone?" with one atomic load, and a half
+/// about to park registers its task's waker in an `AtomicWaker`, instead of polling the
+/// socket's readiness through tokio each time (its lock and waker slot: about 300 instructions,
+/// and a write half asked on every write; callgrind, docs/performance.md). A task that polls
+/// the half with a no-op waker (a `PipeWriter`) no longer takes the write loop's place in the
+/// socket's waker slot either.
 pub(crate) struct Hangup {
     sock: AsyncFd<OwnedFd>,
     gone: bool,
+    watch: Arc<Watch>,
+    /// The socket's readiness holds `watch`'s waker: nothing to look at until it fires.
+    armed: bool,
+}
+
+/// The waker registered with the socket's readiness: raises `fired`, then wakes the half's
+/// task.
+#[derive(Default)]
+struct Watch {
+    fired: AtomicBool,
+    task: AtomicWaker,
+}
+
+impl Wake for Watch {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.fired.store(true, Ordering::Release);
+        self.task.wake();
+    }
 }
 
 impl Hangup {
@@ -36,14 +71,26 @@ impl Hangup {
         Ok(Hangup {
             sock: fd::watch(sock)?,
             gone: false,
+            watch: Arc::default(),
+            armed: false,
         })
     }
 
-    /// Whether the peer is gone; when not, the task is woken once it is.
-    fn poll(&mut self, cx: &mut Context<'_>) -> bool {
+    /// Whether the peer is gone, registering no task: a half that then parks must call
+    /// [`Hangup::poll`] first.
+    fn check(&mut self) -> bool {
+        if self.gone || (self.armed && !self.watch.fired.swap(false, Ordering::AcqRel)) {
+            return self.gone;
+        }
+        // First look, or the socket became readable: look at it, and arm the watch again.
+        let waker = Waker::from(self.watch.clone());
+        let mut cx = Context::from_waker(&waker);
         while !self.gone {
-            let mut guard = match self.sock.poll_read_ready(cx) {
-                Poll::Pending => return false,
+            let mut guard = match self.sock.poll_read_ready(&mut cx) {
+                Poll::Pending => {
+                    self.armed = true;
+                    return false;
+                }
                 Poll::Ready(Ok(g)) => g,
                 Poll::Ready(Err(_)) => {
                     self.gone = true;
@@ -57,6 +104,14 @@ impl Hangup {
             }
         }
         true
+    }
+
+    /// Whether the peer is gone; when not, the task is woken once it is.
+    fn poll(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.gone {
+            self.watch.task.register(cx.waker());
+        }
+        self.check()
     }
 }
 
@@ -308,7 +363,7 @@ impl AsyncWrite for ShmWrite {
             return Poll::Ready(Ok(0));
         }
         loop {
-            if this.hangup.poll(cx) {
+            if this.hangup.check() {
                 return Poll::Ready(Err(broken("hung up")));
             }
             if this.ring.reader_closed() {
@@ -333,6 +388,10 @@ impl AsyncWrite for ShmWrite {
                     Spun::Yield => return Poll::Pending,
                     Spun::Spent => {}
                 }
+            }
+            // About to park: be woken if the peer goes meanwhile.
+            if this.hangup.poll(cx) {
+                continue;
             }
             if this.ring.prepare_park()? {
                 continue;

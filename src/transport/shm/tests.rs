@@ -178,6 +178,29 @@ async fn a_crashed_peer_is_noticed_through_the_socket() {
     .await
 }
 
+/// The hang-up watch wakes the task that waits now, not one that waited on the half before.
+#[tokio::test]
+async fn a_crash_wakes_the_task_waiting_now() {
+    bounded(async {
+        let ((mut cr, mut cw), (mut sr, _sw)) = raw_pair(&Shm::new()).await;
+        cr.silent = true;
+        cw.silent = true;
+        let mut b = [0u8; 8];
+        // A first wait, from this task, given up.
+        let first = tokio::time::timeout(Duration::from_millis(20), sr.read(&mut b)).await;
+        assert!(first.is_err(), "nothing to read yet");
+        // A second, from another task, is the one the crash must wake.
+        let second = tokio::spawn(async move {
+            let mut b = [0u8; 8];
+            sr.read(&mut b).await
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        drop((cr, cw));
+        assert_eq!(second.await.unwrap().unwrap(), 0, "end of stream");
+    })
+    .await
+}
+
 /// The shared framing code on top: a frame goes through, then the peer leaving is reported as
 /// `PeerClosed` on both the read and the write side.
 #[tokio::test]
