@@ -8,7 +8,9 @@
 //! posted). `-FI_EAGAIN` puts the op at the back of the FIFO backlog. [`Engine::progress`] reads
 //! the completion queue, then retries the backlog front to back; a pipe whose retry is refused
 //! again is skipped for the rest of that pass, so none of its later ops overtakes it, while other
-//! pipes' ops still go.
+//! pipes' ops still go. A send of 1 byte up to the provider's inject size goes out with
+//! `fi_tinject` instead of `fi_tsend`: the provider copies it at once and no completion follows,
+//! so the op is done when the post returns (still handed out in its pipe's order).
 //!
 //! **Errors.** Any other post error, and any error completion, fails the pipe: its backlogged ops
 //! fail at once, its posted ones are cancelled (`fi_cancel`), and every op of the pipe not
@@ -621,7 +623,7 @@ impl Engine {
     /// The result an op of `pipe` that ended with `result` (a completion, or an inject's
     /// post) is handed out with: an injected fault's error, or the pipe's own if it has
     /// failed. The caller records it as the op's state, then fails the pipe with it if it is a
-    /// new error ((`end_op`)).
+    /// new error (`end_op`).
     fn finish(
         &mut self,
         pipe: u32,
