@@ -13,16 +13,18 @@
 //! - **Spin** (opt-in on providers with a wait fd, [`EndpointConfig::busy_poll`]; the first
 //!   `spin` of polling mode): while ops are in flight, for the spin window after the last
 //!   completion or post, the endpoint reads the CQ on every turn of its thread and wakes
-//!   itself again at once (one long-lived task of the thread, `Spinner` in `spin.rs`, sharing
-//!   the pass's state with the actor through `progress.rs`: no allocation per turn, no poll of
-//!   the actor's mailbox and timers per turn, and no park of the runtime in between, so no
-//!   `epoll_wait` per turn and no sleep on the wait fd; it tells the actor when it is over). Other tasks of the thread still run between turns, and other threads get the
-//!   CPU every 20 µs (`sched_yield`; the shm transport's spin yields too). Any completion or post extends the
-//!   window, and one that comes while the actor sleeps (on the fd, or between polls) starts a
-//!   spin at once. Past the window the actor waits as above, so an idle endpoint costs what it
-//!   costs without spin. In spin mode with nothing in flight inside the window (between a
-//!   ping-pong's messages) only a timer for the window's end is armed: sleeping on the fd would
-//!   take `fi_trywait`, after which `tcp;ofi_rxm` signals its wait fd again per completion.
+//!   itself again at once. The spin is a task of the thread of its own (`Spinner` in
+//!   `spin.rs`), sharing the passes' state with the actor (`Progress` in `progress.rs`): no
+//!   allocation per turn, no poll of the actor's mailbox and timers per turn, and no park of
+//!   the runtime in between, so no `epoll_wait` per turn and no sleep on the wait fd; it tells
+//!   the actor when it is over. Other tasks of the thread still run between turns, and other
+//!   threads get the CPU every 20 µs (`sched_yield`; the shm transport's spin yields too). Any
+//!   completion or post extends the window, and one that comes while the actor sleeps (on the
+//!   fd, or between polls) starts a spin at once. Past the window the actor waits as above, so
+//!   an idle endpoint costs what it costs without spin. In spin mode with nothing in flight
+//!   inside the window (between a ping-pong's messages) only a timer for the window's end is
+//!   armed: sleeping on the fd would take `fi_trywait`, after which `tcp;ofi_rxm` signals its
+//!   wait fd again per completion.
 //!
 //! Operations come from a pipe's [`Poster`] (`poster.rs`: straight into the engine, under
 //! the lock the actor's progress takes too, no mailbox hop) or as [`FabricPost`]; their ends
@@ -334,7 +336,8 @@ impl FabricEndpoint {
     fn schedule(&mut self, ctx: &mut Context<Self>) {
         match self.plan() {
             Plan::Spin => {
-                if self.driver != Driver::Spinning {
+                // A spin that has just ended (its `SpinOver` not handled yet) runs no more.
+                if self.driver != Driver::Spinning || self.progress.borrow().spin.is_none() {
                     self.cancel(ctx);
                     self.driver = Driver::Spinning;
                     let mut p = self.progress.borrow_mut();
@@ -603,7 +606,7 @@ impl Handler<FabricStats> for FabricEndpoint {
 /// A spin task's word that its spin is over (no longer due): the actor arms what comes next.
 #[derive(Message)]
 #[rtype(result = "()")]
-pub(super) struct SpinOver(pub(super) u64);
+struct SpinOver(u64);
 
 impl Handler<SpinOver> for FabricEndpoint {
     type Result = ();
