@@ -162,7 +162,9 @@ impl InfoList {
     ///
     /// With a provider named, entries that inject less than [`INJECT_WANTED`] bytes by default
     /// are asked again for that much (a hint: `tcp;ofi_rxm` offers 64 B unless asked, and up
-    /// to its 16 KiB bounce buffers if asked); a provider that cannot keeps its default.
+    /// to its 16 KiB bounce buffers if asked). The answer is kept only if it lists the same
+    /// (provider, fabric, domain) entries in the same order: a provider that cannot grant the
+    /// hint for some of its domains keeps its defaults for all.
     pub fn get(provider: Option<&str>) -> Result<InfoList, FabricError> {
         let list = Self::get_with(provider, 0)?;
         let short = list
@@ -170,7 +172,17 @@ impl InfoList {
             .all(|i| i.attributes().inject_size < INJECT_WANTED as u64);
         if provider.is_some() && short {
             if let Ok(more) = Self::get_with(provider, INJECT_WANTED) {
-                return Ok(more);
+                let names = |l: &InfoList| -> Vec<(String, String, String)> {
+                    l.iter()
+                        .map(|i| {
+                            let a = i.attributes();
+                            (a.provider, a.fabric, a.domain)
+                        })
+                        .collect()
+                };
+                if names(&more) == names(&list) {
+                    return Ok(more);
+                }
             }
         }
         Ok(list)
