@@ -79,10 +79,12 @@ impl Hangup {
     /// Whether the peer is gone, registering no task: a half that then parks must call
     /// [`Hangup::poll`] first.
     fn check(&mut self) -> bool {
-        if self.gone || (self.armed && !self.watch.fired.swap(false, Ordering::AcqRel)) {
+        if self.gone || (self.armed && !self.watch.fired.load(Ordering::Acquire)) {
             return self.gone;
         }
-        // First look, or the socket became readable: look at it, and arm the watch again.
+        // First look, or the socket became readable: look at it, and arm the watch again (a
+        // wake-up from now on raises the flag anew).
+        self.watch.fired.store(false, Ordering::Release);
         let waker = Waker::from(self.watch.clone());
         let mut cx = Context::from_waker(&waker);
         while !self.gone {
