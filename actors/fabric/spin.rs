@@ -20,8 +20,9 @@ use super::{FabricEndpoint, SpinOver};
 ///
 /// A task of its own, not a future of the actor's context: actix polls every future of an
 /// actor (its mailbox, its timers, its kicks) whenever the actor's task runs, so each turn as
-/// an actor future cost the whole actor's poll (about 2,500 instructions a turn on `shm`,
-/// callgrind), and a message that landed just after a CQ read waited that long for the next.
+/// an actor future cost the whole actor's poll (about 2,900 instructions a turn on `shm`;
+/// docs/efa.md, "Progress"), and a message that landed just after a CQ read waited that long
+/// for the next.
 pub(super) struct Spinner {
     progress: Rc<RefCell<Progress>>,
     /// This spin's number ([`Progress::spin`] while it lasts).
