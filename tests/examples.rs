@@ -262,6 +262,40 @@ fn bench_layers_measures_each_layer() {
     assert_eq!(rows[0]["round_trips"], 50, "{v}");
 }
 
+/// `bench copy`: one process per thread count, each reporting the count in force and a rate
+/// for every way and size; a count of 0 is bad input.
+#[test]
+fn bench_copy_compares_thread_counts() {
+    let v = bench_json(&[
+        "bench",
+        "copy",
+        "--sizes",
+        "300K,1M",
+        "--threads",
+        "1,3",
+        "--iters",
+        "2",
+    ]);
+    let results = v["results"].as_array().expect("results");
+    let threads: Vec<_> = results.iter().map(|r| r["threads"].as_u64()).collect();
+    assert_eq!(threads, [Some(1), Some(3)], "{v}");
+    for r in results {
+        let rows = r["rows"].as_array().expect("rows");
+        let sizes: Vec<_> = rows.iter().map(|x| x["size"].as_u64()).collect();
+        assert_eq!(sizes, [Some(300 << 10), Some(1 << 20)], "{v}");
+        for row in rows {
+            for way in ["memcpy", "non-temporal", "copy_large"] {
+                assert!(row[way].as_f64().is_some_and(|g| g > 0.0), "{way}: {row}");
+            }
+        }
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_actorpipe"))
+        .args(["bench", "copy", "--threads", "0"])
+        .output()
+        .expect("run actorpipe bench copy");
+    assert_eq!(out.status.code(), Some(2));
+}
+
 /// `connect_burst` against an `echo_peer`: every connect is accounted for and every pipe echoes.
 #[test]
 fn connect_burst_dials_at_once_and_checks_every_pipe() {

@@ -68,6 +68,9 @@ pub enum BenchCommand {
     /// under tokio, then with one actor mailbox hop per message and side (both sides in this
     /// process, on two threads).
     Layers(LayersArgs),
+    /// Large copies on one thread and shared among the copy threads (`actorpipe::copy`), one
+    /// process per thread count: the floor under same-host large messages.
+    Copy(CopyArgs),
     /// libfabric tagged ping-pong through the endpoint actor next to a raw ping-pong written
     /// with the same binding, on each provider (feature `efa`).
     #[cfg(feature = "efa")]
@@ -284,6 +287,39 @@ pub struct LayersArgs {
     /// Print the results as JSON on stdout.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Options of `bench copy`.
+#[derive(Debug, Clone, Args)]
+pub struct CopyArgs {
+    /// Copy sizes, comma-separated (K, M, G: KiB, MiB, GiB).
+    #[arg(long, value_name = "LIST", default_value = "1M,16M,64M",
+          value_parser = crate::units::parse_sizes)]
+    pub sizes: crate::units::Sizes,
+
+    /// Thread counts to compare, the caller included (1: no sharing), comma-separated; each
+    /// runs in a process of its own.
+    #[arg(
+        long,
+        value_name = "LIST",
+        value_delimiter = ',',
+        default_value = "1,2,4,8"
+    )]
+    pub threads: Vec<usize>,
+
+    /// Timed copies per size and way.
+    #[arg(long, value_name = "N", default_value_t = 20,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub iters: u32,
+
+    /// Print the results as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+
+    /// Measure in this process (one thread count) and print its JSON: what each process of a
+    /// run does.
+    #[arg(long, hide = true)]
+    pub in_process: bool,
 }
 
 /// Options of `bench idle`.

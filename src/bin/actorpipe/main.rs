@@ -11,6 +11,7 @@
 mod baseline;
 mod bench;
 mod cli;
+mod copy;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "efa")]
@@ -64,6 +65,7 @@ fn bench_command(what: BenchCommand) -> Result<(), Failure> {
         BenchCommand::Pipe(a) => (Kind::Pipe, a),
         BenchCommand::Idle(a) => return idle::run(&a),
         BenchCommand::Layers(a) => return layers::run(&a),
+        BenchCommand::Copy(a) => return copy::run(&a),
         #[cfg(feature = "efa")]
         BenchCommand::Efa(a) => return efa::run(&a),
     };

@@ -27,7 +27,7 @@ use std::mem::MaybeUninit;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::copy::copy_nonoverlapping_nt;
+use crate::copy::{copy_nonoverlapping_nt, copy_spans, Span, MAX_SPANS, SHARED_MIN};
 
 /// Bytes reserved for the header in front of the data; one page keeps the data page-aligned.
 pub(crate) const HEADER: usize = 4096;
@@ -50,6 +50,94 @@ pub const NT_READ_MIN: usize = (1 << 20) + 1;
 /// so the smaller the piece, the closer a message's time is to one copy's; publishing is one
 /// atomic store. 64 KiB measured best here (docs/performance.md, "Same-host large messages").
 pub const PIECE: usize = 64 << 10;
+
+/// How many bytes a large read or write copies before it publishes them, when the process
+/// shares large copies among copy threads ([`crate::copy::threads`]): half the ring (at most 1
+/// MiB, at least a [`PIECE`]), so that one side fills one half while the other empties the
+/// other. A piece is the batch otherwise.
+const BATCH: usize = 1 << 20;
+
+/// The bytes to copy between two publications, for a call that moves `len` bytes through a ring
+/// of `capacity`, and whether they are shared among the copy threads.
+fn batch(len: usize, capacity: usize) -> (usize, bool) {
+    if len >= SHARED_MIN && crate::copy::threads() > 1 {
+        (BATCH.min(capacity / 2).max(PIECE), true)
+    } else {
+        (PIECE, false)
+    }
+}
+
+/// Where a read or write copies its spans: at once on the caller's thread, a piece at a time
+/// (`shared` off), or gathered into one batch that [`copy_spans`] shares among the copy threads.
+struct Spans {
+    spans: [MaybeUninit<Span>; MAX_SPANS],
+    /// Spans gathered (the first `count` are initialized).
+    count: usize,
+    shared: bool,
+    /// Non-temporal stores.
+    nt: bool,
+}
+
+impl Spans {
+    fn new(shared: bool, nt: bool) -> Spans {
+        Spans {
+            spans: [const { MaybeUninit::uninit() }; MAX_SPANS],
+            count: 0,
+            shared,
+            nt,
+        }
+    }
+
+    /// Copies `len` bytes from `src` to `dst`, now or at the next [`Spans::flush`] (which a
+    /// full list calls itself). An empty span is left out.
+    ///
+    /// # Safety
+    ///
+    /// As `std::ptr::copy_nonoverlapping(src, dst, len)`, until the next `flush` returns.
+    unsafe fn push(&mut self, src: *const u8, dst: *mut u8, len: usize) {
+        if len == 0 {
+            return;
+        }
+        if !self.shared {
+            // SAFETY: the caller's guarantees, passed on.
+            unsafe { copy_one(src, dst, len, self.nt) };
+            return;
+        }
+        self.spans[self.count].write(Span { src, dst, len });
+        self.count += 1;
+        if self.count == MAX_SPANS {
+            self.flush();
+        }
+    }
+
+    /// Copies the gathered spans (sharing them out) and empties the list.
+    fn flush(&mut self) {
+        if self.count == 0 {
+            return;
+        }
+        // SAFETY: the first `count` spans were written by `push`, and `MaybeUninit<Span>` has
+        // the layout of `Span`; each span's memory is valid until now (`push`'s contract).
+        unsafe {
+            let spans = std::slice::from_raw_parts(self.spans.as_ptr().cast::<Span>(), self.count);
+            copy_spans(spans, self.nt);
+        }
+        self.count = 0;
+    }
+}
+
+/// # Safety
+///
+/// As `std::ptr::copy_nonoverlapping(src, dst, len)`.
+#[inline(always)]
+unsafe fn copy_one(src: *const u8, dst: *mut u8, len: usize, nt: bool) {
+    if nt {
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe { copy_nonoverlapping_nt(src, dst, len) }
+    } else {
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
+    }
+}
 
 const MAGIC: u64 = u64::from_le_bytes(*b"APSHMRG1");
 
@@ -300,7 +388,8 @@ impl Producer {
         self.write_waking(bufs, || {})
     }
 
-    /// [`Producer::write`], publishing every [`PIECE`] bytes on the way and calling `wake` (once
+    /// [`Producer::write`], publishing every [`PIECE`] bytes (every batch, for a large write
+    /// shared among the copy threads) on the way and calling `wake` (once
     /// at most) when the consumer is parked at that point: a large write then overlaps with the
     /// consumer's copy instead of preceding it.
     pub(crate) fn write_waking(
@@ -319,6 +408,10 @@ impl Producer {
         let start = self.head;
         let mut pos = self.head;
         let mut unpublished = 0;
+        // A large write is copied a batch at a time, shared among the copy threads, then
+        // published; anything else a piece at a time, as the batch of one thread.
+        let (step, shared) = batch(room as usize, self.s.capacity as usize);
+        let mut spans = Spans::new(shared, false);
         // One early wake-up per call at most: a consumer that catches up and parks again is
         // woken by the caller at the end, not once per piece (on a busy machine each wake-up is
         // a context switch that competes with this copy).
@@ -330,21 +423,23 @@ impl Producer {
             let take = (b.len() as u64).min(room) as usize;
             let mut off = 0;
             while off < take {
-                let n = (take - off).min(PIECE - unpublished);
+                let n = (take - off).min(step - unpublished);
                 let at = self.s.mask(pos);
                 let first = n.min(self.s.capacity as usize - at);
-                // SAFETY: `at + first <= capacity` and `n - first <= capacity`, so both copies
-                // stay in the data area; `b` holds at least `off + n` bytes; the ring memory and
-                // the caller's buffer cannot overlap (one is a fresh mapping).
+                let src = b[off..].as_ptr();
+                // SAFETY: `at + first <= capacity` and `n - first <= capacity`, so both stay in
+                // the data area; `b` holds at least `off + n` bytes and outlives the call (and
+                // so the flush); the ring memory and the caller's buffer cannot overlap (one is
+                // a fresh mapping), and the consumer does not touch unpublished bytes.
                 unsafe {
-                    let src = b.as_ptr().add(off);
-                    std::ptr::copy_nonoverlapping(src, self.s.data.add(at), first);
-                    std::ptr::copy_nonoverlapping(src.add(first), self.s.data, n - first);
+                    spans.push(src, self.s.data.add(at), first);
+                    spans.push(src.add(first), self.s.data, n - first);
                 }
                 pos = pos.wrapping_add(n as u64);
                 off += n;
                 unpublished += n;
-                if unpublished == PIECE {
+                if unpublished == step {
+                    spans.flush();
                     unpublished = 0;
                     self.head = pos;
                     self.s.header().head.0.store(pos, Ordering::Release);
@@ -356,6 +451,7 @@ impl Producer {
             }
             room -= take as u64;
         }
+        spans.flush();
         let n = pos.wrapping_sub(start);
         self.head = pos;
         self.s.header().head.0.store(pos, Ordering::Release);
@@ -434,7 +530,8 @@ impl Consumer {
         self.read_waking(dst, || {})
     }
 
-    /// [`Consumer::read_uninit`], freeing space every [`PIECE`] bytes on the way and calling
+    /// [`Consumer::read_uninit`], freeing space every [`PIECE`] bytes (every batch, for a large
+    /// read shared among the copy threads) on the way and calling
     /// `wake` (once at most) when the producer is parked for space at that point, so that it
     /// refills the ring while we copy. A destination of at least [`NT_READ_MIN`] bytes is written with
     /// non-temporal stores.
@@ -449,30 +546,28 @@ impl Consumer {
         let total = (self.head.wrapping_sub(self.tail) as usize).min(dst.len());
         let nt = dst.len() >= NT_READ_MIN;
         let out = dst.as_mut_ptr() as *mut u8;
+        let (step, shared) = batch(total, self.s.capacity as usize);
+        let mut spans = Spans::new(shared, nt);
         let mut done = 0;
         // One early wake-up per call at most, as in `write_waking`.
         let mut woke = false;
         while done < total {
-            let n = (total - done).min(PIECE);
+            let n = (total - done).min(step);
             let at = self.s.mask(self.tail);
             let first = n.min(self.s.capacity as usize - at);
-            // SAFETY: `at + first <= capacity` and `n - first <= capacity` keep both copies in
-            // the data area, `dst` has room for `done + n <= total <= dst.len()` bytes, and the
-            // mapping cannot overlap `dst`. The bytes may be changed concurrently by a
-            // misbehaving peer: we copy whatever is there, which is garbage in, garbage out for
-            // the framing layer, never out of bounds.
+            // SAFETY: `at + first <= capacity` and `n - first <= capacity` keep both in the data
+            // area, `dst` has room for `done + n <= total <= dst.len()` bytes, and the mapping
+            // cannot overlap `dst`; both outlive the flush below. The bytes may be changed
+            // concurrently by a misbehaving peer: we copy whatever is there, which is garbage
+            // in, garbage out for the framing layer, never out of bounds. A large read goes
+            // straight to its destination (a tensor) with non-temporal stores (`nt`): it will
+            // not stay in the cache anyway.
             unsafe {
-                let out = out.add(done);
-                if nt {
-                    // A large read goes straight to its destination (a tensor), which will not
-                    // stay in the cache anyway: stream it there instead of reading every line.
-                    copy_nonoverlapping_nt(self.s.data.add(at), out, first);
-                    copy_nonoverlapping_nt(self.s.data, out.add(first), n - first);
-                } else {
-                    std::ptr::copy_nonoverlapping(self.s.data.add(at), out, first);
-                    std::ptr::copy_nonoverlapping(self.s.data, out.add(first), n - first);
-                }
+                let to = out.add(done);
+                spans.push(self.s.data.add(at), to, first);
+                spans.push(self.s.data, to.add(first), n - first);
             }
+            spans.flush();
             done += n;
             self.tail = self.tail.wrapping_add(n as u64);
             self.s.header().tail.0.store(self.tail, Ordering::Release);

@@ -10,21 +10,36 @@
 //!
 //! Use it only where the destination will not be read again soon from the cache: non-temporal
 //! stores go around it, so a reader that follows at once reads from memory.
+//!
+//! A copy of at least [`SHARED_MIN`] bytes is shared among the process's copy threads
+//! ([`copy_spans`], module `shared`): the xth channel's copies ([`copy_large`]) and the shm
+//! ring's large reads and writes.
+
+mod shared;
+
+pub use shared::{copy_spans, default_threads, set_threads, threads, Span, MAX_SPANS, SHARED_MIN};
 
 /// Copies at least this long go through non-temporal stores. Smaller ones fit comfortably in the
 /// L3 cache, where the next reader (the echo, the application) finds them.
 pub const NT_MIN: usize = 8 << 20;
 
 /// Copies `src` into `dst` (the same length), with non-temporal stores when the copy is at least
-/// [`NT_MIN`] bytes.
+/// [`NT_MIN`] bytes, shared among the process's copy threads from [`SHARED_MIN`] bytes.
 ///
 /// # Panics
 ///
 /// If the lengths differ, as `copy_from_slice` does.
 pub fn copy_large(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "copy_large: lengths differ");
-    if dst.len() >= NT_MIN {
-        copy_nt(dst, src);
+    if dst.len() >= SHARED_MIN {
+        let span = Span {
+            src: src.as_ptr(),
+            dst: dst.as_mut_ptr(),
+            len: dst.len(),
+        };
+        // SAFETY: both slices are `len` bytes, a `&mut` cannot overlap a `&`, and both borrows
+        // last for the call.
+        unsafe { copy_spans(&[span], dst.len() >= NT_MIN) };
     } else {
         dst.copy_from_slice(src);
     }
@@ -113,7 +128,9 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    /// Bytes that differ from their neighbours and from one seed to the next (the shared
+    /// copies' tests use it too).
+    pub(super) fn pattern(len: usize, seed: u8) -> Vec<u8> {
         (0..len)
             .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
             .collect()
