@@ -223,14 +223,18 @@ async fn echo(pipe: Addr<Pipe>, device: u32) {
         if got.result.is_err() {
             return;
         }
-        for t in &got.message.tensors {
+        let mut back = got.message;
+        for (t, sent) in back.tensors.iter_mut().zip(&d.tensors) {
             if let Some(c) = t.buffer.as_cuda() {
                 if got.cuda.wait_on(c.stream()).is_err() {
                     return;
                 }
             }
+            // Back where it came from: the sender's receive lands a tensor on the device its
+            // descriptor suggests, and otherwise on this (the echo's) device.
+            t.target_device = Some(sent.source_device);
         }
-        match pipe.send(Write::new(got.message)).await {
+        match pipe.send(Write::new(back)).await {
             Ok(w) if w.result.is_ok() => spare = Some(Allocation::from(w.message)),
             _ => return,
         }
@@ -424,6 +428,10 @@ async fn measure(
     #[cfg(not(feature = "ibv"))]
     let mut striped: Option<(Addr<Pipe>, tokio::task::JoinHandle<()>, Listening)> = None;
     let stream = gpu.lease_stream().map_err(failed("a stream"))?;
+    // The raw copy between two GPUs goes the driver's best way: peer to peer where the two
+    // can (a cuda_xth pipe of this process turns it on too; the cuda_ipc client has none).
+    gpu.enable_peer_access(far).map_err(failed("peer access"))?;
+    far.enable_peer_access(gpu).map_err(failed("peer access"))?;
     let mut rows = Vec::new();
     for &size in &args.sizes.0 {
         let len = size as usize;
@@ -539,6 +547,7 @@ async fn round_trip(
     m: Message,
     spare: Option<Allocation>,
 ) -> Result<(Duration, Message, Allocation), Failure> {
+    let sent_devices: Vec<actorpipe::Device> = m.tensors.iter().map(|t| t.device()).collect();
     let t = Instant::now();
     let w = actix::spawn(tx.send(Write::new(m)));
     let home = tx
@@ -547,6 +556,16 @@ async fn round_trip(
     home.result.map_err(failed("receiving the echo"))?;
     home.cuda.wait().map_err(failed("waiting for the echo"))?;
     let took = t.elapsed();
+    // Every tensor came home to the device it left: a round trip that stayed on the echo's
+    // GPU would measure one device's copies under a two-device label.
+    for (back, went) in home.message.tensors.iter().zip(&sent_devices) {
+        if back.device() != *went {
+            return Err(Failure::Failed(format!(
+                "an echoed tensor landed on {:?}, not on {went:?} where it was sent from",
+                back.device()
+            )));
+        }
+    }
     let sent = w
         .await
         .map_err(|e| Failure::Failed(format!("the write task: {e}")))??;
