@@ -13,17 +13,18 @@
 //!   costs a caller nothing beyond copying its shares alone, as it would without the pool.
 //! - **The threads.** [`threads`] - 1 of them per process (the caller is the last), started on
 //!   first use and kept for the life of the process (as a global pool is: none is created per
-//!   copy). Idle, they sleep on a condition variable and cost nothing. The default is
-//!   [`default_threads`] of the machine's cores: none on 2 cores or fewer (a 2-core machine
-//!   copies as before), a quarter of the cores above that, 2 to 8. `ACTORPIPE_COPY_THREADS=N`
-//!   (read once, at first use) or [`set_threads`] before the first large copy sets it; 1 turns
-//!   sharing off.
+//!   copy). Idle, they sleep on a condition variable and cost nothing. A process forked from
+//!   one whose copy threads had started has none (`fork` copies only the calling thread): its
+//!   callers copy alone. The default is [`default_threads`] of the machine's cores: none on 2
+//!   cores or fewer (a 2-core machine copies as before), a quarter of the cores above that, 2
+//!   to 8. `ACTORPIPE_COPY_THREADS=N` (read once, at first use) or [`set_threads`] before the
+//!   first large copy sets it; 1 turns sharing off.
 //! - **Order.** Every share is copied and, for non-temporal copies, fenced before the caller
 //!   returns, and the caller reads the completion count with acquire ordering: whatever it
 //!   stores afterwards (a ring's position, a completion) is seen after the bytes by any reader.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Once, OnceLock};
 
 /// Copies at least this long are shared out, where the process has copy threads.
@@ -209,6 +210,9 @@ struct Pool {
     started: Once,
     /// Copy threads that did start (a spawn can fail): only as many jobs as they are queued.
     running: AtomicUsize,
+    /// The process that started them: a child forked later has none of them, and queues
+    /// nothing.
+    owner: AtomicU32,
     /// Shares the copy threads have copied (the tests' evidence that they take part).
     helped: AtomicUsize,
 }
@@ -222,6 +226,7 @@ impl Pool {
             ready: Condvar::new(),
             started: Once::new(),
             running: AtomicUsize::new(0),
+            owner: AtomicU32::new(0),
             helped: AtomicUsize::new(0),
         })
     }
@@ -246,7 +251,11 @@ impl Pool {
     /// As [`copy_spans`].
     unsafe fn copy(&'static self, spans: &[Span], total: usize, nt: bool) {
         self.ensure_threads();
-        let helpers = self.running.load(Ordering::Relaxed);
+        let helpers = if self.owner.load(Ordering::Relaxed) == std::process::id() {
+            self.running.load(Ordering::Relaxed)
+        } else {
+            0
+        };
         let threads = helpers + 1;
         let shares = total.div_ceil(SHARE_MIN).clamp(1, 2 * threads);
         // Whole cache lines per share: no two threads write one line.
@@ -269,7 +278,7 @@ impl Pool {
         job.spans[..spans.len()].copy_from_slice(spans);
         let job = Arc::new(job);
         let asks = (shares - 1).min(helpers);
-        {
+        if asks > 0 {
             let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
             q.extend(std::iter::repeat_n(&job, asks).cloned());
         }
@@ -292,6 +301,7 @@ impl Pool {
     /// Starts the copy threads, once.
     fn ensure_threads(&'static self) {
         self.started.call_once(|| {
+            self.owner.store(std::process::id(), Ordering::Relaxed);
             for i in 0..self.helpers {
                 let spawned = std::thread::Builder::new()
                     .name(format!("actorpipe-copy-{i}"))
@@ -418,6 +428,59 @@ mod tests {
         // SAFETY: as above.
         unsafe { copy_spans(&spans, false) };
         assert!(small[..] == src[..1000]);
+    }
+
+    /// A child forked after the copy threads started has none of them: its copies are the
+    /// caller's alone, whole and correct, and queue no job that no thread would ever take.
+    #[test]
+    fn a_forked_child_copies_alone() {
+        let pool = pool_of(2);
+        let src = pattern(2 << 20, 5);
+        let mut dst = vec![0u8; src.len()];
+        let spans = spans_of(&src, &mut dst, &[]);
+        // SAFETY: as above.
+        unsafe { pool.copy(&spans, src.len(), false) };
+        assert!(dst == src);
+        // The copy threads have taken every job (and sleep, their lock released).
+        while pool.queue.lock().map_or(1, |q| q.len()) > 0 {
+            std::thread::yield_now();
+        }
+        // SAFETY: the child only copies, checks and exits (`_exit`, no unwinding or atexit).
+        match unsafe { libc::fork() } {
+            0 => {
+                let mut dst = vec![0u8; src.len()];
+                let spans = spans_of(&src, &mut dst, &[1000]);
+                // SAFETY: as above.
+                unsafe { pool.copy(&spans, src.len(), true) };
+                let code = if dst != src {
+                    1
+                } else {
+                    match pool.queue.try_lock() {
+                        Ok(q) if q.is_empty() => 0,
+                        Ok(_) => 2,
+                        // A copy thread held the lock at the fork (a spurious wake-up): the
+                        // queue cannot be read here.
+                        Err(_) => 3,
+                    }
+                };
+                // SAFETY: ends the child at once.
+                unsafe { libc::_exit(code) }
+            }
+            -1 => panic!("fork: {}", std::io::Error::last_os_error()),
+            child => {
+                let mut status = 0;
+                // SAFETY: waits for our own child; `status` outlives the call.
+                let r = unsafe { libc::waitpid(child, &mut status, 0) };
+                assert_eq!(r, child);
+                assert!(libc::WIFEXITED(status), "the child died: {status:#x}");
+                match libc::WEXITSTATUS(status) {
+                    0 => {}
+                    3 => eprintln!("the queue's lock was held at the fork: not checked"),
+                    1 => panic!("the child's copy was wrong"),
+                    c => panic!("the child queued jobs for copy threads it does not have ({c})"),
+                }
+            }
+        }
     }
 
     #[test]
