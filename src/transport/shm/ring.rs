@@ -67,40 +67,68 @@ fn batch(len: usize, capacity: usize) -> (usize, bool) {
     }
 }
 
-/// Where a read or write copies its spans: at once on the caller's thread, a piece at a time
-/// (`shared` off), or gathered into one batch that [`copy_spans`] shares among the copy threads.
+/// How a read or write copies its bytes: [`Direct`]ly on the caller's thread, or gathered into
+/// batches of [`Spans`] that the copy threads share. The copy loops are generic over it, so the
+/// direct one (every small message) carries no batch bookkeeping.
+trait Copier {
+    /// Copies `len` bytes from `src` to `dst`, now or at the next [`Copier::flush`].
+    ///
+    /// # Safety
+    ///
+    /// As `std::ptr::copy_nonoverlapping(src, dst, len)`, until the next `flush` returns.
+    unsafe fn copy(&mut self, src: *const u8, dst: *mut u8, len: usize);
+
+    /// Completes every copy asked for so far.
+    fn flush(&mut self);
+}
+
+/// Copies at once, on the caller's thread; `nt`: with non-temporal stores.
+struct Direct {
+    nt: bool,
+}
+
+impl Copier for Direct {
+    #[inline(always)]
+    unsafe fn copy(&mut self, src: *const u8, dst: *mut u8, len: usize) {
+        if len == 0 {
+            return;
+        }
+        if self.nt {
+            // SAFETY: the caller's guarantees, passed on.
+            unsafe { copy_nonoverlapping_nt(src, dst, len) }
+        } else {
+            // SAFETY: the caller's guarantees, passed on.
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
+        }
+    }
+
+    #[inline(always)]
+    fn flush(&mut self) {}
+}
+
+/// Gathers spans into one batch that [`copy_spans`] shares among the copy threads.
 struct Spans {
     spans: [MaybeUninit<Span>; MAX_SPANS],
     /// Spans gathered (the first `count` are initialized).
     count: usize,
-    shared: bool,
     /// Non-temporal stores.
     nt: bool,
 }
 
 impl Spans {
-    fn new(shared: bool, nt: bool) -> Spans {
+    fn new(nt: bool) -> Spans {
         Spans {
             spans: [const { MaybeUninit::uninit() }; MAX_SPANS],
             count: 0,
-            shared,
             nt,
         }
     }
+}
 
-    /// Copies `len` bytes from `src` to `dst`, now or at the next [`Spans::flush`] (which a
-    /// full list calls itself). An empty span is left out.
-    ///
-    /// # Safety
-    ///
-    /// As `std::ptr::copy_nonoverlapping(src, dst, len)`, until the next `flush` returns.
-    unsafe fn push(&mut self, src: *const u8, dst: *mut u8, len: usize) {
+impl Copier for Spans {
+    /// A full list flushes itself; an empty span is left out.
+    unsafe fn copy(&mut self, src: *const u8, dst: *mut u8, len: usize) {
         if len == 0 {
-            return;
-        }
-        if !self.shared {
-            // SAFETY: the caller's guarantees, passed on.
-            unsafe { copy_one(src, dst, len, self.nt) };
             return;
         }
         self.spans[self.count].write(Span { src, dst, len });
@@ -110,32 +138,17 @@ impl Spans {
         }
     }
 
-    /// Copies the gathered spans (sharing them out) and empties the list.
     fn flush(&mut self) {
         if self.count == 0 {
             return;
         }
-        // SAFETY: the first `count` spans were written by `push`, and `MaybeUninit<Span>` has
-        // the layout of `Span`; each span's memory is valid until now (`push`'s contract).
+        // SAFETY: the first `count` spans were written by `copy`, and `MaybeUninit<Span>` has
+        // the layout of `Span`; each span's memory is valid until now (`copy`'s contract).
         unsafe {
             let spans = std::slice::from_raw_parts(self.spans.as_ptr().cast::<Span>(), self.count);
             copy_spans(spans, self.nt);
         }
         self.count = 0;
-    }
-}
-
-/// # Safety
-///
-/// As `std::ptr::copy_nonoverlapping(src, dst, len)`.
-#[inline(always)]
-unsafe fn copy_one(src: *const u8, dst: *mut u8, len: usize, nt: bool) {
-    if nt {
-        // SAFETY: the caller's guarantees, passed on.
-        unsafe { copy_nonoverlapping_nt(src, dst, len) }
-    } else {
-        // SAFETY: the caller's guarantees, passed on.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
     }
 }
 
@@ -395,23 +408,37 @@ impl Producer {
     pub(crate) fn write_waking(
         &mut self,
         bufs: &[io::IoSlice<'_>],
-        mut wake: impl FnMut(),
+        wake: impl FnMut(),
     ) -> io::Result<usize> {
         let want: u64 = bufs.iter().map(|b| b.len() as u64).sum();
         if self.free() < want {
             self.reload_tail()?;
         }
-        let mut room = self.free().min(want);
+        let room = self.free().min(want);
         if room == 0 {
             return Ok(0);
         }
+        // A large write is copied a batch at a time, shared among the copy threads, then
+        // published; anything else a piece at a time, by this thread.
+        Ok(match batch(room as usize, self.s.capacity as usize) {
+            (step, true) => self.write_with(bufs, room, step, &mut Spans::new(false), wake),
+            (step, false) => self.write_with(bufs, room, step, &mut Direct { nt: false }, wake),
+        })
+    }
+
+    /// [`Producer::write_waking`]'s copy of `room` bytes of `bufs`, publishing every `step`.
+    #[inline(always)]
+    fn write_with(
+        &mut self,
+        bufs: &[io::IoSlice<'_>],
+        mut room: u64,
+        step: usize,
+        copier: &mut impl Copier,
+        mut wake: impl FnMut(),
+    ) -> usize {
         let start = self.head;
         let mut pos = self.head;
         let mut unpublished = 0;
-        // A large write is copied a batch at a time, shared among the copy threads, then
-        // published; anything else a piece at a time, as the batch of one thread.
-        let (step, shared) = batch(room as usize, self.s.capacity as usize);
-        let mut spans = Spans::new(shared, false);
         // One early wake-up per call at most: a consumer that catches up and parks again is
         // woken by the caller at the end, not once per piece (on a busy machine each wake-up is
         // a context switch that competes with this copy).
@@ -432,14 +459,14 @@ impl Producer {
                 // so the flush); the ring memory and the caller's buffer cannot overlap (one is
                 // a fresh mapping), and the consumer does not touch unpublished bytes.
                 unsafe {
-                    spans.push(src, self.s.data.add(at), first);
-                    spans.push(src.add(first), self.s.data, n - first);
+                    copier.copy(src, self.s.data.add(at), first);
+                    copier.copy(src.add(first), self.s.data, n - first);
                 }
                 pos = pos.wrapping_add(n as u64);
                 off += n;
                 unpublished += n;
                 if unpublished == step {
-                    spans.flush();
+                    copier.flush();
                     unpublished = 0;
                     self.head = pos;
                     self.s.header().head.0.store(pos, Ordering::Release);
@@ -451,11 +478,11 @@ impl Producer {
             }
             room -= take as u64;
         }
-        spans.flush();
+        copier.flush();
         let n = pos.wrapping_sub(start);
         self.head = pos;
         self.s.header().head.0.store(pos, Ordering::Release);
-        Ok(n as usize)
+        n as usize
     }
 
     /// After publishing: whether the consumer is parked and must be woken. Clears its flag, so
@@ -538,16 +565,39 @@ impl Consumer {
     pub(crate) fn read_waking(
         &mut self,
         dst: &mut [MaybeUninit<u8>],
-        mut wake: impl FnMut(),
+        wake: impl FnMut(),
     ) -> io::Result<usize> {
         if self.head == self.tail {
             self.reload_head()?;
         }
         let total = (self.head.wrapping_sub(self.tail) as usize).min(dst.len());
+        // A large read goes straight to its destination (a tensor) with non-temporal stores:
+        // it will not stay in the cache anyway.
         let nt = dst.len() >= NT_READ_MIN;
         let out = dst.as_mut_ptr() as *mut u8;
-        let (step, shared) = batch(total, self.s.capacity as usize);
-        let mut spans = Spans::new(shared, nt);
+        // SAFETY: `dst` has room for `total` bytes at `out`, and is not the ring's memory.
+        Ok(unsafe {
+            match batch(total, self.s.capacity as usize) {
+                (step, true) => self.read_with(out, total, step, &mut Spans::new(nt), wake),
+                (step, false) => self.read_with(out, total, step, &mut Direct { nt }, wake),
+            }
+        })
+    }
+
+    /// [`Consumer::read_waking`]'s copy of `total` bytes to `out`, freeing space every `step`.
+    ///
+    /// # Safety
+    ///
+    /// `out` is valid for writes of `total` bytes and does not overlap the ring.
+    #[inline(always)]
+    unsafe fn read_with(
+        &mut self,
+        out: *mut u8,
+        total: usize,
+        step: usize,
+        copier: &mut impl Copier,
+        mut wake: impl FnMut(),
+    ) -> usize {
         let mut done = 0;
         // One early wake-up per call at most, as in `write_waking`.
         let mut woke = false;
@@ -556,18 +606,16 @@ impl Consumer {
             let at = self.s.mask(self.tail);
             let first = n.min(self.s.capacity as usize - at);
             // SAFETY: `at + first <= capacity` and `n - first <= capacity` keep both in the data
-            // area, `dst` has room for `done + n <= total <= dst.len()` bytes, and the mapping
-            // cannot overlap `dst`; both outlive the flush below. The bytes may be changed
+            // area, `out` has room for `done + n <= total` bytes (the caller's word), and the
+            // mapping cannot overlap it; both outlive the flush below. The bytes may be changed
             // concurrently by a misbehaving peer: we copy whatever is there, which is garbage
-            // in, garbage out for the framing layer, never out of bounds. A large read goes
-            // straight to its destination (a tensor) with non-temporal stores (`nt`): it will
-            // not stay in the cache anyway.
+            // in, garbage out for the framing layer, never out of bounds.
             unsafe {
                 let to = out.add(done);
-                spans.push(self.s.data.add(at), to, first);
-                spans.push(self.s.data, to.add(first), n - first);
+                copier.copy(self.s.data.add(at), to, first);
+                copier.copy(self.s.data, to.add(first), n - first);
             }
-            spans.flush();
+            copier.flush();
             done += n;
             self.tail = self.tail.wrapping_add(n as u64);
             self.s.header().tail.0.store(self.tail, Ordering::Release);
@@ -576,7 +624,7 @@ impl Consumer {
                 wake();
             }
         }
-        Ok(total)
+        total
     }
 
     /// Copies up to `dst.len()` bytes out and frees their space. Returns 0 when empty. Errors as
