@@ -42,3 +42,4 @@ done
 run bench pipe --sizes 1M,64M --iters 1000
 run bench channel --backend basic --sizes 64M --iters 40
 run bench idle --pipes 1000
+run bench copy --threads 1,2,4,8
