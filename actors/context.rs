@@ -162,7 +162,7 @@ impl Default for ContextBuilder {
                 connect_timeout: Duration::from_secs(10),
                 handshake_timeout: Duration::from_secs(10),
                 max_pending_pipes: DEFAULT_MAX_PENDING_PIPES,
-                cma_threads: 2,
+                cma_threads: crate::channel::cma::default_threads(super::pool::available_cores()),
                 // Sized from the machine (none on 2 cores or fewer); no thread starts until
                 // an mpt pipe has a second lane.
                 io: Arc::new(super::pool::IoPool::new(super::pool::default_threads(
@@ -247,7 +247,9 @@ impl ContextBuilder {
         self
     }
 
-    /// Threads per cma read (large tensors are split across them).
+    /// Threads per cma read (large tensors are split across them, 4 MiB a thread at least). The
+    /// default is [`crate::channel::cma::default_threads`] of the CPUs this process may use:
+    /// half of them, 2 to 8.
     pub fn cma_threads(mut self, n: usize) -> Self {
         self.config.cma_threads = n.max(1);
         self

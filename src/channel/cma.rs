@@ -36,6 +36,15 @@ pub const MIN_SHARE: u64 = 4 << 20;
 /// Most threads one read uses, whatever the caller asks for.
 pub const MAX_THREADS: usize = 64;
 
+/// The default threads per cma read on a machine whose process may use `cores` CPUs: half of
+/// them, at least 2 and at most 8. Only the receiver reads, while the sender waits for its
+/// acknowledgement, so a read may take more of the machine than a copy that both sides make at
+/// once. On 16 cores a 128 MiB tensor took 37–44 ms a round trip with 2 threads, 22–23 ms with
+/// 4 and 13–14 ms with 8 (docs/performance.md, "Large copies shared among copy threads").
+pub fn default_threads(cores: usize) -> usize {
+    (cores / 2).clamp(2, 8)
+}
+
 /// Shares start on multiples of this, so that two threads rarely pin the same page.
 const SHARE_ALIGN: u64 = 4096;
 

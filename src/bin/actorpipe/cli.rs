@@ -170,6 +170,11 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(0..=256))]
     pub io_threads: Option<u32>,
 
+    /// Threads per large cma read, both sides (`ContextBuilder::cma_threads`). [default: the
+    /// library's]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub cma_threads: Option<u32>,
+
     /// Local addresses the client's mpt lanes leave from, one per NIC, round-robin
     /// (`ContextBuilder::lane_addresses`); the raw baseline's sockets are not bound.
     #[arg(long, value_name = "IP,IP", value_delimiter = ',')]

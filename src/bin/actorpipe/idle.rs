@@ -77,6 +77,7 @@ fn setup(name: &str) -> Result<Setup, Failure> {
             spin: None,
             no_keepalive: false,
             io_threads: None,
+            cma_threads: None,
         }),
         "default" => Ok(Setup {
             transports: Transports::Both,
@@ -85,6 +86,7 @@ fn setup(name: &str) -> Result<Setup, Failure> {
             spin: None,
             no_keepalive: false,
             io_threads: None,
+            cma_threads: None,
         }),
         _ => Err(bad(format!(
             "unknown configuration {name:?} for bench idle: use tcp+basic or default"

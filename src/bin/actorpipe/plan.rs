@@ -79,6 +79,8 @@ pub struct Setup {
     pub no_keepalive: bool,
     /// I/O pool threads, when set.
     pub io_threads: Option<u32>,
+    /// Threads per large cma read, when set.
+    pub cma_threads: Option<u32>,
 }
 
 impl Setup {
@@ -105,6 +107,9 @@ impl Setup {
         }
         if let Some(n) = self.io_threads {
             b = b.io_threads(n as usize);
+        }
+        if let Some(n) = self.cma_threads {
+            b = b.cma_threads(n as usize);
         }
         b
     }
@@ -261,6 +266,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                 spin: None,
                 no_keepalive: false,
                 io_threads: None,
+                cma_threads: None,
             };
             let (baseline, label) = if transports == Transports::IbvSim {
                 // The simulated wire is a memcpy under a lock: compare with a plain memcpy.
@@ -289,6 +295,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                 spin: None,
                 no_keepalive: false,
                 io_threads: None,
+                cma_threads: None,
             };
             // The simulated wire is a memcpy under a lock: compare with a plain memcpy.
             let label = "channel ibv over transport ibv (SIMULATED device)".to_string();
@@ -308,6 +315,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                 spin: None,
                 no_keepalive: false,
                 io_threads: None,
+                cma_threads: None,
             };
             let on = if setup.transports == Transports::Tcp {
                 "tcp"
@@ -327,6 +335,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                     spin: None,
                     no_keepalive: false,
                     io_threads: None,
+                    cma_threads: None,
                 }
             } else {
                 let (t, c) = name.split_once('+').ok_or_else(|| {
@@ -350,6 +359,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                     spin: None,
                     no_keepalive: false,
                     io_threads: None,
+                    cma_threads: None,
                 }
             };
             (setup, None, format!("pipe {name}"))
@@ -358,6 +368,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
     let mut setup = setup;
     setup.no_keepalive = args.no_keepalive;
     setup.io_threads = args.io_threads;
+    setup.cma_threads = args.cma_threads;
     if let Some(n) = args.lanes() {
         let mpt_possible = setup.channel.is_none() || setup.channel == Some("mpt");
         if !mpt_possible {

@@ -265,6 +265,7 @@ fn server_args(plan: &Plan, args: &RunArgs, shm_fds: Option<String>) -> Vec<Stri
         ("--transport", args.transport.clone()),
         ("--lanes", args.lanes().map(|n| n.to_string())),
         ("--io-threads", args.io_threads.map(|n| n.to_string())),
+        ("--cma-threads", args.cma_threads.map(|n| n.to_string())),
         ("--spin", args.spin.map(|n| n.to_string())),
         ("--shm-fds", shm_fds),
         ("--api", Some(args.api.name().to_string())),

@@ -526,3 +526,13 @@ fn reads_from_another_process() {
     );
     eprintln!("{err}");
 }
+
+#[test]
+fn default_threads_follow_the_machine() {
+    assert_eq!(default_threads(1), 2);
+    assert_eq!(default_threads(2), 2);
+    assert_eq!(default_threads(4), 2);
+    assert_eq!(default_threads(6), 3);
+    assert_eq!(default_threads(16), 8);
+    assert_eq!(default_threads(192), 8);
+}
