@@ -17,7 +17,10 @@
 
 mod shared;
 
-pub use shared::{copy_spans, default_threads, set_threads, threads, Span, MAX_SPANS, SHARED_MIN};
+pub(crate) use shared::copy_one;
+pub use shared::{
+    copy_spans, default_threads, set_threads, threads, Span, MAX_SPANS, MAX_THREADS, SHARED_MIN,
+};
 
 /// Copies at least this long go through non-temporal stores. Smaller ones fit comfortably in the
 /// L3 cache, where the next reader (the echo, the application) finds them.

@@ -3,9 +3,9 @@
 //! One thread copies 64 MiB at 6–8 GB/s on the 16-core machine of docs/performance.md ("Large
 //! copies shared among copy threads"), where four threads copy 48 GB/s and eight 82 GB/s
 //! (`actorpipe bench copy`): a large copy made by one thread leaves most of the memory system
-//! idle, and holds its thread (a context's arbiter, with every pipe on it) for the whole copy. [`copy_spans`] cuts a copy of at least [`SHARED_MIN`] bytes into shares of at
-//! least 64 KiB and copies them on the calling thread and on the process's **copy threads** at
-//! once.
+//! idle, and holds its thread (a context's arbiter, with every pipe on it) for the whole copy.
+//! [`copy_spans`] cuts a copy of at least [`SHARED_MIN`] bytes into shares of at least 64 KiB
+//! and copies them on the calling thread and on the process's **copy threads** at once.
 //!
 //! - **Who copies.** The caller posts the job, copies shares itself, and then waits only for the
 //!   shares a copy thread had already taken: a share is claimed with one atomic increment, by
@@ -18,7 +18,7 @@
 //!   callers copy alone. The default is [`default_threads`] of the machine's cores: none on 2
 //!   cores or fewer (a 2-core machine copies as before), a quarter of the cores above that, 2
 //!   to 8. `ACTORPIPE_COPY_THREADS=N` (read once, at first use) or [`set_threads`] before the
-//!   first large copy sets it; 1 turns sharing off.
+//!   first large copy sets it, at most [`MAX_THREADS`]; 1 turns sharing off.
 //! - **Order.** Every share is copied and, for non-temporal copies, fenced before the caller
 //!   returns, and the caller reads the completion count with acquire ordering: whatever it
 //!   stores afterwards (a ring's position, a completion) is seen after the bytes by any reader.
@@ -48,6 +48,9 @@ pub struct Span {
     pub len: usize,
 }
 
+/// Most threads a copy is shared among, whatever is asked for.
+pub const MAX_THREADS: usize = 64;
+
 /// The default number of threads a large copy is shared among, the caller included, on a
 /// machine with `cores` CPUs: 1 (no sharing) on 2 cores or fewer, a quarter of the cores above
 /// that, at least 2 and at most 8. Two processes copying at once (a ring's writer and reader)
@@ -64,8 +67,8 @@ pub fn default_threads(cores: usize) -> usize {
 static ASKED: AtomicUsize = AtomicUsize::new(0);
 static POOL: OnceLock<Option<Pool>> = OnceLock::new();
 
-/// Sets how many threads a large copy is shared among (the caller included; 1 turns sharing
-/// off), in place of `ACTORPIPE_COPY_THREADS` and the machine's default. Takes effect only
+/// Sets how many threads a large copy is shared among (the caller included, at most
+/// [`MAX_THREADS`]; 1 turns sharing off), in place of `ACTORPIPE_COPY_THREADS` and the machine's default. Takes effect only
 /// before the process's first large copy: returns the count in force when it comes too late.
 pub fn set_threads(n: usize) -> Result<(), usize> {
     ASKED.store(n.max(1), Ordering::Relaxed);
@@ -92,7 +95,7 @@ fn pool() -> Option<&'static Pool> {
                 }),
             n => n,
         };
-        Pool::new(asked.max(1) - 1)
+        Pool::new(asked.clamp(1, MAX_THREADS) - 1)
     })
     .as_ref()
 }
@@ -125,10 +128,13 @@ pub unsafe fn copy_spans(spans: &[Span], nt: bool) {
     }
 }
 
+/// Copies `len` bytes on this thread, with non-temporal stores when `nt`.
+///
 /// # Safety
 ///
 /// As `std::ptr::copy_nonoverlapping(src, dst, len)`.
-unsafe fn copy_one(src: *const u8, dst: *mut u8, len: usize, nt: bool) {
+#[inline(always)]
+pub(crate) unsafe fn copy_one(src: *const u8, dst: *mut u8, len: usize, nt: bool) {
     if nt {
         // SAFETY: the caller's guarantees, passed on.
         unsafe { super::copy_nonoverlapping_nt(src, dst, len) }
@@ -414,7 +420,7 @@ mod tests {
     }
 
     #[test]
-    fn small_and_many_span_copies_stay_with_the_caller() {
+    fn copies_of_many_spans_or_few_bytes_are_exact() {
         let src = pattern(SHARED_MIN + 100, 3);
         let mut dst = vec![0u8; src.len()];
         let cuts: Vec<usize> = (1..=MAX_SPANS).map(|i| i * 1000).collect();

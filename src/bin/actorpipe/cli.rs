@@ -304,13 +304,9 @@ pub struct CopyArgs {
 
     /// Thread counts to compare, the caller included (1: no sharing), comma-separated; each
     /// runs in a process of its own.
-    #[arg(
-        long,
-        value_name = "LIST",
-        value_delimiter = ',',
-        default_value = "1,2,4,8"
-    )]
-    pub threads: Vec<usize>,
+    #[arg(long, value_name = "LIST", value_delimiter = ',', default_value = "1,2,4,8",
+          value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub threads: Vec<u32>,
 
     /// Timed copies per size and way.
     #[arg(long, value_name = "N", default_value_t = 20,

@@ -2,7 +2,8 @@
 //! among the process's copy threads (`actorpipe::copy`), the floor under every same-host large
 //! message (the shm ring's large reads and writes, the xth channel's copies).
 //!
-//! Each thread count runs in a process of its own (this program, with `--threads N --json`),
+//! Each thread count runs in a process of its own (this program, with `--in-process --threads
+//! N`, which prints JSON),
 //! since a process fixes its copy threads at its first large copy. Every process times three
 //! ways of copying the same prefaulted buffers, each the median of `--iters` copies after a
 //! warm-up: `memcpy` (`copy_from_slice`, one thread), `non-temporal` (`copy::copy_nt`, one
@@ -24,11 +25,6 @@ use crate::units::{gb_per_s, human_size};
 const WAYS: [&str; 3] = ["memcpy", "non-temporal", "copy_large"];
 
 pub fn run(args: &CopyArgs) -> Result<(), Failure> {
-    if args.threads.contains(&0) {
-        return Err(bad(
-            "bench copy: --threads counts start at 1 (1: no sharing)",
-        ));
-    }
     if args.in_process {
         let [one] = args.threads.as_slice() else {
             return Err(bad("bench copy --in-process: one thread count"));
@@ -56,7 +52,7 @@ pub fn run(args: &CopyArgs) -> Result<(), Failure> {
 }
 
 /// Runs this program for `threads` copy threads and reads its JSON.
-fn child(args: &CopyArgs, threads: usize) -> Result<Value, Failure> {
+fn child(args: &CopyArgs, threads: u32) -> Result<Value, Failure> {
     let exe = std::env::current_exe()
         .map_err(|e| Failure::Failed(format!("cannot find this program: {e}")))?;
     let sizes: Vec<String> = args.sizes.0.iter().map(|s| s.to_string()).collect();
@@ -85,8 +81,8 @@ fn child(args: &CopyArgs, threads: usize) -> Result<Value, Failure> {
 }
 
 /// Times every way at every size in this process, with `threads` copy threads.
-fn one_process(args: &CopyArgs, threads: usize) -> Result<Value, Failure> {
-    if let Err(now) = actorpipe::copy::set_threads(threads) {
+fn one_process(args: &CopyArgs, threads: u32) -> Result<Value, Failure> {
+    if let Err(now) = actorpipe::copy::set_threads(threads as usize) {
         return Err(Failure::Failed(format!(
             "the copy threads had started already ({now})"
         )));

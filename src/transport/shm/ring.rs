@@ -27,7 +27,7 @@ use std::mem::MaybeUninit;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::copy::{copy_nonoverlapping_nt, copy_spans, Span, MAX_SPANS, SHARED_MIN};
+use crate::copy::{copy_one, copy_spans, Span, MAX_SPANS, SHARED_MIN};
 
 /// Bytes reserved for the header in front of the data; one page keeps the data page-aligned.
 pub(crate) const HEADER: usize = 4096;
@@ -90,15 +90,9 @@ struct Direct {
 impl Copier for Direct {
     #[inline(always)]
     unsafe fn copy(&mut self, src: *const u8, dst: *mut u8, len: usize) {
-        if len == 0 {
-            return;
-        }
-        if self.nt {
+        if len > 0 {
             // SAFETY: the caller's guarantees, passed on.
-            unsafe { copy_nonoverlapping_nt(src, dst, len) }
-        } else {
-            // SAFETY: the caller's guarantees, passed on.
-            unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
+            unsafe { copy_one(src, dst, len, self.nt) }
         }
     }
 
@@ -402,9 +396,9 @@ impl Producer {
     }
 
     /// [`Producer::write`], publishing every [`PIECE`] bytes (every batch, for a large write
-    /// shared among the copy threads) on the way and calling `wake` (once
-    /// at most) when the consumer is parked at that point: a large write then overlaps with the
-    /// consumer's copy instead of preceding it.
+    /// shared among the copy threads) on the way and calling `wake` (once at most) when the
+    /// consumer is parked at that point: a large write then overlaps with the consumer's copy
+    /// instead of preceding it.
     pub(crate) fn write_waking(
         &mut self,
         bufs: &[io::IoSlice<'_>],
@@ -558,10 +552,9 @@ impl Consumer {
     }
 
     /// [`Consumer::read_uninit`], freeing space every [`PIECE`] bytes (every batch, for a large
-    /// read shared among the copy threads) on the way and calling
-    /// `wake` (once at most) when the producer is parked for space at that point, so that it
-    /// refills the ring while we copy. A destination of at least [`NT_READ_MIN`] bytes is written with
-    /// non-temporal stores.
+    /// read shared among the copy threads) on the way and calling `wake` (once at most) when the
+    /// producer is parked for space at that point, so that it refills the ring while we copy. A
+    /// destination of at least [`NT_READ_MIN`] bytes is written with non-temporal stores.
     pub(crate) fn read_waking(
         &mut self,
         dst: &mut [MaybeUninit<u8>],
