@@ -17,11 +17,12 @@
 
 use std::io;
 use std::os::unix::fs::MetadataExt;
-use std::sync::OnceLock;
-use std::thread;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use super::basic::chunks;
 use super::ChannelBackend;
+use crate::copy::{Pool, Work};
 use crate::error::{Error, Origin};
 use crate::negotiate::DevicePair;
 
@@ -29,9 +30,11 @@ use crate::negotiate::DevicePair;
 /// `INT_MAX & PAGE_MASK`. [`max_per_call`] gives the value for this machine's page size.
 pub const MAX_RW_COUNT_4K: u64 = 0x7fff_f000;
 
-/// Reads shorter than this per thread stay on fewer threads: starting a thread costs tens of
-/// microseconds, about what copying this many bytes takes.
-pub const MIN_SHARE: u64 = 4 << 20;
+/// Reads shorter than this per thread stay on fewer threads: a share handed to a sleeping reader
+/// thread waits for its wake-up (tens of microseconds in a VM), a fraction of the 130–170 µs
+/// that reading this many bytes takes at 6–8 GB/s. It was 4 MiB while each read started its
+/// own threads (until 2026-11-26).
+pub const MIN_SHARE: u64 = 1 << 20;
 
 /// Most threads one read uses, whatever the caller asks for.
 pub const MAX_THREADS: usize = 64;
@@ -355,10 +358,13 @@ pub fn plan(len: u64, max_per_call: u64, threads: usize) -> impl Iterator<Item =
 }
 
 /// Reads `src` from the other process into `dst`, whose length must be `src.len`, with up to
-/// `threads` threads (see [`plan`]; the calling thread reads the first share, scoped threads the
-/// others). Returns once every byte is in `dst`, or with the first failure in buffer order; after
-/// a failure `dst` holds an unspecified mix of old and new bytes. Blocks: an actor runs it off its
-/// event loop.
+/// `threads` threads (see [`plan`]): the calling thread and the process's cma reader threads,
+/// started on the first read that asks for them and kept for the life of the process (idle, they
+/// sleep). Each share is claimed by whoever comes first, so a reader thread that is slow to wake
+/// costs the caller nothing beyond reading that share itself. Returns once every byte is in
+/// `dst`, or with the first failure in buffer order (the shares not yet started are skipped
+/// after a failure); after a failure `dst` holds an unspecified mix of old and new bytes.
+/// Blocks: an actor runs it off its event loop.
 pub fn read_remote(src: &RemoteBuffer, dst: &mut [u8], threads: usize) -> Result<(), CmaError> {
     if REFUSE.load(std::sync::atomic::Ordering::Relaxed) && !dst.is_empty() {
         return Err(CmaError::NotPermitted {
@@ -403,52 +409,129 @@ fn read_remote_with(
             len: src.len,
         });
     }
-    let mut shares = plan(src.len, max_per_call, threads);
-    let Some(first) = shares.next() else {
-        return Ok(());
-    };
-    let (mine, mut rest) = split(src, dst, first.len)?;
-    thread::scope(|scope| {
-        let mut others = Vec::new();
-        let mut spawn_failure = None;
-        for share in shares {
-            let (theirs, tail) = split(src, rest, share.len)?;
-            rest = tail;
-            let spawned = thread::Builder::new()
-                .name("actorpipe-cma".into())
-                .spawn_scoped(scope, move || read_share(src, share, theirs));
-            match spawned {
-                Ok(handle) => others.push(handle),
-                Err(e) => {
-                    // The closure, and the part of `dst` it owned, is gone: report rather than
-                    // leave a hole.
-                    spawn_failure = Some(e);
-                    break;
+    let shares: Vec<Share> = plan(src.len, max_per_call, threads).collect();
+    if shares.len() <= 1 {
+        return shares
+            .first()
+            .map_or(Ok(()), |&share| read_share(src, share, dst));
+    }
+    read_shared(Some(&READERS), src, dst, shares)
+}
+
+/// The cma reader threads: a read's shares other than the caller's go to them.
+static READERS: Pool = Pool::new("actorpipe-cma");
+
+/// Reads `shares` of `src` into `dst` (`src.len` bytes, covered exactly by the shares) on the
+/// calling thread and on `pool`'s threads at once: up to one thread per share, started on the
+/// first read that asks for them and kept (see [`crate::copy`]'s pool). Each share is claimed by
+/// whoever comes first, so the caller reads alone whatever no thread takes (everything, without
+/// a pool).
+fn read_shared(
+    pool: Option<&'static Pool>,
+    src: &RemoteBuffer,
+    dst: &mut [u8],
+    shares: Vec<Share>,
+) -> Result<(), CmaError> {
+    let n = shares.len();
+    let helpers = pool.map_or(0, |p| p.helpers(n - 1));
+    let job = Arc::new(ReadJob {
+        src: *src,
+        dst: dst.as_mut_ptr(),
+        shares,
+        next: AtomicUsize::new(0),
+        failed: AtomicBool::new(false),
+        state: Mutex::new(ReadState {
+            done: 0,
+            errors: Vec::new(),
+        }),
+        finished: Condvar::new(),
+    });
+    let work: Arc<dyn Work> = job.clone();
+    if let Some(pool) = pool {
+        pool.offer(&work, (n - 1).min(helpers));
+    }
+    job.work();
+    // What is left was claimed by reader threads, which are reading it now.
+    let mut state = job.state.lock().unwrap_or_else(|p| p.into_inner());
+    while state.done < n {
+        state = job.finished.wait(state).unwrap_or_else(|p| p.into_inner());
+    }
+    // The first failure in buffer order.
+    match state.errors.iter_mut().find_map(Option::take) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// One read shared among threads (see [`read_shared`]).
+struct ReadJob {
+    src: RemoteBuffer,
+    /// The start of the caller's buffer, `src.len` bytes.
+    dst: *mut u8,
+    shares: Vec<Share>,
+    /// The next share to claim (may run past the last).
+    next: AtomicUsize,
+    /// A share failed: the shares claimed after it are skipped (the read fails anyway).
+    failed: AtomicBool,
+    state: Mutex<ReadState>,
+    /// Signalled when the last share is done.
+    finished: Condvar,
+}
+
+struct ReadState {
+    /// Shares done (read, failed or skipped).
+    done: usize,
+    /// Each share's failure, by share (empty until one fails).
+    errors: Vec<Option<CmaError>>,
+}
+
+// SAFETY: `dst` is written only by whoever claimed a share (`next` below the share count), each
+// share a disjoint range of the caller's buffer, and `read_shared`, which borrows that buffer
+// exclusively for its whole call, returns only once every share is done; a thread that takes
+// the job later finds nothing to claim and touches no pointer.
+unsafe impl Send for ReadJob {}
+// SAFETY: as above; the shared state is atomics and a mutex.
+unsafe impl Sync for ReadJob {}
+
+impl Work for ReadJob {
+    fn work(&self) -> usize {
+        let mut did = 0;
+        loop {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            let Some(&share) = self.shares.get(i) else {
+                return did;
+            };
+            let result = if self.failed.load(Ordering::Relaxed) {
+                Ok(())
+            } else {
+                // SAFETY: share `i` is ours alone (claimed above), inside the caller's buffer
+                // (the shares cover `src.len` bytes exactly, checked against the buffer), which
+                // stays borrowed until every share is done (see `unsafe impl Send`). The plan's
+                // offsets fit in a usize: the buffer does.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        self.dst.add(share.offset as usize),
+                        share.len as usize,
+                    )
+                };
+                read_share(&self.src, share, dst)
+            };
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = result {
+                self.failed.store(true, Ordering::Relaxed);
+                if state.errors.is_empty() {
+                    state.errors.resize_with(self.shares.len(), || None);
                 }
+                state.errors[i] = Some(e);
             }
+            state.done += 1;
+            if state.done == self.shares.len() {
+                self.finished.notify_all();
+            }
+            drop(state);
+            did += 1;
         }
-        let mut result = read_share(src, first, mine);
-        for handle in others {
-            let theirs = handle.join().unwrap_or_else(|_| {
-                Err(CmaError::Other {
-                    pid: src.pid,
-                    source: io::Error::other("a cma reader thread panicked"),
-                })
-            });
-            result = result.and(theirs);
-        }
-        result?;
-        match spawn_failure {
-            Some(e) => Err(CmaError::Other {
-                pid: src.pid,
-                source: io::Error::new(
-                    e.kind(),
-                    format!("cannot start a reader thread ({e}); retry with fewer threads"),
-                ),
-            }),
-            None => Ok(()),
-        }
-    })
+    }
 }
 
 /// `buf` cut after `len` bytes. The plan covers the buffer exactly, so this fails only on a bug

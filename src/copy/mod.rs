@@ -15,8 +15,12 @@
 //! ([`copy_spans`], module `shared`): the xth channel's copies ([`copy_large`]) and the shm
 //! ring's large reads and writes.
 
+mod pool;
 mod shared;
 
+#[cfg(test)]
+pub(crate) use pool::check_in_forked_child;
+pub(crate) use pool::{Pool, Work};
 pub(crate) use shared::copy_one;
 pub use shared::{
     copy_spans, default_threads, set_threads, threads, Span, MAX_SPANS, MAX_THREADS, SHARED_MIN,

@@ -23,9 +23,10 @@
 //!   returns, and the caller reads the completion count with acquire ordering: whatever it
 //!   stores afterwards (a ring's position, a completion) is seen after the bytes by any reader.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Once, OnceLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use super::pool::{Pool, Work};
 
 /// Copies at least this long are shared out, where the process has copy threads.
 pub const SHARED_MIN: usize = 256 << 10;
@@ -65,27 +66,31 @@ pub fn default_threads(cores: usize) -> usize {
 
 /// The count [`set_threads`] asked for; 0: not set.
 static ASKED: AtomicUsize = AtomicUsize::new(0);
-static POOL: OnceLock<Option<Pool>> = OnceLock::new();
+/// How many copy threads a copy may use (fixed at the first large copy).
+static HELPERS: OnceLock<usize> = OnceLock::new();
+/// The copy threads.
+static POOL: Pool = Pool::new("actorpipe-copy");
 
 /// Sets how many threads a large copy is shared among (the caller included, at most
-/// [`MAX_THREADS`]; 1 turns sharing off), in place of `ACTORPIPE_COPY_THREADS` and the machine's default. Takes effect only
-/// before the process's first large copy: returns the count in force when it comes too late.
+/// [`MAX_THREADS`]; 1 turns sharing off), in place of `ACTORPIPE_COPY_THREADS` and the
+/// machine's default. Takes effect only before the process's first large copy: returns the
+/// count in force when it comes too late.
 pub fn set_threads(n: usize) -> Result<(), usize> {
     ASKED.store(n.max(1), Ordering::Relaxed);
-    match POOL.get() {
+    match HELPERS.get() {
         None => Ok(()),
-        Some(p) => Err(p.as_ref().map_or(1, |p| p.helpers + 1)),
+        Some(h) => Err(h + 1),
     }
 }
 
 /// How many threads a large copy is shared among in this process, the caller included (1: the
-/// caller alone). Starts the copy threads if they have not started.
+/// caller alone). Fixes the count if no large copy has yet.
 pub fn threads() -> usize {
-    pool().map_or(1, |p| p.helpers + 1)
+    helpers() + 1
 }
 
-fn pool() -> Option<&'static Pool> {
-    POOL.get_or_init(|| {
+fn helpers() -> usize {
+    *HELPERS.get_or_init(|| {
         let asked = match ASKED.load(Ordering::Relaxed) {
             0 => std::env::var("ACTORPIPE_COPY_THREADS")
                 .ok()
@@ -95,9 +100,8 @@ fn pool() -> Option<&'static Pool> {
                 }),
             n => n,
         };
-        Pool::new(asked.clamp(1, MAX_THREADS) - 1)
+        asked.clamp(1, MAX_THREADS) - 1
     })
-    .as_ref()
 }
 
 /// Copies every span, sharing the work among the process's copy threads when the spans hold at
@@ -111,19 +115,18 @@ fn pool() -> Option<&'static Pool> {
 /// none of that memory written by anyone else until this returns.
 pub unsafe fn copy_spans(spans: &[Span], nt: bool) {
     let total: usize = spans.iter().map(|s| s.len).sum();
-    let pool = if total >= SHARED_MIN && spans.len() <= MAX_SPANS {
-        pool()
+    let helpers = if total >= SHARED_MIN && spans.len() <= MAX_SPANS {
+        helpers()
     } else {
-        None
+        0
     };
-    match pool {
+    if helpers > 0 {
         // SAFETY: the caller's guarantees, passed on.
-        Some(pool) => unsafe { pool.copy(spans, total, nt) },
-        None => {
-            for s in spans {
-                // SAFETY: the caller's guarantees, passed on.
-                unsafe { copy_one(s.src, s.dst, s.len, nt) };
-            }
+        unsafe { copy_in(&POOL, helpers, spans, total, nt) }
+    } else {
+        for s in spans {
+            // SAFETY: the caller's guarantees, passed on.
+            unsafe { copy_one(s.src, s.dst, s.len, nt) };
         }
     }
 }
@@ -167,8 +170,7 @@ unsafe impl Send for Job {}
 // SAFETY: as above; the shared state is atomics.
 unsafe impl Sync for Job {}
 
-impl Job {
-    /// Claims and copies shares until none is left; returns how many it copied.
+impl Work for Job {
     fn work(&self) -> usize {
         let mut copied = 0;
         loop {
@@ -185,7 +187,9 @@ impl Job {
             copied += 1;
         }
     }
+}
 
+impl Job {
     /// Copies the bytes `from..to` of the spans laid end to end.
     ///
     /// # Safety
@@ -208,123 +212,47 @@ impl Job {
     }
 }
 
-/// The copy threads and the jobs waiting for them.
-struct Pool {
-    helpers: usize,
-    queue: Mutex<VecDeque<Arc<Job>>>,
-    ready: Condvar,
-    started: Once,
-    /// Copy threads that did start (a spawn can fail): only as many jobs as they are queued.
-    running: AtomicUsize,
-    /// The process that started them: a child forked later has none of them, and queues
-    /// nothing.
-    owner: AtomicU32,
-    /// Shares the copy threads have copied (the tests' evidence that they take part).
-    helped: AtomicUsize,
-}
-
-impl Pool {
-    /// A pool of `helpers` copy threads, started at its first copy; `None` for none.
-    fn new(helpers: usize) -> Option<Pool> {
-        (helpers > 0).then(|| Pool {
-            helpers,
-            queue: Mutex::new(VecDeque::new()),
-            ready: Condvar::new(),
-            started: Once::new(),
-            running: AtomicUsize::new(0),
-            owner: AtomicU32::new(0),
-            helped: AtomicUsize::new(0),
-        })
-    }
-
-    /// Takes the next job, sleeping until there is one.
-    fn take(&self) -> Arc<Job> {
-        // A copy thread panics only inside a copy it was given, which cannot panic; a poisoned
-        // queue is still a valid queue.
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
-            if let Some(job) = q.pop_front() {
-                return job;
-            }
-            q = self.ready.wait(q).unwrap_or_else(|p| p.into_inner());
-        }
-    }
-
-    /// See [`copy_spans`].
-    ///
-    /// # Safety
-    ///
-    /// As [`copy_spans`].
-    unsafe fn copy(&'static self, spans: &[Span], total: usize, nt: bool) {
-        self.ensure_threads();
-        let helpers = if self.owner.load(Ordering::Relaxed) == std::process::id() {
-            self.running.load(Ordering::Relaxed)
+/// Copies `spans` (`total` bytes) with up to `wanted` of `pool`'s threads helping; see
+/// [`copy_spans`].
+///
+/// # Safety
+///
+/// As [`copy_spans`].
+unsafe fn copy_in(pool: &'static Pool, wanted: usize, spans: &[Span], total: usize, nt: bool) {
+    let helpers = pool.helpers(wanted);
+    let threads = helpers + 1;
+    let shares = total.div_ceil(SHARE_MIN).clamp(1, 2 * threads);
+    // Whole cache lines per share: no two threads write one line.
+    let share = total.div_ceil(shares).next_multiple_of(64);
+    let shares = total.div_ceil(share);
+    let mut job = Job {
+        spans: [Span {
+            src: std::ptr::null(),
+            dst: std::ptr::null_mut(),
+            len: 0,
+        }; MAX_SPANS],
+        count: spans.len(),
+        total,
+        share,
+        shares,
+        nt,
+        next: AtomicUsize::new(0),
+        done: AtomicUsize::new(0),
+    };
+    job.spans[..spans.len()].copy_from_slice(spans);
+    let job = Arc::new(job);
+    let work: Arc<dyn Work> = job.clone();
+    pool.offer(&work, (shares - 1).min(helpers));
+    job.work();
+    // What is left was claimed by copy threads, which are copying it now.
+    let mut turns = 0u32;
+    while job.done.load(Ordering::Acquire) < shares {
+        turns = turns.wrapping_add(1);
+        if turns % 4096 == 0 {
+            std::thread::yield_now();
         } else {
-            0
-        };
-        let threads = helpers + 1;
-        let shares = total.div_ceil(SHARE_MIN).clamp(1, 2 * threads);
-        // Whole cache lines per share: no two threads write one line.
-        let share = total.div_ceil(shares).next_multiple_of(64);
-        let shares = total.div_ceil(share);
-        let mut job = Job {
-            spans: [Span {
-                src: std::ptr::null(),
-                dst: std::ptr::null_mut(),
-                len: 0,
-            }; MAX_SPANS],
-            count: spans.len(),
-            total,
-            share,
-            shares,
-            nt,
-            next: AtomicUsize::new(0),
-            done: AtomicUsize::new(0),
-        };
-        job.spans[..spans.len()].copy_from_slice(spans);
-        let job = Arc::new(job);
-        let asks = (shares - 1).min(helpers);
-        if asks > 0 {
-            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-            q.extend(std::iter::repeat_n(&job, asks).cloned());
+            std::hint::spin_loop();
         }
-        for _ in 0..asks {
-            self.ready.notify_one();
-        }
-        job.work();
-        // What is left was claimed by copy threads, which are copying it now.
-        let mut turns = 0u32;
-        while job.done.load(Ordering::Acquire) < shares {
-            turns = turns.wrapping_add(1);
-            if turns % 4096 == 0 {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-    }
-
-    /// Starts the copy threads, once.
-    fn ensure_threads(&'static self) {
-        self.started.call_once(|| {
-            self.owner.store(std::process::id(), Ordering::Relaxed);
-            for i in 0..self.helpers {
-                let spawned = std::thread::Builder::new()
-                    .name(format!("actorpipe-copy-{i}"))
-                    .spawn(move || loop {
-                        let n = self.take().work();
-                        self.helped.fetch_add(n, Ordering::Relaxed);
-                    });
-                match spawned {
-                    Ok(_) => {
-                        self.running.fetch_add(1, Ordering::Relaxed);
-                    }
-                    // The caller copies every share no thread takes: fewer threads only slow
-                    // the copies down, and no job is queued for a thread that is not there.
-                    Err(e) => tracing::warn!("could not start copy thread {i}: {e}"),
-                }
-            }
-        });
     }
 }
 
@@ -334,9 +262,9 @@ mod tests {
     use super::*;
 
     /// A pool of its own for each test (the process's one depends on the machine: none on 2
-    /// cores), leaked as the process's is.
-    fn pool_of(helpers: usize) -> &'static Pool {
-        Box::leak(Box::new(Pool::new(helpers).expect("helpers > 0")))
+    /// cores), leaked as the process's is, with the number of threads a copy asks of it.
+    fn pool_of(helpers: usize) -> (&'static Pool, usize) {
+        (Box::leak(Box::new(Pool::new("test-copy"))), helpers)
     }
 
     /// Cuts `len` bytes at `cuts` into spans (src and dst offset alike).
@@ -371,7 +299,7 @@ mod tests {
                     let dst = &mut all[65..65 + len];
                     let spans = spans_of(src, dst, &cuts);
                     // SAFETY: the spans cut `src` and `dst`, which outlive the call.
-                    unsafe { pool.copy(&spans, len, nt) };
+                    unsafe { copy_in(pool.0, pool.1, &spans, len, nt) };
                     assert!(all[65..65 + len] == *src, "len {len} nt {nt} cuts {cuts:?}");
                     assert!(all[..65].iter().all(|&b| b == 0xA5));
                     assert!(all[65 + len..].iter().all(|&b| b == 0xA5));
@@ -388,14 +316,14 @@ mod tests {
         for _ in 0..50 {
             let spans = spans_of(&src, &mut dst, &[]);
             // SAFETY: as above.
-            unsafe { pool.copy(&spans, src.len(), false) };
-            if pool.helped.load(Ordering::Relaxed) > 0 {
+            unsafe { copy_in(pool.0, pool.1, &spans, src.len(), false) };
+            if pool.0.helped() > 0 {
                 break;
             }
         }
         assert_eq!(dst, src);
         assert!(
-            pool.helped.load(Ordering::Relaxed) > 0,
+            pool.0.helped() > 0,
             "no share was copied by a copy thread in 50 copies of 4 MiB"
         );
     }
@@ -411,7 +339,7 @@ mod tests {
                         let mut dst = vec![0u8; src.len()];
                         let spans = spans_of(&src, &mut dst, &[src.len() / 2 + 1]);
                         // SAFETY: as above.
-                        unsafe { pool.copy(&spans, src.len(), k % 2 == 0) };
+                        unsafe { copy_in(pool.0, pool.1, &spans, src.len(), k % 2 == 0) };
                         assert!(dst == src, "caller {t} copy {k}");
                     }
                 });
@@ -445,48 +373,15 @@ mod tests {
         let mut dst = vec![0u8; src.len()];
         let spans = spans_of(&src, &mut dst, &[]);
         // SAFETY: as above.
-        unsafe { pool.copy(&spans, src.len(), false) };
+        unsafe { copy_in(pool.0, pool.1, &spans, src.len(), false) };
         assert!(dst == src);
-        // The copy threads have taken every job (and sleep, their lock released).
-        while pool.queue.lock().map_or(1, |q| q.len()) > 0 {
-            std::thread::yield_now();
-        }
-        // SAFETY: the child only copies, checks and exits (`_exit`, no unwinding or atexit).
-        match unsafe { libc::fork() } {
-            0 => {
-                let mut dst = vec![0u8; src.len()];
-                let spans = spans_of(&src, &mut dst, &[1000]);
-                // SAFETY: as above.
-                unsafe { pool.copy(&spans, src.len(), true) };
-                let code = if dst != src {
-                    1
-                } else {
-                    match pool.queue.try_lock() {
-                        Ok(q) if q.is_empty() => 0,
-                        Ok(_) => 2,
-                        // A copy thread held the lock at the fork (a spurious wake-up): the
-                        // queue cannot be read here.
-                        Err(_) => 3,
-                    }
-                };
-                // SAFETY: ends the child at once.
-                unsafe { libc::_exit(code) }
-            }
-            -1 => panic!("fork: {}", std::io::Error::last_os_error()),
-            child => {
-                let mut status = 0;
-                // SAFETY: waits for our own child; `status` outlives the call.
-                let r = unsafe { libc::waitpid(child, &mut status, 0) };
-                assert_eq!(r, child);
-                assert!(libc::WIFEXITED(status), "the child died: {status:#x}");
-                match libc::WEXITSTATUS(status) {
-                    0 => {}
-                    3 => eprintln!("the queue's lock was held at the fork: not checked"),
-                    1 => panic!("the child's copy was wrong"),
-                    c => panic!("the child queued jobs for copy threads it does not have ({c})"),
-                }
-            }
-        }
+        super::super::check_in_forked_child(pool.0, || {
+            let mut dst = vec![0u8; src.len()];
+            let spans = spans_of(&src, &mut dst, &[1000]);
+            // SAFETY: as above.
+            unsafe { copy_in(pool.0, pool.1, &spans, src.len(), true) };
+            dst == src
+        });
     }
 
     #[test]

@@ -536,3 +536,150 @@ fn default_threads_follow_the_machine() {
     assert_eq!(default_threads(16), 8);
     assert_eq!(default_threads(192), 8);
 }
+
+/// A pool of reader threads of its own for a test (the process's one is shared by every test),
+/// leaked as the process's is.
+fn readers() -> &'static Pool {
+    Box::leak(Box::new(Pool::new("test-cma")))
+}
+
+/// [`read_remote`] on `pool`, `threads` threads.
+fn read_on(
+    pool: &'static Pool,
+    src: &RemoteBuffer,
+    dst: &mut [u8],
+    threads: usize,
+) -> Result<(), CmaError> {
+    read_shared(
+        Some(pool),
+        src,
+        dst,
+        plan(src.len, max_per_call(), threads).collect(),
+    )
+}
+
+#[test]
+fn reader_threads_take_shares_and_every_byte_lands() {
+    if !usable("reader_threads_take_shares_and_every_byte_lands") {
+        return;
+    }
+    let pool = readers();
+    let len = 8 * MIN_SHARE as usize + 12_345;
+    let src = patterned(len + 5);
+    let remote = RemoteBuffer::local(&src[5..]);
+    for k in 0..50 {
+        let mut dst = vec![0u8; len + 2];
+        read_on(pool, &remote, &mut dst[1..1 + len], 4).unwrap();
+        assert!(dst[1..1 + len] == src[5..], "read {k}");
+        assert_eq!(
+            (dst[0], dst[1 + len]),
+            (0, 0),
+            "read {k} wrote outside its buffer"
+        );
+        if pool.helped() > 0 {
+            break;
+        }
+    }
+    assert!(
+        pool.helped() > 0,
+        "no share was read by a reader thread in 50 reads of 8 MiB"
+    );
+    // Several callers at once share the pool's threads.
+    std::thread::scope(|s| {
+        for t in 0..3 {
+            let src = &src;
+            s.spawn(move || {
+                for k in 0..5 {
+                    let n = len - t * 4099 - k * 77;
+                    let mut dst = vec![0u8; n];
+                    read_on(pool, &RemoteBuffer::local(&src[..n]), &mut dst, 3).unwrap();
+                    assert!(dst == src[..n], "caller {t} read {k}");
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn a_failed_share_fails_the_read_and_skips_the_rest() {
+    if !usable("a_failed_share_fails_the_read_and_skips_the_rest") {
+        return;
+    }
+    // SAFETY: sysconf reads a configuration value and touches no memory of ours.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap();
+    let share = MIN_SHARE as usize;
+    let len = 4 * share;
+    // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(base, libc::MAP_FAILED);
+    // One unreadable page in the middle of the second share and one in the fourth.
+    let holes = [share + share / 2, 3 * share + share / 2];
+    for hole in holes {
+        // SAFETY: a page of our own mapping; no reference points into it.
+        let rc =
+            unsafe { libc::mprotect(base.cast::<u8>().add(hole).cast(), page, libc::PROT_NONE) };
+        assert_eq!(rc, 0);
+    }
+    let remote = RemoteBuffer {
+        pid: std::process::id(),
+        addr: base as u64,
+        len: len as u64,
+    };
+    let at = |err: &CmaError| match err {
+        CmaError::Fault { addr, .. } => Some(*addr - base as u64),
+        _ => None,
+    };
+    // The caller alone: the shares in order; the second fails at its hole, the third and
+    // fourth are skipped.
+    let mut dst = vec![0x11u8; len];
+    let shares: Vec<Share> = plan(len as u64, max_per_call(), 4).collect();
+    assert_eq!(shares.len(), 4);
+    let err = read_shared(None, &remote, &mut dst, shares).unwrap_err();
+    assert_eq!(at(&err), Some(holes[0] as u64), "{err}");
+    assert!(
+        dst[..share + share / 2].iter().all(|&b| b == 0),
+        "read up to the hole"
+    );
+    assert!(
+        dst[2 * share..].iter().all(|&b| b == 0x11),
+        "a share after the failure was read"
+    );
+    // With reader threads: the read fails with a fault at one of the holes, whoever met it.
+    let pool = readers();
+    for _ in 0..10 {
+        let mut dst = vec![0x11u8; len];
+        let err = read_on(pool, &remote, &mut dst, 4).unwrap_err();
+        let first = at(&err).unwrap_or_else(|| panic!("not a fault: {err}"));
+        assert!(holes.contains(&(first as usize)), "fault at {first}: {err}");
+    }
+    // SAFETY: unmapping the mapping made above; nothing refers to it any more.
+    assert_eq!(unsafe { libc::munmap(base, len) }, 0);
+}
+
+/// A child forked after the reader threads started has none of them: its reads are the
+/// caller's alone, whole and correct, and queue nothing no thread would ever take.
+#[test]
+fn a_forked_child_reads_alone() {
+    if !usable("a_forked_child_reads_alone") {
+        return;
+    }
+    let pool = readers();
+    let len = 4 * MIN_SHARE as usize;
+    let src = patterned(len);
+    let mut dst = vec![0u8; len];
+    read_on(pool, &RemoteBuffer::local(&src), &mut dst, 4).unwrap();
+    assert!(dst == src);
+    crate::copy::check_in_forked_child(pool, || {
+        let mut dst = vec![0u8; len];
+        read_on(pool, &RemoteBuffer::local(&src), &mut dst, 4).is_ok() && dst == src
+    });
+}
