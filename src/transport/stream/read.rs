@@ -161,7 +161,18 @@ async fn read_op(
             let mut payloads = Vec::new();
             if let Frame::Descriptor(wd) = &frame {
                 if let Some(inline) = inline_len(wd, *carried) {
-                    payloads.resize(inline.total.unwrap_or(inline.payloads), 0);
+                    let len = inline.total.unwrap_or(inline.payloads);
+                    if len == inline.payloads {
+                        if let Some(there) = r.buffer().get(..len) {
+                            // The usual small message: its payloads (and nothing else) came
+                            // with the frame. Copied into a buffer of their exact size, not
+                            // zeroed first and not grown into.
+                            payloads = there.to_vec();
+                            r.consume(len);
+                            return Ok(Some((frame, payloads)));
+                        }
+                    }
+                    payloads = vec![0; len];
                     let (mine, mut rest) = payloads.split_at_mut(inline.payloads);
                     if let Some(there) = r.buffer().get(..mine.len()) {
                         // They came with the frame: no read to wait on.
