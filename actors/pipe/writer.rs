@@ -177,30 +177,33 @@ impl WriteShare {
         if tensors > IOV_BATCH / 2 || 1 + m.payloads.len() + 2 * tensors > IOV_BATCH {
             return None;
         }
-        let chunk = DIRECT_TENSOR_MAX.min(self.cpu_kind.control_chunk()) as u64;
         let mut total = 0u64;
         let mut metadata = m.metadata.len();
         for p in &m.payloads {
             total += p.data.len() as u64;
             metadata += p.metadata.len();
         }
-        for t in &m.tensors {
-            let len = t.buffer.len();
-            if t.buffer.as_cpu().is_none()
-                || !(1..=chunk).contains(&len)
-                || !self.cpu_kind.sends_on_control(len)
-                || self.routes.for_tensor(t.device(), t.target_device) != Some(self.cpu_channel)
-            {
-                return None;
+        let mut channel_data = 0;
+        if tensors > 0 {
+            let chunk = DIRECT_TENSOR_MAX.min(self.cpu_kind.control_chunk()) as u64;
+            for t in &m.tensors {
+                let len = t.buffer.len();
+                if t.buffer.as_cpu().is_none()
+                    || !(1..=chunk).contains(&len)
+                    || !self.cpu_kind.sends_on_control(len)
+                    || self.routes.for_tensor(t.device(), t.target_device) != Some(self.cpu_channel)
+                {
+                    return None;
+                }
+                total += len;
+                metadata += t.metadata.len();
             }
-            total += len;
-            metadata += t.metadata.len();
+            channel_data =
+                tensors * channel_data_len(&self.routes, self.cpu_kind, self.cpu_channel);
         }
         if total > INLINE_PAYLOADS {
             return None;
         }
-        let channel_data =
-            tensors * channel_data_len(&self.routes, self.cpu_kind, self.cpu_channel);
         let within = if self.roomy {
             // `check_limits`' last check, the only one that can fail here.
             (metadata + channel_data) as u64 <= self.limits.max_metadata_size
@@ -242,6 +245,14 @@ impl WriteShare {
             return Direct::ToPipe(message);
         }
         let ticket = l.out_ticket;
+        if message.tensors.is_empty() {
+            let (direct, since) = self.direct_message(l, message, frame, seq, ticket, completer);
+            drop(guard);
+            if let Some(since) = since {
+                self.metrics.finished(OpKind::Write, since, Ok(bytes));
+            }
+            return direct;
+        }
         let mut batch = start_batch(
             &mut l.batch,
             ticket,
@@ -319,6 +330,90 @@ impl WriteShare {
         });
         l.outstanding += 1;
         Direct::Handed(id)
+    }
+}
+
+impl WriteShare {
+    /// [`WriteShare::try_direct`]'s end for a message without tensors, its frame encoded: the
+    /// same, with [`Parking::try_write_message`] in place of a batch of ops (no op is built, and
+    /// no reply handle cloned, unless the loop has to write the rest of it). With a write done
+    /// here, when it started: the caller counts it finished once it has let go of the ledger.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn direct_message(
+        &self,
+        l: &mut Ledger,
+        mut message: Message,
+        frame: Vec<u8>,
+        seq: u64,
+        ticket: u64,
+        completer: impl FnOnce() -> Completer<WriteDone>,
+    ) -> (Direct, Option<Option<Instant>>) {
+        let Some(wire) = &l.wire else {
+            // Checked by the caller: not reached.
+            return_frame(&mut l.frames, frame);
+            l.outstanding += 1;
+            return (Direct::ToPipe(message), None);
+        };
+        let since = self.metrics.start();
+        let Some(whole) = wire
+            .parking
+            .try_write_message(ticket, &frame, &message.payloads)
+        else {
+            // Nothing went out: the pipe writes it (through its write loop).
+            return_frame(&mut l.frames, frame);
+            l.outstanding += 1;
+            return (Direct::ToPipe(message), None);
+        };
+        // Its bytes are on the stream: it takes its id, sequence number and ticket.
+        let id = l.next_id;
+        l.next_id += 1;
+        l.next_seq += 1;
+        l.out_ticket += 1;
+        self.metrics.issued(OpKind::Write);
+        if whole {
+            return_frame(&mut l.frames, frame);
+            l.written_by_caller += 1;
+            let done = WriteDone {
+                id,
+                result: Ok(()),
+                message,
+            };
+            return (Direct::Done(done), Some(since));
+        }
+        // Written in part: the write loop writes the rest, and the pipe completes the write.
+        let op = OutOp::Message {
+            ticket,
+            frame,
+            payloads: mem::take(&mut message.payloads),
+            reply: wire.reply.clone(),
+        };
+        if let Err(mpsc::error::SendError(op)) = wire.out.send(op) {
+            op.fail(Error::Closed {
+                reason: "connection already stopped".into(),
+                origin: self.origin.clone(),
+            });
+        }
+        l.handoff.push_back(PendingWrite {
+            id,
+            seq,
+            ticket,
+            since,
+            message,
+            payloads_out: true,
+            tensors_out: 0,
+            error: None,
+            completer: completer(),
+        });
+        l.outstanding += 1;
+        (Direct::Handed(id), None)
+    }
+}
+
+/// A frame buffer back into the pool (as [`give_back`] does).
+fn return_frame(frames: &mut Vec<Vec<u8>>, frame: Vec<u8>) {
+    if frames.len() < 4 {
+        frames.push(frame);
     }
 }
 
