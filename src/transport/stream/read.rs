@@ -315,74 +315,80 @@ pub async fn read_loop(
                 })
             }
         };
-        match (result, op) {
-            (
-                Ok(Some((mut frame, mut payloads))),
-                InOp::Frame {
-                    ticket,
-                    reply,
-                    more,
-                    carried,
-                    catch,
-                },
-            ) => {
-                let whole = matches!(&frame, Frame::Descriptor(wd) if self_contained(wd, carried));
-                let caught = match (&catch, &mut frame) {
-                    (Some(c), Frame::Descriptor(wd)) if whole => c.catch(wd, &mut payloads),
-                    _ => Caught::No,
-                };
-                if matches!(caught, Caught::Silently | Caught::Called) {
-                    match frame {
-                        // Lists of a message of many parts are not worth pinning.
-                        Frame::Descriptor(wd)
-                            if wd.descriptor.payloads.capacity() <= SPARE_ENTRIES
-                                && wd.descriptor.tensors.capacity() <= SPARE_ENTRIES =>
-                        {
-                            spare = Some(wd)
-                        }
-                        _ => {}
-                    }
-                    // The owner counts this ticket as used when its next frame reaches it.
-                    let next = InOp::Frame {
-                        ticket: ticket + 1,
-                        reply,
-                        more,
-                        carried,
-                        catch,
-                    };
-                    follow(&mut seq, &mut held, next);
-                    // A recipient's task is ready now; a handler has already run.
-                    handed = caught == Caught::Silently && give_way && r.buffer().is_empty();
-                    continue;
-                }
-                let caught = caught == Caught::Told;
-                let next = (more > 0 && whole).then(|| InOp::Frame {
-                    ticket: ticket + 1,
-                    reply: reply.clone(),
-                    more: more - 1,
-                    carried,
-                    catch,
-                });
-                send(
-                    &reply,
-                    Done::Frame {
-                        ticket,
-                        result: Ok(frame),
-                        payloads,
-                        caught,
-                    },
-                );
-                if let Some(next) = next {
-                    follow(&mut seq, &mut held, next);
-                    // A `Receive` the loop completed: its caller's task is ready too.
-                    handed = caught && give_way && r.buffer().is_empty();
-                }
+        // Matched one at a time, not as a pair: no copy of the op and the result into a tuple.
+        let (mut frame, mut payloads) = match result {
+            Ok(Some(got)) => got,
+            Ok(None) => {
+                op.complete(Ok(()));
+                continue;
             }
-            (Ok(_), op) => op.complete(Ok(())),
-            (Err(e), op) => {
+            Err(e) => {
                 op.fail(e.clone());
                 break e;
             }
+        };
+        let InOp::Frame {
+            ticket,
+            reply,
+            more,
+            carried,
+            catch,
+        } = op
+        else {
+            // Not reached: only a frame op reads a frame.
+            op.complete(Ok(()));
+            continue;
+        };
+        let whole = matches!(&frame, Frame::Descriptor(wd) if self_contained(wd, carried));
+        let caught = match (&catch, &mut frame) {
+            (Some(c), Frame::Descriptor(wd)) if whole => c.catch(wd, &mut payloads),
+            _ => Caught::No,
+        };
+        if matches!(caught, Caught::Silently | Caught::Called) {
+            match frame {
+                // Lists of a message of many parts are not worth pinning.
+                Frame::Descriptor(wd)
+                    if wd.descriptor.payloads.capacity() <= SPARE_ENTRIES
+                        && wd.descriptor.tensors.capacity() <= SPARE_ENTRIES =>
+                {
+                    spare = Some(wd)
+                }
+                _ => {}
+            }
+            // The owner counts this ticket as used when its next frame reaches it.
+            let next = InOp::Frame {
+                ticket: ticket + 1,
+                reply,
+                more,
+                carried,
+                catch,
+            };
+            follow(&mut seq, &mut held, next);
+            // A recipient's task is ready now; a handler has already run.
+            handed = caught == Caught::Silently && give_way && r.buffer().is_empty();
+            continue;
+        }
+        let caught = caught == Caught::Told;
+        let next = (more > 0 && whole).then(|| InOp::Frame {
+            ticket: ticket + 1,
+            reply: reply.clone(),
+            more: more - 1,
+            carried,
+            catch,
+        });
+        send(
+            &reply,
+            Done::Frame {
+                ticket,
+                result: Ok(frame),
+                payloads,
+                caught,
+            },
+        );
+        if let Some(next) = next {
+            follow(&mut seq, &mut held, next);
+            // A `Receive` the loop completed: its caller's task is ready too.
+            handed = caught && give_way && r.buffer().is_empty();
         }
     };
     drop(r);
