@@ -78,7 +78,7 @@ async fn read_frame_reusing<R: AsyncBufRead + Unpin + ?Sized>(
     limits: &Limits,
     origin: &Origin,
 ) -> Result<Frame, Error> {
-    let frame = loop {
+    loop {
         let avail = r
             .fill_buf()
             .await
@@ -91,20 +91,22 @@ async fn read_frame_reusing<R: AsyncBufRead + Unpin + ?Sized>(
             }
             None => {
                 read_frame_bytes(r, buf, limits, origin).await?;
-                wire::decode_frame_reusing(buf, limits, spare)
+                let f = wire::decode_frame_reusing(buf, limits, spare);
+                if buf.capacity() > 4 * FRAME_BUFFER {
+                    // One large frame should not pin its buffer for the life of the pipe.
+                    buf.clear();
+                    buf.shrink_to(FRAME_BUFFER);
+                }
+                f
             }
         };
+        // Returned from here, not carried out of the loop: fewer copies of the frame.
         match decoded {
             Ok(Frame::Ping) => continue,
-            f => break f.map_err(|e| e.at(origin)),
+            Ok(f) => return Ok(f),
+            Err(e) => return Err(e.at(origin)),
         }
-    };
-    if buf.capacity() > 4 * FRAME_BUFFER {
-        // One large frame should not pin its buffer for the life of the pipe.
-        buf.clear();
-        buf.shrink_to(FRAME_BUFFER);
     }
-    frame
 }
 #[allow(clippy::too_many_arguments)]
 async fn read_tensor(
