@@ -246,12 +246,7 @@ impl WriteShare {
         }
         let ticket = l.out_ticket;
         if message.tensors.is_empty() {
-            let (direct, since) = self.direct_message(l, message, frame, seq, ticket, completer);
-            drop(guard);
-            if let Some(since) = since {
-                self.metrics.finished(OpKind::Write, since, Ok(bytes));
-            }
-            return direct;
+            return self.direct_message(guard, message, frame, seq, ticket, bytes, completer);
         }
         let mut batch = start_batch(
             &mut l.batch,
@@ -336,24 +331,25 @@ impl WriteShare {
 impl WriteShare {
     /// [`WriteShare::try_direct`]'s end for a message without tensors, its frame encoded: the
     /// same, with [`Parking::try_write_message`] in place of a batch of ops (no op is built, and
-    /// no reply handle cloned, unless the loop has to write the rest of it). With a write done
-    /// here, when it started: the caller counts it finished once it has let go of the ledger.
+    /// no reply handle cloned, unless the loop has to write the rest of it).
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     fn direct_message(
         &self,
-        l: &mut Ledger,
+        mut guard: std::sync::MutexGuard<'_, Ledger>,
         mut message: Message,
         frame: Vec<u8>,
         seq: u64,
         ticket: u64,
+        bytes: u64,
         completer: impl FnOnce() -> Completer<WriteDone>,
-    ) -> (Direct, Option<Option<Instant>>) {
+    ) -> Direct {
+        let l = &mut *guard;
         let Some(wire) = &l.wire else {
             // Checked by the caller: not reached.
             return_frame(&mut l.frames, frame);
             l.outstanding += 1;
-            return (Direct::ToPipe(message), None);
+            return Direct::ToPipe(message);
         };
         let since = self.metrics.start();
         let Some(whole) = wire
@@ -363,7 +359,7 @@ impl WriteShare {
             // Nothing went out: the pipe writes it (through its write loop).
             return_frame(&mut l.frames, frame);
             l.outstanding += 1;
-            return (Direct::ToPipe(message), None);
+            return Direct::ToPipe(message);
         };
         // Its bytes are on the stream: it takes its id, sequence number and ticket.
         let id = l.next_id;
@@ -374,12 +370,13 @@ impl WriteShare {
         if whole {
             return_frame(&mut l.frames, frame);
             l.written_by_caller += 1;
-            let done = WriteDone {
+            drop(guard);
+            self.metrics.finished(OpKind::Write, since, Ok(bytes));
+            return Direct::Done(WriteDone {
                 id,
                 result: Ok(()),
                 message,
-            };
-            return (Direct::Done(done), Some(since));
+            });
         }
         // Written in part: the write loop writes the rest, and the pipe completes the write.
         let op = OutOp::Message {
@@ -406,7 +403,7 @@ impl WriteShare {
             completer: completer(),
         });
         l.outstanding += 1;
-        (Direct::Handed(id), None)
+        Direct::Handed(id)
     }
 }
 
