@@ -159,7 +159,26 @@ async fn read_op(
 ) -> Result<Option<(Frame, Vec<u8>)>, Error> {
     match op {
         InOp::Frame { carried, .. } => {
-            let frame = read_frame_reusing(r, buf, spare, limits, origin).await?;
+            // `read_frame_reusing`'s usual case here, a frame the read buffer holds whole, without
+            // the layer of its future (polled twice a message: once to park, once woken).
+            let frame = loop {
+                let avail = r
+                    .fill_buf()
+                    .await
+                    .map_err(|e| io_error("reading a frame", e, origin))?;
+                let Some(end) = whole_frame(avail, limits, origin)? else {
+                    // The rest of it is still to come: read into `buf` (the buffered part
+                    // is found again, without a read).
+                    break read_frame_reusing(r, buf, spare, limits, origin).await?;
+                };
+                let f = wire::decode_frame_reusing(&avail[LEN_PREFIX..end], limits, spare);
+                r.consume(end);
+                match f {
+                    Ok(Frame::Ping) => continue,
+                    Ok(f) => break f,
+                    Err(e) => return Err(e.at(origin)),
+                }
+            };
             let mut payloads = Vec::new();
             if let Frame::Descriptor(wd) = &frame {
                 if let Some(inline) = inline_len(wd, *carried) {
