@@ -249,6 +249,7 @@ async fn read_op(
 /// Files `op`, a frame op the read loop made itself: in `held`, to run next, when its ticket's
 /// turn is now (what `next_op` would return first), else in the sequencer. A ticket the owner
 /// used itself (a bug on its side) fails it.
+#[inline(always)]
 fn follow(seq: &mut Sequencer<InOp>, held: &mut Option<InOp>, op: InOp) {
     let ticket = op.ticket();
     if seq.take_turn(ticket) {
