@@ -65,8 +65,9 @@ pub(super) struct WriteShare {
 
 /// What became of a writer's attempt.
 enum Direct {
-    /// Written whole and completed here.
-    Done(WriteDone),
+    /// Written whole and completed here: its id and the message (the `WriteDone` is built
+    /// where it is returned, not carried out in this).
+    Done(u64, Message),
     /// Written in part: the pipe completes it through its completer (the write's id).
     Handed(u64),
     /// Not written: the message, for the pipe (the ledger counts it already).
@@ -293,11 +294,7 @@ impl WriteShare {
             l.written_by_caller += 1;
             drop(guard);
             self.metrics.finished(OpKind::Write, since, Ok(bytes));
-            return Direct::Done(WriteDone {
-                id,
-                result: Ok(()),
-                message,
-            });
+            return Direct::Done(id, message);
         }
         // Written in part: the write loop writes the rest, and the pipe completes the write
         // (it takes it from `handoff` before it handles any completion of the loop's).
@@ -372,11 +369,7 @@ impl WriteShare {
             l.written_by_caller += 1;
             drop(guard);
             self.metrics.finished(OpKind::Write, since, Ok(bytes));
-            return Direct::Done(WriteDone {
-                id,
-                result: Ok(()),
-                message,
-            });
+            return Direct::Done(id, message);
         }
         // Written in part: the write loop writes the rest, and the pipe completes the write.
         let op = OutOp::Message {
@@ -562,7 +555,13 @@ impl PipeWriter {
             .share
             .try_direct(message, || Completer::Shared(to.clone()))
         {
-            Direct::Done(done) => return Some(done),
+            Direct::Done(id, message) => {
+                return Some(WriteDone {
+                    id,
+                    result: Ok(()),
+                    message,
+                })
+            }
             Direct::Handed(id) => {
                 if let Some(deadline) = deadline {
                     // The rest of it is on the connection: only its deadline goes to the pipe.
