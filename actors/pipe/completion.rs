@@ -88,6 +88,7 @@ impl<T: actix::Message<Result = ()> + Send + 'static> Sink<T> {
     }
 
     /// Hands `v` over: a `do_send`, or a call.
+    #[inline]
     pub(super) fn send(&self, v: T) {
         match self {
             Sink::Actor(r) => r.do_send(v),

@@ -65,8 +65,9 @@ pub(super) struct WriteShare {
 
 /// What became of a writer's attempt.
 enum Direct {
-    /// Written whole and completed here.
-    Done(WriteDone),
+    /// Written whole and completed here: its id and the message (the `WriteDone` is built
+    /// where it is returned, not carried out in this).
+    Done(u64, Message),
     /// Written in part: the pipe completes it through its completer (the write's id).
     Handed(u64),
     /// Not written: the message, for the pipe (the ledger counts it already).
@@ -177,30 +178,33 @@ impl WriteShare {
         if tensors > IOV_BATCH / 2 || 1 + m.payloads.len() + 2 * tensors > IOV_BATCH {
             return None;
         }
-        let chunk = DIRECT_TENSOR_MAX.min(self.cpu_kind.control_chunk()) as u64;
         let mut total = 0u64;
         let mut metadata = m.metadata.len();
         for p in &m.payloads {
             total += p.data.len() as u64;
             metadata += p.metadata.len();
         }
-        for t in &m.tensors {
-            let len = t.buffer.len();
-            if t.buffer.as_cpu().is_none()
-                || !(1..=chunk).contains(&len)
-                || !self.cpu_kind.sends_on_control(len)
-                || self.routes.for_tensor(t.device(), t.target_device) != Some(self.cpu_channel)
-            {
-                return None;
+        let mut channel_data = 0;
+        if tensors > 0 {
+            let chunk = DIRECT_TENSOR_MAX.min(self.cpu_kind.control_chunk()) as u64;
+            for t in &m.tensors {
+                let len = t.buffer.len();
+                if t.buffer.as_cpu().is_none()
+                    || !(1..=chunk).contains(&len)
+                    || !self.cpu_kind.sends_on_control(len)
+                    || self.routes.for_tensor(t.device(), t.target_device) != Some(self.cpu_channel)
+                {
+                    return None;
+                }
+                total += len;
+                metadata += t.metadata.len();
             }
-            total += len;
-            metadata += t.metadata.len();
+            channel_data =
+                tensors * channel_data_len(&self.routes, self.cpu_kind, self.cpu_channel);
         }
         if total > INLINE_PAYLOADS {
             return None;
         }
-        let channel_data =
-            tensors * channel_data_len(&self.routes, self.cpu_kind, self.cpu_channel);
         let within = if self.roomy {
             // `check_limits`' last check, the only one that can fail here.
             (metadata + channel_data) as u64 <= self.limits.max_metadata_size
@@ -242,6 +246,9 @@ impl WriteShare {
             return Direct::ToPipe(message);
         }
         let ticket = l.out_ticket;
+        if message.tensors.is_empty() {
+            return self.direct_message(guard, message, frame, seq, ticket, bytes, completer);
+        }
         let mut batch = start_batch(
             &mut l.batch,
             ticket,
@@ -287,11 +294,7 @@ impl WriteShare {
             l.written_by_caller += 1;
             drop(guard);
             self.metrics.finished(OpKind::Write, since, Ok(bytes));
-            return Direct::Done(WriteDone {
-                id,
-                result: Ok(()),
-                message,
-            });
+            return Direct::Done(id, message);
         }
         // Written in part: the write loop writes the rest, and the pipe completes the write
         // (it takes it from `handoff` before it handles any completion of the loop's).
@@ -319,6 +322,88 @@ impl WriteShare {
         });
         l.outstanding += 1;
         Direct::Handed(id)
+    }
+}
+
+impl WriteShare {
+    /// [`WriteShare::try_direct`]'s end for a message without tensors, its frame encoded: the
+    /// same, with [`Parking::try_write_message`] in place of a batch of ops (no op is built, and
+    /// no reply handle cloned, unless the loop has to write the rest of it).
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn direct_message(
+        &self,
+        mut guard: std::sync::MutexGuard<'_, Ledger>,
+        mut message: Message,
+        frame: Vec<u8>,
+        seq: u64,
+        ticket: u64,
+        bytes: u64,
+        completer: impl FnOnce() -> Completer<WriteDone>,
+    ) -> Direct {
+        let l = &mut *guard;
+        let Some(wire) = &l.wire else {
+            // Checked by the caller: not reached.
+            return_frame(&mut l.frames, frame);
+            l.outstanding += 1;
+            return Direct::ToPipe(message);
+        };
+        let since = self.metrics.start();
+        let Some(whole) = wire
+            .parking
+            .try_write_message(ticket, &frame, &message.payloads)
+        else {
+            // Nothing went out: the pipe writes it (through its write loop).
+            return_frame(&mut l.frames, frame);
+            l.outstanding += 1;
+            return Direct::ToPipe(message);
+        };
+        // Its bytes are on the stream: it takes its id, sequence number and ticket.
+        let id = l.next_id;
+        l.next_id += 1;
+        l.next_seq += 1;
+        l.out_ticket += 1;
+        self.metrics.issued(OpKind::Write);
+        if whole {
+            return_frame(&mut l.frames, frame);
+            l.written_by_caller += 1;
+            drop(guard);
+            self.metrics.finished(OpKind::Write, since, Ok(bytes));
+            return Direct::Done(id, message);
+        }
+        // Written in part: the write loop writes the rest, and the pipe completes the write.
+        let op = OutOp::Message {
+            ticket,
+            frame,
+            payloads: mem::take(&mut message.payloads),
+            reply: wire.reply.clone(),
+        };
+        if let Err(mpsc::error::SendError(op)) = wire.out.send(op) {
+            op.fail(Error::Closed {
+                reason: "connection already stopped".into(),
+                origin: self.origin.clone(),
+            });
+        }
+        l.handoff.push_back(PendingWrite {
+            id,
+            seq,
+            ticket,
+            since,
+            message,
+            payloads_out: true,
+            tensors_out: 0,
+            error: None,
+            completer: completer(),
+        });
+        l.outstanding += 1;
+        Direct::Handed(id)
+    }
+}
+
+/// A frame buffer back into the pool (as [`give_back`] does).
+fn return_frame(frames: &mut Vec<Vec<u8>>, frame: Vec<u8>) {
+    if frames.len() < 4 {
+        frames.push(frame);
     }
 }
 
@@ -470,7 +555,13 @@ impl PipeWriter {
             .share
             .try_direct(message, || Completer::Shared(to.clone()))
         {
-            Direct::Done(done) => return Some(done),
+            Direct::Done(id, message) => {
+                return Some(WriteDone {
+                    id,
+                    result: Ok(()),
+                    message,
+                })
+            }
             Direct::Handed(id) => {
                 if let Some(deadline) = deadline {
                     // The rest of it is on the connection: only its deadline goes to the pipe.

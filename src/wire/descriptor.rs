@@ -289,7 +289,7 @@ impl<'a> Cursor<'a> {
         *budget -= len;
         let (head, tail) = self.rest.split_at(len as usize);
         self.rest = tail;
-        Ok(head.to_vec())
+        Ok(bytes_of(head))
     }
 
     /// Checks an announced count and returns a capacity that the remaining bytes can justify:
@@ -338,6 +338,96 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// `b` as a `Vec`; empty metadata (the usual case) without a call into the allocator's code.
+#[inline(always)]
+fn bytes_of(b: &[u8]) -> Vec<u8> {
+    if b.is_empty() {
+        Vec::new()
+    } else {
+        b.to_vec()
+    }
+}
+
+/// A descriptor's fields up to its tensor count, when each is in its usual small form: the
+/// array header `0x94`, a positive int sequence number, bin 8 metadata, a fixarray of payload
+/// entries (`0x92`, a positive int size, bin 8 metadata), all within `limits`. The payloads go
+/// into `payloads` (empty); returns the sequence number, the message metadata and the bytes
+/// from the tensor count on. `None` for anything else (other forms, truncation, a limit
+/// exceeded): the general decoder then decodes the body from its start, and it accepts
+/// whatever this accepts, with the same values, and reports the rest.
+#[inline(always)]
+fn small_head<'a>(
+    body: &'a [u8],
+    limits: &Limits,
+    budget: &mut u64,
+    payloads: &mut Vec<PayloadDescriptor>,
+) -> Option<(u64, Vec<u8>, &'a [u8])> {
+    #[inline(always)]
+    fn uint(b: &[u8], at: &mut usize) -> Option<u64> {
+        let m = *b.get(*at)?;
+        *at += 1;
+        let n = match m {
+            0x00..=0x7f => return Some(m as u64),
+            0xcc => 1,
+            0xcd => 2,
+            0xce => 4,
+            0xcf => 8,
+            _ => return None,
+        };
+        let v = b.get(*at..*at + n)?;
+        *at += n;
+        Some(match *v {
+            [a] => a as u64,
+            [a, b] => u16::from_be_bytes([a, b]) as u64,
+            [a, b, c, d] => u32::from_be_bytes([a, b, c, d]) as u64,
+            _ => u64::from_be_bytes(v.try_into().ok()?),
+        })
+    }
+    #[inline(always)]
+    fn bin<'a>(b: &'a [u8], at: &mut usize, budget: &mut u64) -> Option<&'a [u8]> {
+        let [0xc4, len] = *b.get(*at..*at + 2)? else {
+            return None;
+        };
+        let len = len as usize;
+        if len as u64 > *budget {
+            return None;
+        }
+        let v = b.get(*at + 2..*at + 2 + len)?;
+        *budget -= len as u64;
+        *at += 2 + len;
+        Some(v)
+    }
+    let mut at = 1;
+    if *body.first()? != 0x94 {
+        return None;
+    }
+    let seq = uint(body, &mut at)?;
+    let metadata = bin(body, &mut at, budget)?;
+    let np = match *body.get(at)? {
+        m @ 0x90..=0x9f => (m & 0x0f) as u32,
+        _ => return None,
+    };
+    at += 1;
+    if np > limits.max_payloads {
+        return None;
+    }
+    // The capacity the general decoder reserves (`Cursor::count`).
+    reserve(payloads, (np as usize).min((body.len() - at) / 3));
+    for _ in 0..np {
+        if *body.get(at)? != 0x92 {
+            return None;
+        }
+        at += 1;
+        let length = uint(body, &mut at)?;
+        if length > limits.max_payload_size {
+            return None;
+        }
+        let metadata = bytes_of(bin(body, &mut at, budget)?);
+        payloads.push(PayloadDescriptor { length, metadata });
+    }
+    Some((seq, bytes_of(metadata), &body[at..]))
+}
+
 /// Room for `n` entries in the empty `v`, allocated exactly (as `Vec::with_capacity`) when it
 /// has less; the capacity check is inline, where a spare's lists usually have the room.
 #[inline(always)]
@@ -367,19 +457,27 @@ pub fn decode_descriptor_reusing(
     payloads.clear();
     tensors.clear();
     routes.clear();
-    let mut c = Cursor { rest: body };
     let max_meta = limits.max_metadata_size;
     let mut budget = max_meta;
-    c.fixed_array(4, "descriptor")?;
-    let seq = c.uint("sequence number")?;
-    let metadata = c.bin("message metadata", &mut budget, max_meta)?;
-    let (np, cap) = c.count("payload count", limits.max_payloads, 3)?;
-    reserve(&mut payloads, cap);
-    for _ in 0..np {
-        c.fixed_array(2, "payload entry")?;
-        let length = c.size("payload size", limits.max_payload_size)?;
-        let metadata = c.bin("payload metadata", &mut budget, max_meta)?;
-        payloads.push(PayloadDescriptor { length, metadata });
+    let (seq, metadata, mut c) = match small_head(body, limits, &mut budget, &mut payloads) {
+        Some((seq, metadata, rest)) => (seq, metadata, Cursor { rest }),
+        None => {
+            payloads.clear();
+            budget = max_meta;
+            decode_head(body, limits, &mut budget, &mut payloads)?
+        }
+    };
+    if c.rest == [0x90] {
+        // No tensors, and nothing after: what the general code below accepts at once.
+        return Ok(WireDescriptor {
+            seq,
+            descriptor: Descriptor {
+                metadata,
+                payloads,
+                tensors,
+            },
+            routes,
+        });
     }
     let (nt, cap) = c.count("tensor count", limits.max_tensors, 7)?;
     reserve(&mut tensors, cap);
@@ -416,6 +514,31 @@ pub fn decode_descriptor_reusing(
         },
         routes,
     })
+}
+
+/// The general decoder of a descriptor's fields up to its tensor count (see [`small_head`]):
+/// the sequence number, the message metadata, and a cursor at the tensor count.
+#[inline(never)]
+fn decode_head<'a>(
+    body: &'a [u8],
+    limits: &Limits,
+    budget: &mut u64,
+    payloads: &mut Vec<PayloadDescriptor>,
+) -> Result<(u64, Vec<u8>, Cursor<'a>), WireError> {
+    let max_meta = limits.max_metadata_size;
+    let mut c = Cursor { rest: body };
+    c.fixed_array(4, "descriptor")?;
+    let seq = c.uint("sequence number")?;
+    let metadata = c.bin("message metadata", budget, max_meta)?;
+    let (np, cap) = c.count("payload count", limits.max_payloads, 3)?;
+    reserve(payloads, cap);
+    for _ in 0..np {
+        c.fixed_array(2, "payload entry")?;
+        let length = c.size("payload size", limits.max_payload_size)?;
+        let metadata = c.bin("payload metadata", budget, max_meta)?;
+        payloads.push(PayloadDescriptor { length, metadata });
+    }
+    Ok((seq, metadata, c))
 }
 
 /// A channel's acknowledgement of one tensor, sent by the receiver.
@@ -613,6 +736,78 @@ mod tests {
         let truncated = &big[..big.len() - 1];
         assert!(decode_descriptor_reusing(truncated, &limits, &mut spare).is_err());
         assert!(spare.is_none());
+    }
+
+    /// Whatever `small_head` accepts, the general decoder (`decode_head`) accepts with the same
+    /// values, the same capacity reserved and the same metadata budget left, and stops at the
+    /// same byte: on every truncation and many one-byte changes of a few bodies, under tight
+    /// limits too.
+    #[test]
+    fn the_small_head_is_the_general_head() {
+        let mut bodies = Vec::new();
+        for (seq, meta, sizes, tensor) in [
+            (0, 0, vec![64], false),
+            (127, 3, vec![], false),
+            (128, 0, vec![0, 300, 70_000], false),
+            (70_000, 255, vec![5], true),
+            (u64::MAX, 256, vec![1; 16], false),
+        ] {
+            let mut m = Message::new().with_metadata(vec![1; meta]);
+            for n in sizes {
+                m = m.with_payload(Payload {
+                    data: vec![2; n],
+                    metadata: vec![3; n % 7],
+                });
+            }
+            if tensor {
+                m = m.with_tensor(Tensor::cpu(vec![4; 9]));
+            }
+            let mut body = Vec::new();
+            encode_descriptor(&mut body, seq, &m, |_, _| 0);
+            bodies.push(body);
+        }
+        let limits = [
+            Limits::default(),
+            Limits {
+                max_payloads: 2,
+                max_payload_size: 64,
+                max_metadata_size: 4,
+                ..Limits::default()
+            },
+        ];
+        let mut inputs = Vec::new();
+        for body in &bodies {
+            for cut in 0..=body.len() {
+                inputs.push(body[..cut].to_vec());
+            }
+            for i in 0..body.len() {
+                for b in [
+                    0x00, 0x01, 0x7f, 0x90, 0x92, 0x94, 0xc4, 0xc5, 0xcc, 0xd0, 0xdc, 0xff,
+                ] {
+                    let mut v = body.clone();
+                    v[i] = b;
+                    inputs.push(v);
+                }
+            }
+        }
+        for limits in &limits {
+            for input in &inputs {
+                let mut budget = limits.max_metadata_size;
+                let mut payloads = Vec::new();
+                let small = small_head(input, limits, &mut budget, &mut payloads);
+                let mut general_budget = limits.max_metadata_size;
+                let mut general_payloads = Vec::new();
+                let general =
+                    decode_head(input, limits, &mut general_budget, &mut general_payloads);
+                if let Some((seq, metadata, rest)) = small {
+                    let (gseq, gmetadata, c) = general.expect("the general head accepts it");
+                    assert_eq!((seq, &metadata, rest), (gseq, &gmetadata, c.rest));
+                    assert_eq!(payloads, general_payloads);
+                    assert_eq!(payloads.capacity(), general_payloads.capacity());
+                    assert_eq!(budget, general_budget);
+                }
+            }
+        }
     }
 
     #[test]

@@ -78,12 +78,19 @@ impl Hangup {
 
     /// Whether the peer is gone, registering no task: a half that then parks must call
     /// [`Hangup::poll`] first.
+    #[inline(always)]
     fn check(&mut self) -> bool {
         if self.gone || (self.armed && !self.watch.fired.load(Ordering::Acquire)) {
             return self.gone;
         }
-        // First look, or the socket became readable: look at it, and arm the watch again (a
-        // wake-up from now on raises the flag anew).
+        self.look()
+    }
+
+    /// [`Hangup::check`] on its first call, or once the socket became readable: looks at the
+    /// socket, and arms the watch again (a wake-up from now on raises the flag anew). Out of
+    /// line, so that the usual check (one flag) costs no call.
+    #[inline(never)]
+    fn look(&mut self) -> bool {
         self.watch.fired.store(false, Ordering::Release);
         let waker = Waker::from(self.watch.clone());
         let mut cx = Context::from_waker(&waker);

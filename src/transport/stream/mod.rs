@@ -297,6 +297,7 @@ impl Halt {
 impl std::future::Future for Halt {
     type Output = ();
 
+    #[inline]
     fn poll(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,

@@ -52,6 +52,58 @@ impl Parking {
         self.try_write(ops).unwrap_or(0)
     }
 
+    /// [`Parking::try_write`] for one message without tensors (its frame and its payloads,
+    /// ticket `ticket`), without building its [`OutOp`]: `None` when nothing was written, else
+    /// whether the message was written whole (if not, its first bytes were, and the loop must
+    /// write the rest of it: the caller hands it over as the op `try_write` would have had).
+    pub fn try_write_message(
+        &self,
+        ticket: u64,
+        frame: &[u8],
+        payloads: &[Payload],
+    ) -> Option<bool> {
+        if 1 + payloads.len() > IOV_BATCH {
+            return None;
+        }
+        // As in `try_write`: a failed try means the loop is taking its half back.
+        let Ok(mut p) = self.0.try_lock() else {
+            return None;
+        };
+        let p = &mut *p;
+        if p.halted || p.torn.is_some() || ticket != p.next {
+            return None;
+        }
+        let w = p.w.as_mut()?;
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut write = |iov: &[IoSlice<'_>]| Pin::new(&mut **w).poll_write_vectored(&mut cx, iov);
+        let written = match payloads {
+            [] => write(&[IoSlice::new(frame)]),
+            [one] => write(&[IoSlice::new(frame), IoSlice::new(&one.data)]),
+            _ => {
+                let mut iov = [IoSlice::new(&[]); IOV_BATCH];
+                iov[0] = IoSlice::new(frame);
+                for (slot, pl) in iov[1..].iter_mut().zip(payloads) {
+                    *slot = IoSlice::new(&pl.data);
+                }
+                write(&iov[..1 + payloads.len()])
+            }
+        };
+        let k = match written {
+            std::task::Poll::Ready(Ok(k)) if k > 0 => k,
+            // Not ready, or an error the loop will meet again and report.
+            _ => return None,
+        };
+        p.last_write = Some(Coarse::now_ns());
+        let len = frame.len() + payloads.iter().map(|pl| pl.data.len()).sum::<usize>();
+        if k >= len {
+            p.next += 1;
+            Some(true)
+        } else {
+            p.torn = Some((ticket, k));
+            Some(false)
+        }
+    }
+
     /// [`Parking::try_write_batch`], telling "nothing written" (`None`: the stream is as it
     /// was, the ops may go anywhere) from "bytes written, this many ops whole" (`Some`: the
     /// ops are committed to this stream's order, and the loop must write what is left of them).

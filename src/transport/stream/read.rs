@@ -78,7 +78,7 @@ async fn read_frame_reusing<R: AsyncBufRead + Unpin + ?Sized>(
     limits: &Limits,
     origin: &Origin,
 ) -> Result<Frame, Error> {
-    let frame = loop {
+    loop {
         let avail = r
             .fill_buf()
             .await
@@ -91,20 +91,22 @@ async fn read_frame_reusing<R: AsyncBufRead + Unpin + ?Sized>(
             }
             None => {
                 read_frame_bytes(r, buf, limits, origin).await?;
-                wire::decode_frame_reusing(buf, limits, spare)
+                let f = wire::decode_frame_reusing(buf, limits, spare);
+                if buf.capacity() > 4 * FRAME_BUFFER {
+                    // One large frame should not pin its buffer for the life of the pipe.
+                    buf.clear();
+                    buf.shrink_to(FRAME_BUFFER);
+                }
+                f
             }
         };
+        // Returned from here, not carried out of the loop: fewer copies of the frame.
         match decoded {
             Ok(Frame::Ping) => continue,
-            f => break f.map_err(|e| e.at(origin)),
+            Ok(f) => return Ok(f),
+            Err(e) => return Err(e.at(origin)),
         }
-    };
-    if buf.capacity() > 4 * FRAME_BUFFER {
-        // One large frame should not pin its buffer for the life of the pipe.
-        buf.clear();
-        buf.shrink_to(FRAME_BUFFER);
     }
-    frame
 }
 #[allow(clippy::too_many_arguments)]
 async fn read_tensor(
@@ -157,11 +159,41 @@ async fn read_op(
 ) -> Result<Option<(Frame, Vec<u8>)>, Error> {
     match op {
         InOp::Frame { carried, .. } => {
-            let frame = read_frame_reusing(r, buf, spare, limits, origin).await?;
+            // `read_frame_reusing`'s usual case here, a frame the read buffer holds whole, without
+            // the layer of its future (polled twice a message: once to park, once woken).
+            let frame = loop {
+                let avail = r
+                    .fill_buf()
+                    .await
+                    .map_err(|e| io_error("reading a frame", e, origin))?;
+                let Some(end) = whole_frame(avail, limits, origin)? else {
+                    // The rest of it is still to come: read into `buf` (the buffered part
+                    // is found again, without a read).
+                    break read_frame_reusing(r, buf, spare, limits, origin).await?;
+                };
+                let f = wire::decode_frame_reusing(&avail[LEN_PREFIX..end], limits, spare);
+                r.consume(end);
+                match f {
+                    Ok(Frame::Ping) => continue,
+                    Ok(f) => break f,
+                    Err(e) => return Err(e.at(origin)),
+                }
+            };
             let mut payloads = Vec::new();
             if let Frame::Descriptor(wd) = &frame {
                 if let Some(inline) = inline_len(wd, *carried) {
-                    payloads.resize(inline.total.unwrap_or(inline.payloads), 0);
+                    let len = inline.total.unwrap_or(inline.payloads);
+                    if len == inline.payloads {
+                        if let Some(there) = r.buffer().get(..len) {
+                            // The usual small message: its payloads (and nothing else) came
+                            // with the frame. Copied into a buffer of their exact size, not
+                            // zeroed first and not grown into.
+                            payloads = there.to_vec();
+                            r.consume(len);
+                            return Ok(Some((frame, payloads)));
+                        }
+                    }
+                    payloads = vec![0; len];
                     let (mine, mut rest) = payloads.split_at_mut(inline.payloads);
                     if let Some(there) = r.buffer().get(..mine.len()) {
                         // They came with the frame: no read to wait on.
@@ -217,6 +249,7 @@ async fn read_op(
 /// Files `op`, a frame op the read loop made itself: in `held`, to run next, when its ticket's
 /// turn is now (what `next_op` would return first), else in the sequencer. A ticket the owner
 /// used itself (a bug on its side) fails it.
+#[inline(always)]
 fn follow(seq: &mut Sequencer<InOp>, held: &mut Option<InOp>, op: InOp) {
     let ticket = op.ticket();
     if seq.take_turn(ticket) {
@@ -304,74 +337,80 @@ pub async fn read_loop(
                 })
             }
         };
-        match (result, op) {
-            (
-                Ok(Some((mut frame, mut payloads))),
-                InOp::Frame {
-                    ticket,
-                    reply,
-                    more,
-                    carried,
-                    catch,
-                },
-            ) => {
-                let whole = matches!(&frame, Frame::Descriptor(wd) if self_contained(wd, carried));
-                let caught = match (&catch, &mut frame) {
-                    (Some(c), Frame::Descriptor(wd)) if whole => c.catch(wd, &mut payloads),
-                    _ => Caught::No,
-                };
-                if matches!(caught, Caught::Silently | Caught::Called) {
-                    match frame {
-                        // Lists of a message of many parts are not worth pinning.
-                        Frame::Descriptor(wd)
-                            if wd.descriptor.payloads.capacity() <= SPARE_ENTRIES
-                                && wd.descriptor.tensors.capacity() <= SPARE_ENTRIES =>
-                        {
-                            spare = Some(wd)
-                        }
-                        _ => {}
-                    }
-                    // The owner counts this ticket as used when its next frame reaches it.
-                    let next = InOp::Frame {
-                        ticket: ticket + 1,
-                        reply,
-                        more,
-                        carried,
-                        catch,
-                    };
-                    follow(&mut seq, &mut held, next);
-                    // A recipient's task is ready now; a handler has already run.
-                    handed = caught == Caught::Silently && give_way && r.buffer().is_empty();
-                    continue;
-                }
-                let caught = caught == Caught::Told;
-                let next = (more > 0 && whole).then(|| InOp::Frame {
-                    ticket: ticket + 1,
-                    reply: reply.clone(),
-                    more: more - 1,
-                    carried,
-                    catch,
-                });
-                send(
-                    &reply,
-                    Done::Frame {
-                        ticket,
-                        result: Ok(frame),
-                        payloads,
-                        caught,
-                    },
-                );
-                if let Some(next) = next {
-                    follow(&mut seq, &mut held, next);
-                    // A `Receive` the loop completed: its caller's task is ready too.
-                    handed = caught && give_way && r.buffer().is_empty();
-                }
+        // Matched one at a time, not as a pair: no copy of the op and the result into a tuple.
+        let (mut frame, mut payloads) = match result {
+            Ok(Some(got)) => got,
+            Ok(None) => {
+                op.complete(Ok(()));
+                continue;
             }
-            (Ok(_), op) => op.complete(Ok(())),
-            (Err(e), op) => {
+            Err(e) => {
                 op.fail(e.clone());
                 break e;
             }
+        };
+        let InOp::Frame {
+            ticket,
+            reply,
+            more,
+            carried,
+            catch,
+        } = op
+        else {
+            // Not reached: only a frame op reads a frame.
+            op.complete(Ok(()));
+            continue;
+        };
+        let whole = matches!(&frame, Frame::Descriptor(wd) if self_contained(wd, carried));
+        let caught = match (&catch, &mut frame) {
+            (Some(c), Frame::Descriptor(wd)) if whole => c.catch(wd, &mut payloads),
+            _ => Caught::No,
+        };
+        if matches!(caught, Caught::Silently | Caught::Called) {
+            match frame {
+                // Lists of a message of many parts are not worth pinning.
+                Frame::Descriptor(wd)
+                    if wd.descriptor.payloads.capacity() <= SPARE_ENTRIES
+                        && wd.descriptor.tensors.capacity() <= SPARE_ENTRIES =>
+                {
+                    spare = Some(wd)
+                }
+                _ => {}
+            }
+            // The owner counts this ticket as used when its next frame reaches it.
+            let next = InOp::Frame {
+                ticket: ticket + 1,
+                reply,
+                more,
+                carried,
+                catch,
+            };
+            follow(&mut seq, &mut held, next);
+            // A recipient's task is ready now; a handler has already run.
+            handed = caught == Caught::Silently && give_way && r.buffer().is_empty();
+            continue;
+        }
+        let caught = caught == Caught::Told;
+        let next = (more > 0 && whole).then(|| InOp::Frame {
+            ticket: ticket + 1,
+            reply: reply.clone(),
+            more: more - 1,
+            carried,
+            catch,
+        });
+        send(
+            &reply,
+            Done::Frame {
+                ticket,
+                result: Ok(frame),
+                payloads,
+                caught,
+            },
+        );
+        if let Some(next) = next {
+            follow(&mut seq, &mut held, next);
+            // A `Receive` the loop completed: its caller's task is ready too.
+            handed = caught && give_way && r.buffer().is_empty();
         }
     };
     drop(r);
