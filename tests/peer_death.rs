@@ -570,6 +570,7 @@ fn survive_standing(name: &str) {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     actix::System::new().block_on(async {
         let b = backend(name);
+        warm_process(b, Death::Kill).await;
         let baseline = fd_count();
         let mut ends = Vec::new();
         for t in 0..2 {
@@ -592,6 +593,18 @@ fn peer_killed_while_standing_default_shm_cma() {
     survive_standing("default")
 }
 
+/// Builds and drops one context of `b` before a test counts its descriptors: what the first
+/// context of a process opens for the life of the process is then part of the baseline, not a
+/// leak of the trials. On a machine with a GPU and feature `cuda`, the default builder lists the
+/// CUDA devices, and the driver keeps about a dozen descriptors open from then on (`/dev/nvidia*`,
+/// pipes, an eventfd): `peer_frozen_mid_transfer_default_shm_cma`, the first test of the binary
+/// to build a default context, failed on them on the GPU machine until 2026-11-27. A context
+/// that leaked per pipe or per context would still show: every trial builds its own.
+async fn warm_process(b: &Backend, death: Death) {
+    drop(death.builder(b).start());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+}
+
 /// Every trial of one backend, then the descriptor check, on a system of its own that exists
 /// only while this test holds the lock (a runtime has descriptors too).
 fn survive(name: &str, death: Death) {
@@ -601,6 +614,7 @@ fn survive(name: &str, death: Death) {
 
 async fn trials(name: &str, death: Death) {
     let b = backend(name);
+    warm_process(b, death).await;
     let started = Instant::now();
     let baseline = fd_count();
     let n = std::env::var("ACTORPIPE_PEER_DEATH_TRIALS")
