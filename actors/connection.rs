@@ -49,6 +49,8 @@ struct ReadParts {
     heartbeat: Option<Heartbeat>,
     /// The I/O thread the loops run on; `None`: the current arbiter.
     on: Option<OnThread>,
+    /// Without `on`: on the current thread's runtime queue, not the arbiter's `LocalSet`.
+    on_runtime: bool,
 }
 
 /// An I/O thread of the pool, and the pool itself: each loop holds the pool, so that its
@@ -57,8 +59,14 @@ struct ReadParts {
 #[derive(Clone)]
 struct OnThread(IoThread, Arc<IoPool>);
 
-/// Runs a loop on `on` (an I/O thread of the pool), or on the current arbiter.
-fn spawn_loop(on: Option<&OnThread>, task: impl Future<Output = ()> + Send + 'static) {
+/// Runs a loop on `on` (an I/O thread of the pool), or on the current arbiter: on its `LocalSet`
+/// (where its actors run), or with `on_runtime` on the queue of the thread's runtime itself
+/// (`ContextBuilder::loops_on_runtime`).
+fn spawn_loop(
+    on: Option<&OnThread>,
+    on_runtime: bool,
+    task: impl Future<Output = ()> + Send + 'static,
+) {
     match on {
         Some(OnThread(thread, pool)) => {
             let pool = pool.clone();
@@ -69,6 +77,8 @@ fn spawn_loop(on: Option<&OnThread>, task: impl Future<Output = ()> + Send + 'st
                 drop(pool);
             });
         }
+        // The arbiter's runtime is a current-thread runtime: the task stays on this thread.
+        None if on_runtime => drop(tokio::spawn(task)),
         None => drop(actix::spawn(task)),
     }
 }
@@ -101,6 +111,7 @@ impl Reader {
             let (tx, rx) = mpsc::unbounded_channel();
             spawn_loop(
                 p.on.as_ref(),
+                p.on_runtime,
                 read_loop(p.read, rx, p.stop, p.limits, p.origin, p.heartbeat),
             );
             *self = Reader::Running(tx);
@@ -173,8 +184,11 @@ impl Connection {
         limits: Limits,
         origin: Origin,
         heartbeat: Option<Heartbeat>,
+        on_runtime: bool,
     ) -> (actix::Addr<Connection>, Link) {
-        Self::start_with(read, write, limits, origin, heartbeat, false, None)
+        Self::start_with(
+            read, write, limits, origin, heartbeat, false, None, on_runtime,
+        )
     }
 
     /// Like [`Connection::start`], for a channel's own connection: the read loop starts with
@@ -188,9 +202,10 @@ impl Connection {
         heartbeat: Option<Heartbeat>,
         pool: Option<&Arc<IoPool>>,
     ) -> (actix::Addr<Connection>, Link) {
-        Self::start_with(read, write, limits, origin, heartbeat, true, pool)
+        Self::start_with(read, write, limits, origin, heartbeat, true, pool, false)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn start_with(
         read: BufReader<BoxRead>,
         write: BoxWrite,
@@ -199,6 +214,7 @@ impl Connection {
         heartbeat: Option<Heartbeat>,
         lazy_read: bool,
         pool: Option<&Arc<IoPool>>,
+        on_runtime: bool,
     ) -> (actix::Addr<Connection>, Link) {
         let on = pool.and_then(|p| Some(OnThread(p.next()?, p.clone())));
         // A lane's socket tells its own thread when it is ready, not the one it came from.
@@ -213,6 +229,7 @@ impl Connection {
         let parking = Arc::new(Parking::default());
         spawn_loop(
             on.as_ref(),
+            on_runtime,
             write_loop(
                 write,
                 out_rx,
@@ -229,6 +246,7 @@ impl Connection {
             origin,
             heartbeat,
             on: on.clone(),
+            on_runtime,
         }))));
         if !lazy_read {
             reader.borrow_mut().queue();

@@ -25,6 +25,13 @@ use crate::wire::Limits;
 /// Default of [`ContextBuilder::max_pending_pipes`].
 pub const DEFAULT_MAX_PENDING_PIPES: usize = 128;
 
+/// `ACTORPIPE_LOOPS_ON_RUNTIME` (`1`, `true` or `yes`): the default of
+/// [`ContextBuilder::loops_on_runtime`].
+fn loops_on_runtime_from_env() -> bool {
+    std::env::var("ACTORPIPE_LOOPS_ON_RUNTIME")
+        .is_ok_and(|v| matches!(v.trim(), "1" | "true" | "yes"))
+}
+
 /// Settings shared by every pipe of a context.
 pub struct Config {
     pub(crate) limits: Limits,
@@ -33,6 +40,8 @@ pub struct Config {
     pub(crate) handshake_timeout: Duration,
     pub(crate) max_pending_pipes: usize,
     pub(crate) cma_threads: usize,
+    /// The control connection's loops on the runtime's own queue, not the arbiter's `LocalSet`.
+    pub(crate) loops_on_runtime: bool,
     /// The I/O threads channels' own connections (mpt lanes) run their loops on.
     pub(crate) io: Arc<super::pool::IoPool>,
     pub(crate) cma_inline_max: Option<u64>,
@@ -111,6 +120,7 @@ impl std::fmt::Debug for Config {
             .field("handshake_timeout", &self.handshake_timeout)
             .field("max_pending_pipes", &self.max_pending_pipes)
             .field("cma_threads", &self.cma_threads)
+            .field("loops_on_runtime", &self.loops_on_runtime)
             .field("io_threads", &self.io.size())
             .field("cma_inline_max", &self.cma_inline_max)
             .field("metrics_addr", &self.metrics_addr)
@@ -163,6 +173,7 @@ impl Default for ContextBuilder {
                 handshake_timeout: Duration::from_secs(10),
                 max_pending_pipes: DEFAULT_MAX_PENDING_PIPES,
                 cma_threads: crate::channel::cma::default_threads(super::pool::available_cores()),
+                loops_on_runtime: loops_on_runtime_from_env(),
                 // Sized from the machine (none on 2 cores or fewer); no thread starts until
                 // an mpt pipe has a second lane.
                 io: Arc::new(super::pool::IoPool::new(super::pool::default_threads(
@@ -247,11 +258,28 @@ impl ContextBuilder {
         self
     }
 
-    /// Threads per cma read (large tensors are split across them, 4 MiB a thread at least). The
-    /// default is [`crate::channel::cma::default_threads`] of the CPUs this process may use:
-    /// half of them, 2 to 8.
+    /// Threads per cma read (large tensors are split across them, 1 MiB a thread at least; the
+    /// process keeps its reader threads). The default is
+    /// [`crate::channel::cma::default_threads`] of the CPUs this process may use: half of them,
+    /// 2 to 8.
     pub fn cma_threads(mut self, n: usize) -> Self {
         self.config.cma_threads = n.max(1);
+        self
+    }
+
+    /// Runs each pipe's control connection loops (its read and write loops) on the queue of the
+    /// arbiter's tokio runtime itself rather than on the arbiter's `LocalSet`, where actors run:
+    /// one layer of scheduling fewer for every message the read loop hands to a handler
+    /// ([`ReceiveAll::calling`](crate::ReceiveAll::calling)) or that a
+    /// [`PipeWriter`](crate::PipeWriter) writes in place. Off by default: every message handed to
+    /// an actor then crosses from one scheduler to the other and costs more, and in spin mode
+    /// (`Shm::with_spin`) a spinning loop holds the thread's runtime while the arbiter's actors wait
+    /// for a turn (docs/performance.md, "The loops on the runtime's queue"). For applications
+    /// that read only through handlers. Only pipes over `tcp` and `shm` take it: the `efa` and
+    /// `ibv` streams are driven by actors on the `LocalSet`, and their loops stay there.
+    /// `ACTORPIPE_LOOPS_ON_RUNTIME=1` turns it on for contexts built with defaults (the CLI's).
+    pub fn loops_on_runtime(mut self, on: bool) -> Self {
+        self.config.loops_on_runtime = on;
         self
     }
 

@@ -98,36 +98,71 @@ async fn nothing_more(inbox: &mut UnboundedReceiver<ReadDone>, what: &str) {
 async fn every_message_arrives_in_order_across_small_and_large() {
     for ((name, builder), how) in CONFIGS.into_iter().flat_map(|c| HOWS.map(|h| (c, h))) {
         let name = &format!("{name} {how:?}");
-        let (tx, rx, mut inbox, _s) = standing(builder, how).await;
-        let mut writes = write_all(&tx, (0..48).map(mixed));
-        let mut last_id = None;
-        for i in 0..48u64 {
-            let d = within(30, &format!("{name} {i}"), inbox.recv())
-                .await
-                .unwrap();
-            d.result
-                .unwrap_or_else(|e| panic!("{name}: message {i}: {e}"));
-            assert_eq!(verify(&d.message), i, "{name}: order");
-            assert!(last_id.is_none_or(|l| d.id > l), "{name}: ids in order");
-            last_id = Some(d.id);
-        }
-        for _ in 0..48 {
-            let w = within(30, "a write", writes.recv()).await.unwrap();
-            w.result.unwrap();
-        }
-        let before = rx.info().await.unwrap().received_by_read_loop;
-        // Written one at a time, each waiting for the one before: the other interleaving.
-        for i in 48..64u64 {
-            tx.write(mixed(i)).await.unwrap();
-            let d = within(30, &format!("{name} {i}"), inbox.recv())
-                .await
-                .unwrap();
-            assert_eq!(verify(&d.message), i, "{name}");
-        }
-        // Each 64 B message follows a delivered one: the read loop delivers it itself.
-        let after = rx.info().await.unwrap().received_by_read_loop;
-        assert!(after - before >= 4, "{name}: {before} -> {after}");
+        let (tx, rx, inbox, _s) = standing(builder, how).await;
+        arrive_in_order(name, &tx, &rx, inbox).await;
     }
+}
+
+/// The same with each pipe's control loops on the runtime's own queue
+/// (`ContextBuilder::loops_on_runtime`): to a recipient actor (from one scheduler to the other)
+/// and to a handler, every message whole and in order.
+#[actix::test]
+async fn loops_on_the_runtime_queue_keep_every_message_in_order() {
+    for ((name, builder), how) in CONFIGS.into_iter().flat_map(|c| HOWS.map(|h| (c, h))) {
+        let name = &format!("{name} {how:?}, loops on the runtime");
+        let runtime = tokio::runtime::Handle::current().metrics();
+        let before = runtime.num_alive_tasks();
+        let (tx, rx, s) = pair(
+            builder().loops_on_runtime(true),
+            builder().loops_on_runtime(true),
+        )
+        .await;
+        // Both pipes' read and write loops are tasks of the runtime itself (a `LocalSet`'s
+        // are not counted there).
+        let loops = runtime.num_alive_tasks() - before;
+        assert!(loops >= 4, "{name}: {loops} tasks on the runtime's queue");
+        let (all, inbox) = stand(how);
+        rx.send(all).await.unwrap().unwrap();
+        arrive_in_order(name, &tx, &rx, inbox).await;
+        drop(s);
+    }
+}
+
+/// Writes the mixed plan to `tx` and checks what `rx`'s stand delivers to `inbox`.
+async fn arrive_in_order(
+    name: &str,
+    tx: &Addr<Pipe>,
+    rx: &Addr<Pipe>,
+    mut inbox: UnboundedReceiver<ReadDone>,
+) {
+    let mut writes = write_all(tx, (0..48).map(mixed));
+    let mut last_id = None;
+    for i in 0..48u64 {
+        let d = within(30, &format!("{name} {i}"), inbox.recv())
+            .await
+            .unwrap();
+        d.result
+            .unwrap_or_else(|e| panic!("{name}: message {i}: {e}"));
+        assert_eq!(verify(&d.message), i, "{name}: order");
+        assert!(last_id.is_none_or(|l| d.id > l), "{name}: ids in order");
+        last_id = Some(d.id);
+    }
+    for _ in 0..48 {
+        let w = within(30, "a write", writes.recv()).await.unwrap();
+        w.result.unwrap();
+    }
+    let before = rx.info().await.unwrap().received_by_read_loop;
+    // Written one at a time, each waiting for the one before: the other interleaving.
+    for i in 48..64u64 {
+        tx.write(mixed(i)).await.unwrap();
+        let d = within(30, &format!("{name} {i}"), inbox.recv())
+            .await
+            .unwrap();
+        assert_eq!(verify(&d.message), i, "{name}");
+    }
+    // Each 64 B message follows a delivered one: the read loop delivers it itself.
+    let after = rx.info().await.unwrap().received_by_read_loop;
+    assert!(after - before >= 4, "{name}: {before} -> {after}");
 }
 
 /// Messages read ahead before the stand began reach the recipient first.
@@ -404,63 +439,81 @@ async fn a_panicking_handler_fails_the_pipe() {
 /// wrote their answer itself.
 #[actix::test]
 async fn handlers_answer_in_place() {
-    const ROUNDS: u64 = 200;
     for (name, builder) in CONFIGS {
         let (tx, rx, _s) = pair(builder(), builder()).await;
-        // The echo: every message goes back as it came.
-        let back = rx.writer().await.unwrap();
-        let (wrote, _late) = actorpipe::inbox::<WriteDone>();
-        let wrote = std::sync::Arc::new(wrote);
-        rx.receive_all_calling(move |d| {
-            if d.result.is_ok() {
-                let _ = back.write(Write::new(d.message), &wrote);
-            }
-        })
-        .await
-        .unwrap();
-        // The client: checks each echo and sends the next message from its handler.
-        let out = tx.writer().await.unwrap();
-        let (wrote, _late) = actorpipe::inbox::<WriteDone>();
-        let wrote = std::sync::Arc::new(wrote);
-        let (done, mut finished) = mpsc::unbounded_channel();
-        let mut expect = 0;
-        let first = out.clone();
-        tx.receive_all_calling(move |d| {
-            let got = d.result.as_ref().map(|_| verify(&d.message));
-            if !matches!(got, Ok(i) if i == expect) {
-                let _ = done.send(Err(format!("echo {expect}: {got:?}")));
-                return;
-            }
-            expect += 1;
-            if expect == ROUNDS {
-                let _ = done.send(Ok(()));
-                return;
-            }
-            let _ = out.write(Write::new(mixed(expect)), &wrote);
-        })
-        .await
-        .unwrap();
-        let _ = first.write(
-            Write::new(mixed(0)),
-            &std::sync::Arc::new(actorpipe::inbox::<WriteDone>().0),
-        );
-        within(60, name, finished.recv())
-            .await
-            .unwrap()
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
-        let (echo, client) = (rx.info().await.unwrap(), tx.info().await.unwrap());
-        // Half the messages are 64 B payloads, read with their frame and written back at once.
-        for (side, info) in [("echo", &echo), ("client", &client)] {
-            assert!(
-                info.received_by_read_loop >= ROUNDS / 4,
-                "{name}: {side} read loop delivered {}",
-                info.received_by_read_loop
-            );
-            assert!(
-                info.written_by_caller >= ROUNDS / 8,
-                "{name}: {side} wrote {} itself",
-                info.written_by_caller
-            );
+        echo_in_place(name, &tx, &rx).await;
+    }
+}
+
+/// The same with the pipes' control loops on the runtime's own queue: what the option is for.
+#[actix::test]
+async fn handlers_answer_in_place_with_loops_on_the_runtime() {
+    for (name, builder) in CONFIGS {
+        let (tx, rx, _s) = pair(
+            builder().loops_on_runtime(true),
+            builder().loops_on_runtime(true),
+        )
+        .await;
+        echo_in_place(&format!("{name}, loops on the runtime"), &tx, &rx).await;
+    }
+}
+
+/// `ROUNDS` messages echoed by `rx`'s handler, each next one sent from `tx`'s handler.
+async fn echo_in_place(name: &str, tx: &Addr<Pipe>, rx: &Addr<Pipe>) {
+    const ROUNDS: u64 = 200;
+    // The echo: every message goes back as it came.
+    let back = rx.writer().await.unwrap();
+    let (wrote, _late) = actorpipe::inbox::<WriteDone>();
+    let wrote = std::sync::Arc::new(wrote);
+    rx.receive_all_calling(move |d| {
+        if d.result.is_ok() {
+            let _ = back.write(Write::new(d.message), &wrote);
         }
+    })
+    .await
+    .unwrap();
+    // The client: checks each echo and sends the next message from its handler.
+    let out = tx.writer().await.unwrap();
+    let (wrote, _late) = actorpipe::inbox::<WriteDone>();
+    let wrote = std::sync::Arc::new(wrote);
+    let (done, mut finished) = mpsc::unbounded_channel();
+    let mut expect = 0;
+    let first = out.clone();
+    tx.receive_all_calling(move |d| {
+        let got = d.result.as_ref().map(|_| verify(&d.message));
+        if !matches!(got, Ok(i) if i == expect) {
+            let _ = done.send(Err(format!("echo {expect}: {got:?}")));
+            return;
+        }
+        expect += 1;
+        if expect == ROUNDS {
+            let _ = done.send(Ok(()));
+            return;
+        }
+        let _ = out.write(Write::new(mixed(expect)), &wrote);
+    })
+    .await
+    .unwrap();
+    let _ = first.write(
+        Write::new(mixed(0)),
+        &std::sync::Arc::new(actorpipe::inbox::<WriteDone>().0),
+    );
+    within(60, name, finished.recv())
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let (echo, client) = (rx.info().await.unwrap(), tx.info().await.unwrap());
+    // Half the messages are 64 B payloads, read with their frame and written back at once.
+    for (side, info) in [("echo", &echo), ("client", &client)] {
+        assert!(
+            info.received_by_read_loop >= ROUNDS / 4,
+            "{name}: {side} read loop delivered {}",
+            info.received_by_read_loop
+        );
+        assert!(
+            info.written_by_caller >= ROUNDS / 8,
+            "{name}: {side} wrote {} itself",
+            info.written_by_caller
+        );
     }
 }
