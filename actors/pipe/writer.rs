@@ -301,11 +301,8 @@ impl WriteShare {
         for (i, op) in batch.drain(..).enumerate() {
             if i < whole {
                 give_back(op, &mut message, &mut l.frames);
-            } else if let Err(mpsc::error::SendError(op)) = wire.out.send(op) {
-                op.fail(Error::Closed {
-                    reason: "connection already stopped".into(),
-                    origin: self.origin.clone(),
-                });
+            } else {
+                self.to_loop(wire, op);
             }
         }
         l.batch = batch;
@@ -326,6 +323,17 @@ impl WriteShare {
 }
 
 impl WriteShare {
+    /// Hands the rest of a write the writer began to the connection's write loop; if the loop
+    /// has stopped, the op fails at once.
+    fn to_loop(&self, wire: &Wire, op: OutOp) {
+        if let Err(mpsc::error::SendError(op)) = wire.out.send(op) {
+            op.fail(Error::Closed {
+                reason: "connection already stopped".into(),
+                origin: self.origin.clone(),
+            });
+        }
+    }
+
     /// [`WriteShare::try_direct`]'s end for a message without tensors, its frame encoded: the
     /// same, with [`Parking::try_write_message`] in place of a batch of ops (no op is built, and
     /// no reply handle cloned, unless the loop has to write the rest of it).
@@ -378,12 +386,7 @@ impl WriteShare {
             payloads: mem::take(&mut message.payloads),
             reply: wire.reply.clone(),
         };
-        if let Err(mpsc::error::SendError(op)) = wire.out.send(op) {
-            op.fail(Error::Closed {
-                reason: "connection already stopped".into(),
-                origin: self.origin.clone(),
-            });
-        }
+        self.to_loop(wire, op);
         l.handoff.push_back(PendingWrite {
             id,
             seq,
@@ -400,7 +403,7 @@ impl WriteShare {
     }
 }
 
-/// A frame buffer back into the pool (as [`give_back`] does).
+/// A frame buffer back into the pool, which keeps at most 4.
 fn return_frame(frames: &mut Vec<Vec<u8>>, frame: Vec<u8>) {
     if frames.len() < 4 {
         frames.push(frame);
@@ -433,9 +436,7 @@ pub(super) fn give_back(op: OutOp, message: &mut Message, frames: &mut Vec<Vec<u
         OutOp::Message {
             frame, payloads, ..
         } => {
-            if frames.len() < 4 {
-                frames.push(frame);
-            }
+            return_frame(frames, frame);
             message.payloads = payloads;
         }
         OutOp::Tensor { index, memory, .. } => {

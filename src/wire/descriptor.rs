@@ -467,44 +467,37 @@ pub fn decode_descriptor_reusing(
             decode_head(body, limits, &mut budget, &mut payloads)?
         }
     };
-    if c.rest == [0x90] {
-        // No tensors, and nothing after: what the general code below accepts at once.
-        return Ok(WireDescriptor {
-            seq,
-            descriptor: Descriptor {
+    // No tensors and nothing after (the usual small message): what the loop below would accept
+    // at once.
+    if c.rest != [0x90] {
+        let (nt, cap) = c.count("tensor count", limits.max_tensors, 7)?;
+        reserve(&mut tensors, cap);
+        reserve(&mut routes, cap);
+        for _ in 0..nt {
+            c.fixed_array(6, "tensor entry")?;
+            let length = c.size("tensor size", limits.max_tensor_size)?;
+            let source_device = device_from(c.uint("source device")?)?;
+            let target_device = if c.rest.first() == Some(&NIL) {
+                c.rest = &c.rest[1..];
+                None
+            } else {
+                Some(device_from(c.uint("target device")?)?)
+            };
+            let channel = u8::try_from(c.uint("channel index")?).map_err(|_| {
+                WireError::Malformed("malformed frame: channel index over 255".into())
+            })?;
+            let data = c.bin("channel data", &mut budget, max_meta)?;
+            let metadata = c.bin("tensor metadata", &mut budget, max_meta)?;
+            tensors.push(TensorDescriptor {
+                length,
+                source_device,
+                target_device,
                 metadata,
-                payloads,
-                tensors,
-            },
-            routes,
-        });
+            });
+            routes.push((channel, data));
+        }
+        c.done()?;
     }
-    let (nt, cap) = c.count("tensor count", limits.max_tensors, 7)?;
-    reserve(&mut tensors, cap);
-    reserve(&mut routes, cap);
-    for _ in 0..nt {
-        c.fixed_array(6, "tensor entry")?;
-        let length = c.size("tensor size", limits.max_tensor_size)?;
-        let source_device = device_from(c.uint("source device")?)?;
-        let target_device = if c.rest.first() == Some(&NIL) {
-            c.rest = &c.rest[1..];
-            None
-        } else {
-            Some(device_from(c.uint("target device")?)?)
-        };
-        let channel = u8::try_from(c.uint("channel index")?)
-            .map_err(|_| WireError::Malformed("malformed frame: channel index over 255".into()))?;
-        let data = c.bin("channel data", &mut budget, max_meta)?;
-        let metadata = c.bin("tensor metadata", &mut budget, max_meta)?;
-        tensors.push(TensorDescriptor {
-            length,
-            source_device,
-            target_device,
-            metadata,
-        });
-        routes.push((channel, data));
-    }
-    c.done()?;
     Ok(WireDescriptor {
         seq,
         descriptor: Descriptor {
