@@ -78,7 +78,9 @@ fn spawn_loop(
             });
         }
         // The arbiter's runtime is a current-thread runtime: the task stays on this thread.
-        None if on_runtime => drop(tokio::spawn(task)),
+        None if on_runtime => drop(tokio::spawn(crate::transport::turns::on_runtime_queue(
+            task,
+        ))),
         None => drop(actix::spawn(task)),
     }
 }

@@ -441,7 +441,7 @@ async fn a_panicking_handler_fails_the_pipe() {
 async fn handlers_answer_in_place() {
     for (name, builder) in CONFIGS {
         let (tx, rx, _s) = pair(builder(), builder()).await;
-        echo_in_place(name, &tx, &rx).await;
+        echo_in_place(name, &tx, &rx, false).await;
     }
 }
 
@@ -454,18 +454,26 @@ async fn handlers_answer_in_place_with_loops_on_the_runtime() {
             builder().loops_on_runtime(true),
         )
         .await;
-        echo_in_place(&format!("{name}, loops on the runtime"), &tx, &rx).await;
+        echo_in_place(&format!("{name}, loops on the runtime"), &tx, &rx, true).await;
     }
 }
 
-/// `ROUNDS` messages echoed by `rx`'s handler, each next one sent from `tx`'s handler.
-async fn echo_in_place(name: &str, tx: &Addr<Pipe>, rx: &Addr<Pipe>) {
+/// `ROUNDS` messages echoed by `rx`'s handler, each next one sent from `tx`'s handler. With
+/// `on_runtime`, the read loop that calls the echo's handler must be marked as a loop on the
+/// runtime's own queue (which is how a spinning loop there knows to let the actors run); else it
+/// must not be.
+async fn echo_in_place(name: &str, tx: &Addr<Pipe>, rx: &Addr<Pipe>, on_runtime: bool) {
     const ROUNDS: u64 = 200;
     // The echo: every message goes back as it came.
     let back = rx.writer().await.unwrap();
     let (wrote, _late) = actorpipe::inbox::<WriteDone>();
     let wrote = std::sync::Arc::new(wrote);
+    let marked = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let marks = marked.clone();
     rx.receive_all_calling(move |d| {
+        if actorpipe::transport::turns::is_on_runtime_queue() {
+            marks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         if d.result.is_ok() {
             let _ = back.write(Write::new(d.message), &wrote);
         }
@@ -503,6 +511,16 @@ async fn echo_in_place(name: &str, tx: &Addr<Pipe>, rx: &Addr<Pipe>) {
         .unwrap()
         .unwrap_or_else(|e| panic!("{name}: {e}"));
     let (echo, client) = (rx.info().await.unwrap(), tx.info().await.unwrap());
+    let marked = marked.load(std::sync::atomic::Ordering::Relaxed);
+    match on_runtime {
+        // The read loop's calls: the small messages, at least.
+        true => assert!(
+            marked >= echo.received_by_read_loop,
+            "{name}: {marked} handler calls marked on the runtime's queue, {} by the read loop",
+            echo.received_by_read_loop
+        ),
+        false => assert_eq!(marked, 0, "{name}: calls marked on the runtime's queue"),
+    }
     // Half the messages are 64 B payloads, read with their frame and written back at once.
     for (side, info) in [("echo", &echo), ("client", &client)] {
         assert!(

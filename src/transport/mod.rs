@@ -13,6 +13,7 @@ pub mod liveness;
 pub mod shm;
 pub mod stream;
 pub mod tcp;
+pub mod turns;
 mod url;
 
 pub use url::{Host, Url};

@@ -213,6 +213,10 @@ impl Spin {
         if now.duration_since(last) >= OS_YIELD_EVERY {
             self.os_yield = Some(now);
             std::thread::yield_now();
+            // From a loop on the runtime's own queue, a plain wake-up would keep the thread's
+            // actors waiting for up to 61 more polls (`turns`).
+            crate::transport::turns::let_actors_run(cx);
+            return Ok(Spun::Yield);
         }
         std::hint::spin_loop();
         cx.waker().wake_by_ref();

@@ -300,17 +300,11 @@ pub async fn read_loop(
             // ping-pong, and the answer waited for it (a 64 B shm round trip: 2.66 -> 2.16 us on
             // 16 cores, docs/performance.md). Not without spin: there the look parks the task
             // at once, and giving way costs a task poll (about 380 instructions) for nothing
-            // measurable. Woken at once, not as `yield_now` does: that defers the wake-up until
-            // the runtime has polled its I/O driver, some 2,000 instructions a message.
-            let mut yielded = false;
-            std::future::poll_fn(|cx| {
-                if std::mem::replace(&mut yielded, true) {
-                    return std::task::Poll::Ready(());
-                }
-                cx.waker().wake_by_ref();
-                std::task::Poll::Pending
-            })
-            .await;
+            // measurable. On the `LocalSet` the task is woken at once, not as `yield_now` does:
+            // that defers the wake-up until the runtime has polled its I/O driver, some 2,000
+            // instructions a message. On the runtime's own queue that deferral is what lets the
+            // actors run first (`turns`).
+            crate::transport::turns::actors_turn().await;
         }
         let mut op = match held.take() {
             Some(op) => op,
