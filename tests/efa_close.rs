@@ -25,6 +25,15 @@ mod close {
             .map(|e| format!("skipped: libfabric has no {provider} provider here ({e})"))
     }
 
+    /// Why a trial is not run by default although it can run here: libfabric 1.17's `ofi_rxm`
+    /// crashes the process at `fi_close` of an endpoint closed mid-traffic, about one run in
+    /// 50 of the threads trial on 2 cores (docs/efa.md, "A crash at close in `ofi_rxm`").
+    /// `--ignored` runs it, for a newer libfabric.
+    pub fn known_bug(name: &str, provider: &str) -> Option<String> {
+        (name == "endpoints_on_many_threads_open_talk_and_close" && provider == "tcp;ofi_rxm")
+            .then(|| "skipped: a libfabric 1.17 ofi_rxm crash at close (docs/efa.md)".to_string())
+    }
+
     /// An endpoint of `provider` (on loopback for tcp), with its own fabric and domain.
     fn open(provider: &str) -> Endpoint {
         let list = InfoList::get(Some(provider)).expect("provider present");
@@ -172,7 +181,8 @@ mod close {
     /// endpoint after a random number of polls, whatever the partner is doing.
     pub fn endpoints_on_many_threads_open_talk_and_close(provider: &str) {
         const PAIRS: u64 = 3;
-        // tcp;ofi_rxm (no lingering; a control) connects slowly: fewer rounds.
+        // tcp;ofi_rxm (no lingering; a control, run only with --ignored: `known_bug`) connects
+        // slowly: fewer rounds.
         let rounds = if provider == "shm" { 30 } else { 6 };
         let mut threads = Vec::new();
         for pair in 0..PAIRS {
@@ -267,7 +277,7 @@ fn main() {
         ];
         for (name, case, providers) in cases {
             for &provider in providers {
-                let skip = close::missing(provider);
+                let skip = close::missing(provider).or_else(|| close::known_bug(name, provider));
                 let p = provider.to_string();
                 let t = Trial::test(format!("{name}::{provider}"), move || {
                     case(&p);
