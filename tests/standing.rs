@@ -103,6 +103,37 @@ async fn every_message_arrives_in_order_across_small_and_large() {
     }
 }
 
+/// Messages of one small host tensor and nothing else, which the read loop hands over with the
+/// frame's bytes as the tensor's buffer (where the channel carries them with the frame): bytes,
+/// tensor metadata and message metadata arrive whole on every path.
+#[actix::test]
+async fn lone_small_tensors_arrive_whole() {
+    for ((name, builder), how) in CONFIGS.into_iter().flat_map(|c| HOWS.map(|h| (c, h))) {
+        let name = &format!("{name} {how:?}");
+        let (tx, rx, mut inbox, _s) = standing(builder, how).await;
+        let before = rx.info().await.unwrap().received_by_read_loop;
+        for (i, n) in [1usize, 64, 64, 4096].into_iter().enumerate() {
+            let mut m = checked_message(i as u64, &[], &[n]);
+            if i == 2 {
+                m.tensors[0].target_device = Some(Device::Cpu);
+            }
+            tx.write(m).await.unwrap();
+            let d = next(&mut inbox).await;
+            d.result
+                .unwrap_or_else(|e| panic!("{name}: message {i}: {e}"));
+            assert_eq!(verify(&d.message), i as u64, "{name}");
+            assert_eq!(d.message.tensors[0].buffer.len(), n as u64, "{name}");
+        }
+        // Where the channel carries small tensors on the control connection (basic; cma and
+        // efa inline too, between processes), the read loop delivers them itself. In one
+        // process the default and spinning contexts pick xth, and mpt sends them on its lane.
+        if name.starts_with("tcp+basic") {
+            let after = rx.info().await.unwrap().received_by_read_loop;
+            assert!(after - before >= 3, "{name}: {before} -> {after}");
+        }
+    }
+}
+
 /// The same with each pipe's control loops on the runtime's own queue
 /// (`ContextBuilder::loops_on_runtime`): to a recipient actor (from one scheduler to the other)
 /// and to a handler, every message whole and in order.
