@@ -302,8 +302,6 @@ fn read(id: u64, message: Message) -> ReadDone {
     }
 }
 
-/// `bytes` (the payloads, then the tensors, one after the other) copied into `a`'s buffers,
-/// which `Allocation::refit` sized to match, the tensors' in host memory.
 /// The message of `descriptor` whose buffers (payloads, then tensors, all in host memory) are
 /// `bytes` in order: each an exact-size copy of its bytes, except the last, which is `bytes`
 /// itself with the others' bytes drained from its front. A message of one buffer (a payload,
@@ -352,6 +350,8 @@ fn cut(descriptor: &mut Descriptor, bytes: &mut Vec<u8>) -> Message {
     }
 }
 
+/// `bytes` (the payloads, then the tensors, one after the other) copied into `a`'s buffers,
+/// which `Allocation::refit` sized to match, the tensors' in host memory.
 fn fill(mut a: Allocation, bytes: &[u8]) -> Allocation {
     let mut at = 0;
     let mut take = |b: &mut [u8]| {
