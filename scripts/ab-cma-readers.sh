@@ -4,10 +4,11 @@
 # (shm, large tensors read by cma). Output on stdout, one `### BUILD ROW run K` line before each
 # table's rows.
 # Run: bash scripts/ab-cma-readers.sh OLD_BINARY NEW_BINARY; RUNS=N (3).
+. "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
 OLD=${1:?usage: ab-cma-readers.sh OLD NEW}
 NEW=${2:?usage: ab-cma-readers.sh OLD NEW}
 set -u
-echo "# host $(hostname) cores $(nproc) $(date -u +%FT%TZ) load $(cut -d' ' -f1 /proc/loadavg)"
+ab_header
 for k in $(seq 1 "${RUNS:-3}"); do
   for b in old new; do
     B=$OLD

@@ -6,9 +6,10 @@
 # issue 12's efa rows (one 64 B tensor a message, inline on the control stream). Output on
 # stdout, one `### BUILD ROW RUN` line before each row or table; the binaries need feature efa.
 # Run: bash scripts/ab-frame-cut.sh DIR (holding `old` and `new`); RUNS=N (default 4).
+. "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
 cd "${1:?usage: ab-frame-cut.sh DIR (holding the old and new actorpipe binaries)}"
 set -u
-echo "# host $(hostname) cores $(nproc) $(date -u +%FT%TZ) load $(cut -d' ' -f1 /proc/loadavg)"
+ab_header
 for k in $(seq 1 "${RUNS:-4}"); do
   for b in old new; do
     echo "### $b channel-basic-tcp $k"
@@ -17,9 +18,7 @@ for k in $(seq 1 "${RUNS:-4}"); do
     ./$b bench pipe --sizes 64 --rounds 5 --api handler | grep -E '^\| 64 B'
     echo "### $b pipe-spin $k"
     ./$b bench pipe --sizes 64 --rounds 5 --api handler --spin 20 | grep -E '^\| 64 B'
-    echo "### $b efa $k"
-    ./$b bench efa --sizes 64 --iters 2000 --rounds 3 --spin 50 --api handler \
-      --rows "raw,transport spin,channel spin" 2>&1 | grep -E '64 B'
+    ab_efa_row "$b" "$k"
   done
 done
 echo "# end $(date -u +%FT%TZ)"

@@ -5,9 +5,10 @@
 # handler`) for both builds, then shm and tcp without spin with a recipient for the new build.
 # Output on stdout, one `### BUILD QUEUE API ROW RUN` line before each row.
 # Run: bash scripts/ab-runtime-turns.sh DIR (holding `old` and `new`); RUNS=N (default 3).
+. "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
 cd "${1:?usage: ab-runtime-turns.sh DIR (holding the old and new actorpipe binaries)}"
 set -u
-echo "# host $(hostname) cores $(nproc) $(date -u +%FT%TZ) load $(cut -d' ' -f1 /proc/loadavg)"
+ab_header
 row() { # BUILD QUEUE API RUN BACKEND...
   local b=$1 q=$2 api=$3 k=$4
   shift 4

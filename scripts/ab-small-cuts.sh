@@ -6,9 +6,10 @@
 # line before each row or table. The binaries need feature efa (build with --all-features).
 # Run: bash scripts/ab-small-cuts.sh DIR (holding `old` and `new`); RUNS=N (default 6). About
 # 40 s a run on a 16-core machine.
+. "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
 cd "${1:?usage: ab-small-cuts.sh DIR (holding the old and new actorpipe binaries)}"
 set -u
-echo "# host $(hostname) cores $(nproc) $(date -u +%FT%TZ) load $(cut -d' ' -f1 /proc/loadavg)"
+ab_header
 row() {
   echo "### $1 $2 $3"
   ./$1 bench transport --backend $4 --sizes 64 --rounds 5 --api handler | grep -E '^\| 64 B'
@@ -18,9 +19,7 @@ for k in $(seq 1 "${RUNS:-6}"); do
     row "$b" shm-spin "$k" "shm --spin 20"
     row "$b" tcp "$k" tcp
     row "$b" shm "$k" shm
-    echo "### $b efa $k"
-    ./$b bench efa --sizes 64 --iters 2000 --rounds 3 --spin 50 --api handler \
-      --rows "raw,transport spin,channel spin" 2>&1 | grep -E '64 B'
+    ab_efa_row "$b" "$k"
   done
 done
 echo "# end $(date -u +%FT%TZ)"

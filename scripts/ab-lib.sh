@@ -1,0 +1,14 @@
+# Shared by the A/B scripts (sourced, not run): the header line and issue 12's efa row.
+
+# The machine line every A/B output starts with.
+ab_header() {
+  echo "# host $(hostname) cores $(nproc) $(date -u +%FT%TZ) load $(cut -d' ' -f1 /proc/loadavg)"
+}
+
+# Issue 12's efa rows with binary ./$1, run $2: the raw ping-pong and the pipe rows in spin mode,
+# 64 B, a handler (`bench efa --sizes 64 --spin 50 --api handler`, both providers).
+ab_efa_row() {
+  echo "### $1 efa $2"
+  ./$1 bench efa --sizes 64 --iters 2000 --rounds 3 --spin 50 --api handler \
+    --rows "raw,transport spin,channel spin" 2>&1 | grep -E '64 B'
+}
