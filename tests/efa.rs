@@ -288,6 +288,67 @@ mod efa {
         });
     }
 
+    /// Open descriptors of this process.
+    fn fds() -> usize {
+        std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
+    }
+
+    /// Waits (up to 10 s) until this process has `want` descriptors open; says how many it has.
+    async fn settle_fds(want: usize) -> usize {
+        let start = std::time::Instant::now();
+        loop {
+            let n = fds();
+            if n == want || start.elapsed() > Duration::from_secs(10) {
+                return n;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Two endpoints in spin mode exchange messages (each starts and ends spins, on its spin
+    /// task, which lives as long as the actor), then their pipes detach and every address
+    /// goes: the actors stop, and with them the spin tasks and drivers, so the endpoints close
+    /// and every descriptor they opened is closed again. Run by
+    /// [`endpoints_close_after_spinning`] in a process of its own: the other trials open and
+    /// close descriptors meanwhile.
+    pub fn endpoints_close_after_spinning_alone(provider: &str) {
+        actix::System::new().block_on(async {
+            // The first endpoints load the provider (which may keep descriptors of its own).
+            for round in 0..2 {
+                let before = fds();
+                let (a, b) = endpoints(provider, config(Faults::NONE, true)).await;
+                let (tx, rx) = pipe(&a, &b).await;
+                let (tx, rx) = exchange(tx, rx, 300, 4).await;
+                let polls = a.send(FabricStats).await.unwrap().polls;
+                assert!(polls > 0, "the endpoint made progress passes");
+                for side in [&tx, &rx] {
+                    side.ep.do_send(FabricDetach {
+                        pipe: side.pipe,
+                        reason: "test over".into(),
+                    });
+                }
+                drop((tx, rx, a, b));
+                let after = settle_fds(before).await;
+                if round > 0 {
+                    assert_eq!(after, before, "{provider}: descriptors left open");
+                }
+            }
+        });
+    }
+
+    /// Runs [`endpoints_close_after_spinning_alone`] for `provider` in a process of its own.
+    pub fn endpoints_close_after_spinning(provider: &str) {
+        let name = format!("endpoints_close_after_spinning_alone::{provider}");
+        let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
+            .args([name.as_str(), "--exact", "--ignored", "--test-threads", "1"])
+            .output()
+            .expect("run the test binary");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{text}");
+        assert!(text.contains("1 passed"), "{text}");
+    }
+
     /// Spin mode is bounded: with a receive posted that nothing answers, the endpoint reads
     /// its CQ on every turn for its window after the post (many passes), and then no longer
     /// (it sleeps on the wait fd, or polls every millisecond where there is none).
@@ -597,7 +658,7 @@ fn main() {
     let mut trials = Vec::new();
     type Case = fn(&str);
     #[cfg(feature = "efa")]
-    let cases: [(&str, Case); 10] = [
+    let cases: [(&str, Case); 11] = [
         ("eagain_storm_10000_messages_in_order", efa::eagain_storm),
         (
             "eagain_storm_10000_messages_in_order_spinning",
@@ -626,6 +687,10 @@ fn main() {
         (
             "spin_stops_after_its_window",
             efa::spin_stops_after_its_window,
+        ),
+        (
+            "endpoints_close_after_spinning",
+            efa::endpoints_close_after_spinning,
         ),
         (
             "many_pipes_share_one_endpoint",
@@ -662,6 +727,22 @@ fn main() {
             pipes::dead_peer_spinning,
         ),
     ]);
+    #[cfg(feature = "efa")]
+    for provider in efa::PROVIDERS {
+        // Run only by `endpoints_close_after_spinning`, in a process of its own.
+        let p = provider.to_string();
+        trials.push(
+            Trial::test(
+                format!("endpoints_close_after_spinning_alone::{provider}"),
+                move || {
+                    efa::endpoints_close_after_spinning_alone(&p);
+                    Ok(())
+                },
+            )
+            .with_ignored_flag(true)
+            .with_kind("run by endpoints_close_after_spinning, in a process of its own"),
+        );
+    }
     #[cfg(feature = "efa")]
     for (name, case) in cases {
         for provider in efa::PROVIDERS {

@@ -31,6 +31,7 @@
 //! go to the pipe's unbounded queue, given at [`FabricAttach`], in the pipe's post order (no
 //! hop back). The actor alone reads the CQ.
 
+mod drive;
 mod metrics;
 mod poster;
 mod progress;
@@ -43,7 +44,6 @@ use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use actix::fut::wrap_future;
 use actix::prelude::*;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
@@ -53,9 +53,10 @@ use crate::fabric::engine::{Engine, Finished, Kind, Op, Region, Stats};
 use crate::fabric::faults::Faults;
 use crate::fabric::{Attributes, Domain, Endpoint, FabricError, InfoList};
 use crate::transport::stream::Memory;
+use drive::Drive;
+use poster::KickSignal;
 pub use poster::Poster;
 use poster::{deliver, lock, Core};
-use poster::{KickSignal, Kicks};
 use progress::{Progress, Stamp};
 use spin::Spinner;
 
@@ -136,8 +137,9 @@ pub struct FabricEndpoint {
     // How the posters kick the actor when it does not spin (see `poster.rs`).
     signal: Arc<KickSignal>,
     config: EndpointConfig,
+    /// What progress is armed ([`Drive`] acts on it), and when a timed one is due.
     driver: Driver,
-    handle: Option<SpawnHandle>,
+    deadline: Option<tokio::time::Instant>,
     // What passes keep between them, shared with the spin task.
     progress: Rc<RefCell<Progress>>,
     origin: Origin,
@@ -222,6 +224,8 @@ impl FabricEndpoint {
             polls: 0,
             spin: None,
             spins: 0,
+            spinner: None,
+            closed: false,
         };
         Ok(FabricEndpoint {
             wait,
@@ -229,7 +233,7 @@ impl FabricEndpoint {
             signal: Arc::default(),
             config,
             driver: Driver::Idle,
-            handle: None,
+            deadline: None,
             progress: Rc::new(RefCell::new(progress)),
             origin,
         }
@@ -276,13 +280,25 @@ impl FabricEndpoint {
         self.tick(ctx);
     }
 
-    fn cancel(&mut self, ctx: &mut Context<Self>) {
-        if let Some(h) = self.handle.take() {
-            ctx.cancel_future(h);
-        }
-        // A spin task ends at its next turn.
+    /// Disarms what was armed: [`Drive`] ignores a state it no longer finds, and the spin
+    /// task ends a spin at its next turn.
+    fn cancel(&mut self) {
         self.progress.borrow_mut().spin = None;
         self.driver = Driver::Idle;
+        self.deadline = None;
+    }
+
+    /// The spin task's word that its spin is over (no longer due): arms what comes next.
+    fn spin_over(&mut self, ctx: &mut Context<Self>) {
+        // Only while a spin drives the endpoint and none is under way: a spin cancelled
+        // meanwhile (the actor armed something else), or followed by a newer one, is not ours
+        // to end.
+        if self.driver != Driver::Spinning || self.progress.borrow().spin.is_some() {
+            return;
+        }
+        self.driver = Driver::Idle;
+        self.schedule(ctx);
+        self.maybe_stop(ctx, false);
     }
 
     /// What to arm next, decided under the lock: whether the actor spins is published to the
@@ -332,21 +348,16 @@ impl FabricEndpoint {
         Plan::Poll(delay)
     }
 
-    /// Arms the next progress: a spin, the wait fd, a poll, or nothing.
-    fn schedule(&mut self, ctx: &mut Context<Self>) {
+    /// Arms the next progress: a spin, the wait fd, a poll, or nothing ([`Drive`] and the spin
+    /// task act on it; nothing is spawned).
+    fn schedule(&mut self, _ctx: &mut Context<Self>) {
         match self.plan() {
             Plan::Spin => {
-                // A spin that has just ended (its `SpinOver` not handled yet) runs no more.
+                // A spin that has just ended (its word not taken yet) runs no more.
                 if self.driver != Driver::Spinning || self.progress.borrow().spin.is_none() {
-                    self.cancel(ctx);
+                    self.cancel();
                     self.driver = Driver::Spinning;
-                    let mut p = self.progress.borrow_mut();
-                    p.spins += 1;
-                    p.spin = Some(p.spins);
-                    let task =
-                        Spinner::new(self.progress.clone(), p.spins, ctx.address().downgrade());
-                    drop(p);
-                    actix::spawn(task);
+                    self.progress.borrow_mut().start_spin();
                 }
             }
             Plan::Defer(rest) => {
@@ -355,60 +366,27 @@ impl FabricEndpoint {
                 // `fi_trywait`, which makes the provider signal its wait fd again for the next
                 // completions. Only the window's end is armed: then the fd, as usual.
                 if self.driver != Driver::Deferred {
-                    self.cancel(ctx);
+                    self.cancel();
                     self.driver = Driver::Deferred;
-                    let fut = tokio::time::sleep(rest);
-                    self.handle =
-                        Some(ctx.spawn(wrap_future(fut).map(|(), act: &mut Self, ctx| {
-                            act.driver = Driver::Idle;
-                            act.handle = None;
-                            act.tick(ctx);
-                        })));
+                    self.deadline = Some(tokio::time::Instant::now() + rest);
                 }
             }
             Plan::Wait => {
-                if self.driver == Driver::Waiting {
-                    return;
+                if self.driver != Driver::Waiting && self.wait.is_some() {
+                    self.cancel();
+                    self.driver = Driver::Waiting;
                 }
-                self.cancel(ctx);
-                let Some(afd) = self.wait.clone() else {
-                    return;
-                };
-                let fut = async move {
-                    if let Ok(mut guard) = afd.readable().await {
-                        guard.clear_ready();
-                    }
-                };
-                self.driver = Driver::Waiting;
-                self.handle = Some(ctx.spawn(wrap_future(fut).map(|(), act: &mut Self, ctx| {
-                    act.driver = Driver::Idle;
-                    act.handle = None;
-                    act.tick(ctx);
-                })));
             }
-            Plan::Poll(delay) => self.poll_soon(ctx, delay),
-            Plan::Nothing => self.cancel(ctx),
-        }
-    }
-
-    fn poll_soon(&mut self, ctx: &mut Context<Self>, delay: Duration) {
-        if self.driver == Driver::Polling {
-            return;
-        }
-        self.cancel(ctx);
-        self.driver = Driver::Polling;
-        let fut = async move {
-            if delay.is_zero() {
-                tokio::task::yield_now().await;
-            } else {
-                tokio::time::sleep(delay).await;
+            Plan::Poll(delay) => {
+                if self.driver != Driver::Polling {
+                    self.cancel();
+                    self.driver = Driver::Polling;
+                    // None: a yield.
+                    self.deadline = (!delay.is_zero()).then(|| tokio::time::Instant::now() + delay);
+                }
             }
-        };
-        self.handle = Some(ctx.spawn(wrap_future(fut).map(|(), act: &mut Self, ctx| {
-            act.driver = Driver::Idle;
-            act.handle = None;
-            act.tick(ctx);
-        })));
+            Plan::Nothing => self.cancel(),
+        }
     }
 }
 
@@ -419,11 +397,13 @@ impl Actor for FabricEndpoint {
         // An endpoint opened and never used (a bootstrap that failed before attaching) has no
         // message left to notice that it is unused: look every 2 s.
         ctx.run_interval(ORPHAN_CHECK, |act, ctx| act.maybe_stop(ctx, true));
-        ctx.spawn(Kicks::new(self.signal.clone()));
+        ctx.spawn(Drive::new(self.signal.clone()));
+        actix::spawn(Spinner::new(self.progress.clone(), self.signal.clone()));
     }
 
-    fn stopped(&mut self, ctx: &mut Self::Context) {
-        self.cancel(ctx);
+    fn stopped(&mut self, _: &mut Self::Context) {
+        self.cancel();
+        self.progress.borrow_mut().close();
         // Nothing progresses the engine any more: posters stop posting, and the pipes' queues
         // close (their halves see the actor gone). The engine itself closes with the last
         // reference to the core.
@@ -600,27 +580,6 @@ impl Handler<FabricStats> for FabricEndpoint {
             polls: p.polls,
             ..stats
         })
-    }
-}
-
-/// A spin task's word that its spin is over (no longer due): the actor arms what comes next.
-#[derive(Message)]
-#[rtype(result = "()")]
-struct SpinOver(u64);
-
-impl Handler<SpinOver> for FabricEndpoint {
-    type Result = ();
-    fn handle(&mut self, m: SpinOver, ctx: &mut Context<Self>) {
-        // Only the latest spin's end, while it is what drives the endpoint: a spin cancelled
-        // meanwhile (the actor armed something else, or a newer spin) is not ours to end.
-        let p = self.progress.borrow();
-        if self.driver != Driver::Spinning || p.spin.is_some() || p.spins != m.0 {
-            return;
-        }
-        drop(p);
-        self.driver = Driver::Idle;
-        self.schedule(ctx);
-        self.maybe_stop(ctx, false);
     }
 }
 

@@ -15,18 +15,17 @@
 //! (coalesced: none while one is pending), which reads the CQ at once and arms the next
 //! progress, as a `FabricPost` did. Whether the actor spins is decided under the lock, together
 //! with taking `posted`, so a post never falls between a spin's end and the wait that follows
-//! it without a kick. A kick is no message: the poster raises a [`KickSignal`] and wakes
-//! [`Kicks`], a future the actor runs for its whole life, which looks at the signal (one atomic
-//! load) each time the actor's task runs. A kick message through the mailbox boxed an
-//! envelope per kick and queued it: about 600 instructions a kick (malloc and free, the queue,
-//! the mailbox's dispatch) against some 300 now (the flag, the wake-up, the future's polls),
-//! and a 64 B round trip without spin makes 4 (`transport`) to 6 (`channel`) kicks (callgrind,
-//! docs/efa.md, "Instruction counts").
+//! it without a kick. A kick is no message: the poster raises a [`KickSignal`] and wakes the
+//! actor's driver ([`super::drive::Drive`]), a future the actor runs for its whole life, which
+//! looks at the signal (one atomic load) each time the actor's task runs. A kick message
+//! through the mailbox boxed an envelope per kick and queued it: about 600 instructions a kick
+//! (malloc and free, the queue, the mailbox's dispatch) against some 300 now (the flag, the
+//! wake-up, the future's polls), and a 64 B round trip without spin makes 4 (`transport`) to 6
+//! (`channel`) kicks (callgrind, docs/efa.md, "Instruction counts").
 
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Poll, Waker};
+use std::task::Waker;
 
 use actix::prelude::*;
 use tokio::sync::mpsc;
@@ -199,79 +198,35 @@ impl Core {
     }
 }
 
-/// How a poster kicks the actor: a flag and the waker of [`Kicks`].
+/// How a poster (or the spin task) wakes the actor: flags and the waker of
+/// [`super::drive::Drive`].
 #[derive(Default)]
 pub(super) struct KickSignal {
-    raised: AtomicBool,
-    waker: Mutex<Option<Waker>>,
+    /// A direct post while the actor does not spin.
+    pub(super) raised: AtomicBool,
+    /// The spin task's spin is over (it is no longer due).
+    pub(super) spin_over: AtomicBool,
+    pub(super) waker: Mutex<Option<Waker>>,
 }
 
 impl KickSignal {
-    /// Raises the flag, then wakes [`Kicks`] if it waits (it re-reads the flag after arming).
-    fn raise(&self) {
+    /// Raises the kick flag, then wakes the actor's driver if it waits (it re-reads the flags
+    /// after arming).
+    pub(super) fn raise(&self) {
         self.raised.store(true, Ordering::Release);
+        self.wake();
+    }
+
+    /// Says that a spin is over, then wakes the actor's driver as [`KickSignal::raise`] does.
+    pub(super) fn end_spin(&self) {
+        self.spin_over.store(true, Ordering::Release);
+        self.wake();
+    }
+
+    fn wake(&self) {
         let waker = self.waker.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(w) = waker {
             w.wake();
-        }
-    }
-}
-
-/// The actor's end of the kicks: one future for the actor's life (spawned when it starts),
-/// woken by the poster that kicks; each kick it takes reads the CQ and arms the next progress
-/// ([`FabricEndpoint::kicked`]). The actor's task polls it whenever it runs, for whatever
-/// reason: with no kick and its waker in place that costs one atomic load.
-pub(super) struct Kicks {
-    signal: Arc<KickSignal>,
-    /// Its waker is in the signal (a poster that takes it raises the flag first).
-    armed: bool,
-}
-
-impl Kicks {
-    pub(super) fn new(signal: Arc<KickSignal>) -> Kicks {
-        Kicks {
-            signal,
-            armed: false,
-        }
-    }
-}
-
-impl ActorFuture<FabricEndpoint> for Kicks {
-    type Output = ();
-
-    fn poll(
-        mut self: Pin<&mut Self>,
-        act: &mut FabricEndpoint,
-        ctx: &mut Context<FabricEndpoint>,
-        task: &mut std::task::Context<'_>,
-    ) -> Poll<()> {
-        if self.armed && !self.signal.raised.load(Ordering::Acquire) {
-            return Poll::Pending;
-        }
-        loop {
-            if self.signal.raised.swap(false, Ordering::AcqRel) {
-                // Its waker went with the kick (or goes soon: then one spurious wake-up).
-                self.armed = false;
-                {
-                    let mut c = lock(&act.core);
-                    if c.closed {
-                        return Poll::Ready(());
-                    }
-                    // Posts from now on kick again; the pass below covers the ones before.
-                    c.kicked = false;
-                }
-                act.kicked(ctx);
-                continue;
-            }
-            if !self.armed {
-                let mut w = self.signal.waker.lock().unwrap_or_else(|p| p.into_inner());
-                *w = Some(task.waker().clone());
-                drop(w);
-                self.armed = true;
-                // A kick raised before the waker was in place finds no waker: look again.
-                continue;
-            }
-            return Poll::Pending;
         }
     }
 }

@@ -3,6 +3,7 @@
 //! `RefCell` holds it.
 
 use std::sync::{Arc, Mutex};
+use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use super::metrics::EndpointMetrics;
@@ -64,9 +65,31 @@ pub(super) struct Progress {
     pub(super) spin: Option<u64>,
     /// Spins started so far (the next one's number).
     pub(super) spins: u64,
+    /// The spin task's waker while it sleeps between spins.
+    pub(super) spinner: Option<Waker>,
+    /// The actor has stopped: the spin task ends.
+    pub(super) closed: bool,
 }
 
 impl Progress {
+    /// Starts a spin (the spin task takes it up at its next turn, woken if it sleeps).
+    pub(super) fn start_spin(&mut self) {
+        self.spins += 1;
+        self.spin = Some(self.spins);
+        if let Some(w) = self.spinner.take() {
+            w.wake();
+        }
+    }
+
+    /// Ends the spin task (the actor has stopped).
+    pub(super) fn close(&mut self) {
+        self.spin = None;
+        self.closed = true;
+        if let Some(w) = self.spinner.take() {
+            w.wake();
+        }
+    }
+
     /// Reads the CQ once (and retries the backlog) and hands out what ended; says whether
     /// anything did. Direct posts since the last look count as activity.
     pub(super) fn pass(&mut self) -> bool {

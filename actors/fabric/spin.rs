@@ -1,33 +1,37 @@
 //! Spin mode's driver (see the module docs of [`super`]): one long-lived task that reads the
-//! endpoint's CQ on every turn of its thread.
+//! endpoint's CQ on every turn of its thread while a spin lasts, and sleeps in between.
 
 use std::cell::RefCell;
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use actix::WeakAddr;
-
+use super::poster::KickSignal;
 use super::progress::Progress;
-use super::{FabricEndpoint, SpinOver};
 
-/// Spin mode's driver: a task of the actor's thread for a whole spin (it wakes itself at once
-/// after each turn), reading the CQ each time, until spin mode is no longer due; then it tells
-/// the actor ([`SpinOver`]), which arms the wait fd or a poll as usual. The actor ends a spin
-/// early by clearing [`Progress::spin`]: the task sees it at its next turn.
+/// Spin mode's driver: a task of the actor's thread for the actor's whole life. While a spin
+/// lasts ([`Progress::spin`] is set) it wakes itself at once after each turn, reading the CQ
+/// each time, until spin mode is no longer due; then it tells the actor
+/// ([`KickSignal::end_spin`]), which arms the wait fd or a poll as usual, and sleeps until the
+/// actor starts the next spin ([`Progress::start_spin`] wakes it). The actor ends a spin early
+/// by clearing [`Progress::spin`]: the task sees it at its next turn. It ends when the actor
+/// stops ([`Progress::closed`]).
 ///
 /// A task of its own, not a future of the actor's context: actix polls every future of an
 /// actor (its mailbox, its timers, its kicks) whenever the actor's task runs, so each turn as
 /// an actor future cost the whole actor's poll (about 2,900 instructions a turn on `shm`;
 /// docs/efa.md, "Progress"), and a message that landed just after a CQ read waited that long
-/// for the next.
+/// for the next. One task for the actor's life, not one per spin: a ping-pong in spin mode
+/// starts a spin per message, and each spawn was an allocation (the task), and each end
+/// another (the message to the actor).
 pub(super) struct Spinner {
     progress: Rc<RefCell<Progress>>,
-    /// This spin's number ([`Progress::spin`] while it lasts).
-    id: u64,
-    actor: WeakAddr<FabricEndpoint>,
+    signal: Arc<KickSignal>,
+    /// The spin under way here (the number it had in [`Progress::spin`] when it began).
+    id: Option<u64>,
     /// When this spin last offered the CPU to other threads.
     os_yield: Instant,
     /// Turns so far: the clock is read on every `CLOCK_EVERY`-th only.
@@ -46,15 +50,11 @@ const OS_YIELD_EVERY: Duration = Duration::from_micros(20);
 const CLOCK_EVERY: u32 = 8;
 
 impl Spinner {
-    pub(super) fn new(
-        progress: Rc<RefCell<Progress>>,
-        id: u64,
-        actor: WeakAddr<FabricEndpoint>,
-    ) -> Spinner {
+    pub(super) fn new(progress: Rc<RefCell<Progress>>, signal: Arc<KickSignal>) -> Spinner {
         Spinner {
             progress,
-            id,
-            actor,
+            signal,
+            id: None,
             os_yield: Instant::now(),
             turns: 0,
         }
@@ -67,9 +67,19 @@ impl Future for Spinner {
     fn poll(mut self: Pin<&mut Self>, task: &mut std::task::Context<'_>) -> Poll<()> {
         let this = &mut *self;
         let mut p = this.progress.borrow_mut();
-        if p.spin != Some(this.id) {
-            // Cancelled: the actor has armed something else.
+        if p.closed {
             return Poll::Ready(());
+        }
+        if p.spin.is_none() || p.spin != this.id {
+            // No spin, or one that ended early (the actor armed something else) and perhaps a
+            // newer one since.
+            this.id = p.spin;
+            if this.id.is_none() {
+                p.spinner = Some(task.waker().clone());
+                return Poll::Pending;
+            }
+            this.os_yield = Instant::now();
+            this.turns = 0;
         }
         // Every turn reads the CQ. Skipping it for 8 turns after a pass that handed out ends
         // (so that the tasks those ends woke ran first) cost 64 B round trips once the stream
@@ -97,10 +107,10 @@ impl Future for Spinner {
             return Poll::Pending;
         }
         p.spin = None;
+        this.id = None;
+        p.spinner = Some(task.waker().clone());
         drop(p);
-        if let Some(actor) = this.actor.upgrade() {
-            actor.do_send(SpinOver(this.id));
-        }
-        Poll::Ready(())
+        self.signal.end_spin();
+        Poll::Pending
     }
 }
