@@ -5,9 +5,7 @@
 # stdout, one `### BUILD ROW RUN` line before each row or table; the binaries need feature efa.
 # Run: bash scripts/ab-efa-drive.sh DIR (holding `old` and `new`); RUNS=N (default 6).
 . "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
-cd "${1:?usage: ab-efa-drive.sh DIR (holding the old and new actorpipe binaries)}"
-set -u
-ab_header
+ab_start "${1:-}" ab-efa-drive.sh
 for k in $(seq 1 "${RUNS:-6}"); do
   for b in old new; do
     echo "### $b efa $k"

@@ -7,9 +7,7 @@
 # stdout, one `### BUILD ROW RUN` line before each row or table; the binaries need feature efa.
 # Run: bash scripts/ab-frame-cut.sh DIR (holding `old` and `new`); RUNS=N (default 4).
 . "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
-cd "${1:?usage: ab-frame-cut.sh DIR (holding the old and new actorpipe binaries)}"
-set -u
-ab_header
+ab_start "${1:-}" ab-frame-cut.sh
 for k in $(seq 1 "${RUNS:-4}"); do
   for b in old new; do
     echo "### $b channel-basic-tcp $k"

@@ -1,5 +1,13 @@
 # Shared by the A/B scripts (sourced, not run): the header line and issue 12's efa row.
 
+# Enters DIR (holding the `old` and `new` binaries; $1, from the script's own $1) and prints the
+# machine line; $2 names the script for the usage line.
+ab_start() {
+  cd "${1:?usage: $2 DIR (holding the old and new actorpipe binaries)}" || exit 1
+  set -u
+  ab_header
+}
+
 # The machine line every A/B output starts with.
 ab_header() {
   echo "# host $(hostname) cores $(nproc) $(date -u +%FT%TZ) load $(cut -d' ' -f1 /proc/loadavg)"

@@ -6,9 +6,7 @@
 # Output on stdout, one `### BUILD QUEUE API ROW RUN` line before each row.
 # Run: bash scripts/ab-runtime-turns.sh DIR (holding `old` and `new`); RUNS=N (default 3).
 . "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
-cd "${1:?usage: ab-runtime-turns.sh DIR (holding the old and new actorpipe binaries)}"
-set -u
-ab_header
+ab_start "${1:-}" ab-runtime-turns.sh
 row() { # BUILD QUEUE API RUN BACKEND...
   local b=$1 q=$2 api=$3 k=$4
   shift 4

@@ -7,9 +7,7 @@
 # Run: bash scripts/ab-small-cuts.sh DIR (holding `old` and `new`); RUNS=N (default 6). About
 # 40 s a run on a 16-core machine.
 . "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
-cd "${1:?usage: ab-small-cuts.sh DIR (holding the old and new actorpipe binaries)}"
-set -u
-ab_header
+ab_start "${1:-}" ab-small-cuts.sh
 row() {
   echo "### $1 $2 $3"
   ./$1 bench transport --backend $4 --sizes 64 --rounds 5 --api handler | grep -E '^\| 64 B'
