@@ -310,6 +310,17 @@ macro_rules! cases {
     };
 }
 
+/// Cases reported as skipped, with `reason` (they cannot pass here for a reason outside our code).
+macro_rules! skipped_cases {
+    ($reason:literal; $($case:ident),* $(,)?) => {
+        $(
+            #[test]
+            #[ignore = $reason]
+            fn $case() {}
+        )*
+    };
+}
+
 /// The transport suite for one transport, with the basic channel.
 macro_rules! transport_suite {
     ($name:ident, $transport:expr, $builder:expr) => {
@@ -371,15 +382,35 @@ fn efa_both(provider: &str) -> ContextBuilder {
         .channel(Arc::new(c))
         .only_channels(&["efa", "basic"])
 }
+/// The efa channel's suites on `tcp;ofi_rxm`: every case but the three that close a pipe while
+/// large tensors are on the fabric. With real traffic in flight, libfabric 1.17's `ofi_rxm`
+/// crashes the process when the endpoint closes (the test's runtime drops it at its end):
+/// docs/efa.md, "A crash at close in `ofi_rxm`". The shm provider's suite runs them.
 #[cfg(feature = "efa")]
-pair_suite!(efa_tcp_efa, "efa", "efa", || efa_both("tcp;ofi_rxm"));
+macro_rules! rxm_pair_suite {
+    ($name:ident, $builder:expr) => {
+        mod $name {
+            use super::*;
+            cases!($builder, "efa", "efa";
+                order_of_many_ops, empty_and_one_byte, larger_than_rings_and_chunks,
+                both_directions, both_directions_large, concurrent_pipes,
+                error_reaches_every_pending_op);
+            skipped_cases!("skipped: libfabric 1.17's ofi_rxm crashes closing an endpoint \
+                            mid-transfer (docs/efa.md, \"A crash at close in ofi_rxm\")";
+                close_mid_operation_by_writer, close_mid_operation_by_reader,
+                close_with_both_directions_in_flight);
+        }
+    };
+}
+#[cfg(feature = "efa")]
+rxm_pair_suite!(efa_tcp_efa, || efa_both("tcp;ofi_rxm"));
 #[cfg(feature = "efa")]
 pair_suite!(efa_shm_efa, "efa", "efa", || efa_both("shm"));
 // The efa channel on every domain of tcp;ofi_rxm (`lo` and `eth0` on the development VM):
 // tensors over 64 KiB striped over the domains both sides have (tests/efa_domains.rs checks
 // that each domain carries its share).
 #[cfg(feature = "efa")]
-pair_suite!(efa_tcp_efa_domains, "efa", "efa", || {
+rxm_pair_suite!(efa_tcp_efa_domains, || {
     let t = actorpipe::actors::fabric::transport::Efa::new("tcp;ofi_rxm");
     let c = actorpipe::channel::efa::Efa::over(&t)
         .max_message(256 << 10)

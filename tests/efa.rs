@@ -483,6 +483,57 @@ mod pipes {
         });
     }
 
+    /// Pairs of fresh contexts connect to each other at the same moment (each dials the other,
+    /// as peers that all connect to all at start-up do), three pairs at once, each pair in a
+    /// task of its own, and stream tensors both ways on both pipes as soon as `Connect`
+    /// answers. Two bugs stalled it, each found by it:
+    ///
+    /// - the efa channel's set-up left its queue of lane ends unpolled when a tensor came
+    ///   before its endpoints had described themselves (every run stalled in the first round);
+    /// - on `tcp;ofi_rxm`, two endpoints whose first sends cross can lose messages inside
+    ///   libfabric 1.17's `ofi_rxm`: the transport's `first_word` keeps one side silent until
+    ///   the other has spoken.
+    pub fn connect_both_ways_at_once(provider: &str) {
+        let rounds = if provider == "shm" { 20 } else { 60 };
+        actix::System::new().block_on(async {
+            for round in 0..rounds {
+                let runs: Vec<_> = (0..3u64)
+                    .map(|k| {
+                        let provider = provider.to_string();
+                        actix::spawn(async move {
+                            connect_both_ways(&provider, (round * 3 + k) * 2).await
+                        })
+                    })
+                    .collect();
+                within(30, &format!("round {round}: streams both ways"), async {
+                    for r in runs {
+                        r.await.expect("a pair's run");
+                    }
+                })
+                .await;
+            }
+        });
+    }
+
+    /// Two fresh contexts dial each other at once, then stream both ways on both pipes.
+    async fn connect_both_ways(provider: &str, seed: u64) {
+        let config = EndpointConfig::default();
+        let url = "tcp://127.0.0.1:0";
+        let mut a = Server::start(efa_context(provider, config), url).await;
+        let mut b = Server::start(efa_context(provider, config), url).await;
+        let (ra, rb) = tokio::join!(
+            a.ctx.send(Connect::new(&b.url)),
+            b.ctx.send(Connect::new(&a.url))
+        );
+        let ta = ra.unwrap().expect("a connects to b");
+        let tb = rb.unwrap().expect("b connects to a");
+        let (xa, xb) = (a.next().await, b.next().await);
+        tokio::join!(
+            stream(&ta, &xb, 20, 4, seed + 1),
+            stream(&tb, &xa, 20, 4, seed + 2)
+        );
+    }
+
     pub fn many_pipes(provider: &str) {
         actix::System::new().block_on(async {
             let config = EndpointConfig::default();
@@ -708,6 +759,10 @@ fn main() {
             pipes::eagain_storm as Case,
         ),
         ("pipes_many_share_one_endpoint", pipes::many_pipes),
+        (
+            "pipes_connect_both_ways_at_once",
+            pipes::connect_both_ways_at_once,
+        ),
         (
             "pipes_keep_their_loops_with_the_endpoint",
             pipes::loops_stay_with_the_endpoint,

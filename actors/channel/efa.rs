@@ -206,14 +206,14 @@ impl Channel {
                     Err(_) => {}
                 }
                 if act.fabric().describing == 0 {
-                    act.efa_described();
+                    act.efa_described(ctx);
                 }
             }));
         }
     }
 
     /// Every endpoint has answered: our hello goes out.
-    fn efa_described(&mut self) {
+    fn efa_described(&mut self, ctx: &mut Context<Self>) {
         let f = self.fabric();
         if f.failed.is_some() {
             return;
@@ -240,6 +240,11 @@ impl Channel {
         };
         self.lane_write_ack(LANE, hello, vec![Payload::new(list)]);
         self.lane_read_frame(LANE);
+        // The lane's ends come on the own queue, which the hello may have just made: poll it
+        // now. (Until 2026-11-27 this was left to the next handler that polls it, a tensor
+        // handed over by the pipe: a tensor handed over before the endpoints had described
+        // themselves came too early for that, and the set-up waited for ever.)
+        self.poll_own(ctx);
     }
 
     /// A completion from the lane.

@@ -22,7 +22,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::stream::{FabricRead, FabricWrite, Shared, Wiring, BOUNCE};
 use super::{
-    EndpointConfig, FabricAttach, FabricDescribe, FabricDetach, FabricEndpoint, FabricShare,
+    fabric_error, EndpointConfig, FabricAttach, FabricDescribe, FabricDetach, FabricEndpoint,
+    FabricShare,
 };
 use crate::error::{Error, Origin};
 use crate::fabric::InfoList;
@@ -297,6 +298,23 @@ impl Efa {
             peer_read: u32::from_le_bytes(theirs[..4].try_into().unwrap_or_default()),
             peer_write: u32::from_le_bytes(theirs[4..].try_into().unwrap_or_default()),
         };
+        // The halves post straight into the endpoint's engine (no mailbox hop per op).
+        let poster = ep.send(FabricShare).await.map_err(|_| gone(&origin))?;
+        let (mut rd, mut wd) = (rd, wd);
+        if connection_based(&self.provider) {
+            let lead = info.name < peer_name;
+            // The first word's end comes on the queue of the pipe it was posted for.
+            let queue = if lead { &mut wd } else { &mut rd };
+            if let Err(e) = first_word(&poster, wiring, lead, queue, &origin).await {
+                for pipe in [r, w] {
+                    ep.do_send(FabricDetach {
+                        pipe,
+                        reason: e.to_string(),
+                    });
+                }
+                return Err(e);
+            }
+        }
         let bounce = BOUNCE.min(info.attributes.max_msg_size.max(1) as usize);
         let (stop, stopped) = tokio::sync::oneshot::channel();
         let shared = Shared::new(stop);
@@ -321,8 +339,6 @@ impl Efa {
                 }
             }
         });
-        // The halves post straight into the endpoint's engine (no mailbox hop per op).
-        let poster = ep.send(FabricShare).await.map_err(|_| gone(&origin))?;
         let read = FabricRead::new(poster.clone(), wiring, rd, bounce, shared.clone());
         let write = FabricWrite::new(poster, wiring, wd, bounce, shared);
         Ok(Stream {
@@ -331,6 +347,83 @@ impl Efa {
             peer: peer.replacen("tcp://", "efa://", 1),
             local: local.replacen("tcp://", "efa://", 1),
         })
+    }
+}
+
+/// Whether `provider` opens connections under its reliable datagrams (`ofi_rxm` over `tcp` or
+/// `verbs`): then the two sides of a pipe must not both send first (see [`first_word`]).
+fn connection_based(provider: &str) -> bool {
+    provider.contains("ofi_rxm")
+}
+
+/// One side speaks first on a new stream, and the other sends nothing on the fabric before it
+/// has heard it: the side whose endpoint address sorts first sends one byte (`FirstWord`) to
+/// the peer's read pipe; the other waits (up to [`HELLO_TIMEOUT`]) for it on its own.
+///
+/// Why: `ofi_rxm` (libfabric 1.17 here) opens a connection to a peer at the first send to it.
+/// When both endpoints send first at the same moment, both open one, and its handling of the
+/// crossed requests can tear down a connection that the peer has already sent on: those
+/// messages are lost, and their sends had completed (libfabric issue 7396 describes the race).
+/// Measured here (libfabric's raw calls, three pairs of threads opening fresh endpoints, ten
+/// rounds): 15 of 180 round-sides lost a small message when both sides sent at once, none of
+/// 540 when one side waited for the other's first message (docs/efa.md, "The efa transport").
+/// The order is the same for every pipe between two endpoints, so pipes set up at once in both
+/// directions (A dials B while B dials A) agree on it too.
+async fn first_word(
+    poster: &super::Poster,
+    wiring: Wiring,
+    lead: bool,
+    queue: &mut tokio::sync::mpsc::UnboundedReceiver<crate::fabric::engine::Finished>,
+    origin: &Origin,
+) -> Result<(), Error> {
+    use crate::fabric::engine::{Kind, Op};
+    use crate::fabric::tag::{self, Stream as TagStream};
+    const ID: u64 = u64::MAX;
+    let (pipe, op) = match lead {
+        true => (
+            wiring.write,
+            Op {
+                kind: Kind::Send,
+                tag: tag::make(TagStream::FirstWord, wiring.peer_read, 0),
+                // Empty: a send with a context, never an inject (the engine injects 1 byte and
+                // up). rxm 1.17 crashes at `fi_close` on a canceled send without a context
+                // (docs/efa.md, "A crash at close in `ofi_rxm`"), and an inject queued behind a
+                // connection not yet open is one.
+                mem: Vec::new(),
+                id: ID,
+            },
+        ),
+        false => (
+            wiring.read,
+            Op {
+                kind: Kind::Recv,
+                tag: tag::make(TagStream::FirstWord, wiring.read, 0),
+                mem: vec![0],
+                id: ID,
+            },
+        ),
+    };
+    poster.post(pipe, std::iter::once(op));
+    let what = match lead {
+        true => "sending the first word on the fabric",
+        false => "waiting for the peer's first word on the fabric",
+    };
+    let end = tokio::time::timeout(HELLO_TIMEOUT, queue.recv()).await;
+    match end {
+        Ok(Some(f)) if f.id == ID => f.result.map(drop).map_err(|e| fabric_error(e, origin)),
+        Ok(Some(f)) => Err(Error::protocol(
+            format!("{what}: an unexpected end (op {}) came first", f.id),
+            origin,
+        )),
+        Ok(None) => Err(gone(origin)),
+        Err(_) => Err(Error::io(
+            what,
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("nothing within {} s", HELLO_TIMEOUT.as_secs()),
+            ),
+            origin,
+        )),
     }
 }
 

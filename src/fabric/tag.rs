@@ -31,6 +31,9 @@ pub enum Stream {
     Tensor = 3,
     /// Raw test and benchmark traffic.
     Raw = 4,
+    /// The first message of a control stream on a connection-based provider (`ofi_rxm`): one
+    /// side speaks first, so the two never open the provider's connection at once.
+    FirstWord = 5,
 }
 
 /// The tag of message `seq` of `stream` for the receiver's pipe `pipe`.
