@@ -357,8 +357,9 @@ fn connection_based(provider: &str) -> bool {
 }
 
 /// One side speaks first on a new stream, and the other sends nothing on the fabric before it
-/// has heard it: the side whose endpoint address sorts first sends one byte (`FirstWord`) to
-/// the peer's read pipe; the other waits (up to [`HELLO_TIMEOUT`]) for it on its own.
+/// has heard it: the side whose endpoint address sorts first sends an empty message
+/// (`FirstWord`) to the peer's read pipe; the other waits (up to [`HELLO_TIMEOUT`]) for it on
+/// its own.
 ///
 /// Why: `ofi_rxm` (libfabric 1.17 here) opens a connection to a peer at the first send to it.
 /// When both endpoints send first at the same moment, both open one, and its handling of the
