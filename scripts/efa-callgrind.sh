@@ -8,7 +8,9 @@
 # run (the same binary's `transport` row measured 79 and 88 thousand; with it, 85.5 and 85.6).
 # Rows that spin (`raw`, `... spin`) count their spin loops: read those as upper bounds.
 # Run: bash scripts/efa-callgrind.sh BIN OUTDIR [ROW...] (default rows: transport channel raw;
-# PROVIDER overrides 'tcp;ofi_rxm'). About 2 minutes for the default rows on the 2-core VM.
+# PROVIDER overrides 'tcp;ofi_rxm', API picks `--api`, SPIN adds `--spin US` for the `... spin`
+# rows). About 2 minutes for the default rows on the 2-core VM. Each row also prints the C
+# allocator's calls (malloc, calloc, realloc) per round trip, by caller.
 # Then: bash scripts/efa-callgrind.sh --compare OLDDIR NEWDIR [ROW...]: the two runs' counts
 # per round trip side by side, per function (exclusive), those that moved most first.
 set -u
@@ -52,11 +54,11 @@ for row in "${rows[@]}"; do
   for n in 2000 4000; do
     valgrind --tool=callgrind --fair-sched=yes --callgrind-out-file="$out/$row-$n.cg" \
       "$bin" bench efa --providers "$provider" --sizes 64 --iters $n --rounds 1 --rows "$row" \
-      >"$out/$row-$n.log" 2>&1
+      ${API:+--api "$API"} ${SPIN:+--spin "$SPIN"} >"$out/$row-$n.log" 2>&1
   done
   PYTHONPATH="$(dirname "$0")" python3 - "$out/$row-4000.cg" "$out/$row-2000.cg" "$row" <<'EOF'
 import sys
-from callgrind_counts import functions
+from callgrind_counts import ALLOCATORS, RUST_ALLOCATORS, allocator_calls, functions
 
 big, small, row = sys.argv[1:4]
 trips = 2200
@@ -65,5 +67,12 @@ print(f"## {row}: {(total_big - total_small) / trips:.0f} instructions per round
 moved = {k: (a[k] - b[k]) / trips for k in set(a) | set(b)}
 for name, per in sorted(moved.items(), key=lambda kv: -abs(kv[1]))[:25]:
     print(f"{per:9.1f}  {name[:150]}")
+ca, cb = allocator_calls(big), allocator_calls(small)
+per = {k: (ca[k] - cb[k]) / trips for k in set(ca) | set(cb)}
+c_calls = sum(n for (callee, _), n in per.items() if callee in ALLOCATORS)
+print(f"## {row}: {c_calls:.2f} allocations per round trip (malloc, calloc, realloc); Rust's by caller:")
+for (callee, caller), n in sorted(per.items(), key=lambda kv: -kv[1]):
+    if callee in RUST_ALLOCATORS and abs(n) >= 0.05:
+        print(f"{n:9.2f}  {callee} <- {caller[:130]}")
 EOF
 done

@@ -308,7 +308,10 @@ mod efa {
     /// Two endpoints in spin mode exchange messages (each starts and ends spins, on its spin
     /// task, which lives as long as the actor), then their pipes detach and every address
     /// goes: the actors stop, and with them the spin tasks and drivers, so the endpoints close
-    /// and every descriptor they opened is closed again. Run by
+    /// and every descriptor they opened is closed again (a `tcp;ofi_rxm` endpoint holds
+    /// sockets and a wait fd, which a spin task left running keeps open: that variant fails
+    /// then; an `shm` endpoint holds no descriptor once open, so its variant checks only that
+    /// nothing else leaks). Run by
     /// [`endpoints_close_after_spinning`] in a process of its own: the other trials open and
     /// close descriptors meanwhile.
     pub fn endpoints_close_after_spinning_alone(provider: &str) {

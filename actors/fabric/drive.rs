@@ -21,7 +21,7 @@
 //! [`AsyncFd::poll_read_ready`]: tokio::io::unix::AsyncFd::poll_read_ready
 
 use std::future::Future;
-use std::pin::{pin, Pin};
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::Poll;
@@ -92,11 +92,8 @@ impl Drive {
                         self.yielded = false;
                         return true;
                     }
-                    // The first poll of `yield_now` defers the waker it is given to the
-                    // runtime's list, woken after the runtime's next look at I/O; its future is
-                    // not needed after that.
-                    let deferred = pin!(tokio::task::yield_now()).poll(task);
-                    return deferred.is_ready();
+                    crate::transport::turns::wake_after_io(task);
+                    return false;
                 };
                 if self.timer_at != Some(at) {
                     self.timer.as_mut().reset(at);

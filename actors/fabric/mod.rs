@@ -269,7 +269,7 @@ impl FabricEndpoint {
     /// One progress pass, then the next wake-up.
     fn tick(&mut self, ctx: &mut Context<Self>) {
         self.progress.borrow_mut().pass();
-        self.schedule(ctx);
+        self.schedule();
         self.maybe_stop(ctx, false);
     }
 
@@ -297,7 +297,7 @@ impl FabricEndpoint {
             return;
         }
         self.driver = Driver::Idle;
-        self.schedule(ctx);
+        self.schedule();
         self.maybe_stop(ctx, false);
     }
 
@@ -350,7 +350,7 @@ impl FabricEndpoint {
 
     /// Arms the next progress: a spin, the wait fd, a poll, or nothing ([`Drive`] and the spin
     /// task act on it; nothing is spawned).
-    fn schedule(&mut self, _ctx: &mut Context<Self>) {
+    fn schedule(&mut self) {
         match self.plan() {
             Plan::Spin => {
                 // A spin that has just ended (its word not taken yet) runs no more.
@@ -531,7 +531,7 @@ impl Handler<FabricDetach> for FabricEndpoint {
             engine.detach(m.pipe, e, &mut |f| deliver(sinks, f));
             c.forget();
         }
-        self.schedule(ctx);
+        self.schedule();
         self.maybe_stop(ctx, false);
     }
 }

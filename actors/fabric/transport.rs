@@ -262,8 +262,8 @@ impl Efa {
             });
         }
         let peer_name = parts.pop().unwrap_or_default();
-        let (rs, rd) = tokio::sync::mpsc::unbounded_channel();
-        let (ws, wd) = tokio::sync::mpsc::unbounded_channel();
+        let (rs, mut rd) = tokio::sync::mpsc::unbounded_channel();
+        let (ws, mut wd) = tokio::sync::mpsc::unbounded_channel();
         let attach = |sink| FabricAttach {
             peer: peer_name.clone(),
             sink,
@@ -300,7 +300,6 @@ impl Efa {
         };
         // The halves post straight into the endpoint's engine (no mailbox hop per op).
         let poster = ep.send(FabricShare).await.map_err(|_| gone(&origin))?;
-        let (mut rd, mut wd) = (rd, wd);
         if connection_based(&self.provider) {
             let lead = info.name < peer_name;
             // The first word's end comes on the queue of the pipe it was posted for.

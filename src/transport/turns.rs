@@ -59,14 +59,21 @@ pub fn is_on_runtime_queue() -> bool {
 /// caller returns `Pending`.
 pub fn let_actors_run(cx: &mut Context<'_>) {
     if is_on_runtime_queue() {
-        // The first poll of `yield_now` hands the waker to the runtime's deferred list and
-        // returns `Pending`; dropping it afterwards leaves the waker there.
-        let deferred = pin!(tokio::task::yield_now()).poll(cx);
-        debug_assert!(deferred.is_pending());
-        if deferred.is_ready() {
-            cx.waker().wake_by_ref();
-        }
+        wake_after_io(cx);
     } else {
+        cx.waker().wake_by_ref();
+    }
+}
+
+/// Wakes the current task the way `yield_now` does: its waker goes to the runtime's deferred
+/// list, woken once the runtime has polled its I/O driver (and, from the runtime's queue, the
+/// `LocalSet`). The caller returns `Pending`; no future is kept.
+pub fn wake_after_io(cx: &mut Context<'_>) {
+    // The first poll of `yield_now` hands the waker to the deferred list and returns
+    // `Pending`; dropping it afterwards leaves the waker there.
+    let deferred = pin!(tokio::task::yield_now()).poll(cx);
+    debug_assert!(deferred.is_pending());
+    if deferred.is_ready() {
         cx.waker().wake_by_ref();
     }
 }
