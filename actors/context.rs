@@ -383,6 +383,18 @@ impl ContextBuilder {
         self.mpt(move |m| m.sources = sources)
     }
 
+    /// Tensors of 1 to `bytes` bytes that would go over mpt travel inline instead, after their
+    /// descriptor on the pipe's own connection, as basic ones do
+    /// ([`crate::channel::mpt::INLINE_MAX`], 256 KiB, by default: below that, striping costs
+    /// more than it saves). Under 64 KiB (0 sends every non-empty tensor over the lanes) each
+    /// pipe's first lane stays on the context's thread: it then carries the tensors too small
+    /// to stripe. Only the
+    /// sender's setting counts: the receiver follows the descriptor. Nothing happens if mpt was
+    /// removed.
+    pub fn mpt_inline_max(self, bytes: u64) -> Self {
+        self.mpt(|m| m.inline_max = bytes)
+    }
+
     /// Changes the mpt channel's settings, keeping its priority.
     fn mpt(mut self, change: impl FnOnce(&mut Mpt)) -> Self {
         change(&mut self.mpt);

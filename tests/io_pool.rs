@@ -79,7 +79,7 @@ async fn lanes_run_on_threads_of_their_own() {
         .copied()
         .collect();
     // Each context's pool started one thread per lane but the first, which stays on the
-    // context's arbiter with the pipe (it carries the tensors too small to stripe).
+    // context's arbiter with the pipe and moves its share of each tensor there.
     assert_eq!(pool.len(), 6, "pool threads {pool:?}");
     within(120, "transfer", transfer(&tx, &rx, 4, 32 << 20)).await;
     let end = arbiter_threads();

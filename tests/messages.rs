@@ -357,3 +357,40 @@ async fn small_tensors_arrive_with_their_descriptor_while_reading_ahead() {
         }
     }
 }
+
+/// mpt sends tensors of 1 B to its inline limit after their descriptor on the pipe's own
+/// connection and the larger ones over its lanes, with `mpt_inline_max(0)` every non-empty one
+/// over the lanes; either way every tensor arrives intact, the empty one included, and the pipes
+/// count where each went.
+#[actix::test]
+async fn mpt_sends_small_tensors_inline_and_large_ones_over_its_lanes() {
+    let limit = actorpipe::channel::mpt::INLINE_MAX as usize;
+    let sizes = [0, 1, 4096, limit, limit + 1, 1 << 20];
+    for (inline_max, on_control) in [(None, 3), (Some(0), 0), (Some(1 << 20), 5)] {
+        let side = || {
+            let b = Context::builder()
+                .without("shm")
+                .only_channels(&["mpt"])
+                .lanes(2);
+            match inline_max {
+                Some(n) => b.mpt_inline_max(n),
+                None => b,
+            }
+        };
+        let (tx, rx, _s) = pair(side(), side()).await;
+        for (i, &size) in sizes.iter().enumerate() {
+            let (to, mut done) = inbox::<WriteDone>();
+            tx.do_send(Write::new(checked_message(i as u64, &[], &[size])).notify(to));
+            let m = within(30, "read", read_one(&rx)).await.expect("read");
+            assert_eq!(verify(&m), i as u64, "{inline_max:?}: tensor of {size} B");
+            let d = within(30, "write", done.recv()).await.unwrap();
+            d.result.expect("write");
+        }
+        let info = tx.send(GetInfo).await.unwrap();
+        assert_eq!(
+            (info.tensors_on_control, info.tensors_by_channel),
+            (on_control, sizes.len() as u64 - on_control),
+            "{inline_max:?}: tensors on control, by channel"
+        );
+    }
+}

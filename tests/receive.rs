@@ -184,9 +184,9 @@ async fn receive_deadline_closes_the_pipe() {
 /// A `Receive` waiting when a self-contained message arrives (payloads and host tensors of at
 /// most 16 KiB in all, the tensors on the control stream) is completed by the connection's read
 /// loop itself, with the message intact, its metadata, and the spare buffers reused; one whose
-/// bytes follow on the stream, or whose tensors take a channel of their own (xth, mpt), is
-/// completed by the pipe as before. Over shm + xth (the default in one process), tcp + basic and
-/// tcp + mpt.
+/// bytes follow on the stream, or whose tensors take a channel of their own (xth), is completed
+/// by the pipe as before. Over shm + xth (the default in one process), tcp + basic and tcp + mpt
+/// (whose small tensors travel inline on the control stream, as basic ones do).
 #[actix::test]
 async fn waiting_receives_of_small_messages_are_completed_by_the_read_loop() {
     for (name, builder) in CONFIGS {
@@ -228,9 +228,10 @@ async fn waiting_receives_of_small_messages_are_completed_by_the_read_loop() {
                 assert_eq!(t.target_device, want, "{name}: {i}, tensor {j}");
                 assert_eq!(t.buffer.device(), Device::Cpu, "{name}: {i}, tensor {j}");
             }
-            // Tensors ride the control stream over basic only: two contexts of one process
-            // negotiate xth by default.
-            caught += u64::from(small && (tensors.is_empty() || name == "tcp+basic"));
+            // Small tensors ride the control stream over basic and mpt (inline) only: two
+            // contexts of one process negotiate xth by default.
+            let on_control = matches!(name, "tcp+basic" | "tcp+mpt");
+            caught += u64::from(small && (tensors.is_empty() || on_control));
             let info = rx.send(GetInfo).await.unwrap();
             assert_eq!(
                 info.received_by_read_loop, caught,

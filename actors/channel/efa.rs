@@ -450,15 +450,7 @@ impl Channel {
     /// A tensor to receive in place: its channel data must give its length (an inline one's is
     /// empty, and the pipe reads it itself).
     pub(super) fn efa_recv(&mut self, m: RecvTensor, ctx: &mut Context<Self>) {
-        if m.data != (m.buffer.len() as u64).to_le_bytes() {
-            let e = Error::protocol(
-                format!(
-                    "efa channel data {:?} does not give the tensor's length {}",
-                    m.data,
-                    m.buffer.len()
-                ),
-                &self.origin,
-            );
+        if let Err(e) = self.check_length(&m, "efa") {
             return self.hand_back(false, m.seq, m.index, Memory::Owned(m.buffer), Err(e));
         }
         self.efa_tensor(false, m.seq, m.index, Memory::Owned(m.buffer), ctx)

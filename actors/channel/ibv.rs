@@ -202,15 +202,8 @@ impl Channel {
 
     /// Receives one tensor (`RecvTensor`): its channel data is its length.
     pub(super) fn recv_ibv(&mut self, m: RecvTensor) {
-        let result = if m.data != (m.buffer.len() as u64).to_le_bytes() {
-            Err(Error::protocol(
-                format!(
-                    "ibv channel data {:?} does not give the tensor's length {}",
-                    m.data,
-                    m.buffer.len()
-                ),
-                &self.origin,
-            ))
+        let result = if let Err(e) = self.check_length(&m, "ibv") {
+            Err(e)
         } else if m.buffer.is_empty() {
             Ok(())
         } else {

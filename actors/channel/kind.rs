@@ -18,8 +18,9 @@ pub(crate) enum ChannelKind {
         chunk_size: usize,
         inline_max: u64,
     },
-    /// Stripes over several lane connections.
-    Mpt { chunk_size: usize },
+    /// Stripes over several lane connections. Tensors of 1..=`inline_max` bytes travel like
+    /// basic ones instead, on the pipe's connection.
+    Mpt { chunk_size: usize, inline_max: u64 },
     /// CUDA tensors between two contexts of one process (feature `cuda`).
     #[cfg(feature = "cuda")]
     CudaXth { pipe: u64 },
@@ -52,7 +53,9 @@ impl ChannelKind {
     pub fn sends_on_control(&self, len: u64) -> bool {
         match *self {
             ChannelKind::Basic { .. } => true,
-            ChannelKind::Cma { inline_max, .. } => len > 0 && len <= inline_max,
+            ChannelKind::Cma { inline_max, .. } | ChannelKind::Mpt { inline_max, .. } => {
+                len > 0 && len <= inline_max
+            }
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { inline_max, .. } => len > 0 && len <= inline_max,
             #[cfg(feature = "efa")]
@@ -61,10 +64,12 @@ impl ChannelKind {
         }
     }
 
-    /// Whether a tensor this channel moves in place has its length as channel data (`ibv`,
-    /// `efa`: the receiver checks it against its buffer; an inline tensor's data is empty).
+    /// Whether a tensor this channel moves in place has its length as channel data (`mpt`,
+    /// `ibv`, `efa`: the receiver checks it against its buffer; an inline tensor's data is
+    /// empty).
     pub fn gives_length(&self) -> bool {
         match *self {
+            ChannelKind::Mpt { .. } => true,
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { .. } => true,
             #[cfg(feature = "efa")]
@@ -75,15 +80,18 @@ impl ChannelKind {
 
     /// Which tensors we receive travel on the pipe's control connection, after their
     /// descriptor. The sender decides ([`Self::sends_on_control`]); an inline cma tensor is the
-    /// one whose channel data is empty (a [`RemoteBuffer`] never is).
+    /// one whose channel data is empty (a [`RemoteBuffer`] never is), and so is an inline
+    /// `mpt`, `ibv` or `efa` one (a tensor on the lanes or the fabric has its length).
     pub fn carried(&self) -> Carried {
         match self {
             // Every basic tensor has empty channel data (the pipe checks it), while a tensor
             // routed to a CUDA channel never does: it travels elsewhere.
-            ChannelKind::Basic { .. } | ChannelKind::Cma { .. } => Carried::NoData,
+            ChannelKind::Basic { .. } | ChannelKind::Cma { .. } | ChannelKind::Mpt { .. } => {
+                Carried::NoData
+            }
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { .. } => Carried::NoData,
-            ChannelKind::Xth { .. } | ChannelKind::Mpt { .. } => Carried::Nothing,
+            ChannelKind::Xth { .. } => Carried::Nothing,
             #[cfg(feature = "cuda")]
             ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
                 Carried::Nothing
@@ -100,7 +108,7 @@ impl ChannelKind {
         match *self {
             ChannelKind::Basic { chunk_size }
             | ChannelKind::Cma { chunk_size, .. }
-            | ChannelKind::Mpt { chunk_size } => chunk_size,
+            | ChannelKind::Mpt { chunk_size, .. } => chunk_size,
             #[cfg(feature = "ibv")]
             ChannelKind::Ibv { chunk_size, .. } => chunk_size,
             #[cfg(feature = "efa")]

@@ -345,8 +345,23 @@ impl Channel {
         );
     }
 
+    /// Checks a received tensor's channel data against its buffer: the channels that move
+    /// tensors in place (`mpt`, `ibv`, `efa`) send the tensor's length, u64 LE.
+    fn check_length(&self, m: &RecvTensor, channel: &str) -> Result<(), Error> {
+        if m.data == (m.buffer.len() as u64).to_le_bytes() {
+            return Ok(());
+        }
+        Err(Error::protocol(
+            format!(
+                "{channel} channel data {:?} does not give the tensor's length {}",
+                m.data,
+                m.buffer.len()
+            ),
+            &self.origin,
+        ))
+    }
+
     /// Hands a whole tensor back to the pipe: sent (`sending`) or received, with `r`.
-    #[cfg(any(feature = "efa", feature = "ibv"))]
     fn hand_back(&self, sending: bool, seq: u64, index: u32, memory: Memory, r: Result<(), Error>) {
         self.to_pipe(if sending {
             Done::WroteTensor {
@@ -627,7 +642,7 @@ impl Handler<SendTensor> for Channel {
             ChannelKind::Basic { .. } => unreachable!("basic sends everything on control"),
             ChannelKind::Xth { pipe } => self.send_xth(pipe, m),
             ChannelKind::Cma { .. } => self.send_cma(m),
-            ChannelKind::Mpt { chunk_size } => {
+            ChannelKind::Mpt { chunk_size, .. } => {
                 self.stripe(m.seq, m.index, m.buffer, true, chunk_size)
             }
             #[cfg(feature = "cuda")]
@@ -666,9 +681,7 @@ impl Handler<RecvTensor> for Channel {
             ChannelKind::Basic { .. } => unreachable!("basic receives everything on control"),
             ChannelKind::Xth { .. } => self.recv_xth(m),
             ChannelKind::Cma { threads, .. } => self.recv_cma(m, threads, ctx),
-            ChannelKind::Mpt { chunk_size } => {
-                self.stripe(m.seq, m.index, Memory::Owned(m.buffer), false, chunk_size)
-            }
+            ChannelKind::Mpt { chunk_size, .. } => self.recv_stripes(m, chunk_size),
             #[cfg(feature = "cuda")]
             ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
                 unreachable!("refused above")

@@ -3,6 +3,14 @@
 use super::*;
 
 impl Channel {
+    /// A tensor to read from the lanes, once its channel data (its length) is checked.
+    pub(super) fn recv_stripes(&mut self, m: RecvTensor, chunk: usize) {
+        if let Err(e) = self.check_length(&m, "mpt") {
+            return self.hand_back(false, m.seq, m.index, Memory::Owned(m.buffer), Err(e));
+        }
+        self.stripe(m.seq, m.index, Memory::Owned(m.buffer), false, chunk)
+    }
+
     pub(super) fn stripe(
         &mut self,
         seq: u64,

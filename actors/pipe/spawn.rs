@@ -116,7 +116,11 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                         .cma_inline_max
                         .unwrap_or_else(|| crate::channel::cma::inline_max(&choice.transport)),
                 },
-                "mpt" => ChannelKind::Mpt { chunk_size },
+                "mpt" => ChannelKind::Mpt {
+                    chunk_size,
+                    inline_max: backend_of::<crate::channel::mpt::Mpt>(config, "mpt")
+                        .map_or(crate::channel::mpt::INLINE_MAX, |b| b.inline_max),
+                },
                 #[cfg(feature = "cuda")]
                 "cuda_xth" => ChannelKind::CudaXth { pipe: id },
                 #[cfg(feature = "cuda")]
@@ -174,9 +178,11 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                         origin.clone(),
                         config.heartbeat,
                         // Lanes that stripe tensors get cores of their own, but the first:
-                        // it carries every tensor too small to stripe, which then costs no
-                        // hop between threads, and the pipe's thread moves its share. cma's
-                        // side connections (acknowledgements) stay with the pipe.
+                        // the pipe's thread moves its share (every lane on the pool measured
+                        // no faster; docs/performance.md, "mpt's small tensors inline"), and
+                        // where small tensors are not inline it carries those whole, which
+                        // then cross no thread. cma's side connections (acknowledgements)
+                        // stay with the pipe.
                         (i > 0 && matches!(kind, ChannelKind::Mpt { .. })).then_some(&config.io),
                     )
                 })
@@ -287,7 +293,6 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
 }
 
 /// The context's channel backend called `name`, as its concrete type.
-#[cfg(any(feature = "ibv", feature = "efa"))]
 fn backend_of<T: Clone + 'static>(config: &Config, name: &str) -> Option<T> {
     config
         .channels

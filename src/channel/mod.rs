@@ -81,7 +81,8 @@ pub trait ChannelBackend: Send + Sync + 'static {
     }
 
     /// The backend itself, for the pipe that needs its concrete type (the `ibv` channel's
-    /// device and registration caches). `None` by default.
+    /// device and registration caches, the `mpt` and `efa` channels' inline limits). `None` by
+    /// default.
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         None
     }

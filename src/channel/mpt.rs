@@ -4,7 +4,14 @@
 //!
 //! Each lane carries its stripe as chunk frames on its own connection, so lanes proceed in
 //! parallel and a slow lane does not stall the others' kernel buffers. Both sides compute the
-//! same stripes from the tensor's length, so no extra metadata travels.
+//! same stripes from the tensor's length; the descriptor's channel data is that length (8 bytes,
+//! LE), which the receiver checks against its buffer.
+//!
+//! Tensors of 1 to [`Mpt::inline_max`] bytes ([`INLINE_MAX`], 256 KiB, by default) do not use
+//! the lanes: they travel after their descriptor on the pipe's own connection, as `basic`
+//! tensors do, with empty channel data. For them the lanes would cost each side more system
+//! calls and a completion from another thread than the striping saves; and with no tensor
+//! left for one lane alone, every lane can run on the context's I/O threads.
 
 use super::ChannelBackend;
 use crate::negotiate::DevicePair;
@@ -17,6 +24,11 @@ pub struct Mpt {
     /// Local addresses the dialing side's lanes leave from, one per NIC: lane `i` binds
     /// `sources[i % len]`. Empty: the routing table chooses.
     pub sources: Vec<std::net::IpAddr>,
+    /// Tensors of 1 to this many bytes travel inline, after their descriptor on the pipe's
+    /// connection, instead of on the lanes ([`INLINE_MAX`] by default; 0: every non-empty
+    /// tensor on the lanes). The peers need not agree: the sender decides, and the receiver
+    /// reads a tensor inline exactly when its channel data is empty.
+    pub inline_max: u64,
 }
 
 impl Default for Mpt {
@@ -24,6 +36,7 @@ impl Default for Mpt {
         Mpt {
             lanes: 2,
             sources: Vec::new(),
+            inline_max: INLINE_MAX,
         }
     }
 }
@@ -52,10 +65,21 @@ impl ChannelBackend for Mpt {
     fn lane_source(&self, lane: u32) -> Option<std::net::IpAddr> {
         (!self.sources.is_empty()).then(|| self.sources[lane as usize % self.sources.len()])
     }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
 }
 
 /// Stripes below this size are not split further: one lane moves small tensors whole.
 pub const MIN_STRIPE: u64 = 64 << 10;
+
+/// The largest tensor that travels inline on the pipe's connection by default
+/// ([`Mpt::inline_max`]), as for cma over tcp. On the 16-core machine (2 lanes, each on a thread
+/// of its own) a 128 KiB and a 256 KiB tensor's round trip took 91 and 135 µs inline against
+/// 140–147 and 171–181 µs striped over the lanes; at 512 KiB the two were even and at 1 MiB the
+/// lanes were faster (docs/performance.md, "mpt's small tensors inline").
+pub const INLINE_MAX: u64 = 256 << 10;
 
 /// Splits `len` bytes into at most `lanes` contiguous `(lane, offset, length)` stripes, none
 /// empty and none (but a whole small tensor) below [`MIN_STRIPE`]. Zero bytes give no stripe.

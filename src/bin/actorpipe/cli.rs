@@ -170,6 +170,12 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(0..=256))]
     pub io_threads: Option<u32>,
 
+    /// The largest tensor the mpt channel sends inline, after its descriptor on the pipe's
+    /// connection, instead of over the lanes, both sides (`ContextBuilder::mpt_inline_max`; 0:
+    /// every non-empty tensor over the lanes). [default: the library's, 256 KiB]
+    #[arg(long, value_name = "BYTES", value_parser = crate::units::parse_limit)]
+    pub mpt_inline_max: Option<u64>,
+
     /// Threads per large cma read, both sides (`ContextBuilder::cma_threads`). [default: the
     /// library's]
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=64))]

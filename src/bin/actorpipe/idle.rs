@@ -78,6 +78,7 @@ fn setup(name: &str) -> Result<Setup, Failure> {
             no_keepalive: false,
             io_threads: None,
             cma_threads: None,
+            mpt_inline_max: None,
         }),
         "default" => Ok(Setup {
             transports: Transports::Both,
@@ -87,6 +88,7 @@ fn setup(name: &str) -> Result<Setup, Failure> {
             no_keepalive: false,
             io_threads: None,
             cma_threads: None,
+            mpt_inline_max: None,
         }),
         _ => Err(bad(format!(
             "unknown configuration {name:?} for bench idle: use tcp+basic or default"

@@ -81,6 +81,8 @@ pub struct Setup {
     pub io_threads: Option<u32>,
     /// Threads per large cma read, when set.
     pub cma_threads: Option<u32>,
+    /// The largest tensor mpt sends inline on the pipe's connection, when set.
+    pub mpt_inline_max: Option<u64>,
 }
 
 impl Setup {
@@ -110,6 +112,9 @@ impl Setup {
         }
         if let Some(n) = self.cma_threads {
             b = b.cma_threads(n as usize);
+        }
+        if let Some(n) = self.mpt_inline_max {
+            b = b.mpt_inline_max(n);
         }
         b
     }
@@ -267,6 +272,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                 no_keepalive: false,
                 io_threads: None,
                 cma_threads: None,
+                mpt_inline_max: None,
             };
             let (baseline, label) = if transports == Transports::IbvSim {
                 // The simulated wire is a memcpy under a lock: compare with a plain memcpy.
@@ -296,6 +302,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                 no_keepalive: false,
                 io_threads: None,
                 cma_threads: None,
+                mpt_inline_max: None,
             };
             // The simulated wire is a memcpy under a lock: compare with a plain memcpy.
             let label = "channel ibv over transport ibv (SIMULATED device)".to_string();
@@ -316,6 +323,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                 no_keepalive: false,
                 io_threads: None,
                 cma_threads: None,
+                mpt_inline_max: None,
             };
             let on = if setup.transports == Transports::Tcp {
                 "tcp"
@@ -336,6 +344,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                     no_keepalive: false,
                     io_threads: None,
                     cma_threads: None,
+                    mpt_inline_max: None,
                 }
             } else {
                 let (t, c) = name.split_once('+').ok_or_else(|| {
@@ -360,6 +369,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
                     no_keepalive: false,
                     io_threads: None,
                     cma_threads: None,
+                    mpt_inline_max: None,
                 }
             };
             (setup, None, format!("pipe {name}"))
@@ -369,6 +379,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
     setup.no_keepalive = args.no_keepalive;
     setup.io_threads = args.io_threads;
     setup.cma_threads = args.cma_threads;
+    setup.mpt_inline_max = args.mpt_inline_max;
     if let Some(n) = args.lanes() {
         let mpt_possible = setup.channel.is_none() || setup.channel == Some("mpt");
         if !mpt_possible {

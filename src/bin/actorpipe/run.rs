@@ -266,6 +266,10 @@ fn server_args(plan: &Plan, args: &RunArgs, shm_fds: Option<String>) -> Vec<Stri
         ("--lanes", args.lanes().map(|n| n.to_string())),
         ("--io-threads", args.io_threads.map(|n| n.to_string())),
         ("--cma-threads", args.cma_threads.map(|n| n.to_string())),
+        (
+            "--mpt-inline-max",
+            args.mpt_inline_max.map(|n| n.to_string()),
+        ),
         ("--spin", args.spin.map(|n| n.to_string())),
         ("--shm-fds", shm_fds),
         ("--api", Some(args.api.name().to_string())),

@@ -26,6 +26,14 @@ pub fn parse_sizes(text: &str) -> Result<Sizes, String> {
     Ok(Sizes(sizes))
 }
 
+/// Parses a byte limit: `0`, or a size as [`parse_size`] reads it.
+pub fn parse_limit(text: &str) -> Result<u64, String> {
+    if text == "0" {
+        return Ok(0);
+    }
+    parse_size(text)
+}
+
 /// Parses one size; see [`parse_sizes`].
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let digits = text
@@ -117,6 +125,9 @@ mod tests {
         assert!(parse_size("K").is_err());
         assert!(parse_size("99999999999999999999").is_err());
         assert!(parse_sizes("64,,1M").is_err());
+        assert_eq!(parse_limit("0").unwrap(), 0);
+        assert_eq!(parse_limit("64K").unwrap(), 64 << 10);
+        assert!(parse_limit("-1").is_err());
     }
 
     #[test]
