@@ -386,11 +386,9 @@ impl ContextBuilder {
     /// Tensors of 1 to `bytes` bytes that would go over mpt travel inline instead, after their
     /// descriptor on the pipe's own connection, as basic ones do
     /// ([`crate::channel::mpt::INLINE_MAX`], 256 KiB, by default: below that, striping costs
-    /// more than it saves). Under 64 KiB (0 sends every non-empty tensor over the lanes) each
-    /// pipe's first lane stays on the context's thread: it then carries the tensors too small
-    /// to stripe. Only the
-    /// sender's setting counts: the receiver follows the descriptor. Nothing happens if mpt was
-    /// removed.
+    /// more than it saves). 0 sends every non-empty tensor over the lanes (those under 64 KiB
+    /// whole on the first lane, which runs on the context's thread). Only the sender's setting
+    /// counts: the receiver follows the descriptor. Nothing happens if mpt was removed.
     pub fn mpt_inline_max(self, bytes: u64) -> Self {
         self.mpt(|m| m.inline_max = bytes)
     }

@@ -10,8 +10,7 @@
 //! Tensors of 1 to [`Mpt::inline_max`] bytes ([`INLINE_MAX`], 256 KiB, by default) do not use
 //! the lanes: they travel after their descriptor on the pipe's own connection, as `basic`
 //! tensors do, with empty channel data. For them the lanes would cost each side more system
-//! calls and a completion from another thread than the striping saves; and with no tensor
-//! left for one lane alone, every lane can run on the context's I/O threads.
+//! calls and a completion from another thread than the striping saves.
 
 use super::ChannelBackend;
 use crate::negotiate::DevicePair;
