@@ -301,3 +301,87 @@ async fn garbage_after_the_handshake_closes_only_that_pipe() {
         still_serves(&mut server).await;
     }
 }
+
+/// A peer whose mpt tensor's channel data is not the tensor's length (the lanes' only check on
+/// what the descriptor says they will carry): the read fails with a protocol error naming the
+/// channel, and nothing waits for bytes the lanes will never bring.
+#[actix::test]
+async fn mpt_channel_data_that_is_not_the_length_fails_the_read() {
+    let server_side = fast_server()
+        .without("shm")
+        .only_channels(&["mpt"])
+        .lanes(1);
+    let mut server = Server::start(server_side, "tcp://127.0.0.1:0").await;
+    let addr = server.url.trim_start_matches("tcp://").to_string();
+    let mut ours = brochure();
+    ours.channels = vec![ChannelOffer {
+        name: "mpt".into(),
+        priority: 10,
+        domain: String::new(),
+        devices: DevicePair::CPU,
+        connections: 1,
+    }];
+    let s = into_stream(TcpStream::connect(&addr).await.unwrap()).unwrap();
+    let t = Duration::from_secs(5);
+    let mut hs = within(
+        5,
+        "raw handshake",
+        handshake::connect(s, &ours, None, &Limits::default(), t),
+    )
+    .await
+    .expect("handshake");
+    assert_eq!(hs.choice.channels[0].name, "mpt", "{:?}", hs.choice);
+    // The one lane joins; then the listener confirms the pipe.
+    let lane = into_stream(TcpStream::connect(&addr).await.unwrap()).unwrap();
+    let purpose = actorpipe::negotiate::Purpose::Channel {
+        channel: 0,
+        lane: 0,
+    };
+    let _lane = within(
+        5,
+        "join",
+        handshake::join(
+            lane,
+            (&hs.listener_nonce, hs.choice.token),
+            purpose,
+            None,
+            t,
+        ),
+    )
+    .await
+    .expect("join");
+    within(
+        5,
+        "confirmed",
+        handshake::accepted(&mut hs.halves, &Limits::default(), t),
+    )
+    .await
+    .expect("confirmed");
+    let pipe = server.next().await;
+    // An 8-byte tensor (too small for a lane by default, but a sender decides) whose channel
+    // data claims 9 bytes.
+    let m = Message::new().with_tensor(Tensor::cpu(vec![1; 8]));
+    let mut b = Vec::new();
+    encode_frame(&mut b, FrameKind::Descriptor, |b| {
+        wire::encode_descriptor(b, 0, &m, |_, data| {
+            data.set(&9u64.to_le_bytes());
+            0
+        })
+    });
+    hs.halves.write.write_all(&b).await.unwrap();
+    let d = within(5, "descriptor", pipe.send(ReadDescriptor))
+        .await
+        .unwrap()
+        .descriptor
+        .expect("the descriptor itself is well formed");
+    let done = within(
+        5,
+        "the read fails",
+        pipe.send(Read::new(Allocation::for_descriptor(&d).unwrap())),
+    )
+    .await
+    .unwrap();
+    let e = done.result.expect_err("wrong channel data is refused");
+    assert_eq!(e.class(), "protocol", "{e}");
+    assert!(e.to_string().contains("mpt channel data"), "{e}");
+}
