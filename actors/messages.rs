@@ -641,9 +641,9 @@ pub struct PipeInfo {
     /// Metrics label the same names separately (`transport="shm"`, `channel="cma"`).
     pub backend: String,
     /// Tensors this side sent through the control connection (the `basic` channel's, and the
-    /// ones `cma` sends inline because they are small).
+    /// ones `cma`, `mpt`, `ibv` and `efa` send inline because they are small).
     pub tensors_on_control: u64,
-    /// Tensors this side handed to the channel itself (`xth`, `cma`, `mpt`).
+    /// Tensors this side handed to the channel itself (`xth`, `cma`, `mpt`, ...).
     pub tensors_by_channel: u64,
     /// `Receive`s the connection's read loop completed itself, without a turn of the pipe's
     /// task: those for messages read whole with their frame (payloads and small host tensors
