@@ -489,13 +489,12 @@ mod pipes {
     /// Pairs of fresh contexts connect to each other at the same moment (each dials the other,
     /// as peers that all connect to all at start-up do), three pairs at once, each pair in a
     /// task of its own, and stream tensors both ways on both pipes as soon as `Connect`
-    /// answers. Two bugs stalled it, each found by it:
-    ///
-    /// - the efa channel's set-up left its queue of lane ends unpolled when a tensor came
-    ///   before its endpoints had described themselves (every run stalled in the first round);
-    /// - on `tcp;ofi_rxm`, two endpoints whose first sends cross can lose messages inside
-    ///   libfabric 1.17's `ofi_rxm`: the transport's `first_word` keeps one side silent until
-    ///   the other has spoken.
+    /// answers. It found the efa channel's set-up leaving its queue of lane ends unpolled when
+    /// a tensor came before its endpoints had described themselves (every run stalled in the
+    /// first round). It also runs the transport's `first_word` rule on `tcp;ofi_rxm` (one side
+    /// silent until the other has spoken, against crossed first sends that libfabric 1.17's
+    /// `ofi_rxm` can lose), though it did not tell runs with and without that rule apart
+    /// (docs/efa.md, "The efa transport").
     pub fn connect_both_ways_at_once(provider: &str) {
         let rounds = if provider == "shm" { 20 } else { 60 };
         actix::System::new().block_on(async {
