@@ -277,6 +277,11 @@ impl ContextBuilder {
     /// 1.8–2.1 µs on 16 cores; docs/performance.md, "The loops on the runtime's queue"). For
     /// applications that read through handlers. Only pipes over `tcp` and `shm` take it: the `efa` and
     /// `ibv` streams are driven by actors on the `LocalSet`, and their loops stay there.
+    ///
+    /// **A handler called from such a loop runs outside the `LocalSet`**: `actix::spawn` and
+    /// `Actor::start` (tokio's `spawn_local`) panic there, and the pipe fails as for any handler
+    /// that panics. Spawn with `actix::Arbiter::current().spawn(..)`, or send a message to an
+    /// actor, which work on either queue.
     /// `ACTORPIPE_LOOPS_ON_RUNTIME=1` turns it on for contexts built with defaults (the CLI's).
     pub fn loops_on_runtime(mut self, on: bool) -> Self {
         self.config.loops_on_runtime = on;

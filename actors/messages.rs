@@ -456,6 +456,13 @@ impl Op for Receive {
 /// arrives), and the panic goes no further than the call (with Rust's default `panic =
 /// "unwind"`; a program built to abort on panic aborts).
 ///
+/// **Spawning from a handler.** With the defaults a handler runs on the arbiter's `LocalSet`,
+/// where `actix::spawn` and `Actor::start` work. A pipe whose loops run on the runtime's own
+/// queue ([`ContextBuilder::loops_on_runtime`](crate::ContextBuilder::loops_on_runtime)) calls
+/// it outside the `LocalSet`: there `actix::spawn` and `Actor::start` (tokio's `spawn_local`)
+/// panic, which breaks the handler as above. `actix::Arbiter::current().spawn(..)`, or a
+/// message to an actor, works in both places.
+///
 /// An echo that answers each message from the read loop:
 ///
 /// ```no_run

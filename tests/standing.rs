@@ -464,6 +464,59 @@ async fn a_panicking_handler_fails_the_pipe() {
     assert!(calls.try_recv().is_err(), "the handler was called again");
 }
 
+/// A handler called from a loop on the runtime's own queue (`loops_on_runtime`) runs outside
+/// the arbiter's `LocalSet`. `Arbiter::current().spawn` works from it, as from a handler on the
+/// `LocalSet`; `actix::spawn` (tokio's `spawn_local`, which `Actor::start` uses too) panics
+/// there, which breaks the handler: the pipe fails naming it, and nothing hangs. What the
+/// option's documentation says.
+#[actix::test]
+async fn handlers_on_the_runtime_queue_spawn_through_the_arbiter() {
+    for on_runtime in [false, true] {
+        let name = format!("loops on the runtime: {on_runtime}");
+        let b = || tcp_basic().loops_on_runtime(on_runtime);
+        // Through the arbiter: every message reaches the spawned task, in order.
+        let (tx, rx, _s) = pair(b(), b()).await;
+        let (seen, mut got) = mpsc::unbounded_channel();
+        rx.receive_all_calling(move |d| {
+            let seen = seen.clone();
+            actix::Arbiter::current().spawn(async move {
+                let _ = seen.send(d.result.map(|_| verify(&d.message)));
+            });
+        })
+        .await
+        .unwrap();
+        for i in 0..4 {
+            tx.write(mixed(i)).await.unwrap();
+            let v = within(10, &name, got.recv()).await.unwrap();
+            assert_eq!(v.unwrap(), i, "{name}");
+        }
+        // Through `actix::spawn`.
+        let (tx, rx, _s) = pair(b(), b()).await;
+        let (seen, mut got) = mpsc::unbounded_channel();
+        rx.receive_all_calling(move |d| {
+            let seen = seen.clone();
+            actix::spawn(async move {
+                let _ = seen.send(d.id);
+            });
+        })
+        .await
+        .unwrap();
+        if !on_runtime {
+            tx.write(mixed(0)).await.unwrap();
+            within(10, &name, got.recv()).await.unwrap();
+            continue;
+        }
+        match write_until_failed(&tx, &rx).await {
+            Error::Closed { reason, .. } => assert!(
+                reason.contains("handler") && reason.contains("panicked"),
+                "{name}: {reason}"
+            ),
+            e => panic!("{name}: not the handler's: {e}"),
+        }
+        assert!(got.try_recv().is_err(), "{name}: a task was spawned");
+    }
+}
+
 /// Handlers that answer in place: each side's handler writes the next message through a
 /// `PipeWriter`, from the read loop, for a ping-pong of small and large messages; everything
 /// arrives in order, and the small ones went from the read loop straight to the handler, which
