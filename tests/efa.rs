@@ -400,7 +400,7 @@ mod pipes {
 
     use actix::Addr;
     use actorpipe::actors::fabric::transport::Efa;
-    use actorpipe::actors::fabric::{EndpointConfig, FabricStats};
+    use actorpipe::actors::fabric::{EndpointConfig, FabricDescribe, FabricStats};
     use actorpipe::fabric::faults::Faults;
     use actorpipe::*;
 
@@ -569,6 +569,37 @@ mod pipes {
             })
             .await;
         });
+    }
+
+    /// While its endpoint spins, the efa stream's reader reads the CQ itself as it waits
+    /// (`Poster::spin_pass`): small messages sent one at a time, each waited for, arrive whole
+    /// and in order, and the receiving endpoint counts its readers' passes. Where the endpoint
+    /// does not spin (a wait fd, no `busy_poll`) its readers make none.
+    pub fn readers_read_the_cq_while_spinning(provider: &str) {
+        for busy_poll in [super::efa::SPIN, Duration::ZERO] {
+            actix::System::new().block_on(async {
+                let config = EndpointConfig {
+                    busy_poll,
+                    ..EndpointConfig::default()
+                };
+                let (server, t) = with_transport(provider, config);
+                let (tx, rx, _s) = pair(efa_context(provider, config), server).await;
+                check_backends(&tx, "efa", "efa").await;
+                within(60, "one at a time", stream(&tx, &rx, 200, 1, 5)).await;
+                let ep = t.endpoint_actor().expect("the server's endpoint");
+                let stats = ep.send(FabricStats).await.unwrap();
+                let wait_fd = ep.send(FabricDescribe).await.unwrap().wait_fd;
+                if busy_poll.is_zero() && wait_fd {
+                    assert_eq!(stats.reader_passes, 0, "{provider}, no spin: {stats:?}");
+                } else {
+                    // `shm` has no wait fd: it spins for its polling window anyway.
+                    assert!(
+                        stats.reader_passes > 0,
+                        "{provider}, busy_poll {busy_poll:?}: {stats:?}"
+                    );
+                }
+            });
+        }
     }
 
     /// Registration forced on (the path of FI_MR_LOCAL providers such as older efa): the
@@ -770,6 +801,10 @@ fn main() {
             pipes::loops_stay_with_the_endpoint,
         ),
         ("pipes_with_registration_forced", pipes::registered),
+        (
+            "pipes_readers_read_the_cq_while_spinning",
+            pipes::readers_read_the_cq_while_spinning,
+        ),
         ("pipes_small_tensors_inline", pipes::small_tensors_inline),
         (
             "pipes_dead_peer_spares_the_other_pipes",

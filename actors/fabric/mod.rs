@@ -571,13 +571,17 @@ impl Handler<FabricDescribe> for FabricEndpoint {
 impl Handler<FabricStats> for FabricEndpoint {
     type Result = MessageResult<FabricStats>;
     fn handle(&mut self, _: FabricStats, _: &mut Context<Self>) -> Self::Result {
-        let stats = self.core().engine.stats();
+        let (stats, reader_passes) = {
+            let c = self.core();
+            (c.engine.stats(), c.reader_passes)
+        };
         let mut p = self.progress.borrow_mut();
         // What is returned is published too: a post the actor has not looked at yet (an
         // inject, which leaves nothing to progress) shows in both at once.
         p.metrics.publish(stats.clone());
         MessageResult(Stats {
             polls: p.polls,
+            reader_passes,
             ..stats
         })
     }

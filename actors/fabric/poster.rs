@@ -52,6 +52,10 @@ pub(super) struct Core {
     pub(super) kicked: bool,
     /// The actor has stopped: nothing progresses the engine any more.
     pub(super) closed: bool,
+    /// Passes stream readers made themselves while the actor spun ([`Poster::spin_pass`]).
+    pub(super) reader_passes: u64,
+    /// Those passes handed out ends since the spin task last looked (activity, for its window).
+    pub(super) reader_found: bool,
 }
 
 // SAFETY: what makes `Core` `!Send` is the libfabric objects under `engine` (opened with
@@ -73,6 +77,8 @@ impl Core {
             posted: false,
             kicked: false,
             closed: false,
+            reader_passes: 0,
+            reader_found: false,
         }
     }
 
@@ -164,6 +170,36 @@ impl Poster {
         if kick {
             self.signal.raise();
         }
+    }
+
+    /// While the actor spins, reads the CQ here, from the caller's task, and hands out what
+    /// ended (as the spin task's pass does); says whether it did. A stream's reader with
+    /// nothing to read calls it before it waits, and keeps calling it (waking its own task)
+    /// while it says so: the reader's own message then reaches it in the same poll, with no
+    /// turn of the spin task and no wake-up of the reader's task in between (docs/efa.md,
+    /// "Progress"). Not while another thread holds the lock: that one progresses the CQ.
+    pub fn spin_pass(&self) -> bool {
+        let Ok(mut c) = self.core.try_lock() else {
+            return false;
+        };
+        if !c.spinning || c.closed {
+            return false;
+        }
+        let Core { engine, sinks, .. } = &mut *c;
+        let r = engine.progress(&mut |f| deliver(sinks, f));
+        match r {
+            Ok(0) => {}
+            Ok(_) => {
+                c.reader_found = true;
+                c.forget();
+            }
+            Err(e) => {
+                c.reader_found = true;
+                tracing::warn!("{e}: every pipe on this endpoint failed");
+            }
+        }
+        c.reader_passes += 1;
+        true
     }
 
     /// Posts ops that move caller memory in place, as [`Poster::post`] does.

@@ -93,9 +93,13 @@ impl Progress {
     /// Reads the CQ once (and retries the backlog) and hands out what ended; says whether
     /// anything did. Direct posts since the last look count as activity.
     pub(super) fn pass(&mut self) -> bool {
-        self.polls += 1;
-        let mut any = false;
         let mut c = lock(&self.core);
+        self.polls += 1;
+        // What stream readers' own passes handed out since the last look counts as activity
+        // (`Poster::spin_pass`). The CQ is read here all the same: skipping this read after a
+        // reader's pass left the CQ read every other turn of the thread at best, and the `shm`
+        // provider's large messages, which move as the CQ is read, 6-7 % slower at 64 MiB.
+        let mut any = std::mem::take(&mut c.reader_found);
         let Core { engine, sinks, .. } = &mut *c;
         // Ends go straight to their pipes' queues: no buffer of our own in between.
         let r = engine.progress(&mut |f| {
@@ -113,7 +117,7 @@ impl Progress {
         }
         drop(c);
         match r {
-            Ok(n) if n > 0 => self.activity(),
+            Ok(n) if n > 0 || any => self.activity(),
             Ok(_) if posted => self.activity(),
             Ok(_) => {}
             Err(e) => tracing::warn!("{e}: every pipe on this endpoint failed"),

@@ -194,7 +194,23 @@ impl AsyncRead for FabricRead {
             if let Some(e) = &this.error {
                 return Poll::Ready(Err(io::Error::new(e.kind(), e.to_string())));
             }
-            let Some(f) = std::task::ready!(this.done.poll_recv(cx)) else {
+            let f = match this.done.poll_recv(cx) {
+                Poll::Ready(f) => f,
+                // While the endpoint spins, this task reads the CQ itself and keeps doing so
+                // (its waker stays registered for an end another pass hands out): a message
+                // that lands is read on this task's own turn, instead of on the spin task's
+                // turn that then wakes this one.
+                Poll::Pending if this.ep.spin_pass() => match this.done.try_recv() {
+                    Ok(f) => Some(f),
+                    Err(mpsc::error::TryRecvError::Disconnected) => None,
+                    Err(mpsc::error::TryRecvError::Empty) => {
+                        cx.waker().wake_by_ref();
+                        return Poll::Pending;
+                    }
+                },
+                Poll::Pending => return Poll::Pending,
+            };
+            let Some(f) = f else {
                 this.error = Some(stopped());
                 continue;
             };

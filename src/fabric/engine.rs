@@ -118,6 +118,9 @@ pub struct Stats {
     pub bytes: u64,
     /// Progress passes (CQ reads) the endpoint actor has made (zero from the engine itself).
     pub polls: u64,
+    /// CQ reads made by the efa stream's readers themselves while the endpoint spun, not
+    /// counted in `polls` (`Poster::spin_pass`; zero from the engine itself).
+    pub reader_passes: u64,
 }
 
 /// Room the provider may use in an op's context (`FI_CONTEXT2`: 8 pointers), then our index.
