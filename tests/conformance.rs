@@ -311,7 +311,8 @@ macro_rules! cases {
 }
 
 /// Cases reported as skipped, with `reason` (they cannot pass here for a reason outside our
-/// code); `--ignored` runs them as they are.
+/// code); `--ignored` runs them as they are. Only the efa suites have such cases.
+#[cfg(feature = "efa")]
 macro_rules! skipped_cases {
     ($reason:literal; $builder:expr, $transport:expr, $channel:expr; $($case:ident),* $(,)?) => {
         $(

@@ -440,6 +440,18 @@ async fn recycled_buffers_take_the_next_large_message() {
     }
 }
 
+/// Writes until the pipe from `tx` to `rx` has failed; the error must be `Closed`, naming a
+/// handler that panicked.
+async fn fails_for_its_handler(name: &str, tx: &Addr<Pipe>, rx: &Addr<Pipe>) {
+    match write_until_failed(tx, rx).await {
+        Error::Closed { reason, .. } => assert!(
+            reason.contains("handler") && reason.contains("panicked"),
+            "{name}: {reason}"
+        ),
+        e => panic!("{name}: not the handler's: {e}"),
+    }
+}
+
 /// A handler that panics fails the pipe (`Closed`, naming the handler) when the next message
 /// comes, as a recipient that stopped does; the panic goes no further, and nothing hangs.
 #[actix::test]
@@ -452,13 +464,7 @@ async fn a_panicking_handler_fails_the_pipe() {
     })
     .await
     .unwrap();
-    match write_until_failed(&tx, &rx).await {
-        Error::Closed { reason, .. } => assert!(
-            reason.contains("handler") && reason.contains("panicked"),
-            "{reason}"
-        ),
-        e => panic!("not the handler's: {e}"),
-    }
+    fails_for_its_handler("tcp+basic", &tx, &rx).await;
     // Called once: a broken handler is not called again.
     assert!(calls.try_recv().is_ok(), "the handler was called");
     assert!(calls.try_recv().is_err(), "the handler was called again");
@@ -506,13 +512,7 @@ async fn handlers_on_the_runtime_queue_spawn_through_the_arbiter() {
             within(10, &name, got.recv()).await.unwrap();
             continue;
         }
-        match write_until_failed(&tx, &rx).await {
-            Error::Closed { reason, .. } => assert!(
-                reason.contains("handler") && reason.contains("panicked"),
-                "{name}: {reason}"
-            ),
-            e => panic!("{name}: not the handler's: {e}"),
-        }
+        fails_for_its_handler(&name, &tx, &rx).await;
         assert!(got.try_recv().is_err(), "{name}: a task was spawned");
     }
 }
