@@ -3,7 +3,7 @@
 # (build: bash scripts/build-patched.sh scripts/experiments.patch DIR exp), in rotating order:
 # AP_EXP_NOREADER (no reader passes: the path before them), AP_NONE (no switch: what was kept),
 # AP_EXP_READER_SKIP, AP_EXP_READER_BURST; 64 B efa rows with a handler RUNS times, then BIG
-# rotations of the 64 MiB rows without and with the readers' passes (docs/efa.md, "A reader that
+# rotations of the 64 MiB rows without and with the readers' passes (docs/efa-measurements.md, "A reader that
 # reads the CQ itself"). Run: bash scripts/ab-efa-reader-switches.sh DIR (holding `exp`); RUNS=N
 # (default 6), BIG=K (default 4).
 . "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"

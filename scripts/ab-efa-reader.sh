@@ -1,6 +1,6 @@
 #!/bin/bash
 # A stream's reader that reads the CQ itself while its endpoint spins (`Poster::spin_pass`,
-# docs/efa.md, "A reader that reads the CQ itself"), builds in rotating order (old, new; then
+# docs/efa-measurements.md, "A reader that reads the CQ itself"), builds in rotating order (old, new; then
 # new, old; ... or, with BUILDS="a b c", each run starting one build later). With BIG=K, first K
 # rotations of the 64 MiB efa rows (`bench efa --sizes 64M --rounds 2 --rows
 # "raw,transport,channel"`); then issue 12's efa rows at 64 B with a handler, RUNS times; then
