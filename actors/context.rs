@@ -274,9 +274,10 @@ impl ContextBuilder {
     /// [`PipeWriter`](crate::PipeWriter) writes in place. Off by default: every message handed to
     /// an actor then crosses from one scheduler to the other and costs more (in spin mode,
     /// `Shm::with_spin`, a 64 B shm round trip to a recipient actor took 3.2–3.6 µs instead of
-    /// 1.8–2.1 µs on 16 cores; docs/performance.md, "The loops on the runtime's queue"). For
-    /// applications that read through handlers. Only pipes over `tcp` and `shm` take it: the `efa` and
-    /// `ibv` streams are driven by actors on the `LocalSet`, and their loops stay there.
+    /// 1.8–2.1 µs on 16 cores; docs/performance-limits.md, "The loops on the runtime's
+    /// queue"). For applications that read through handlers. Only pipes over `tcp` and `shm`
+    /// take it: the `efa` and `ibv` streams are driven by actors on the `LocalSet`, and their
+    /// loops stay there.
     ///
     /// **A handler called from such a loop runs outside the `LocalSet`**: `actix::spawn` and
     /// `Actor::start` (tokio's `spawn_local`) panic there, and the pipe fails as for any handler
