@@ -97,8 +97,9 @@ impl Progress {
         self.polls += 1;
         // What stream readers' own passes handed out since the last look counts as activity
         // (`Poster::spin_pass`). The CQ is read here all the same: skipping this read after a
-        // reader's pass left the CQ read every other turn of the thread at best, and the `shm`
-        // provider's large messages, which move as the CQ is read, 6-7 % slower at 64 MiB.
+        // reader's pass leaves it read every other turn of the thread at best, and the `shm`
+        // provider's large messages move as it is read (6-8 % slower at 64 MiB in one call of
+        // three; docs/efa-measurements.md, "A reader that reads the CQ itself").
         let mut any = std::mem::take(&mut c.reader_found);
         let Core { engine, sinks, .. } = &mut *c;
         // Ends go straight to their pipes' queues: no buffer of our own in between.
