@@ -202,26 +202,19 @@ impl Channel {
 
     /// Receives one tensor (`RecvTensor`): its channel data is its length.
     pub(super) fn recv_ibv(&mut self, m: RecvTensor) {
-        let result = if let Err(e) = self.check_length(&m, "ibv") {
-            Err(e)
-        } else if m.buffer.is_empty() {
-            Ok(())
-        } else {
-            match self.ibv.as_ref().map(|s| &s.rdma) {
+        let result = match self.check_length(&m, "ibv") {
+            Err(e) => Err(e),
+            Ok(()) if m.buffer.is_empty() => Ok(()),
+            Ok(()) => match self.ibv.as_ref().map(|s| &s.rdma) {
                 Some(Ok(_)) => {
                     let buffer = RdmaBuf::from(m.buffer);
                     return self.ibv_tensor(false, m.seq, m.index, buffer, None);
                 }
                 Some(Err(e)) => Err(e.clone()),
                 None => Err(self.misrouted()),
-            }
+            },
         };
-        self.to_pipe(Done::Tensor {
-            seq: m.seq,
-            index: m.index,
-            memory: Memory::Owned(m.buffer),
-            result,
-        });
+        self.hand_back(false, m.seq, m.index, Memory::Owned(m.buffer), result);
     }
 
     /// A tensor for the queue pairs (`gpu`: the sender's GPU, `None` for host memory): now,

@@ -29,7 +29,8 @@
 //! Operations come from a pipe's [`Poster`] (`poster.rs`: straight into the engine, under
 //! the lock the actor's progress takes too, no mailbox hop) or as [`FabricPost`]; their ends
 //! go to the pipe's unbounded queue, given at [`FabricAttach`], in the pipe's post order (no
-//! hop back). The actor alone reads the CQ.
+//! hop back). The actor reads the CQ, and while it spins so may a waiting stream reader
+//! ([`Poster::spin_pass`]).
 
 mod drive;
 mod metrics;

@@ -7,8 +7,9 @@
 //! the lock (an op of a pipe with ops in the backlog goes behind them; `-FI_EAGAIN` puts it at
 //! the back of the backlog, which the actor retries after its next CQ read), and an end that a
 //! post produces at once (the pipe already failed) goes to the pipe's queue before the lock is
-//! released, in the pipe's order. The actor stays the only one that reads the CQ, and so the
-//! one place completion errors fan out from.
+//! released, in the pipe's order. The actor reads the CQ; while it spins, a stream's reader
+//! with nothing to read does too ([`Poster::spin_pass`]). Both passes are [`Core::progress`],
+//! and a CQ error fails every pipe inside the engine, whoever read it.
 //!
 //! Progress after a direct post: while the actor spins it reads the CQ on every turn anyway,
 //! and the post only extends its window (`posted`). Otherwise the poster kicks the actor
@@ -32,6 +33,7 @@ use tokio::sync::mpsc;
 
 use super::{FabricEndpoint, RegionOp};
 use crate::fabric::engine::{Engine, Finished, Op};
+use crate::fabric::FabricError;
 use crate::keymap::KeyMap;
 use crate::transport::stream::Memory;
 
@@ -80,6 +82,22 @@ impl Core {
             reader_passes: 0,
             reader_found: false,
         }
+    }
+
+    /// Reads the CQ once (and retries the backlog), handing each end straight to its pipe's
+    /// queue, and forgets the pipes that are done; says whether any end went out. The actor's
+    /// passes and a spinning stream reader's ([`Poster::spin_pass`]) are this.
+    pub(super) fn progress(&mut self) -> (Result<usize, FabricError>, bool) {
+        let mut any = false;
+        let Core { engine, sinks, .. } = self;
+        let r = engine.progress(&mut |f| {
+            any = true;
+            deliver(sinks, f);
+        });
+        if any {
+            self.forget();
+        }
+        (r, any)
     }
 
     /// Drops the queues (and quarantined buffers) of pipes the engine has forgotten.
@@ -185,20 +203,13 @@ impl Poster {
         if !c.spinning || c.closed {
             return false;
         }
-        let Core { engine, sinks, .. } = &mut *c;
-        let r = engine.progress(&mut |f| deliver(sinks, f));
-        match r {
-            Ok(0) => {}
-            Ok(_) => {
-                c.reader_found = true;
-                c.forget();
-            }
-            Err(e) => {
-                c.reader_found = true;
-                tracing::warn!("{e}: every pipe on this endpoint failed");
-            }
-        }
+        let (r, _) = c.progress();
+        c.reader_found |= !matches!(r, Ok(0));
         c.reader_passes += 1;
+        drop(c);
+        if let Err(e) = r {
+            tracing::warn!("{e}: every pipe on this endpoint failed");
+        }
         true
     }
 

@@ -7,7 +7,7 @@ use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use super::metrics::EndpointMetrics;
-use super::poster::{deliver, lock, Core};
+use super::poster::{lock, Core};
 use super::EndpointConfig;
 
 /// When ops last moved on an endpoint. Where no spin window applies while nothing is
@@ -100,17 +100,10 @@ impl Progress {
         // reader's pass leaves it read every other turn of the thread at best, and the `shm`
         // provider's large messages move as it is read (6-8 % slower at 64 MiB in one call of
         // three; docs/efa-measurements.md, "A reader that reads the CQ itself").
-        let mut any = std::mem::take(&mut c.reader_found);
-        let Core { engine, sinks, .. } = &mut *c;
-        // Ends go straight to their pipes' queues: no buffer of our own in between.
-        let r = engine.progress(&mut |f| {
-            any = true;
-            deliver(sinks, f);
-        });
+        let found = std::mem::take(&mut c.reader_found);
+        let (r, delivered) = c.progress();
+        let any = found || delivered;
         let posted = std::mem::take(&mut c.posted);
-        if any {
-            c.forget();
-        }
         // Counters move only with posts and completions (a spin's empty passes publish
         // nothing: building the engine's `Stats` is most of what publishing costs).
         if any || posted || !matches!(r, Ok(0)) {

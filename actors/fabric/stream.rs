@@ -10,7 +10,8 @@
 //! buffer once its bytes are read, and returns credits in one small message per `WINDOW / 2`
 //! buffers. A zero-length message is the end of the stream (`shutdown`). Both halves post
 //! through the endpoint's [`Poster`], straight into its engine from the half's own poll (no
-//! mailbox hop); the actor reads the CQ and hands the ends to the halves' queues.
+//! mailbox hop); the actor reads the CQ and hands the ends to the halves' queues, and while it
+//! spins a reader with nothing to read reads it too (`Poster::spin_pass`).
 //!
 //! The TCP connection that bootstrapped the stream stays open and carries nothing: its end (the
 //! peer closed or died: the kernel closes it either way) fails both halves' pending operations,
