@@ -327,6 +327,9 @@ impl FabricEndpoint {
         };
         let spin = busy && quiet < window;
         c.spinning = spin;
+        // Readers pass only in spin mode proper, not in the polling window of a provider with
+        // no wait fd: see `Core::readers_spin`.
+        c.readers_spin = spin && !self.config.busy_poll.is_zero();
         if spin {
             return Plan::Spin;
         }
@@ -411,6 +414,7 @@ impl Actor for FabricEndpoint {
         let mut c = self.core();
         c.closed = true;
         c.spinning = false;
+        c.readers_spin = false;
         c.sinks.clear();
     }
 }

@@ -54,6 +54,14 @@ pub(super) struct Core {
     pub(super) kicked: bool,
     /// The actor has stopped: nothing progresses the engine any more.
     pub(super) closed: bool,
+    /// The actor spins in spin mode proper (`EndpointConfig::busy_poll`): stream readers may
+    /// read the CQ themselves ([`Poster::spin_pass`]). Not in the polling window of a provider
+    /// without a wait fd (`shm`): there a reader's passes would add to the time a process
+    /// spends inside the provider's progress, holding the `shm` region's lock that a peer
+    /// killed at that instant leaves held for ever (docs/efa.md, "A peer killed while it holds
+    /// its region's lock": two `peer_killed_mid_transfer_efa_shm_*` trials hung that way in one
+    /// CI run with readers passing in that window).
+    pub(super) readers_spin: bool,
     /// Passes stream readers made themselves while the actor spun ([`Poster::spin_pass`]).
     pub(super) reader_passes: u64,
     /// Those passes handed out ends since the spin task last looked (activity, for its window).
@@ -79,6 +87,7 @@ impl Core {
             posted: false,
             kicked: false,
             closed: false,
+            readers_spin: false,
             reader_passes: 0,
             reader_found: false,
         }
@@ -190,8 +199,8 @@ impl Poster {
         }
     }
 
-    /// While the actor spins, reads the CQ here, from the caller's task, and hands out what
-    /// ended (as the spin task's pass does); says whether it did. A stream's reader with
+    /// While the actor spins in spin mode (`busy_poll`), reads the CQ here, from the caller's
+    /// task, and hands out what ended (as the spin task's pass does); says whether it did. A stream's reader with
     /// nothing to read calls it before it waits, and keeps calling it (waking its own task)
     /// while it says so: the reader's own message then reaches it in the same poll, with no
     /// turn of the spin task and no wake-up of the reader's task in between (docs/efa.md,
@@ -200,7 +209,7 @@ impl Poster {
         let Ok(mut c) = self.core.try_lock() else {
             return false;
         };
-        if !c.spinning || c.closed {
+        if !c.readers_spin || c.closed {
             return false;
         }
         let (r, _) = c.progress();
