@@ -22,6 +22,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::error::{Error, Origin};
 use crate::transport::liveness::Heartbeat;
+use crate::transport::placement::{spawn_roaming, Wanted};
 use std::future::Future;
 use std::sync::Arc;
 
@@ -49,8 +50,8 @@ struct ReadParts {
     heartbeat: Option<Heartbeat>,
     /// The I/O thread the loops run on; `None`: the current arbiter.
     on: Option<OnThread>,
-    /// Without `on`: on the current thread's runtime queue, not the arbiter's `LocalSet`.
-    on_runtime: bool,
+    /// Without `on`: which queue of the current thread.
+    queue: Queue,
 }
 
 /// An I/O thread of the pool, and the pool itself: each loop holds the pool, so that its
@@ -59,16 +60,41 @@ struct ReadParts {
 #[derive(Clone)]
 struct OnThread(IoThread, Arc<IoPool>);
 
-/// Runs a loop on `on` (an I/O thread of the pool), or on the current arbiter: on its `LocalSet`
-/// (where its actors run), or with `on_runtime` on the queue of the thread's runtime itself
-/// (`ContextBuilder::loops_on_runtime`).
+/// Which queue of the current arbiter's thread a loop runs on (see
+/// [`crate::transport::placement`]).
+#[derive(Debug, Clone)]
+pub(crate) enum Queue {
+    /// The arbiter's `LocalSet`, where its actors run.
+    LocalSet,
+    /// The thread's runtime's own queue (`ContextBuilder::loops_on_runtime`).
+    Runtime,
+    /// Wherever the shared [`Wanted`] says, moving when it changes.
+    Roaming(Arc<Wanted>),
+}
+
+/// Which queues a connection's two loops run on.
+#[derive(Debug, Clone)]
+pub(crate) struct Queues {
+    pub(crate) read: Queue,
+    pub(crate) write: Queue,
+}
+
+impl Queues {
+    /// Both loops on the arbiter's `LocalSet`.
+    pub(crate) const LOCAL_SET: Queues = Queues {
+        read: Queue::LocalSet,
+        write: Queue::LocalSet,
+    };
+}
+
+/// Runs a loop on `on` (an I/O thread of the pool), or on the current arbiter, on `queue`.
 fn spawn_loop(
     on: Option<&OnThread>,
-    on_runtime: bool,
+    queue: &Queue,
     task: impl Future<Output = ()> + Send + 'static,
 ) {
-    match on {
-        Some(OnThread(thread, pool)) => {
+    match (on, queue) {
+        (Some(OnThread(thread, pool)), _) => {
             let pool = pool.clone();
             // A stopped thread drops the loop: its queue closes, and every op submitted to
             // it fails at once (`Link::write`, `Link::read`).
@@ -78,10 +104,11 @@ fn spawn_loop(
             });
         }
         // The arbiter's runtime is a current-thread runtime: the task stays on this thread.
-        None if on_runtime => drop(tokio::spawn(crate::transport::turns::on_runtime_queue(
+        (None, Queue::Runtime) => drop(tokio::spawn(crate::transport::turns::on_runtime_queue(
             task,
         ))),
-        None => drop(actix::spawn(task)),
+        (None, Queue::Roaming(wanted)) => spawn_roaming(wanted.clone(), task),
+        (None, Queue::LocalSet) => drop(actix::spawn(task)),
     }
 }
 
@@ -113,7 +140,7 @@ impl Reader {
             let (tx, rx) = mpsc::unbounded_channel();
             spawn_loop(
                 p.on.as_ref(),
-                p.on_runtime,
+                &p.queue,
                 read_loop(p.read, rx, p.stop, p.limits, p.origin, p.heartbeat),
             );
             *self = Reader::Running(tx);
@@ -186,11 +213,9 @@ impl Connection {
         limits: Limits,
         origin: Origin,
         heartbeat: Option<Heartbeat>,
-        on_runtime: bool,
+        queues: Queues,
     ) -> (actix::Addr<Connection>, Link) {
-        Self::start_with(
-            read, write, limits, origin, heartbeat, false, None, on_runtime,
-        )
+        Self::start_with(read, write, limits, origin, heartbeat, false, None, queues)
     }
 
     /// Like [`Connection::start`], for a channel's own connection: the read loop starts with
@@ -204,7 +229,16 @@ impl Connection {
         heartbeat: Option<Heartbeat>,
         pool: Option<&Arc<IoPool>>,
     ) -> (actix::Addr<Connection>, Link) {
-        Self::start_with(read, write, limits, origin, heartbeat, true, pool, false)
+        Self::start_with(
+            read,
+            write,
+            limits,
+            origin,
+            heartbeat,
+            true,
+            pool,
+            Queues::LOCAL_SET,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -216,7 +250,7 @@ impl Connection {
         heartbeat: Option<Heartbeat>,
         lazy_read: bool,
         pool: Option<&Arc<IoPool>>,
-        on_runtime: bool,
+        queues: Queues,
     ) -> (actix::Addr<Connection>, Link) {
         let on = pool.and_then(|p| Some(OnThread(p.next()?, p.clone())));
         // A lane's socket tells its own thread when it is ready, not the one it came from.
@@ -231,7 +265,7 @@ impl Connection {
         let parking = Arc::new(Parking::default());
         spawn_loop(
             on.as_ref(),
-            on_runtime,
+            &queues.write,
             write_loop(
                 write,
                 out_rx,
@@ -248,7 +282,7 @@ impl Connection {
             origin,
             heartbeat,
             on: on.clone(),
-            on_runtime,
+            queue: queues.read,
         }))));
         if !lazy_read {
             reader.borrow_mut().queue();

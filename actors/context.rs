@@ -32,6 +32,13 @@ fn loops_on_runtime_from_env() -> bool {
         .is_ok_and(|v| matches!(v.trim(), "1" | "true" | "yes"))
 }
 
+/// `ACTORPIPE_READ_LOOP_FOLLOWS_HANDLER` (`0`, `false` or `no` turn it off): the default of
+/// [`ContextBuilder::read_loop_follows_handler`] (on).
+fn read_loop_follows_handler_from_env() -> bool {
+    !std::env::var("ACTORPIPE_READ_LOOP_FOLLOWS_HANDLER")
+        .is_ok_and(|v| matches!(v.trim(), "0" | "false" | "no"))
+}
+
 /// Settings shared by every pipe of a context.
 pub struct Config {
     pub(crate) limits: Limits,
@@ -42,6 +49,8 @@ pub struct Config {
     pub(crate) cma_threads: usize,
     /// The control connection's loops on the runtime's own queue, not the arbiter's `LocalSet`.
     pub(crate) loops_on_runtime: bool,
+    /// The control connection's read loop on the runtime's own queue while a handler stands.
+    pub(crate) read_loop_follows_handler: bool,
     /// The I/O threads channels' own connections (mpt lanes) run their loops on.
     pub(crate) io: Arc<super::pool::IoPool>,
     pub(crate) cma_inline_max: Option<u64>,
@@ -121,6 +130,7 @@ impl std::fmt::Debug for Config {
             .field("max_pending_pipes", &self.max_pending_pipes)
             .field("cma_threads", &self.cma_threads)
             .field("loops_on_runtime", &self.loops_on_runtime)
+            .field("read_loop_follows_handler", &self.read_loop_follows_handler)
             .field("io_threads", &self.io.size())
             .field("cma_inline_max", &self.cma_inline_max)
             .field("metrics_addr", &self.metrics_addr)
@@ -174,6 +184,7 @@ impl Default for ContextBuilder {
                 max_pending_pipes: DEFAULT_MAX_PENDING_PIPES,
                 cma_threads: crate::channel::cma::default_threads(super::pool::available_cores()),
                 loops_on_runtime: loops_on_runtime_from_env(),
+                read_loop_follows_handler: read_loop_follows_handler_from_env(),
                 // Sized from the machine (none on 2 cores or fewer); no thread starts until
                 // an mpt pipe has a second lane.
                 io: Arc::new(super::pool::IoPool::new(super::pool::default_threads(
@@ -279,13 +290,32 @@ impl ContextBuilder {
     /// take it: the `efa` and `ibv` streams are driven by actors on the `LocalSet`, and their
     /// loops stay there.
     ///
-    /// **A handler called from such a loop runs outside the `LocalSet`**: `actix::spawn` and
-    /// `Actor::start` (tokio's `spawn_local`) panic there, and the pipe fails as for any handler
-    /// that panics. Spawn with `actix::Arbiter::current().spawn(..)`, or send a message to an
-    /// actor, which work on either queue.
+    /// A handler called from such a loop runs outside the arbiter's `LocalSet`, inside a spare
+    /// `LocalSet` of the thread's: `actix::spawn`, `Actor::start` and `spawn_local` work there,
+    /// and what they start runs on the same thread
+    /// ([`read_loop_follows_handler`](Self::read_loop_follows_handler) says how).
     /// `ACTORPIPE_LOOPS_ON_RUNTIME=1` turns it on for contexts built with defaults (the CLI's).
     pub fn loops_on_runtime(mut self, on: bool) -> Self {
         self.config.loops_on_runtime = on;
+        self
+    }
+
+    /// While a standing receive calls a handler in place
+    /// ([`ReceiveAll::calling`](crate::ReceiveAll::calling)), runs the pipe's control connection
+    /// read loop on the queue of the arbiter's tokio runtime itself, and back on the arbiter's
+    /// `LocalSet` once the stand ends: the read loop runs where its messages go. On by default;
+    /// only pipes over `tcp` and `shm` (as [`loops_on_runtime`](Self::loops_on_runtime), which
+    /// puts both loops there for good and overrides this).
+    ///
+    /// A handler's messages then skip the `LocalSet`'s layer of scheduling: on 16 cores a 64 B
+    /// shm round trip without spin answered by a handler took 1.18× the raw eventfd ring instead
+    /// of 1.26× (medians of 20 runs; docs/performance-limits.md, "Twelfth round"). The handler is called inside a spare `LocalSet` of the thread, polled by a task
+    /// of the arbiter's: `actix::spawn`, `Actor::start` and tokio's `spawn_local` work in it as
+    /// on the arbiter's `LocalSet`, and what they start runs on the same thread. The loop moves
+    /// at its next message after the stand begins or ends (a spawn).
+    /// `ACTORPIPE_READ_LOOP_FOLLOWS_HANDLER=0` turns it off for contexts built with defaults.
+    pub fn read_loop_follows_handler(mut self, on: bool) -> Self {
+        self.config.read_loop_follows_handler = on;
         self
     }
 

@@ -456,12 +456,13 @@ impl Op for Receive {
 /// arrives), and the panic goes no further than the call (with Rust's default `panic =
 /// "unwind"`; a program built to abort on panic aborts).
 ///
-/// **Spawning from a handler.** With the defaults a handler runs on the arbiter's `LocalSet`,
-/// where `actix::spawn` and `Actor::start` work. A pipe whose loops run on the runtime's own
-/// queue ([`ContextBuilder::loops_on_runtime`](crate::ContextBuilder::loops_on_runtime)) calls
-/// it outside the `LocalSet`: there `actix::spawn` and `Actor::start` (tokio's `spawn_local`)
-/// panic, which breaks the handler as above. `actix::Arbiter::current().spawn(..)`, or a
-/// message to an actor, works in both places.
+/// **Where a handler runs.** On a `tcp` or `shm` pipe the read loop moves to the arbiter's
+/// runtime queue while a handler stands, and back to the arbiter's `LocalSet` when the stand ends
+/// ([`ContextBuilder::read_loop_follows_handler`](crate::ContextBuilder::read_loop_follows_handler)):
+/// one layer of scheduling fewer for each message. Its calls from there run inside a spare
+/// `LocalSet` of the same thread, so `actix::spawn`, `Actor::start` and tokio's `spawn_local`
+/// work in a handler wherever it is called from, and what they start runs on that thread, as
+/// `actix::Arbiter::current().spawn(..)` and messages to actors do.
 ///
 /// An echo that answers each message from the read loop:
 ///

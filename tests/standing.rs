@@ -348,19 +348,8 @@ async fn stopping_the_stand() {
             "{name}: {ids:?} {through}"
         );
         for i in 6..10 {
-            // Not awaited first: an xth tensor's write completes once it is read.
-            let mut w = write_all(&tx, std::iter::once(mixed(i)));
-            let d = within(30, "a Receive", rx.send(Receive::new()))
-                .await
-                .unwrap();
-            assert!(d.id >= through, "{name}: ids go on");
-            d.result.unwrap();
-            assert_eq!(verify(&d.message), i, "{name}");
-            within(30, "a write", w.recv())
-                .await
-                .unwrap()
-                .result
-                .unwrap();
+            let id = receive_one(name, &tx, &rx, i).await;
+            assert!(id >= through, "{name}: ids go on");
         }
         nothing_more(&mut inbox, name).await;
         // Written before the stand begins again: read ahead, then delivered first.
@@ -452,6 +441,24 @@ async fn fails_for_its_handler(name: &str, tx: &Addr<Pipe>, rx: &Addr<Pipe>) {
     }
 }
 
+/// Writes message `i` of the mixed plan on `tx` and reads it on `rx` with a plain `Receive`:
+/// it arrives whole, and the write completes. Returns the read's id.
+async fn receive_one(name: &str, tx: &Addr<Pipe>, rx: &Addr<Pipe>, i: u64) -> u64 {
+    // Not awaited first: an xth tensor's write completes once it is read.
+    let mut w = write_all(tx, std::iter::once(mixed(i)));
+    let d = within(30, "a Receive", rx.send(Receive::new()))
+        .await
+        .unwrap();
+    d.result.unwrap();
+    assert_eq!(verify(&d.message), i, "{name}");
+    within(30, "a write", w.recv())
+        .await
+        .unwrap()
+        .result
+        .unwrap();
+    d.id
+}
+
 /// A handler that panics fails the pipe (`Closed`, naming the handler) when the next message
 /// comes, as a recipient that stopped does; the panic goes no further, and nothing hangs.
 #[actix::test]
@@ -470,62 +477,113 @@ async fn a_panicking_handler_fails_the_pipe() {
     assert!(calls.try_recv().is_err(), "the handler was called again");
 }
 
-/// A handler called from a loop on the runtime's own queue (`loops_on_runtime`) runs outside
-/// the arbiter's `LocalSet`. `Arbiter::current().spawn` works from it, as from a handler on the
-/// `LocalSet`; `actix::spawn` (tokio's `spawn_local`, which `Actor::start` uses too) panics
-/// there, which breaks the handler: the pipe fails naming it, and nothing hangs. What the
-/// option's documentation says.
+/// An actor a handler starts: it reports each number it is sent.
+struct Relay(mpsc::UnboundedSender<u64>);
+
+impl actix::Actor for Relay {
+    type Context = actix::Context<Self>;
+}
+
+#[derive(actix::Message)]
+#[rtype(result = "()")]
+struct Seen(u64);
+
+impl actix::Handler<Seen> for Relay {
+    type Result = ();
+
+    fn handle(&mut self, Seen(n): Seen, _: &mut Self::Context) {
+        let _ = self.0.send(n);
+    }
+}
+
+/// Wherever the read loop that calls a handler runs (the arbiter's `LocalSet`, or the
+/// runtime's own queue: by default while a handler stands, or for good with
+/// `loops_on_runtime`), the handler can spawn with `Arbiter::current().spawn`, `actix::spawn`
+/// and `Actor::start` (tokio's `spawn_local` under the last two, which panics outside every
+/// `LocalSet`: there the handler runs inside the thread's spare one), and every message reaches
+/// what it spawned, in order.
 #[actix::test]
-async fn handlers_on_the_runtime_queue_spawn_through_the_arbiter() {
-    for on_runtime in [false, true] {
-        let name = format!("loops on the runtime: {on_runtime}");
-        let b = || tcp_basic().loops_on_runtime(on_runtime);
-        // Through the arbiter: every message reaches the spawned task, in order.
-        let (tx, rx, _s) = pair(b(), b()).await;
-        let (seen, mut got) = mpsc::unbounded_channel();
-        rx.receive_all_calling(move |d| {
-            let seen = seen.clone();
-            actix::Arbiter::current().spawn(async move {
-                let _ = seen.send(d.result.map(|_| verify(&d.message)));
-            });
-        })
-        .await
-        .unwrap();
-        for i in 0..4 {
-            tx.write(mixed(i)).await.unwrap();
-            let v = within(10, &name, got.recv()).await.unwrap();
-            assert_eq!(v.unwrap(), i, "{name}");
+async fn handlers_spawn_wherever_the_read_loop_runs() {
+    let placements: [Setup; 3] = [
+        ("following the handler (the default)", tcp_basic),
+        ("on the LocalSet", || {
+            tcp_basic().read_loop_follows_handler(false)
+        }),
+        ("loops on the runtime", || {
+            tcp_basic().loops_on_runtime(true)
+        }),
+    ];
+    for (name, b) in placements {
+        for how in ["Arbiter::spawn", "actix::spawn", "Actor::start"] {
+            let name = format!("{name}, {how}");
+            let (tx, rx, _s) = pair(b(), b()).await;
+            let (seen, mut got) = mpsc::unbounded_channel();
+            rx.receive_all_calling(move |d| {
+                let v = d.result.map(|_| verify(&d.message)).unwrap_or(u64::MAX);
+                let seen = seen.clone();
+                match how {
+                    "Arbiter::spawn" => {
+                        actix::Arbiter::current().spawn(async move {
+                            let _ = seen.send(v);
+                        });
+                    }
+                    "actix::spawn" => {
+                        actix::spawn(async move {
+                            let _ = seen.send(v);
+                        });
+                    }
+                    _ => actix::Actor::start(Relay(seen)).do_send(Seen(v)),
+                }
+            })
+            .await
+            .unwrap();
+            for i in 0..8 {
+                tx.write(mixed(i)).await.unwrap();
+                let v = within(10, &name, got.recv()).await.unwrap();
+                assert_eq!(v, i, "{name}");
+            }
+            let info = rx.info().await.unwrap();
+            assert!(
+                info.received_by_read_loop >= 2,
+                "{name}: the read loop called the handler {} times",
+                info.received_by_read_loop
+            );
         }
-        // Through `actix::spawn`.
-        let (tx, rx, _s) = pair(b(), b()).await;
-        let (seen, mut got) = mpsc::unbounded_channel();
-        rx.receive_all_calling(move |d| {
-            let seen = seen.clone();
-            actix::spawn(async move {
-                let _ = seen.send(d.id);
-            });
-        })
-        .await
-        .unwrap();
-        if !on_runtime {
-            tx.write(mixed(0)).await.unwrap();
-            within(10, &name, got.recv()).await.unwrap();
-            continue;
-        }
-        fails_for_its_handler(&name, &tx, &rx).await;
-        assert!(got.try_recv().is_err(), "{name}: a task was spawned");
     }
 }
 
 /// Handlers that answer in place: each side's handler writes the next message through a
 /// `PipeWriter`, from the read loop, for a ping-pong of small and large messages; everything
 /// arrives in order, and the small ones went from the read loop straight to the handler, which
-/// wrote their answer itself.
+/// wrote their answer itself. The read loop that calls them has moved to the runtime's own
+/// queue (it follows its handler by default).
 #[actix::test]
 async fn handlers_answer_in_place() {
     for (name, builder) in CONFIGS {
         let (tx, rx, _s) = pair(builder(), builder()).await;
-        echo_in_place(name, &tx, &rx, false).await;
+        echo_in_place(name, &tx, &rx, true).await;
+        // The stands end, and the read loop goes back to the `LocalSet` at its next message:
+        // plain `Receive`s read what comes next, in order.
+        for pipe in [&tx, &rx] {
+            within(30, "StopReceiving", pipe.send(StopReceiving))
+                .await
+                .unwrap()
+                .unwrap();
+        }
+        for i in 0..4 {
+            receive_one(&format!("{name}, after the stand"), &tx, &rx, i).await;
+        }
+    }
+}
+
+/// The same with the read loop kept on the `LocalSet` (`read_loop_follows_handler(false)`):
+/// no call is made from the runtime's queue.
+#[actix::test]
+async fn handlers_answer_in_place_on_the_local_set() {
+    for (name, builder) in CONFIGS {
+        let b = || builder().read_loop_follows_handler(false);
+        let (tx, rx, _s) = pair(b(), b()).await;
+        echo_in_place(&format!("{name}, on the LocalSet"), &tx, &rx, false).await;
     }
 }
 

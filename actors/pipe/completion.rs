@@ -51,7 +51,10 @@ impl<T> Calls<T> {
         let mut f = self.f.lock().unwrap_or_else(|e| e.into_inner());
         // A panic must not unwind through the read loop or the pipe: it ends the function's
         // use instead (the pipe then fails with `Closed`).
-        if catch_unwind(AssertUnwindSafe(|| (*f)(v))).is_err() {
+        // From a loop on the runtime's queue, inside the thread's spare `LocalSet`, where
+        // `actix::spawn` works as on the arbiter's.
+        let call = || crate::transport::placement::in_spare_local(|| (*f)(v));
+        if catch_unwind(AssertUnwindSafe(call)).is_err() {
             self.broken.store(true, Ordering::Relaxed);
             tracing::error!("the standing receive's handler panicked: the pipe fails");
         }

@@ -30,7 +30,7 @@ use actix::prelude::*;
 use tokio::sync::mpsc;
 
 use super::channel::{Channel, ChannelKind, Queue, RecvTensor, SendTensor, StopChannel};
-use super::connection::{Connection, Link, Shutdown};
+use super::connection::{Connection, Link, Queue as ConnQueue, Queues, Shutdown};
 use super::context::Config;
 use super::messages::*;
 use crate::channel::cma::RemoteBuffer;
@@ -39,6 +39,7 @@ use crate::handshake::Halves;
 use crate::message::{Allocation, Buffer, Descriptor, Message, Payload, Tensor};
 use crate::metrics::{OpKind, PipeMetrics};
 use crate::negotiate::{Choice, DevicePair};
+use crate::transport::placement::Wanted;
 use crate::transport::stream::{
     inline_len, unexpected, Done, Farewell, InOp, Inline, Memory, OutOp, Parking, Reply,
 };
@@ -199,6 +200,12 @@ pub struct Pipe {
     stand: Option<stand::Standing>,
     /// `stand_turn` is running (it starts reads, which call it again).
     stand_turning: bool,
+    /// Where the control connection's read loop should run, where it roams: on the runtime's
+    /// queue while a handler stands, on the `LocalSet` otherwise
+    /// ([`ContextBuilder::read_loop_follows_handler`](crate::ContextBuilder::read_loop_follows_handler)).
+    read_roams: Option<Arc<Wanted>>,
+    /// The read loop runs on the runtime's queue for good (`loops_on_runtime`).
+    handlers_leave_local_set: bool,
 }
 
 /// A descriptor read ahead, with its payloads' bytes (and its small tensors') if they were read

@@ -84,17 +84,33 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
             })
             .collect(),
     };
+    // Loops leave the `LocalSet` only where the stream's readiness comes from the runtime's own
+    // reactor: the efa and ibv streams are driven by actors on the arbiter's `LocalSet` (the
+    // endpoint's progress, the queue pairs), and a loop on the other queue would wait for the
+    // `LocalSet`'s turn on every message (efa 64 B in spin mode: 18 -> 57 us on 16 cores).
+    let reactor_driven = matches!(choice.transport.as_str(), "tcp" | "shm");
+    // The read loop follows a standing receive's handler (`begin_stand`) unless asked not to.
+    let read_roams =
+        (reactor_driven && !config.loops_on_runtime && config.read_loop_follows_handler)
+            .then(|| Arc::new(Wanted::default()));
+    let queues = match (&read_roams, reactor_driven && config.loops_on_runtime) {
+        (_, true) => Queues {
+            read: ConnQueue::Runtime,
+            write: ConnQueue::Runtime,
+        },
+        (Some(wanted), false) => Queues {
+            read: ConnQueue::Roaming(wanted.clone()),
+            write: ConnQueue::LocalSet,
+        },
+        (None, false) => Queues::LOCAL_SET,
+    };
     let (conn, link) = Connection::start(
         control.read,
         control.write,
         config.limits,
         origin.clone(),
         config.heartbeat,
-        // Only where the stream's readiness comes from the runtime's own reactor: the efa and
-        // ibv streams are driven by actors on the arbiter's `LocalSet` (the endpoint's progress,
-        // the queue pairs), and a loop on the other queue would wait for the `LocalSet`'s turn
-        // on every message (efa 64 B in spin mode: 18 -> 57 us on 16 cores).
-        config.loops_on_runtime && matches!(choice.transport.as_str(), "tcp" | "shm"),
+        queues,
     );
     let (reply, completions) = mpsc::unbounded_channel();
     let fallbacks = Arc::new(AtomicU64::new(0));
@@ -288,6 +304,8 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         caught_through: 0,
         stand: None,
         stand_turning: false,
+        read_roams,
+        handlers_leave_local_set: reactor_driven && config.loops_on_runtime,
     }
     .start()
 }

@@ -67,7 +67,17 @@ impl Pipe {
         };
         let to = match to {
             Deliver::To(r) => Sink::Actor(Arc::new(r)),
-            Deliver::Calling(f) => Sink::Call(Arc::new(Calls::new(f))),
+            Deliver::Calling(f) => {
+                // The read loop calls it from the runtime's queue: spawns made there go to the
+                // thread's spare `LocalSet` (`transport::placement`), polled from this one.
+                if self.read_roams.is_some() || self.handlers_leave_local_set {
+                    crate::transport::placement::prepare_spare_local();
+                }
+                if let Some(wanted) = &self.read_roams {
+                    wanted.set(true);
+                }
+                Sink::Call(Arc::new(Calls::new(f)))
+            }
         };
         self.catcher.stand(catch::Stand {
             to: to.clone(),
@@ -88,6 +98,10 @@ impl Pipe {
     /// bookkeeping back. Returns where it delivered, if one stood.
     pub(super) fn end_stand(&mut self) -> Option<Sink<ReadDone>> {
         let standing = self.stand.take()?;
+        // Back to the `LocalSet`, where the actors it may now hand messages to run.
+        if let Some(wanted) = &self.read_roams {
+            wanted.set(false);
+        }
         if let Some(s) = self.catcher.unstand() {
             self.expect_seq = self.expect_seq.max(s.seq);
             self.caught_through = self.caught_through.max(s.seq);

@@ -10,6 +10,7 @@
 #[cfg(feature = "ibv")]
 pub mod ibv;
 pub mod liveness;
+pub mod placement;
 pub mod shm;
 pub mod stream;
 pub mod tcp;

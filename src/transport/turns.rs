@@ -33,19 +33,22 @@ thread_local! {
 /// defers its wake-up so that the `LocalSet` gets a turn first.
 pub async fn on_runtime_queue<F: Future>(task: F) -> F::Output {
     let mut task = pin!(task);
-    std::future::poll_fn(|cx| {
-        let outer = ON_RUNTIME_QUEUE.replace(true);
-        // Restored even if the task panics, so the flag never leaks to the next task polled.
-        struct Restore(bool);
-        impl Drop for Restore {
-            fn drop(&mut self) {
-                ON_RUNTIME_QUEUE.set(self.0);
-            }
+    std::future::poll_fn(|cx| polling_on_runtime_queue(|| task.as_mut().poll(cx))).await
+}
+
+/// Runs `poll` (one poll of a loop on the runtime's own queue) marked as [`on_runtime_queue`]
+/// marks it.
+pub(crate) fn polling_on_runtime_queue<R>(poll: impl FnOnce() -> R) -> R {
+    let outer = ON_RUNTIME_QUEUE.replace(true);
+    // Restored even if the task panics, so the flag never leaks to the next task polled.
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ON_RUNTIME_QUEUE.set(self.0);
         }
-        let _restore = Restore(outer);
-        task.as_mut().poll(cx)
-    })
-    .await
+    }
+    let _restore = Restore(outer);
+    poll()
 }
 
 /// Whether the task being polled is a loop on the runtime's own queue ([`on_runtime_queue`]).
