@@ -663,6 +663,111 @@ mod pipes {
         dead_peer_with(provider, Duration::ZERO);
     }
 
+    /// A peer on a thread of its own: it connects to `url`, gives its pipe to `then`, and once
+    /// told (the sender returned) stops its actor system under the pipe, with nothing said, as
+    /// a killed process would. Join the thread to wait for that.
+    fn doomed_peer(
+        provider: &str,
+        config: EndpointConfig,
+        url: String,
+        then: fn(&Addr<Pipe>),
+    ) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
+        let p = provider.to_string();
+        let (go, gone) = std::sync::mpsc::channel::<()>();
+        let doomed = std::thread::spawn(move || {
+            actix::System::new().block_on(async move {
+                let ctx = efa_context(&p, config).start();
+                let tx = ctx.send(Connect::new(&url)).await.unwrap();
+                let tx = tx.expect("connect");
+                then(&tx);
+                let _ = tokio::task::spawn_blocking(move || gone.recv()).await;
+                actix::System::current().stop();
+            });
+        });
+        (go, doomed)
+    }
+
+    /// A peer that ends without a goodbye on its bootstrap connection (its thread's actor
+    /// system stops under its pipe, as a killed process's would): the survivor's endpoint
+    /// refuses that pipe's sends from then on (`FabricStats::refused`), so writes after the end
+    /// never reach the provider, and the pipe fails. A peer that closes its pipe says goodbye:
+    /// nothing of the survivor's is refused.
+    pub fn peer_without_goodbye_has_its_sends_refused(provider: &str) {
+        actix::System::new().block_on(async {
+            let config = EndpointConfig::default();
+            let (server, t) = with_transport(provider, config);
+            let mut server = Server::start(server, "tcp://127.0.0.1:0").await;
+            let ep = t.endpoint_actor().expect("the server's endpoint");
+            // Closed: the survivor's writes after the close are refused by the pipe, and its
+            // endpoint refuses nothing.
+            let client = efa_context(provider, config).start();
+            let tx = client.send(Connect::new(&server.url)).await.unwrap();
+            let tx = tx.expect("connect");
+            let rx = server.next().await;
+            within(30, "a stream", stream(&tx, &rx, 20, 4, 3)).await;
+            let _ = within(10, "the close", tx.send(Close::graceful("done"))).await;
+            drop(tx);
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            let stats = ep.send(FabricStats).await.unwrap();
+            assert_eq!(stats.refused, 0, "{provider}, closed: {stats:?}");
+            // Gone without a goodbye.
+            let (go, doomed) = doomed_peer(provider, config, server.url.clone(), |_| {});
+            let victim = server.next().await;
+            check_backends(&victim, "efa", "efa").await;
+            go.send(()).unwrap();
+            let _ = doomed.join();
+            // The bootstrap connection's end reaches the watcher at once; the grace before the
+            // pipe is failed is 200 ms. Small writes in between go to the endpoint and are
+            // refused there.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            for i in 0..5 {
+                victim.do_send(Write::new(checked_message(i, &[64], &[])));
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let failed = within(15, "the victim's failure", async {
+                loop {
+                    if read_one(&victim).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            failed.await;
+            let stats = ep.send(FabricStats).await.unwrap();
+            assert!(stats.refused > 0, "{provider}, gone: {stats:?}");
+        });
+    }
+
+    /// A stream dropped says goodbye on its bootstrap connection: the peer's endpoint then
+    /// refuses none of that pipe's sends (writes after the end go out as before, to nobody),
+    /// unlike after a peer that ends without one (the test above).
+    pub fn streams_say_goodbye(provider: &str) {
+        use actorpipe::transport::Transport;
+        use tokio::io::AsyncWriteExt;
+        actix::System::new().block_on(async {
+            let config = EndpointConfig::default();
+            let a = Efa::new(provider).with_config(config);
+            let b = Efa::new(provider).with_config(config);
+            let mut acceptor = a.listen("efa://127.0.0.1:0").await.expect("listen");
+            let url = acceptor.urls()[0].clone();
+            let (sa, sb) =
+                tokio::join!(acceptor.accept(), b.connect(&url, Duration::from_secs(10)));
+            let (sa, sb) = (sa.expect("accept"), sb.expect("connect"));
+            drop(sb);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let transport::Stream {
+                read, mut write, ..
+            } = sa;
+            for _ in 0..3 {
+                let _ = write.write_all(&[7; 64]).await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let ep = a.endpoint_actor().expect("a's endpoint");
+            let stats = ep.send(FabricStats).await.unwrap();
+            assert_eq!(stats.refused, 0, "{provider}: {stats:?}");
+            drop((read, write));
+        });
+    }
+
     pub fn dead_peer_spinning(provider: &str) {
         dead_peer_with(provider, super::efa::SPIN);
     }
@@ -675,23 +780,10 @@ mod pipes {
             };
             let mut server =
                 Server::start(efa_context(provider, config), "tcp://127.0.0.1:0").await;
-            let url = server.url.clone();
-            let p = provider.to_string();
-            let (go, gone) = std::sync::mpsc::channel::<()>();
-            let doomed = std::thread::spawn(move || {
-                actix::System::new().block_on(async move {
-                    let ctx = efa_context(&p, config).start();
-                    let tx = ctx
-                        .send(Connect::new(&url))
-                        .await
-                        .unwrap()
-                        .expect("connect");
-                    for i in 0..4 {
-                        tx.do_send(Write::new(checked_message(i, &[], &[8 << 20])));
-                    }
-                    let _ = tokio::task::spawn_blocking(move || gone.recv()).await;
-                    actix::System::current().stop();
-                });
+            let (go, doomed) = doomed_peer(provider, config, server.url.clone(), |tx| {
+                for i in 0..4 {
+                    tx.do_send(Write::new(checked_message(i, &[], &[8 << 20])));
+                }
             });
             let victim = server.next().await;
             check_backends(&victim, "efa", "efa").await;
@@ -817,6 +909,11 @@ fn main() {
             "pipes_dead_peer_spares_the_other_pipes_spinning",
             pipes::dead_peer_spinning,
         ),
+        (
+            "pipes_peer_without_goodbye_has_its_sends_refused",
+            pipes::peer_without_goodbye_has_its_sends_refused,
+        ),
+        ("streams_say_goodbye", pipes::streams_say_goodbye),
     ]);
     #[cfg(feature = "efa")]
     for provider in efa::PROVIDERS {

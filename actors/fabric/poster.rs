@@ -222,6 +222,26 @@ impl Poster {
         true
     }
 
+    /// Refuses the sends of `pipes` from now on ([`Engine::refuse_sends`]): each ends at once
+    /// with an error naming `reason`, on its pipe's queue in order, while receives carry on. For
+    /// a peer that is gone: nothing is sent to it any more.
+    pub fn refuse_sends(&self, pipes: &[u32], reason: &str) {
+        let mut c = lock(&self.core);
+        if c.closed {
+            return;
+        }
+        let e = FabricError {
+            op: "fi_tsend",
+            provider: c.engine.attributes().provider.clone(),
+            code: libc::ECONNRESET,
+            text: reason.into(),
+        };
+        let Core { engine, sinks, .. } = &mut *c;
+        for &pipe in pipes {
+            engine.refuse_sends(pipe, e.clone(), &mut |f| deliver(sinks, f));
+        }
+    }
+
     /// Posts ops that move caller memory in place, as [`Poster::post`] does.
     ///
     /// # Safety

@@ -41,6 +41,10 @@ pub const PROVIDER_ENV: &str = "ACTORPIPE_EFA_PROVIDER";
 /// already on the fabric (the peer's farewell) are read first.
 const GRACE: Duration = Duration::from_millis(200);
 
+/// The byte a side writes on the bootstrap connection when its stream is dropped, before the
+/// connection closes: an end without it is a peer that died.
+const GOODBYE: u8 = 0x47;
+
 /// How long an accepted bootstrap connection may take to say hello. Hellos are served one at a
 /// time (each is two small messages on a TCP connection).
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -319,15 +323,39 @@ impl Efa {
         let shared = Shared::new(stop);
         // The watcher: the bootstrap connection ends when the peer closes or dies.
         let watcher_ep = ep.downgrade();
+        let watcher_poster = poster.clone();
         actix::spawn(async move {
             let mut byte = [0u8; 1];
-            let _write = write; // kept open until the stream is dropped
+            let mut write = write; // kept open until the stream is dropped
             tokio::select! {
-                _ = stopped => {}
+                _ = stopped => {
+                    // Our stream is dropped: say goodbye before the connection closes, so the
+                    // peer can tell this from a death. Nothing else travels on it, so the byte
+                    // goes out at once.
+                    let bye = write.write_all(&[GOODBYE]);
+                    let _ = tokio::time::timeout(GRACE, bye).await;
+                }
                 r = read.read(&mut byte) => {
                     let why = match r {
-                        Ok(_) => "the peer closed its endpoint connection".to_string(),
-                        Err(e) => format!("the peer's endpoint connection failed: {e}"),
+                        Ok(1) if byte[0] == GOODBYE => {
+                            "the peer closed its endpoint connection".to_string()
+                        }
+                        // Ended without a goodbye: the peer's process died (or its runtime
+                        // stopped under the stream). Nothing sent to it can arrive, and a send
+                        // into the `shm` provider's region of a peer killed while it held the
+                        // region's lock would hang: its sends end now, its receives read on
+                        // for the grace (docs/efa.md, "A peer that ends without a goodbye").
+                        Ok(_) => {
+                            let why = "the peer ended without closing its endpoint connection \
+                                (its process died?): sends to it are refused";
+                            watcher_poster.refuse_sends(&[wiring.read, wiring.write], why);
+                            why.to_string()
+                        }
+                        Err(e) => {
+                            let why = format!("the peer's endpoint connection failed: {e}");
+                            watcher_poster.refuse_sends(&[wiring.read, wiring.write], &why);
+                            why
+                        }
                     };
                     tokio::time::sleep(GRACE).await;
                     if let Some(ep) = watcher_ep.upgrade() {

@@ -121,6 +121,9 @@ pub struct Stats {
     /// CQ reads made by the efa stream's readers themselves while the endpoint spun, not
     /// counted in `polls` (`Poster::spin_pass`; zero from the engine itself).
     pub reader_passes: u64,
+    /// Sends ended without reaching the provider because their pipe's peer was gone
+    /// ([`Engine::refuse_sends`]).
+    pub refused: u64,
 }
 
 /// Room the provider may use in an op's context (`FI_CONTEXT2`: 8 pointers), then our index.
@@ -164,6 +167,8 @@ struct PipeState {
     recvs: VecDeque<usize>,
     backlogged: usize,
     error: Option<FabricError>,
+    /// Sends end with this at once ([`Engine::refuse_sends`]).
+    refused: Option<FabricError>,
     detached: bool,
 }
 
@@ -302,6 +307,7 @@ impl Engine {
                 recvs: VecDeque::new(),
                 backlogged: 0,
                 error: None,
+                refused: None,
                 detached: false,
             },
         );
@@ -320,6 +326,43 @@ impl Engine {
         }
         self.drain(pipe, out);
         self.drain_dirty(out);
+    }
+
+    /// Refuses `pipe`'s sends from now on: each, and each still in the backlog, ends with
+    /// `error` (in order, through `out`) without reaching the provider. Its receives carry on,
+    /// and sends the provider already holds end as they will. For a peer known to be gone: a
+    /// send to a dead peer reaches nobody, and the `shm` provider's can hang on the lock of a
+    /// peer killed while it held it (docs/efa.md, "A peer killed while it holds its region's
+    /// lock"). A failed or unknown pipe is left as it is.
+    pub fn refuse_sends(&mut self, pipe: u32, error: FabricError, out: &mut impl FnMut(Finished)) {
+        let Some(p) = self.pipes.get_mut(&pipe) else {
+            return;
+        };
+        if p.error.is_some() || p.refused.is_some() {
+            return;
+        }
+        p.refused = Some(error.clone());
+        let mut ended = 0;
+        for &index in &p.sends {
+            if let Some(l) = self.slots[index].live.as_mut() {
+                if matches!(l.state, State::Backlog) {
+                    l.state = State::Done(Err(error.clone()));
+                    ended += 1;
+                }
+            }
+        }
+        if ended > 0 {
+            p.backlogged = p.backlogged.saturating_sub(ended);
+            self.stats.refused += ended as u64;
+            let slots = &self.slots;
+            self.backlog.retain(|&i| {
+                matches!(
+                    slots[i].live.as_ref().map(|l| &l.state),
+                    Some(State::Backlog)
+                )
+            });
+        }
+        self.drain(pipe, out);
     }
 
     /// Posts `op` for `pipe` (see the module docs). Its end comes through `out`, now or from a
@@ -395,6 +438,9 @@ impl Engine {
             Kind::Recv => p.recvs.push_back(index),
         }
         let state = if let Some(e) = &p.error {
+            State::Done(Err(e.clone()))
+        } else if let (Kind::Send, Some(e)) = (live.kind, &p.refused) {
+            self.stats.refused += 1;
             State::Done(Err(e.clone()))
         } else if p.backlogged > 0 {
             State::Backlog

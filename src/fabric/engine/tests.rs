@@ -387,3 +387,133 @@ fn detach_fails_pending_receives_in_order_then_forgets_the_pipe() {
         assert!(late.expect("answered").result.is_err());
     }
 }
+
+/// A pipe whose peer is gone (`refuse_sends`): its backlogged sends and every later one end at
+/// once with the refusal, in order behind the sends the provider already took, without
+/// reaching the provider; its receives still complete (one backlogged behind the refused
+/// sends included); the other pipe of the same endpoint sends as before.
+#[test]
+fn refused_sends_end_in_order_and_spare_receives_and_other_pipes() {
+    for provider in PROVIDERS {
+        let (mut a, pa, mut b, pb) = pair(provider, Faults::NONE);
+        // A second pipe between the same endpoints.
+        let qa = a.attach(b.endpoint().name()).expect("attach");
+        let qb = b.attach(a.endpoint().name()).expect("attach");
+        let op = |kind, pipe, i: u64, mem| Op {
+            kind,
+            tag: tag::make(Stream::Raw, pipe, i as u32),
+            mem,
+            id: i,
+        };
+        a.set_inject_limit(0);
+        let (mut sent, mut got, mut at_b, mut other) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let turn = |a: &mut Engine,
+                    b: &mut Engine,
+                    sent: &mut Vec<Finished>,
+                    got: &mut Vec<Finished>,
+                    at_b: &mut Vec<Finished>,
+                    other: &mut Vec<Finished>| {
+            assert!(std::time::Instant::now() < deadline, "{provider}: stuck");
+            a.progress(&mut |f| match f.kind {
+                Kind::Send => sent.push(f),
+                Kind::Recv => got.push(f),
+            })
+            .expect("cq a");
+            b.progress(&mut |f| match (f.kind, f.pipe == qb) {
+                (Kind::Send, _) => {}
+                (Kind::Recv, true) => other.push(f),
+                (Kind::Recv, false) => at_b.push(f),
+            })
+            .expect("cq b");
+        };
+        // Two sends the provider takes and b receives.
+        for i in 0..2 {
+            b.post(pb, op(Kind::Recv, pb, i, vec![0; 64]), &mut |f| {
+                at_b.push(f)
+            });
+            a.post(pa, op(Kind::Send, pb, i, pattern(i, 64)), &mut |f| {
+                sent.push(f)
+            });
+        }
+        while sent.len() < 2 || at_b.len() < 2 {
+            turn(&mut a, &mut b, &mut sent, &mut got, &mut at_b, &mut other);
+        }
+        // Every post refused as -FI_EAGAIN: two sends backlogged, a receive behind them.
+        a.set_faults(Faults {
+            eagain: 1.0,
+            ..Faults::NONE
+        });
+        for i in 2..4 {
+            a.post(pa, op(Kind::Send, pb, i, pattern(i, 64)), &mut |f| {
+                sent.push(f)
+            });
+        }
+        a.post(pa, op(Kind::Recv, pa, 0, vec![0; 64]), &mut |f| got.push(f));
+        assert_eq!(a.stats().backlog, 3, "{provider}");
+        a.set_faults(Faults::NONE);
+        let why = FabricError {
+            op: "fi_tsend",
+            provider: provider.into(),
+            code: libc::ECONNRESET,
+            text: "the peer is gone".into(),
+        };
+        a.refuse_sends(pa, why.clone(), &mut |f| sent.push(f));
+        assert_eq!(a.stats().backlog, 1, "{provider}: only the receive is left");
+        let posted = a.stats().posted;
+        a.post(pa, op(Kind::Send, pb, 4, pattern(4, 64)), &mut |f| {
+            sent.push(f)
+        });
+        assert_eq!(
+            a.stats().posted,
+            posted,
+            "{provider}: nothing reached the provider"
+        );
+        assert_eq!(a.stats().refused, 3, "{provider}");
+        // The other pipe still sends, and b still reaches the refusing pipe's receive.
+        b.post(qb, op(Kind::Recv, qb, 0, vec![0; 64]), &mut |f| {
+            other.push(f)
+        });
+        a.post(qa, op(Kind::Send, qb, 0, pattern(9, 64)), &mut |f| {
+            sent.push(f)
+        });
+        b.post(pb, op(Kind::Send, pa, 0, pattern(7, 64)), &mut |_| {});
+        while sent.len() < 6 || got.is_empty() || other.is_empty() {
+            turn(&mut a, &mut b, &mut sent, &mut got, &mut at_b, &mut other);
+        }
+        let on_pa: Vec<_> = sent.iter().filter(|f| f.pipe == pa).collect();
+        let ids: Vec<u64> = on_pa.iter().map(|f| f.id).collect();
+        assert_eq!(ids, [0, 1, 2, 3, 4], "{provider}: in order");
+        assert!(on_pa[..2].iter().all(|f| f.result.is_ok()), "{provider}");
+        assert!(
+            on_pa[2..]
+                .iter()
+                .all(|f| f.result.as_ref().err() == Some(&why)),
+            "{provider}: {:?}",
+            on_pa[2..].iter().map(|f| &f.result).collect::<Vec<_>>()
+        );
+        assert!(on_pa.iter().all(|f| f.mem.len() == 64), "buffers come back");
+        // b got the two sends the provider took, and nothing of the refused ones.
+        assert_eq!(at_b.len(), 2, "{provider}");
+        assert_eq!(at_b[0].mem, pattern(0, 64));
+        assert_eq!(at_b[1].mem, pattern(1, 64));
+        // The refusing pipe's receive completed with b's message.
+        assert_eq!(got.len(), 1, "{provider}");
+        assert_eq!(got[0].mem, pattern(7, 64), "{provider}");
+        // The other pipe's send went through.
+        assert!(sent.iter().any(|f| f.pipe == qa && f.result.is_ok()));
+        assert_eq!(other[0].mem, pattern(9, 64), "{provider}");
+        // Nothing more arrives at b on the refusing pipe, where receives wait for the refused
+        // sends' tags.
+        for i in 2..5 {
+            b.post(pb, op(Kind::Recv, pb, i, vec![0; 64]), &mut |f| {
+                at_b.push(f)
+            });
+        }
+        for _ in 0..100 {
+            turn(&mut a, &mut b, &mut sent, &mut got, &mut at_b, &mut other);
+        }
+        assert_eq!(at_b.len(), 2, "{provider}: a refused send arrived");
+    }
+}
