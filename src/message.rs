@@ -31,7 +31,7 @@ impl std::fmt::Display for Device {
 /// The memory of one tensor.
 ///
 /// Host memory comes owned ([`Buffer::Cpu`]) or shared and read-only ([`Buffer::Shared`]);
-/// CUDA device memory with the `cuda` feature ([`Buffer::Cuda`]; docs/cuda.md says which
+/// CUDA device memory with the `cuda` feature (`Buffer::Cuda`; docs/cuda.md says which
 /// channels carry it and when each side may touch it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]

@@ -16,6 +16,10 @@
 //! fail at once, its posted ones are cancelled (`fi_cancel`), and every op of the pipe not
 //! already finished completes with that error. Other pipes carry on.
 //!
+//! **A gone peer.** [`Engine::refuse_sends`] makes a pipe's sends, backlogged and later ones,
+//! end with its error without reaching the provider, while its receives carry on (a peer that
+//! died: nothing sent to it can arrive).
+//!
 //! **Order.** Each pipe has two queues, sends and receives, in post order. An op's result is
 //! handed out ([`Finished`]) only when every earlier op of the same queue has been, so a pipe
 //! sees its completions in the order it posted, errors included, whatever order the provider

@@ -43,7 +43,7 @@ pub type BoxWrite = Box<dyn WriteHalf>;
 
 /// What a [`BoxRead`] holds: any `AsyncRead` that is `Send`, `Unpin` and `'static` (a blanket
 /// impl covers them all). `Any` lets a transport recognise its own halves again, as
-/// [`tcp::rehome`] does to move a socket's readiness to another thread.
+/// `tcp::rehome` does to move a socket's readiness to another thread.
 pub trait ReadHalf: AsyncRead + Send + Unpin + std::any::Any {}
 impl<T: AsyncRead + Send + Unpin + std::any::Any> ReadHalf for T {}
 

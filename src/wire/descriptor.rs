@@ -60,7 +60,7 @@ impl Default for ChannelData {
 }
 
 impl ChannelData {
-    /// Sets the bytes (at most [`MAX_CHANNEL_DATA`]; a channel never sets more, and a longer
+    /// Sets the bytes (at most `MAX_CHANNEL_DATA`; a channel never sets more, and a longer
     /// slice is a bug that the debug build catches rather than a truncation the peer sees).
     pub fn set(&mut self, b: &[u8]) {
         debug_assert!(
