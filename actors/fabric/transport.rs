@@ -336,27 +336,22 @@ impl Efa {
                     let _ = tokio::time::timeout(GRACE, bye).await;
                 }
                 r = read.read(&mut byte) => {
+                    let goodbye = matches!(r, Ok(1)) && byte[0] == GOODBYE;
                     let why = match r {
-                        Ok(1) if byte[0] == GOODBYE => {
-                            "the peer closed its endpoint connection".to_string()
-                        }
-                        // Ended without a goodbye: the peer's process died (or its runtime
-                        // stopped under the stream). Nothing sent to it can arrive, and a send
-                        // into the `shm` provider's region of a peer killed while it held the
-                        // region's lock would hang: its sends end now, its receives read on
-                        // for the grace (docs/efa.md, "A peer that ends without a goodbye").
-                        Ok(_) => {
-                            let why = "the peer ended without closing its endpoint connection \
-                                (its process died?): sends to it are refused";
-                            watcher_poster.refuse_sends(&[wiring.read, wiring.write], why);
-                            why.to_string()
-                        }
-                        Err(e) => {
-                            let why = format!("the peer's endpoint connection failed: {e}");
-                            watcher_poster.refuse_sends(&[wiring.read, wiring.write], &why);
-                            why
-                        }
+                        Ok(_) if goodbye => "the peer closed its endpoint connection".to_string(),
+                        Ok(_) => "the peer ended without closing its endpoint connection (its \
+                            process died?): sends to it are refused"
+                            .to_string(),
+                        Err(e) => format!("the peer's endpoint connection failed: {e}"),
                     };
+                    // Ended without a goodbye: the peer's process died (or its runtime stopped
+                    // under the stream). Nothing sent to it can arrive, and a send into the
+                    // `shm` provider's region of a peer killed while it held the region's lock
+                    // would hang: its sends end now, its receives read on for the grace
+                    // (docs/efa.md, "A peer that ends without a goodbye").
+                    if !goodbye {
+                        watcher_poster.refuse_sends(&[wiring.read, wiring.write], &why);
+                    }
                     tokio::time::sleep(GRACE).await;
                     if let Some(ep) = watcher_ep.upgrade() {
                         for pipe in [wiring.read, wiring.write] {

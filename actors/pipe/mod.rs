@@ -204,8 +204,6 @@ pub struct Pipe {
     /// queue while a handler stands, on the `LocalSet` otherwise
     /// ([`ContextBuilder::read_loop_follows_handler`](crate::ContextBuilder::read_loop_follows_handler)).
     read_roams: Option<Arc<Wanted>>,
-    /// The read loop runs on the runtime's queue for good (`loops_on_runtime`).
-    handlers_leave_local_set: bool,
 }
 
 /// A descriptor read ahead, with its payloads' bytes (and its small tensors') if they were read

@@ -89,20 +89,24 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
     // endpoint's progress, the queue pairs), and a loop on the other queue would wait for the
     // `LocalSet`'s turn on every message (efa 64 B in spin mode: 18 -> 57 us on 16 cores).
     let reactor_driven = matches!(choice.transport.as_str(), "tcp" | "shm");
-    // The read loop follows a standing receive's handler (`begin_stand`) unless asked not to.
-    let read_roams =
-        (reactor_driven && !config.loops_on_runtime && config.read_loop_follows_handler)
-            .then(|| Arc::new(Wanted::default()));
-    let queues = match (&read_roams, reactor_driven && config.loops_on_runtime) {
-        (_, true) => Queues {
+    // Both loops on the runtime's queue for good, or the read loop following a standing
+    // receive's handler there (`begin_stand`), unless asked not to.
+    let mut read_roams = None;
+    let queues = if !reactor_driven {
+        Queues::LOCAL_SET
+    } else if config.loops_on_runtime {
+        Queues {
             read: ConnQueue::Runtime,
             write: ConnQueue::Runtime,
-        },
-        (Some(wanted), false) => Queues {
+        }
+    } else if config.read_loop_follows_handler {
+        let wanted = read_roams.insert(Arc::new(Wanted::default()));
+        Queues {
             read: ConnQueue::Roaming(wanted.clone()),
             write: ConnQueue::LocalSet,
-        },
-        (None, false) => Queues::LOCAL_SET,
+        }
+    } else {
+        Queues::LOCAL_SET
     };
     let (conn, link) = Connection::start(
         control.read,
@@ -305,7 +309,6 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         stand: None,
         stand_turning: false,
         read_roams,
-        handlers_leave_local_set: reactor_driven && config.loops_on_runtime,
     }
     .start()
 }

@@ -68,11 +68,10 @@ impl Pipe {
         let to = match to {
             Deliver::To(r) => Sink::Actor(Arc::new(r)),
             Deliver::Calling(f) => {
-                // The read loop calls it from the runtime's queue: spawns made there go to the
-                // thread's spare `LocalSet` (`transport::placement`), polled from this one.
-                if self.read_roams.is_some() || self.handlers_leave_local_set {
-                    crate::transport::placement::prepare_spare_local();
-                }
+                // A read loop on the runtime's queue (following it, or `loops_on_runtime`)
+                // calls it there: spawns made in it go to the thread's spare `LocalSet`
+                // (`transport::placement`), polled from this one. Made once per thread.
+                crate::transport::placement::prepare_spare_local();
                 if let Some(wanted) = &self.read_roams {
                     wanted.set(true);
                 }
