@@ -725,21 +725,28 @@ mod pipes {
         });
     }
 
+    /// Two efa streams connected to each other through the transport itself (no pipe), each
+    /// on an endpoint of its own; with the transport of the first (the accepting side).
+    async fn stream_pair(
+        provider: &str,
+        config: EndpointConfig,
+    ) -> (Efa, transport::Stream, transport::Stream) {
+        use actorpipe::transport::Transport;
+        let a = Efa::new(provider).with_config(config);
+        let b = Efa::new(provider).with_config(config);
+        let mut acceptor = a.listen("efa://127.0.0.1:0").await.expect("listen");
+        let url = acceptor.urls()[0].clone();
+        let (sa, sb) = tokio::join!(acceptor.accept(), b.connect(&url, Duration::from_secs(10)));
+        (a, sa.expect("accept"), sb.expect("connect"))
+    }
+
     /// A stream dropped says goodbye on its bootstrap connection: the peer's endpoint then
     /// refuses none of that pipe's sends (writes after the end go out as before, to nobody),
     /// unlike after a peer that ends without one (the test above).
     pub fn streams_say_goodbye(provider: &str) {
-        use actorpipe::transport::Transport;
         use tokio::io::AsyncWriteExt;
         actix::System::new().block_on(async {
-            let config = EndpointConfig::default();
-            let a = Efa::new(provider).with_config(config);
-            let b = Efa::new(provider).with_config(config);
-            let mut acceptor = a.listen("efa://127.0.0.1:0").await.expect("listen");
-            let url = acceptor.urls()[0].clone();
-            let (sa, sb) =
-                tokio::join!(acceptor.accept(), b.connect(&url, Duration::from_secs(10)));
-            let (sa, sb) = (sa.expect("accept"), sb.expect("connect"));
+            let (a, sa, sb) = stream_pair(provider, EndpointConfig::default()).await;
             drop(sb);
             tokio::time::sleep(Duration::from_millis(50)).await;
             let transport::Stream {
@@ -753,6 +760,79 @@ mod pipes {
             let stats = ep.send(FabricStats).await.unwrap();
             assert_eq!(stats.refused, 0, "{provider}: {stats:?}");
             drop((read, write));
+        });
+    }
+
+    /// In spin mode a stream's reader with nothing to read makes one pass of the CQ on the
+    /// first poll of a wait and gives way (a task that answers the last message may be ready
+    /// then); on later polls it keeps looking within the poll, for up to `READER_BURST`; a
+    /// message read ends the wait, and the next wait's first poll makes one pass again.
+    pub fn readers_keep_looking_after_giving_way(provider: &str) {
+        use std::task::{Context, Poll, Waker};
+        use tokio::io::{AsyncRead, AsyncWriteExt, ReadBuf};
+        actix::System::new().block_on(async {
+            // Long enough that the endpoint spins through the whole test.
+            let config = EndpointConfig {
+                busy_poll: Duration::from_secs(30),
+                ..EndpointConfig::default()
+            };
+            let (a, mut sa, mut sb) = stream_pair(provider, config).await;
+            let ep = a.endpoint_actor().expect("a's endpoint");
+            let passes = || async { ep.send(FabricStats).await.unwrap().reader_passes };
+            let mut cx = Context::from_waker(Waker::noop());
+            let mut block = [0u8; 64];
+            // Polled here, in this task alone: no other task makes passes on a's endpoint
+            // between two looks at the count (b's stream has an endpoint of its own).
+            let mut poll = |sa: &mut transport::Stream, block: &mut [u8; 64]| {
+                let mut buf = ReadBuf::new(block);
+                let r = std::pin::Pin::new(&mut sa.read).poll_read(&mut cx, &mut buf);
+                r.map(|r| r.map(|()| buf.filled().len()))
+            };
+            for round in 0..2 {
+                let before = passes().await;
+                assert!(
+                    poll(&mut sa, &mut block).is_pending(),
+                    "{provider}: nothing sent"
+                );
+                let first = passes().await;
+                assert_eq!(
+                    first - before,
+                    1,
+                    "{provider}, round {round}: the first poll of a wait"
+                );
+                // At least one more pass than the first poll's within `READER_BURST`; a few
+                // polls, so that a thread preempted for the whole burst does not decide it.
+                let mut most = 0;
+                let mut last = first;
+                for _ in 0..4 {
+                    assert!(
+                        poll(&mut sa, &mut block).is_pending(),
+                        "{provider}: nothing sent"
+                    );
+                    let now = passes().await;
+                    most = most.max(now - last);
+                    last = now;
+                }
+                assert!(
+                    most >= 2,
+                    "{provider}, round {round}: later polls keep looking (at most {most} passes)"
+                );
+                // A message ends the wait.
+                sb.write
+                    .write_all(&[round as u8 + 1; 64])
+                    .await
+                    .expect("write");
+                let n = within(10, "the message", async {
+                    loop {
+                        if let Poll::Ready(r) = poll(&mut sa, &mut block) {
+                            break r.expect("read");
+                        }
+                        tokio::task::yield_now().await;
+                    }
+                })
+                .await;
+                assert_eq!((n, block[0]), (64, round as u8 + 1), "{provider}");
+            }
         });
     }
 
@@ -902,6 +982,10 @@ fn main() {
             pipes::peer_without_goodbye_has_its_sends_refused,
         ),
         ("streams_say_goodbye", pipes::streams_say_goodbye),
+        (
+            "stream_readers_keep_looking_after_giving_way",
+            pipes::readers_keep_looking_after_giving_way,
+        ),
     ]);
     #[cfg(feature = "efa")]
     for provider in efa::PROVIDERS {

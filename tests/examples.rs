@@ -262,6 +262,33 @@ fn bench_layers_measures_each_layer() {
     assert_eq!(rows[0]["round_trips"], 50, "{v}");
 }
 
+/// `bench layers --transport efa`: the two layers over the efa transport's stream on libfabric's
+/// `shm` provider, its endpoint spinning; without the feature, a clear refusal.
+#[test]
+fn bench_layers_over_efa() {
+    let line =
+        "bench layers --transport efa --provider shm --spin 50 --iters 50 --warmup 5 --rounds 1";
+    let args: Vec<&str> = line.split(' ').collect();
+    if cfg!(feature = "efa") {
+        let v = bench_json(&args);
+        assert_eq!(v["transport"], "efa [shm]", "{v}");
+        let rows = v["rows"].as_array().expect("rows");
+        assert_eq!(rows.len(), 2, "{v}");
+        for r in rows {
+            assert_eq!(r["round_trips"], 50, "{r}");
+            assert!(r["p50_us"].as_f64().is_some_and(|v| v > 0.0), "{r}");
+        }
+    } else {
+        let out = Command::new(env!("CARGO_BIN_EXE_actorpipe"))
+            .args(&args)
+            .output()
+            .expect("run actorpipe bench layers");
+        assert_eq!(out.status.code(), Some(2));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("feature `efa`"), "{err}");
+    }
+}
+
 /// `bench copy`: one process per thread count, each reporting the count in force and a rate
 /// for every way and size; a count of 0 is bad input.
 #[test]

@@ -22,6 +22,7 @@ use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc;
@@ -34,6 +35,16 @@ use crate::fabric::tag::{self, Stream as TagStream};
 pub const WINDOW: u32 = 16;
 /// Largest message (before the provider's maximum).
 pub const BOUNCE: usize = 64 << 10;
+
+/// How long a reader keeps reading the CQ within one poll while the endpoint spins, once the
+/// executor has had a turn since its wait began (the first poll of a wait makes one pass and
+/// gives way, as the shm transport's spin does: the task that answers the message just read,
+/// if any, is usually ready then). Between two passes of one poll a message is seen a pass
+/// later, not a trip through the executor (the read loop's whole future, the spin task's turn
+/// and the other tasks') later: on 16 cores the 64 B spin rows fell 5-12 % (docs/efa-measurements.md,
+/// "A reader that keeps looking"). What a task that becomes ready meanwhile waits for, at most,
+/// plus one pass.
+pub const READER_BURST: Duration = Duration::from_micros(2);
 
 /// What both halves share: dropped with the second half, which ends the bootstrap connection's
 /// watcher (and closes it).
@@ -91,6 +102,9 @@ pub struct FabricRead {
     spare: Vec<Vec<u8>>,
     eof: bool,
     error: Option<io::Error>,
+    /// A wait (spin mode) has given way to the executor once: the next poll may keep looking
+    /// for [`READER_BURST`].
+    gave_way: bool,
     _shared: Arc<Shared>,
 }
 
@@ -128,7 +142,30 @@ impl FabricRead {
             spare: Vec::new(),
             eof: false,
             error: None,
+            gave_way: false,
             _shared: shared,
+        }
+    }
+
+    /// After a pass of the CQ (spin mode) found nothing yet for this half: takes what has
+    /// arrived, and on a poll after the wait's first keeps passing for up to [`READER_BURST`]
+    /// until something does. `None`: nothing yet (the caller wakes its task and gives way);
+    /// `Some(None)`: the queue is closed.
+    fn keep_looking(&mut self) -> Option<Option<Finished>> {
+        let end = self.gave_way.then(|| Instant::now() + READER_BURST);
+        loop {
+            match self.done.try_recv() {
+                Ok(f) => return Some(Some(f)),
+                Err(mpsc::error::TryRecvError::Disconnected) => return Some(None),
+                Err(mpsc::error::TryRecvError::Empty) => {}
+            }
+            match end {
+                Some(end) if Instant::now() < end && self.ep.spin_pass() => {}
+                _ => {
+                    self.gave_way = true;
+                    return None;
+                }
+            }
         }
     }
 
@@ -200,17 +237,18 @@ impl AsyncRead for FabricRead {
                 // While the endpoint spins, this task reads the CQ itself and keeps doing so
                 // (its waker stays registered for an end another pass hands out): a message
                 // that lands is read on this task's own turn, instead of on the spin task's
-                // turn that then wakes this one.
-                Poll::Pending if this.ep.spin_pass() => match this.done.try_recv() {
-                    Ok(f) => Some(f),
-                    Err(mpsc::error::TryRecvError::Disconnected) => None,
-                    Err(mpsc::error::TryRecvError::Empty) => {
+                // turn that then wakes this one; after the wait's first poll, within the poll
+                // for a moment (`keep_looking`).
+                Poll::Pending if this.ep.spin_pass() => match this.keep_looking() {
+                    Some(f) => f,
+                    None => {
                         cx.waker().wake_by_ref();
                         return Poll::Pending;
                     }
                 },
                 Poll::Pending => return Poll::Pending,
             };
+            this.gave_way = false;
             let Some(f) = f else {
                 this.error = Some(stopped());
                 continue;

@@ -263,13 +263,19 @@ impl RunArgs {
 /// Options of `bench layers`.
 #[derive(Debug, Clone, Args)]
 pub struct LayersArgs {
-    /// The transport: shm (the default) or tcp (loopback, keepalive on as in a pipe).
+    /// The transport: shm (the default), tcp (loopback, keepalive on as in a pipe), or efa
+    /// (feature `efa`: over the libfabric provider `--provider` names).
     #[arg(long, value_name = "NAME", default_value = "shm")]
     pub transport: String,
 
-    /// shm: spin for this many microseconds before sleeping on a doorbell (`Shm::with_spin`).
+    /// shm: spin for this many microseconds before sleeping on a doorbell (`Shm::with_spin`);
+    /// efa: the endpoint's spin mode (`EndpointConfig::busy_poll`), 0 for none.
     #[arg(long, value_name = "MICROS", default_value_t = 20)]
     pub spin: u64,
+
+    /// efa: the libfabric provider (`tcp;ofi_rxm`, `shm`, `efa`).
+    #[arg(long, value_name = "NAME", default_value = "tcp;ofi_rxm")]
+    pub provider: String,
 
     /// Timed round trips per round.
     #[arg(long, value_name = "N", default_value_t = 10_000,

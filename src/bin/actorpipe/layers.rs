@@ -1,11 +1,11 @@
-//! `actorpipe bench layers`: the floor under a 64 B round trip over the shm (or tcp) transport, one layer
-//! at a time, so that a pipe's figure can be split into what the ring costs, what the
+//! `actorpipe bench layers`: the floor under a 64 B round trip over the shm (or tcp, or efa)
+//! transport, one layer at a time, so that a pipe's figure can be split into what the ring costs, what the
 //! runtime's task and reactor cost, and what delivering each message to an actor costs.
 //!
 //! Both sides run in this process, each on a thread of its own with its own actix system (a
 //! tokio current-thread runtime), over one connection per round of the transport that
-//! `--transport` names (`shm` by default, spinning as `--spin` says; or `tcp`), through the
-//! transport's own halves. The rows:
+//! `--transport` names (`shm` by default, spinning as `--spin` says; or `tcp`; or `efa` over
+//! `--provider`, its endpoint spinning as `--spin` says), through the transport's own halves. The rows:
 //!
 //! - `halves`: one task per side, `write_all` then `read_exact` (the echo side the reverse). No
 //!   actor, no channel, no allocation: the transport's halves under tokio.
@@ -16,7 +16,8 @@
 //!   tells an application actor about each message.
 //!
 //! `bench transport --backend shm|tcp [--spin US] [--pin]` measures the raw path (blocking threads,
-//! no tokio) and the whole pipe; run both to see every layer.
+//! no tokio) and the whole pipe; run both to see every layer. For efa, `bench efa --sizes 64
+//! --spin US --api handler` has the raw tagged ping-pong and the pipe rows.
 
 use std::io;
 use std::pin::Pin;
@@ -54,13 +55,29 @@ pub fn run(args: &LayersArgs) -> Result<(), Failure> {
         "shm" => (Arc::new(Shm::new().with_spin(spin)), "shm://"),
         // As a pipe's own: keepalive on.
         "tcp" => (Arc::new(Tcp::default()), "tcp://127.0.0.1:0"),
+        // Each side's thread opens its own endpoint actor (one per thread and transport).
+        #[cfg(feature = "efa")]
+        "efa" => {
+            use actorpipe::actors::fabric::{transport::Efa, EndpointConfig};
+            let config = EndpointConfig {
+                busy_poll: spin,
+                ..EndpointConfig::default()
+            };
+            (
+                Arc::new(Efa::new(&args.provider).with_config(config)),
+                "efa://127.0.0.1:0",
+            )
+        }
         other => {
             return Err(crate::failure::bad(format!(
-                "bench layers: --transport shm or tcp, not {other:?}"
+                "bench layers: --transport shm, tcp or efa (feature `efa`), not {other:?}"
             )))
         }
     };
-    let name = args.transport.clone();
+    let name = match args.transport.as_str() {
+        "efa" => format!("efa [{}]", args.provider),
+        t => t.to_string(),
+    };
     let (url_tx, url_rx) = std::sync::mpsc::channel::<Result<String, String>>();
     let pin = args.pin;
     let server_transport = transport.clone();
@@ -94,10 +111,15 @@ pub fn run(args: &LayersArgs) -> Result<(), Failure> {
                     .connect(&url, Duration::from_secs(10))
                     .await
                     .map_err(|e| Failure::Failed(format!("connect {url}: {e}")))?;
+                // A task, as a pipe's loops are: the future `block_on` runs is polled only
+                // between batches of the runtime's tasks, and an endpoint actor's spin (efa)
+                // is a task that is always ready.
+                let (warmup, iters) = (args.warmup, args.iters);
                 let samples = match layer {
-                    "halves" => halves_client(stream, args.warmup, args.iters).await,
-                    _ => actor_client(stream, args.warmup, args.iters).await,
+                    "halves" => actix::spawn(halves_client(stream, warmup, iters)).await,
+                    _ => actix::spawn(actor_client(stream, warmup, iters)).await,
                 }
+                .unwrap_or_else(|e| Err(io::Error::other(e.to_string())))
                 .map_err(|e| Failure::Failed(format!("{layer}: {e}")))?;
                 if let Some(s) = Summary::of(&samples) {
                     p50s.push(s.p50);
@@ -148,8 +170,10 @@ pub fn run(args: &LayersArgs) -> Result<(), Failure> {
         println!("  cpu:      {speed:.2} ns per dependent xorshift64 step (one thread, best of 3)");
         println!(
             "  {}{}; {} rounds of {} round trips each (after {} untimed), a new connection per round",
-            match name.as_str() {
+            match args.transport.as_str() {
                 "shm" => format!("spin {} µs", args.spin),
+                "efa" if args.spin > 0 => format!("endpoint spin {} µs", args.spin),
+                "efa" => "no spin (the endpoint waits on its CQ)".to_string(),
                 _ => "no spin (tcp)".to_string(),
             },
             if pin {
@@ -178,14 +202,22 @@ pub fn run(args: &LayersArgs) -> Result<(), Failure> {
             );
         }
         println!();
-        let spin = match name.as_str() {
-            "shm" => format!(" --spin {}", args.spin),
-            _ => String::new(),
-        };
-        println!(
-            "The raw path and the whole pipe: `actorpipe bench transport --backend {name}{spin} --sizes 64{}`.",
-            if pin { " --pin" } else { "" }
-        );
+        let pinned = if pin { " --pin" } else { "" };
+        match args.transport.as_str() {
+            "efa" => println!(
+                "The raw path and the whole pipe: `actorpipe bench efa --providers '{}' --sizes 64 --spin {} --api handler`.",
+                args.provider, args.spin
+            ),
+            t => {
+                let spin = match t {
+                    "shm" => format!(" --spin {}", args.spin),
+                    _ => String::new(),
+                };
+                println!(
+                    "The raw path and the whole pipe: `actorpipe bench transport --backend {t}{spin} --sizes 64{pinned}`."
+                );
+            }
+        }
     }
     // The echo thread waits for its next connection for ever: it is not joined (the process
     // exits).
@@ -244,9 +276,10 @@ async fn echo_side(
         }
         // A connection ends when the client drops it: the echo's read fails, and the next
         // round's connection is accepted.
+        // On a task of its own, as the client's side (see there).
         let _ = match hello[0] {
-            0 => halves_echo(s).await,
-            _ => actor_echo(s).await,
+            0 => actix::spawn(halves_echo(s)).await,
+            _ => actix::spawn(actor_echo(s)).await,
         };
     }
 }
