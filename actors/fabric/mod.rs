@@ -227,6 +227,7 @@ impl FabricEndpoint {
             spins: 0,
             spinner: None,
             closed: false,
+            readers_seen: 0,
         };
         Ok(FabricEndpoint {
             wait,

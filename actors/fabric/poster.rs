@@ -222,6 +222,14 @@ impl Poster {
         true
     }
 
+    /// Whether stream readers read the CQ themselves now ([`Poster::spin_pass`] would pass),
+    /// without reading it. Not while another thread holds the lock.
+    pub fn readers_spin(&self) -> bool {
+        self.core
+            .try_lock()
+            .is_ok_and(|c| c.readers_spin && !c.closed)
+    }
+
     /// Refuses the sends of `pipes` from now on ([`Engine::refuse_sends`]): each ends at once
     /// with an error naming `reason`, on its pipe's queue in order, while receives carry on. For
     /// a peer that is gone: nothing is sent to it any more.

@@ -61,6 +61,8 @@ pub(super) struct Progress {
     pub(super) metrics: EndpointMetrics,
     /// Progress passes (CQ reads) made: `FabricStats::polls`.
     pub(super) polls: u64,
+    /// `Core::reader_passes` at the last pass or turn.
+    pub(super) readers_seen: u64,
     /// The spin under way: a spin task runs while this is its number.
     pub(super) spin: Option<u64>,
     /// Spins started so far (the next one's number).
@@ -93,14 +95,45 @@ impl Progress {
     /// Reads the CQ once (and retries the backlog) and hands out what ended; says whether
     /// anything did. Direct posts since the last look count as activity.
     pub(super) fn pass(&mut self) -> bool {
+        self.pass_or_skip(false)
+    }
+
+    /// A spin task's turn: [`Progress::pass`], unless a stream reader has read the CQ since the
+    /// last look (`Poster::spin_pass`): that pass stands for this one, and the turn only takes
+    /// what the readers' passes handed out (activity) and the direct posts. While a reader
+    /// waits in spin mode it reads the CQ on its own polls, so the spin task's reads were
+    /// second passes, and one came between a reader handing a message to a recipient actor
+    /// and that actor's turn (on `tcp;ofi_rxm` a pass costs microseconds: its sockets are read).
+    /// The CQ is still read on every turn that follows no reader's pass (a reader busy
+    /// copying a large message makes none). Measured in docs/efa-measurements.md, "A recipient
+    /// actor's turn without a pass before it" (64 MiB level in spin mode, against 6-8 %
+    /// slower on `shm` in one call of three when the readers made one pass a poll: "A reader
+    /// that reads the CQ itself").
+    pub(super) fn turn(&mut self) -> bool {
+        self.pass_or_skip(true)
+    }
+
+    fn pass_or_skip(&mut self, skip_after_readers: bool) -> bool {
         let mut c = lock(&self.core);
-        self.polls += 1;
-        // What stream readers' own passes handed out since the last look counts as activity
-        // (`Poster::spin_pass`). The CQ is read here all the same: skipping this read after a
-        // reader's pass leaves it read every other turn of the thread at best, and the `shm`
-        // provider's large messages move as it is read (6-8 % slower at 64 MiB in one call of
-        // three; docs/efa-measurements.md, "A reader that reads the CQ itself").
+        let readers_passed = c.reader_passes != self.readers_seen;
+        self.readers_seen = c.reader_passes;
+        // What stream readers' own passes handed out since the last look counts as activity.
         let found = std::mem::take(&mut c.reader_found);
+        if skip_after_readers && readers_passed {
+            if found {
+                c.forget();
+            }
+            let posted = std::mem::take(&mut c.posted);
+            if found || posted {
+                self.metrics.publish(c.engine.stats());
+            }
+            drop(c);
+            if found || posted {
+                self.activity();
+            }
+            return found;
+        }
+        self.polls += 1;
         let (r, delivered) = c.progress();
         let any = found || delivered;
         let posted = std::mem::take(&mut c.posted);

@@ -81,11 +81,12 @@ impl Future for Spinner {
             this.os_yield = Instant::now();
             this.turns = 0;
         }
-        // Every turn reads the CQ. Skipping it for 8 turns after a pass that handed out ends
-        // (so that the tasks those ends woke ran first) cost 64 B round trips once the stream
+        // Every turn reads the CQ, unless a stream reader has since its last turn
+        // (`Progress::turn`). Skipping it for 8 turns after a pass that handed out ends (so
+        // that the tasks those ends woke ran first) cost 64 B round trips once the stream
         // posted straight into the engine: on 16 cores `tcp;ofi_rxm` `actor spin` 1.69x ->
         // 1.46x raw, on the 2-core VM `shm` `transport spin` 2.45 -> 2.00 us (docs/efa.md).
-        p.pass();
+        p.turn();
         this.turns = this.turns.wrapping_add(1);
         let now = (this.turns % CLOCK_EVERY == 0).then(Instant::now);
         let due = match now {

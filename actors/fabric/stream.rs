@@ -36,15 +36,20 @@ pub const WINDOW: u32 = 16;
 /// Largest message (before the provider's maximum).
 pub const BOUNCE: usize = 64 << 10;
 
-/// How long a reader keeps reading the CQ within one poll while the endpoint spins, once the
-/// executor has had a turn since its wait began (the first poll of a wait makes one pass and
-/// gives way, as the shm transport's spin does: the task that answers the message just read,
-/// if any, is usually ready then). Between two passes of one poll a message is seen a pass
-/// later, not a trip through the executor (the read loop's whole future, the spin task's turn
-/// and the other tasks') later: on 16 cores the 64 B spin rows fell 5-12 % (docs/efa-measurements.md,
-/// "A reader that keeps looking"). What a task that becomes ready meanwhile waits for, at most,
-/// plus one pass.
+/// How long a reader waiting in spin mode keeps reading the CQ within one poll, on each poll of
+/// a wait but the first ([`FabricRead`]'s `look`). What a task made ready meanwhile waits for, at
+/// most, plus one pass.
 pub const READER_BURST: Duration = Duration::from_micros(2);
+
+/// What a waiting reader's look at the CQ found.
+enum Look {
+    /// An end (`None`: the queue closed).
+    Got(Option<Finished>),
+    /// Nothing yet: wake the task and give way, then look again.
+    Later,
+    /// Readers do not spin now: wait for the queue's wake-up.
+    Sleep,
+}
 
 /// What both halves share: dropped with the second half, which ends the bootstrap connection's
 /// watcher (and closes it).
@@ -102,8 +107,7 @@ pub struct FabricRead {
     spare: Vec<Vec<u8>>,
     eof: bool,
     error: Option<io::Error>,
-    /// A wait (spin mode) has given way to the executor once: the next poll may keep looking
-    /// for [`READER_BURST`].
+    /// This wait (spin mode) has given way to the executor once (see `look`).
     gave_way: bool,
     _shared: Arc<Shared>,
 }
@@ -147,24 +151,41 @@ impl FabricRead {
         }
     }
 
-    /// After a pass of the CQ (spin mode) found nothing yet for this half: takes what has
-    /// arrived, and on a poll after the wait's first keeps passing for up to [`READER_BURST`]
-    /// until something does. `None`: nothing yet (the caller wakes its task and gives way);
-    /// `Some(None)`: the queue is closed.
-    fn keep_looking(&mut self) -> Option<Option<Finished>> {
-        let end = self.gave_way.then(|| Instant::now() + READER_BURST);
+    /// While the endpoint spins (spin mode), a reader whose queue of ends is empty reads the CQ
+    /// itself (`Poster::spin_pass`), so that a message that lands is read on this task's own
+    /// turn instead of on the spin task's turn that then wakes this one; the spin task skips its
+    /// read on a turn after a reader's pass (`Progress::turn`):
+    ///
+    /// - the first poll of a wait does not read it: it gives way at once. Whatever answers the
+    ///   message just read (a recipient actor, the write loop) is usually ready then, and a
+    ///   pass (on `tcp;ofi_rxm`, reads of its sockets) would come before it;
+    /// - each later poll reads it, again and again for up to [`READER_BURST`] until its own end
+    ///   comes: a message that lands meanwhile is read a pass later, not a trip through the
+    ///   executor later (the read loop's future polled from the top, the other tasks).
+    ///
+    /// Measured in docs/efa-measurements.md, "A reader that keeps looking" and "A recipient
+    /// actor's turn without a pass before it".
+    fn look(&mut self) -> Look {
+        if !self.gave_way {
+            if !self.ep.readers_spin() {
+                return Look::Sleep;
+            }
+            self.gave_way = true;
+            return Look::Later;
+        }
+        let end = Instant::now() + READER_BURST;
         loop {
+            if !self.ep.spin_pass() {
+                self.gave_way = false;
+                return Look::Sleep;
+            }
             match self.done.try_recv() {
-                Ok(f) => return Some(Some(f)),
-                Err(mpsc::error::TryRecvError::Disconnected) => return Some(None),
+                Ok(f) => return Look::Got(Some(f)),
+                Err(mpsc::error::TryRecvError::Disconnected) => return Look::Got(None),
                 Err(mpsc::error::TryRecvError::Empty) => {}
             }
-            match end {
-                Some(end) if Instant::now() < end && self.ep.spin_pass() => {}
-                _ => {
-                    self.gave_way = true;
-                    return None;
-                }
+            if Instant::now() >= end {
+                return Look::Later;
             }
         }
     }
@@ -232,21 +253,17 @@ impl AsyncRead for FabricRead {
             if let Some(e) = &this.error {
                 return Poll::Ready(Err(io::Error::new(e.kind(), e.to_string())));
             }
+            // The waker stays registered either way, for an end another pass hands out.
             let f = match this.done.poll_recv(cx) {
                 Poll::Ready(f) => f,
-                // While the endpoint spins, this task reads the CQ itself and keeps doing so
-                // (its waker stays registered for an end another pass hands out): a message
-                // that lands is read on this task's own turn, instead of on the spin task's
-                // turn that then wakes this one; after the wait's first poll, within the poll
-                // for a moment (`keep_looking`).
-                Poll::Pending if this.ep.spin_pass() => match this.keep_looking() {
-                    Some(f) => f,
-                    None => {
+                Poll::Pending => match this.look() {
+                    Look::Got(f) => f,
+                    Look::Later => {
                         cx.waker().wake_by_ref();
                         return Poll::Pending;
                     }
+                    Look::Sleep => return Poll::Pending,
                 },
-                Poll::Pending => return Poll::Pending,
             };
             this.gave_way = false;
             let Some(f) = f else {
