@@ -309,10 +309,11 @@ impl ContextBuilder {
     ///
     /// A handler's messages then skip the `LocalSet`'s layer of scheduling: on 16 cores a 64 B
     /// shm round trip without spin answered by a handler took 1.18× the raw eventfd ring instead
-    /// of 1.26× (medians of 20 runs; docs/performance-limits.md, "Twelfth round"). The handler is called inside a spare `LocalSet` of the thread, polled by a task
-    /// of the arbiter's: `actix::spawn`, `Actor::start` and tokio's `spawn_local` work in it as
-    /// on the arbiter's `LocalSet`, and what they start runs on the same thread. The loop moves
-    /// at its next message after the stand begins or ends (a spawn).
+    /// of 1.26× (medians of 20 runs; docs/performance-limits.md, "Twelfth round"). The handler
+    /// is called inside a spare `LocalSet` of the thread, polled by a task of the arbiter's:
+    /// `actix::spawn`, `Actor::start` and tokio's `spawn_local` work in it as on the arbiter's
+    /// `LocalSet`, and what they start runs on the same thread. The loop moves at its next
+    /// message after the stand begins or ends (a spawn).
     /// `ACTORPIPE_READ_LOOP_FOLLOWS_HANDLER=0` turns it off for contexts built with defaults.
     pub fn read_loop_follows_handler(mut self, on: bool) -> Self {
         self.config.read_loop_follows_handler = on;
