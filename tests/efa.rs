@@ -876,6 +876,61 @@ mod pipes {
         });
     }
 
+    /// A stream's small writes go out as injects straight from the writer's bytes, with no
+    /// op and no end (`direct`), vectored ones gathered; a write over the inject size takes
+    /// the posted path. The reader gets every byte, in order.
+    pub fn small_writes_inject_directly(provider: &str) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        actix::System::new().block_on(async {
+            let (a, sa, sb) = stream_pair(provider, EndpointConfig::default()).await;
+            let ep = a.endpoint_actor().expect("a's endpoint");
+            let transport::Stream { mut write, .. } = sa;
+            let transport::Stream { mut read, .. } = sb;
+            // A first message, and the posts the connection refused retried: a pipe with ops
+            // in the backlog sends nothing ahead of them.
+            write.write_all(&[1; 8]).await.expect("write");
+            read.read_exact(&mut [0; 8]).await.expect("read");
+            let mut before = ep.send(FabricStats).await.unwrap();
+            while before.backlog > 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                before = ep.send(FabricStats).await.unwrap();
+            }
+            let big = vec![5u8; 60 << 10];
+            let reader = actix::spawn(async move {
+                let mut all = vec![0u8; 20 * 64 + 2 * 48 + big.len()];
+                read.read_exact(&mut all).await.map(|_| all)
+            });
+            for i in 0..20u8 {
+                write.write_all(&[i; 64]).await.expect("write");
+            }
+            let parts = [
+                std::io::IoSlice::new(&[30; 16]),
+                std::io::IoSlice::new(&[31; 32]),
+            ];
+            for _ in 0..2 {
+                let n = write.write_vectored(&parts).await.expect("write");
+                assert_eq!(n, 48, "{provider}: one message");
+            }
+            write.write_all(&[5u8; 60 << 10]).await.expect("write");
+            let got = within(10, "the messages", reader).await;
+            let got = got.expect("joined").expect("read");
+            let after = ep.send(FabricStats).await.unwrap();
+            for i in 0..20 {
+                assert_eq!(got[i * 64..(i + 1) * 64], [i as u8; 64], "{provider}: {i}");
+            }
+            let pieces = &got[20 * 64..20 * 64 + 96];
+            assert_eq!(pieces[..16], [30; 16], "{provider}");
+            assert_eq!(pieces[16..48], [31; 32], "{provider}");
+            assert_eq!(pieces[48..64], [30; 16], "{provider}");
+            assert!(got[20 * 64 + 96..].iter().all(|&b| b == 5), "{provider}");
+            assert_eq!(after.direct - before.direct, 22, "{provider}: {after:?}");
+            assert!(
+                after.posted - before.posted > 22,
+                "{provider}: the large write was posted: {after:?}"
+            );
+        });
+    }
+
     pub fn dead_peer_spinning(provider: &str) {
         dead_peer_with(provider, super::efa::SPIN);
     }
@@ -1029,6 +1084,10 @@ fn main() {
         (
             "stream_spin_task_leaves_the_cq_to_a_waiting_reader",
             pipes::spin_task_leaves_the_cq_to_a_waiting_reader,
+        ),
+        (
+            "stream_small_writes_inject_directly",
+            pipes::small_writes_inject_directly,
         ),
     ]);
     #[cfg(feature = "efa")]

@@ -199,6 +199,33 @@ impl Poster {
         }
     }
 
+    /// Sends `bytes` for `pipe` with one `fi_tinject` from the caller's own bytes, with no op
+    /// and no end ([`Engine::inject`]); says whether it went. If not (too large, a backlog
+    /// ahead, an `-FI_EAGAIN`, the actor stopped), the caller posts the send as usual.
+    pub fn inject(&self, pipe: u32, tag: u64, bytes: &[u8]) -> bool {
+        let kick = {
+            let mut c = lock(&self.core);
+            if c.closed {
+                return false;
+            }
+            let Core { engine, sinks, .. } = &mut *c;
+            if !engine.inject(pipe, tag, bytes, &mut |f| deliver(sinks, f)) {
+                return false;
+            }
+            c.after_post()
+        };
+        if kick {
+            self.signal.raise();
+        }
+        true
+    }
+
+    /// The largest send [`Poster::inject`] takes (the provider's inject size, or the engine's
+    /// lower limit).
+    pub fn inject_limit(&self) -> usize {
+        lock(&self.core).engine.inject_limit()
+    }
+
     /// While the actor spins in spin mode (`busy_poll`), reads the CQ here, from the caller's
     /// task, and hands out what ended (as the spin task's pass does); says whether it did. A stream's reader with
     /// nothing to read calls it before it waits, and keeps calling it (waking its own task)

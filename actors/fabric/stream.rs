@@ -5,8 +5,11 @@
 //! queue of ends). The receiving half keeps `WINDOW` receives of `bounce` bytes posted, tagged
 //! with consecutive sequence numbers (TensorPipe's ibv inbox, over tagged messages); the writing
 //! half may have at most `WINDOW` messages unconsumed at the receiver (its credits). Each
-//! message is one write's bytes (a vectored write gathers its slices) copied into a pooled
-//! bounce buffer: one copy in, one copy out, as the shm rings cost. The reader reposts each
+//! message is one write's bytes (a vectored write gathers its slices). One that fits the
+//! provider's inject size goes out with `fi_tinject` straight from the writer's bytes
+//! ([`Poster::inject`]: the provider copies them, and no op or end is made for it); a larger
+//! one is copied into a pooled bounce buffer and posted. One copy in, one copy out, as the shm
+//! rings cost. The reader reposts each
 //! buffer once its bytes are read, and returns credits in one small message per `WINDOW / 2`
 //! buffers. A zero-length message is the end of the stream (`shutdown`). Both halves post
 //! through the endpoint's [`Poster`], straight into its engine from the half's own poll (no
@@ -299,6 +302,10 @@ pub struct FabricWrite {
     seq: u32,
     credit_recv_seq: u32,
     pool: Vec<Vec<u8>>,
+    /// Sends of 1 to this many bytes try [`Poster::inject`] first (the engine's inject limit).
+    inject_limit: usize,
+    /// Where the slices of a vectored write that goes out as an inject are gathered.
+    gather: Vec<u8>,
     in_flight: u32,
     shut: bool,
     error: Option<io::Error>,
@@ -318,7 +325,10 @@ impl FabricWrite {
         shared: Arc<Shared>,
     ) -> FabricWrite {
         post_receives(&ep, TagStream::Credit, wiring.write, CREDIT_RECVS, 4);
+        let inject_limit = ep.inject_limit().min(bounce);
         FabricWrite {
+            inject_limit,
+            gather: Vec::new(),
             ep,
             wiring,
             done,
@@ -408,6 +418,27 @@ impl FabricWrite {
                 return Poll::Pending;
             }
         }
+        let tag = tag::make(TagStream::Control, self.wiring.peer_read, self.seq);
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if total <= self.inject_limit {
+            // Straight from the caller's bytes (gathered only if in pieces): no bounce buffer,
+            // no op, no end to reap.
+            let bytes: &[u8] = match bufs {
+                [one] => one,
+                _ => {
+                    self.gather.clear();
+                    for b in bufs {
+                        self.gather.extend_from_slice(b);
+                    }
+                    &self.gather
+                }
+            };
+            if self.ep.inject(self.wiring.write, tag, bytes) {
+                self.seq = self.seq.wrapping_add(1);
+                self.credits -= 1;
+                return Poll::Ready(Ok(total));
+            }
+        }
         let mut m = self
             .pool
             .pop()
@@ -429,7 +460,7 @@ impl FabricWrite {
             self.wiring.write,
             [Op {
                 kind: Kind::Send,
-                tag: tag::make(TagStream::Control, self.wiring.peer_read, seq),
+                tag,
                 mem: m,
                 id: seq as u64,
             }],

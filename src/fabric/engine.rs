@@ -104,6 +104,9 @@ pub struct Stats {
     /// Sends that went out as injects (`fi_tinject`, no completion to read); counted in
     /// `posted` too.
     pub injected: u64,
+    /// Of those, sends injected straight from the caller's bytes, with no op and no end
+    /// ([`Engine::inject`]: the efa stream's small messages).
+    pub direct: u64,
     /// Errors: failed posts and error completions.
     pub errors: u64,
     /// Ops in the backlog now.
@@ -251,6 +254,11 @@ impl Engine {
         self.inject_limit = limit.min(self.attributes().inject_size as usize);
     }
 
+    /// The largest send that goes out as an inject ([`Engine::set_inject_limit`]).
+    pub fn inject_limit(&self) -> usize {
+        self.inject_limit
+    }
+
     /// The counters.
     pub fn stats(&self) -> Stats {
         Stats {
@@ -384,6 +392,64 @@ impl Engine {
             _mr: None,
         };
         self.post_live(live, out);
+    }
+
+    /// Sends `bytes` for `pipe` at once with `fi_tinject` if nothing stands in the way, with no
+    /// op and no end: no slot, no [`Finished`], and the caller keeps its bytes (the provider
+    /// has copied them when this returns). Says whether it went; if not, nothing happened but
+    /// the counters of an `-FI_EAGAIN` (real or injected), and the caller posts the send
+    /// ([`Engine::post`]) as usual, which keeps every order rule:
+    ///
+    /// - not for an empty send, one over the inject limit, a pipe not attached, one that has
+    ///   failed, refuses its sends or has ops in the backlog (they go first), nor while
+    ///   completion errors are injected (they need an end to land on);
+    /// - a post error other than `-FI_EAGAIN` fails the pipe as a posted op's would (its ends
+    ///   through `out`) and says no: the caller's post then ends with that error, in order.
+    ///
+    /// An inject may overtake the pipe's posted sends that are still in flight: only for
+    /// streams whose receiver matches each message by its own tag (the efa stream's sequence
+    /// numbers), where order on the wire does not matter.
+    pub fn inject(
+        &mut self,
+        pipe: u32,
+        tag: u64,
+        bytes: &[u8],
+        out: &mut impl FnMut(Finished),
+    ) -> bool {
+        let len = bytes.len();
+        if len == 0 || len > self.inject_limit || self.faults.cq_error > 0.0 {
+            return false;
+        }
+        let Some(p) = self.pipes.get(&pipe) else {
+            return false;
+        };
+        if p.error.is_some() || p.refused.is_some() || p.backlogged > 0 {
+            return false;
+        }
+        let peer = p.peer;
+        if self.faults.eagain > 0.0 && self.dice.roll(self.faults.eagain) {
+            self.stats.eagain += 1;
+            return false;
+        }
+        match self.ep.tinject(bytes, peer, tag) {
+            Ok(()) => {
+                self.stats.posted += 1;
+                self.stats.injected += 1;
+                self.stats.direct += 1;
+                self.stats.bytes += len as u64;
+                true
+            }
+            Err(PostError::Again) => {
+                self.stats.eagain += 1;
+                false
+            }
+            Err(PostError::Failed(e)) => {
+                self.stats.errors += 1;
+                self.fail_pipe(pipe, e);
+                self.drain_dirty(out);
+                false
+            }
+        }
     }
 
     /// Posts an op that moves `region` in place (the `efa` channel), for `pipe`, as

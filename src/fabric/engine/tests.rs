@@ -517,3 +517,92 @@ fn refused_sends_end_in_order_and_spare_receives_and_other_pipes() {
         assert_eq!(at_b.len(), 2, "{provider}: a refused send arrived");
     }
 }
+
+/// [`Engine::inject`] sends at once from the caller's bytes with no end, but never ahead of
+/// its pipe's backlog, nor on a pipe that refuses its sends: it says no then, and the caller's
+/// post keeps the order rules. The peer gets every message, intact.
+#[test]
+fn direct_injects_go_at_once_but_never_ahead_of_the_backlog() {
+    for provider in PROVIDERS {
+        let (mut a, pa, mut b, pb) = pair(provider, Faults::NONE);
+        let mut got: Vec<Finished> = Vec::new();
+        for id in 0..3 {
+            let op = Op {
+                kind: Kind::Recv,
+                tag: tag::make(Stream::Raw, pb, id),
+                mem: vec![0; 16],
+                id: id as u64,
+            };
+            b.post(pb, op, &mut |f| got.push(f));
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut ends = 0;
+        // rxm refuses posts (-FI_EAGAIN) while it connects: the inject says no, nothing else.
+        while !a.inject(pa, tag::make(Stream::Raw, pb, 0), &[1; 16], &mut |_| {
+            ends += 1
+        }) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{provider}: never went"
+            );
+            a.progress(&mut |_| ends += 1).expect("cq");
+            b.progress(&mut |f| got.push(f)).expect("cq");
+        }
+        assert_eq!(ends, 0, "{provider}: no end for a direct inject");
+        let s = a.stats();
+        assert_eq!((s.direct, s.in_flight), (1, 0), "{provider}: {s:?}");
+        // A send refused into the backlog: the next inject may not overtake it.
+        a.set_faults(Faults {
+            eagain: 1.0,
+            ..Faults::NONE
+        });
+        let op = Op {
+            kind: Kind::Send,
+            tag: tag::make(Stream::Raw, pb, 1),
+            mem: vec![2; 16],
+            id: 1,
+        };
+        a.post(pa, op, &mut |_| ends += 1);
+        a.set_faults(Faults::NONE);
+        assert_eq!(a.stats().backlog, 1, "{provider}");
+        let third = tag::make(Stream::Raw, pb, 2);
+        assert!(
+            !a.inject(pa, third, &[3; 16], &mut |_| ends += 1),
+            "{provider}: an inject went ahead of the backlog"
+        );
+        while a.stats().backlog > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{provider}: backlog stuck"
+            );
+            a.progress(&mut |_| ends += 1).expect("cq");
+        }
+        assert!(
+            a.inject(pa, third, &[3; 16], &mut |_| ends += 1),
+            "{provider}"
+        );
+        while got.len() < 3 {
+            assert!(std::time::Instant::now() < deadline, "{provider}: {got:?}");
+            a.progress(&mut |_| ends += 1).expect("cq");
+            b.progress(&mut |f| got.push(f)).expect("cq");
+        }
+        assert_eq!(ends, 1, "{provider}: only the posted send ends");
+        for (i, f) in got.iter().enumerate() {
+            assert_eq!(f.result.as_ref().ok(), Some(&16), "{provider}: {f:?}");
+            assert_eq!(f.mem, vec![i as u8 + 1; 16], "{provider}: message {i}");
+        }
+        // A pipe whose sends are refused: no inject either.
+        let e = FabricError {
+            op: "fi_tsend",
+            provider: provider.into(),
+            code: libc::ECONNRESET,
+            text: "the peer died".into(),
+        };
+        a.refuse_sends(pa, e, &mut |_| {});
+        assert!(
+            !a.inject(pa, tag::make(Stream::Raw, pb, 3), &[4; 16], &mut |_| {}),
+            "{provider}"
+        );
+        assert_eq!(a.stats().direct, 2, "{provider}");
+    }
+}
