@@ -289,6 +289,54 @@ fn bench_layers_over_efa() {
     }
 }
 
+/// `bench efa --pin` on libfabric's `shm` provider: the raw ping-pong and a pipe row, each a
+/// p50 and a ratio to raw, with every row's two sides pinned to CPUs 0 and 1.
+#[cfg(feature = "efa")]
+#[test]
+fn bench_efa_pinned_prints_raw_and_pipe_rows() {
+    let out = Command::new(env!("CARGO_BIN_EXE_actorpipe"))
+        .args([
+            "bench",
+            "efa",
+            "--providers",
+            "shm",
+            "--sizes",
+            "64",
+            "--iters",
+            "50",
+            "--rounds",
+            "1",
+            "--spin",
+            "50",
+            "--api",
+            "handler",
+            "--rows",
+            "raw,transport spin",
+            "--pin",
+        ])
+        .output()
+        .expect("run actorpipe bench efa");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for row in ["raw", "transport spin"] {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("shm") && l.contains(&format!(" {row} ")))
+            .unwrap_or_else(|| panic!("no {row} row: {text}"));
+        let ratio: f64 = line
+            .split_whitespace()
+            .rev()
+            .nth(1)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no ratio: {line}"));
+        assert!(ratio > 0.0, "{line}");
+    }
+}
+
 /// `bench copy`: one process per thread count, each reporting the count in force and a rate
 /// for every way and size; a count of 0 is bad input.
 #[test]

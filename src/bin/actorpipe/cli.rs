@@ -126,6 +126,13 @@ pub struct EfaArgs {
     /// progress mode (wait fd, polling), and print the CPU it used.
     #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub idle: Option<u64>,
+
+    /// Pin every row's two sides to the same two CPUs: the client (this thread, and the
+    /// threads it starts) to CPU 0, the echo side's thread to CPU 1, the raw ping-pong's two
+    /// threads alike. Without it the scheduler places each round's fresh threads anew, and
+    /// in a VM two vCPUs that share a host core make a round slower, raw or not.
+    #[arg(long)]
+    pub pin: bool,
 }
 
 /// Options of `bench transport|channel|pipe`.

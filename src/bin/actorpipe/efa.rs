@@ -28,6 +28,10 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
     if let Some(secs) = args.idle {
         return idle(args, Duration::from_secs(secs));
     }
+    let pin = args.pin;
+    if pin {
+        crate::run::pin_to(0)?;
+    }
     println!(
         "{:<12} {:>6} {:<15} {:>11} {:>7} {:>9}",
         "provider", "size", "row", "p50", "vs raw", "GB/s"
@@ -72,20 +76,24 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
                 if wanted("raw") {
                     rows[0]
                         .1
-                        .extend(raw_round(provider, size as usize, counts, false)?);
+                        .extend(raw_round(provider, size as usize, counts, (false, pin))?);
                 }
                 if inject && wanted("raw inject") {
                     rows[at_raw]
                         .1
-                        .extend(raw_round(provider, size as usize, counts, true)?);
+                        .extend(raw_round(provider, size as usize, counts, (true, pin))?);
                 }
                 for (k, (suffix, config)) in configs.iter().enumerate() {
                     let at = at_raw + 1 + 5 * k;
                     let wanted = |row: &str| wanted(&format!("{row}{suffix}"));
                     if wanted("actor") {
-                        rows[at]
-                            .1
-                            .extend(actor_round(provider, size as usize, counts, *config)?);
+                        rows[at].1.extend(actor_round(
+                            provider,
+                            size as usize,
+                            counts,
+                            *config,
+                            pin,
+                        )?);
                     }
                     let pipe_rows = [
                         crate::efa_pipe::Row::Transport,
@@ -99,7 +107,7 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
                             continue;
                         }
                         rows[at + 1 + j].1.extend(crate::efa_pipe::round(
-                            row, provider, size, counts, *config, args.api,
+                            row, provider, size, counts, *config, args.api, pin,
                         )?);
                     }
                 }
@@ -233,12 +241,13 @@ fn raw_round(
     provider: &str,
     size: usize,
     counts: Counts,
-    inject: bool,
+    (inject, pin): (bool, bool),
 ) -> Result<Samples, Failure> {
     let (to_server, from_client) = std_mpsc::channel::<Vec<u8>>();
     let (to_client, from_server) = std_mpsc::channel::<Vec<u8>>();
     let p = provider.to_string();
     let server = std::thread::spawn(move || -> Result<Samples, Failure> {
+        pin_echo(pin)?;
         let ep = open_raw(&p)?;
         let _ = to_client.send(ep.name().to_vec());
         let peer = from_client.recv().map_err(|e| failed("setup", e))?;
@@ -346,12 +355,15 @@ fn actor_round(
     size: usize,
     counts: Counts,
     config: EndpointConfig,
+    pin: bool,
 ) -> Result<Samples, Failure> {
     let (a_tx, b_rx) = std_mpsc::channel();
     let (b_tx, a_rx) = std_mpsc::channel();
     let p = provider.to_string();
-    let server =
-        std::thread::spawn(move || actor_side(p, b_tx, b_rx, size, counts, (false, config)));
+    let server = std::thread::spawn(move || {
+        pin_echo(pin)?;
+        actor_side(p, b_tx, b_rx, size, counts, (false, config))
+    });
     let samples = actor_side(
         provider.to_string(),
         a_tx,
@@ -362,6 +374,15 @@ fn actor_round(
     )?;
     server.join().map_err(|_| failed("server", "panicked"))??;
     Ok(samples)
+}
+
+/// With `--pin`, binds the calling echo side's thread (and those it starts) to CPU 1; the
+/// client's is on CPU 0 from the start of the run.
+pub fn pin_echo(pin: bool) -> Result<(), Failure> {
+    if pin {
+        crate::run::pin_to(1)?;
+    }
+    Ok(())
 }
 
 /// CPU time this process has used (user + system).

@@ -86,11 +86,16 @@ pub fn round(
     counts: Counts,
     config: EndpointConfig,
     api: Api,
+    pin: bool,
 ) -> Result<Samples, Failure> {
     let (url_tx, url_rx) = std_mpsc::channel::<Result<String, Failure>>();
     let (stop_tx, stop_rx) = std_mpsc::channel::<()>();
     let p = provider.to_string();
     let server = std::thread::spawn(move || {
+        if let Err(e) = crate::efa::pin_echo(pin) {
+            let _ = url_tx.send(Err(e));
+            return;
+        }
         actix::System::new().block_on(async move {
             match crate::bench::listen(row.builder(&p, config), "tcp://127.0.0.1:0", api).await {
                 Ok(listening) => {
