@@ -396,13 +396,13 @@ impl Engine {
 
     /// Sends `bytes` for `pipe` at once with `fi_tinject` if nothing stands in the way, with no
     /// op and no end: no slot, no [`Finished`], and the caller keeps its bytes (the provider
-    /// has copied them when this returns). Says whether it went; if not, nothing happened but
-    /// the counters of an `-FI_EAGAIN` (real or injected), and the caller posts the send
-    /// ([`Engine::post`]) as usual, which keeps every order rule:
+    /// has copied them when this returns). Says whether it went; if not, the caller posts the
+    /// send ([`Engine::post`]) as usual, which keeps every order rule:
     ///
     /// - not for an empty send, one over the inject limit, a pipe not attached, one that has
     ///   failed, refuses its sends or has ops in the backlog (they go first), nor while
     ///   completion errors are injected (they need an end to land on);
+    /// - nor on `-FI_EAGAIN`, real or injected (counted as any other);
     /// - a post error other than `-FI_EAGAIN` fails the pipe as a posted op's would (its ends
     ///   through `out`) and says no: the caller's post then ends with that error, in order.
     ///

@@ -129,8 +129,7 @@ pub struct EfaArgs {
 
     /// Pin every row's two sides to the same two CPUs: the client (this thread, and the
     /// threads it starts) to CPU 0, the echo side's thread to CPU 1, the raw ping-pong's two
-    /// threads alike. Without it the scheduler places each round's fresh threads anew, and
-    /// in a VM two vCPUs that share a host core make a round slower, raw or not.
+    /// threads alike. Without it the scheduler places each round's fresh threads anew.
     #[arg(long)]
     pub pin: bool,
 }
