@@ -11,10 +11,6 @@
 . "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
 ab_start "${1:-}" ab-efa-direct-inject.sh
 variants=(old new)
-rows() {
-  grep -E ' 64 (B|MiB) ' | awk '{s = $1; for (i = 4; i <= NF; i++) s = s " " $i; print s}' |
-    tr '\n' ';'
-}
 for r in $(seq 1 "${RUNS:-6}"); do
   for j in 0 1; do
     v=${variants[$(((r + j) % 2))]}
@@ -25,12 +21,12 @@ for r in $(seq 1 "${RUNS:-6}"); do
     done
     for api in handler standing; do
       x=$(./$v bench efa --sizes 64 --iters 3000 --rounds 3 --spin 50 --api $api \
-        --rows "raw,transport spin,channel spin" 2>&1 | rows)
+        --rows "raw,transport spin,channel spin" 2>&1 | ab_rows)
       echo "r$r | $v $api | $x"
     done
     if [ "${BIG:-0}" = 1 ]; then
       x=$(./$v bench efa --sizes 64M --iters 4 --rounds 2 --spin 50 \
-        --rows "raw,transport spin,channel spin" 2>&1 | rows)
+        --rows "raw,transport spin,channel spin" 2>&1 | ab_rows)
       echo "r$r | $v 64M | $x"
     fi
   done

@@ -20,3 +20,10 @@ ab_efa_row() {
   ./$1 bench efa --sizes 64 --iters 2000 --rounds 3 --spin 50 --api handler \
     --rows "raw,transport spin,channel spin" 2>&1 | grep -E '64 B'
 }
+
+# A `bench efa` table's 64 B / 64 MiB rows on one line, `;`-separated: provider, row, p50, ratio
+# to raw, GB/s.
+ab_rows() {
+  grep -E ' 64 (B|MiB) ' | awk '{s = $1; for (i = 4; i <= NF; i++) s = s " " $i; print s}' |
+    tr '\n' ';'
+}

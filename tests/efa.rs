@@ -400,7 +400,7 @@ mod pipes {
 
     use actix::Addr;
     use actorpipe::actors::fabric::transport::Efa;
-    use actorpipe::actors::fabric::{EndpointConfig, FabricStats};
+    use actorpipe::actors::fabric::{EndpointConfig, FabricDescribe, FabricStats};
     use actorpipe::fabric::faults::Faults;
     use actorpipe::*;
 
@@ -463,6 +463,27 @@ mod pipes {
             let (tx, rx, _s) = pair(b(), b()).await;
             check_backends(&tx, "efa", "efa").await;
             within(240, "10 000 messages", stream(&tx, &rx, 10_000, 32, 7)).await;
+        });
+    }
+
+    /// Endpoints forced to poll (`force_polling`: a CQ opened without a wait fd) in spin mode,
+    /// as `bench efa --no-wait-fd` runs them: the endpoint waits on no fd, and 2,000
+    /// random-shape messages arrive intact and in order, through spins and the polling's
+    /// back-off between them.
+    pub fn without_a_wait_fd_spinning(provider: &str) {
+        actix::System::new().block_on(async {
+            let config = EndpointConfig {
+                force_polling: true,
+                busy_poll: super::efa::SPIN,
+                ..EndpointConfig::default()
+            };
+            let (ba, t) = with_transport(provider, config);
+            let (tx, rx, _s) = pair(ba, efa_context(provider, config)).await;
+            check_backends(&tx, "efa", "efa").await;
+            let ep = t.endpoint_actor().expect("the endpoint");
+            let d = ep.send(FabricDescribe).await.unwrap();
+            assert!(!d.wait_fd, "{provider}: waits on a fd");
+            within(120, "2,000 messages", stream(&tx, &rx, 2_000, 32, 11)).await;
         });
     }
 
@@ -1088,6 +1109,10 @@ fn main() {
         (
             "stream_small_writes_inject_directly",
             pipes::small_writes_inject_directly,
+        ),
+        (
+            "pipes_without_a_wait_fd_spinning",
+            pipes::without_a_wait_fd_spinning,
         ),
     ]);
     #[cfg(feature = "efa")]

@@ -70,7 +70,11 @@ pub struct EndpointConfig {
     pub max_sleep: Duration,
     /// Fault injection (tests).
     pub faults: Faults,
-    /// Poll even where a wait fd exists (to measure both modes on one provider).
+    /// Open the CQ without a wait fd and poll it, even where the provider offers one
+    /// (`Endpoint::open_with`). Saves the provider's signalling of that fd, on `tcp;ofi_rxm` a
+    /// `write` and a `read` system call per completion; costs the polling mode's idle CPU and
+    /// its back-off: after `spin` without activity, a message that arrives waits for the next
+    /// poll, up to `max_sleep` (docs/efa.md, "Progress").
     pub force_polling: bool,
     /// Register the memory of in-place ops (the `efa` channel's) even where the provider does
     /// not require it, through the registration cache (tests: the path `FI_MR_LOCAL`
@@ -198,7 +202,8 @@ impl FabricEndpoint {
                 ),
             })?;
         let dom = Domain::open(info).map_err(|e| fabric_error(e, &origin))?;
-        let ep = Endpoint::open(&dom, info).map_err(|e| fabric_error(e, &origin))?;
+        let ep = Endpoint::open_with(&dom, info, !config.force_polling)
+            .map_err(|e| fabric_error(e, &origin))?;
         let wait = match (ep.wait_fd(), config.force_polling) {
             (Some(fd), false) => {
                 let fd =

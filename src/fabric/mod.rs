@@ -487,14 +487,28 @@ impl Endpoint {
     /// Opens an endpoint on `domain` with the entry `info` that opened it. The CQ gets a wait fd
     /// if the provider offers one (`FI_WAIT_FD`), none otherwise.
     pub fn open(domain: &Rc<Domain>, info: Info<'_>) -> Result<Endpoint, FabricError> {
+        Endpoint::open_with(domain, info, true)
+    }
+
+    /// [`Endpoint::open`], its CQ with a wait fd only if `wait_fd` asks for one (and the
+    /// provider offers it). A CQ without one is only polled, and costs no signalling: a
+    /// provider's CQ with a wait fd writes to that fd when a completion arrives and reads it
+    /// back once the CQ is drained (on `tcp;ofi_rxm`, a `write` and a `read` system call per
+    /// completion, whether or not anybody waits on the fd).
+    pub fn open_with(
+        domain: &Rc<Domain>,
+        info: Info<'_>,
+        wait_fd: bool,
+    ) -> Result<Endpoint, FabricError> {
         let provider = domain.attributes.provider.clone();
         let size = (domain.attributes.tx_size + domain.attributes.rx_size).clamp(64, 1 << 16);
         let mut cq_ptr = std::ptr::null_mut();
         let mut fd: std::ffi::c_int = -1;
+        let want = std::ffi::c_int::from(wait_fd);
         // SAFETY: the domain is open; cq_ptr and fd receive a CQ we close on drop.
         let mut ret =
-            unsafe { ffi::ap_cq_open(domain.ptr, size as usize, 1, &mut cq_ptr, &mut fd) };
-        if ret != 0 {
+            unsafe { ffi::ap_cq_open(domain.ptr, size as usize, want, &mut cq_ptr, &mut fd) };
+        if ret != 0 && wait_fd {
             // No wait object here (shm): a CQ we poll.
             // SAFETY: as above.
             ret = unsafe { ffi::ap_cq_open(domain.ptr, size as usize, 0, &mut cq_ptr, &mut fd) };

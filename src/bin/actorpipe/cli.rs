@@ -132,6 +132,13 @@ pub struct EfaArgs {
     /// threads alike. Without it the scheduler places each round's fresh threads anew.
     #[arg(long)]
     pub pin: bool,
+
+    /// Every endpoint's CQ without a wait fd, only polled: the actorpipe rows' endpoints
+    /// (`EndpointConfig::force_polling`) and the raw ping-pong's alike. Where the provider
+    /// offers a wait fd (`tcp;ofi_rxm`), that saves its signalling, two system calls per
+    /// completion.
+    #[arg(long)]
+    pub no_wait_fd: bool,
 }
 
 /// Options of `bench transport|channel|pipe`.

@@ -40,8 +40,10 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
     // actorpipe row runs twice per round, without and with spin, against the same raw rounds.
     let plain = EndpointConfig {
         busy_poll: Duration::ZERO,
+        force_polling: args.no_wait_fd,
         ..EndpointConfig::default()
     };
+    let wait_fd = !args.no_wait_fd;
     let mut configs = vec![("", plain)];
     if let Some(us) = args.spin {
         let spin = EndpointConfig {
@@ -74,14 +76,20 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
             }
             for _ in 0..args.rounds {
                 if wanted("raw") {
-                    rows[0]
-                        .1
-                        .extend(raw_round(provider, size as usize, counts, (false, pin))?);
+                    rows[0].1.extend(raw_round(
+                        provider,
+                        size as usize,
+                        counts,
+                        (false, pin, wait_fd),
+                    )?);
                 }
                 if inject && wanted("raw inject") {
-                    rows[at_raw]
-                        .1
-                        .extend(raw_round(provider, size as usize, counts, (true, pin))?);
+                    rows[at_raw].1.extend(raw_round(
+                        provider,
+                        size as usize,
+                        counts,
+                        (true, pin, wait_fd),
+                    )?);
                 }
                 for (k, (suffix, config)) in configs.iter().enumerate() {
                     let at = at_raw + 1 + 5 * k;
@@ -138,14 +146,16 @@ fn failed(what: &str, e: impl std::fmt::Display) -> Failure {
     Failure::Failed(format!("{what}: {e}"))
 }
 
-fn open_raw(provider: &str) -> Result<Endpoint, Failure> {
+/// The raw ping-pong's endpoint: its CQ with a wait fd where the provider offers one, as the
+/// endpoint actor's by default, unless `wait_fd` is false (`--no-wait-fd`).
+fn open_raw(provider: &str, wait_fd: bool) -> Result<Endpoint, Failure> {
     let list = InfoList::get(Some(provider)).map_err(|e| failed("fi_getinfo", e))?;
     let info = list
         .iter()
         .next()
         .ok_or_else(|| failed(provider, "no domain"))?;
     let domain = Domain::open(info).map_err(|e| failed("domain", e))?;
-    Endpoint::open(&domain, info).map_err(|e| failed("endpoint", e))
+    Endpoint::open_with(&domain, info, wait_fd).map_err(|e| failed("endpoint", e))
 }
 
 /// Waits until `n` completions have been read, busy-polling.
@@ -241,19 +251,19 @@ fn raw_round(
     provider: &str,
     size: usize,
     counts: Counts,
-    (inject, pin): (bool, bool),
+    (inject, pin, wait_fd): (bool, bool, bool),
 ) -> Result<Samples, Failure> {
     let (to_server, from_client) = std_mpsc::channel::<Vec<u8>>();
     let (to_client, from_server) = std_mpsc::channel::<Vec<u8>>();
     let p = provider.to_string();
     let server = std::thread::spawn(move || -> Result<Samples, Failure> {
         pin_echo(pin)?;
-        let ep = open_raw(&p)?;
+        let ep = open_raw(&p, wait_fd)?;
         let _ = to_client.send(ep.name().to_vec());
         let peer = from_client.recv().map_err(|e| failed("setup", e))?;
         raw_side(ep, &peer, size, counts, (false, inject))
     });
-    let ep = open_raw(provider)?;
+    let ep = open_raw(provider, wait_fd)?;
     let _ = to_server.send(ep.name().to_vec());
     let peer = from_server.recv().map_err(|e| failed("server", e))?;
     let samples = raw_side(ep, &peer, size, counts, (true, inject))?;
@@ -448,7 +458,7 @@ fn idle(args: &EfaArgs, hold: Duration) -> Result<(), Failure> {
 
 /// Whether forcing polling changes nothing (the provider has no wait fd).
 fn provider_has_no_fd_anyway(provider: &str) -> bool {
-    open_raw(provider)
+    open_raw(provider, true)
         .map(|ep| ep.wait_fd().is_none())
         .unwrap_or(true)
 }
