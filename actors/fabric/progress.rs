@@ -117,24 +117,15 @@ impl Progress {
         let mut c = lock(&self.core);
         let readers_passed = c.reader_passes != self.readers_seen;
         self.readers_seen = c.reader_passes;
-        // What stream readers' own passes handed out since the last look counts as activity.
+        // What stream readers' own passes handed out since the last look counts as activity
+        // (those passes have forgotten the pipes they finished, as any pass does).
         let found = std::mem::take(&mut c.reader_found);
-        if skip_after_readers && readers_passed {
-            if found {
-                c.forget();
-            }
-            let posted = std::mem::take(&mut c.posted);
-            if found || posted {
-                self.metrics.publish(c.engine.stats());
-            }
-            drop(c);
-            if found || posted {
-                self.activity();
-            }
-            return found;
-        }
-        self.polls += 1;
-        let (r, delivered) = c.progress();
+        let (r, delivered) = if skip_after_readers && readers_passed {
+            (Ok(0), false)
+        } else {
+            self.polls += 1;
+            c.progress()
+        };
         let any = found || delivered;
         let posted = std::mem::take(&mut c.posted);
         // Counters move only with posts and completions (a spin's empty passes publish

@@ -427,24 +427,17 @@ impl Engine {
             return false;
         }
         let peer = p.peer;
-        if self.faults.eagain > 0.0 && self.dice.roll(self.faults.eagain) {
-            self.stats.eagain += 1;
+        if self.refused_by_faults() {
             return false;
         }
-        match self.ep.tinject(bytes, peer, tag) {
+        match counted_inject(&self.ep, &mut self.stats, bytes, peer, tag) {
             Ok(()) => {
-                self.stats.posted += 1;
-                self.stats.injected += 1;
                 self.stats.direct += 1;
                 self.stats.bytes += len as u64;
                 true
             }
-            Err(PostError::Again) => {
-                self.stats.eagain += 1;
-                false
-            }
+            Err(PostError::Again) => false,
             Err(PostError::Failed(e)) => {
-                self.stats.errors += 1;
                 self.fail_pipe(pipe, e);
                 self.drain_dirty(out);
                 false
@@ -611,9 +604,15 @@ impl Engine {
     }
 
     /// Hands the op at `index` to the provider (or to fault injection).
+    /// Fault injection's answer to a post: `-FI_EAGAIN` for the chosen fraction (counted).
+    fn refused_by_faults(&mut self) -> bool {
+        let refused = self.faults.eagain > 0.0 && self.dice.roll(self.faults.eagain);
+        self.stats.eagain += u64::from(refused);
+        refused
+    }
+
     fn try_post(&mut self, index: usize) -> Result<(), PostError> {
-        if self.faults.eagain > 0.0 && self.dice.roll(self.faults.eagain) {
-            self.stats.eagain += 1;
+        if self.refused_by_faults() {
             return Err(PostError::Again);
         }
         let mr_local = self.ep.domain().attributes().mr_local;
@@ -635,17 +634,11 @@ impl Engine {
                 },
                 None => &l.mem[..],
             };
-            let r = self.ep.tinject(bytes, peer, l.tag);
-            match &r {
-                Ok(()) => {
-                    let pipe = l.pipe;
-                    self.stats.posted += 1;
-                    self.stats.injected += 1;
-                    let result = self.finish(pipe, Ok(len));
-                    self.end_op(index, pipe, result);
-                }
-                Err(PostError::Again) => self.stats.eagain += 1,
-                Err(PostError::Failed(_)) => self.stats.errors += 1,
+            let r = counted_inject(&self.ep, &mut self.stats, bytes, peer, l.tag);
+            if r.is_ok() {
+                let pipe = l.pipe;
+                let result = self.finish(pipe, Ok(len));
+                self.end_op(index, pipe, result);
             }
             return r;
         }
@@ -901,6 +894,27 @@ impl Engine {
             }
         }
     }
+}
+
+/// `fi_tinject` of `bytes`, counted: a post and an inject if it went, an `-FI_EAGAIN` or an
+/// error if not.
+fn counted_inject(
+    ep: &Endpoint,
+    stats: &mut Stats,
+    bytes: &[u8],
+    peer: FiAddr,
+    tag: u64,
+) -> Result<(), PostError> {
+    let r = ep.tinject(bytes, peer, tag);
+    match &r {
+        Ok(()) => {
+            stats.posted += 1;
+            stats.injected += 1;
+        }
+        Err(PostError::Again) => stats.eagain += 1,
+        Err(PostError::Failed(_)) => stats.errors += 1,
+    }
+    r
 }
 
 #[cfg(test)]
