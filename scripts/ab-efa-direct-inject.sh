@@ -14,16 +14,7 @@ variants=(old new)
 for r in $(seq 1 "${RUNS:-6}"); do
   for j in 0 1; do
     v=${variants[$(((r + j) % 2))]}
-    for p in shm 'tcp;ofi_rxm'; do
-      x=$(./$v bench layers --transport efa --provider "$p" --spin 50 --iters 5000 --rounds 3 \
-        --layers halves | grep '^| halves' | awk -F'|' '{print $4}')
-      echo "r$r | $v halves $p | $x"
-    done
-    for api in handler standing; do
-      x=$(./$v bench efa --sizes 64 --iters 3000 --rounds 3 --spin 50 --api $api \
-        --rows "raw,transport spin,channel spin" 2>&1 | ab_rows)
-      echo "r$r | $v $api | $x"
-    done
+    ab_efa_halves_and_apis "$v" "$r"
     if [ "${BIG:-0}" = 1 ]; then
       x=$(./$v bench efa --sizes 64M --iters 4 --rounds 2 --spin 50 \
         --rows "raw,transport spin,channel spin" 2>&1 | ab_rows)

@@ -27,3 +27,20 @@ ab_rows() {
   grep -E ' 64 (B|MiB) ' | awk '{s = $1; for (i = 4; i <= NF; i++) s = s " " $i; print s}' |
     tr '\n' ';'
 }
+
+# Per binary ./$1, run $2: the efa stream's halves alone (`bench layers --transport efa`, both
+# providers), then `bench efa --sizes 64 --spin 50` with a handler in place (`--api handler`)
+# and to a recipient actor (`--api standing`). One line per row set: `rRUN | VARIANT WHAT | ...`.
+ab_efa_halves_and_apis() {
+  local v=$1 r=$2 p api x
+  for p in shm 'tcp;ofi_rxm'; do
+    x=$(./$v bench layers --transport efa --provider "$p" --spin 50 --iters 5000 --rounds 3 \
+      --layers halves | grep '^| halves' | awk -F'|' '{print $4}')
+    echo "r$r | $v halves $p | $x"
+  done
+  for api in handler standing; do
+    x=$(./$v bench efa --sizes 64 --iters 3000 --rounds 3 --spin 50 --api $api \
+      --rows "raw,transport spin,channel spin" 2>&1 | ab_rows)
+    echo "r$r | $v $api | $x"
+  done
+}

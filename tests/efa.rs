@@ -594,7 +594,8 @@ mod pipes {
 
     /// In spin mode (`busy_poll`) the efa stream's reader reads the CQ itself as it waits
     /// (`Poster::spin_pass`): small messages sent one at a time, each waited for, arrive whole
-    /// and in order, and the receiving endpoint counts its readers' passes. Without `busy_poll`
+    /// and in order, and the receiving endpoint counts its readers' passes and the ends they
+    /// kept for themselves (`Claim`). Without `busy_poll`
     /// its readers make none, on both providers: not even in the polling window of `shm`, which
     /// has no wait fd (docs/efa.md, "A peer killed while it holds its region's lock").
     pub fn readers_read_the_cq_while_spinning(provider: &str) {
@@ -612,9 +613,15 @@ mod pipes {
                 let stats = ep.send(FabricStats).await.unwrap();
                 if busy_poll.is_zero() {
                     assert_eq!(stats.reader_passes, 0, "{provider}, no spin: {stats:?}");
+                    assert_eq!(stats.reader_claims, 0, "{provider}, no spin: {stats:?}");
                 } else {
                     assert!(
                         stats.reader_passes > 0,
+                        "{provider}, busy_poll {busy_poll:?}: {stats:?}"
+                    );
+                    // A message read by the reader's own pass reaches it without its queue.
+                    assert!(
+                        stats.reader_claims > 0,
                         "{provider}, busy_poll {busy_poll:?}: {stats:?}"
                     );
                 }

@@ -56,8 +56,8 @@ use crate::fabric::{Attributes, Domain, Endpoint, FabricError, InfoList};
 use crate::transport::stream::Memory;
 use drive::Drive;
 use poster::KickSignal;
-pub use poster::Poster;
 use poster::{deliver, lock, Core};
+pub use poster::{Claim, Poster};
 use progress::{Progress, Stamp};
 use spin::Spinner;
 
@@ -582,9 +582,9 @@ impl Handler<FabricDescribe> for FabricEndpoint {
 impl Handler<FabricStats> for FabricEndpoint {
     type Result = MessageResult<FabricStats>;
     fn handle(&mut self, _: FabricStats, _: &mut Context<Self>) -> Self::Result {
-        let (stats, reader_passes) = {
+        let (stats, reader_passes, reader_claims) = {
             let c = self.core();
-            (c.engine.stats(), c.reader_passes)
+            (c.engine.stats(), c.reader_passes, c.reader_claims)
         };
         let mut p = self.progress.borrow_mut();
         // What is returned is published too: a post the actor has not looked at yet (an
@@ -593,6 +593,7 @@ impl Handler<FabricStats> for FabricEndpoint {
         MessageResult(Stats {
             polls: p.polls,
             reader_passes,
+            reader_claims,
             ..stats
         })
     }

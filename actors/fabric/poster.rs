@@ -24,6 +24,7 @@
 //! wake-up, the future's polls), and a 64 B round trip without spin makes 4 (`transport`) to 6
 //! (`channel`) kicks (callgrind, docs/efa-measurements.md, "Instruction counts").
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Waker;
@@ -64,6 +65,8 @@ pub(super) struct Core {
     pub(super) readers_spin: bool,
     /// Passes stream readers made themselves while the actor spun ([`Poster::spin_pass`]).
     pub(super) reader_passes: u64,
+    /// Ends those passes handed straight to the reader that made them ([`Claim`]).
+    pub(super) reader_claims: u64,
     /// Those passes handed out ends since the spin task last looked (activity, for its window).
     pub(super) reader_found: bool,
 }
@@ -89,6 +92,7 @@ impl Core {
             closed: false,
             readers_spin: false,
             reader_passes: 0,
+            reader_claims: 0,
             reader_found: false,
         }
     }
@@ -97,12 +101,35 @@ impl Core {
     /// queue, and forgets the pipes that are done; says whether any end went out. The actor's
     /// passes and a spinning stream reader's ([`Poster::spin_pass`]) are this.
     pub(super) fn progress(&mut self) -> (Result<usize, FabricError>, bool) {
+        self.progress_claiming(None)
+    }
+
+    /// [`Core::progress`], but the ends of `claim`'s pipe go to the claimant's hands instead
+    /// of its queue, where they may (see [`Claim`]).
+    fn progress_claiming(
+        &mut self,
+        mut claim: Option<&mut Claim<'_>>,
+    ) -> (Result<usize, FabricError>, bool) {
+        // Only while the pipe's queue is empty: every end its queue holds came before this
+        // pass, and every end sent to it after comes after (ends are sent only under this
+        // lock), so the claimant, which takes its claimed ends first, keeps the pipe's order.
+        if claim.as_ref().is_some_and(|c| !c.queue.is_empty()) {
+            claim = None;
+        }
         let mut any = false;
+        let mut claimed = 0;
         let Core { engine, sinks, .. } = self;
         let r = engine.progress(&mut |f| {
             any = true;
-            deliver(sinks, f);
+            match claim.as_mut() {
+                Some(c) if c.pipe == f.pipe => {
+                    claimed += 1;
+                    c.into.push_back(f);
+                }
+                _ => deliver(sinks, f),
+            }
         });
+        self.reader_claims += claimed;
         if any {
             self.forget();
         }
@@ -144,6 +171,22 @@ impl Core {
             };
         }
     }
+}
+
+/// What a reader's own pass ([`Poster::spin_pass`]) may keep of what it reads: the ends of
+/// its own pipe go straight into `into` instead of through the pipe's queue `queue`, when that
+/// queue is empty. Through the queue, each end woke the reader's own task (its waker was
+/// registered: the reader had found the queue empty), and the end was sent and received: about
+/// a few hundred instructions on the path from a message's arrival to its handler, and a poll
+/// of the reader's task for nothing afterwards. The reader takes the ends in `into` before any
+/// in `queue`, which keeps its order (see [`Core::progress_claiming`]).
+pub struct Claim<'a> {
+    /// The reader's pipe.
+    pub pipe: u32,
+    /// The pipe's queue of ends (only looked at: is it empty?).
+    pub queue: &'a mpsc::UnboundedReceiver<Finished>,
+    /// Where the pipe's ends go instead.
+    pub into: &'a mut VecDeque<Finished>,
 }
 
 /// Hands `f` to its pipe's queue.
@@ -227,19 +270,20 @@ impl Poster {
     }
 
     /// While the actor spins in spin mode (`busy_poll`), reads the CQ here, from the caller's
-    /// task, and hands out what ended (as the spin task's pass does); says whether it did. A stream's reader with
-    /// nothing to read calls it before it waits, and keeps calling it (waking its own task)
-    /// while it says so: the reader's own message then reaches it in the same poll, with no
-    /// turn of the spin task and no wake-up of the reader's task in between (docs/efa.md,
-    /// "Progress"). Not while another thread holds the lock: that one progresses the CQ.
-    pub fn spin_pass(&self) -> bool {
+    /// task, and hands out what ended (as the spin task's pass does); says whether it did. A
+    /// stream's reader with nothing to read calls it before it waits, and keeps calling it
+    /// (waking its own task) while it says so: the reader's own message then reaches it in the
+    /// same poll, with no turn of the spin task in between, and through `claim` (see [`Claim`])
+    /// with no trip through its queue either (docs/efa.md, "Progress"). Not while another
+    /// thread holds the lock: that one progresses the CQ.
+    pub fn spin_pass(&self, mut claim: Claim<'_>) -> bool {
         let Ok(mut c) = self.core.try_lock() else {
             return false;
         };
         if !c.readers_spin || c.closed {
             return false;
         }
-        let (r, _) = c.progress();
+        let (r, _) = c.progress_claiming(Some(&mut claim));
         c.reader_found |= !matches!(r, Ok(0));
         c.reader_passes += 1;
         drop(c);
@@ -341,3 +385,6 @@ impl KickSignal {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -21,6 +21,7 @@
 //! after a short grace so that messages already on the fabric (a farewell frame) are read
 //! first.
 
+use std::collections::VecDeque;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -30,7 +31,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc;
 
-use super::{FabricDetach, Poster};
+use super::{Claim, FabricDetach, Poster};
 use crate::fabric::engine::{Finished, Kind, Op};
 use crate::fabric::tag::{self, Stream as TagStream};
 
@@ -100,6 +101,8 @@ pub struct FabricRead {
     ep: Poster,
     wiring: Wiring,
     done: mpsc::UnboundedReceiver<Finished>,
+    /// Ends its own passes took for it ([`Claim`]): they come before any in `done`.
+    claimed: VecDeque<Finished>,
     bounce: usize,
     current: Option<(Vec<u8>, usize, usize)>,
     /// A buffer read out, to repost at the next poll (see `poll_read`).
@@ -140,6 +143,7 @@ impl FabricRead {
             ep,
             wiring,
             done,
+            claimed: VecDeque::with_capacity(WINDOW as usize),
             bounce,
             current: None,
             emptied: None,
@@ -178,9 +182,17 @@ impl FabricRead {
         }
         let end = Instant::now() + READER_BURST;
         loop {
-            if !self.ep.spin_pass() {
+            let claim = Claim {
+                pipe: self.wiring.read,
+                queue: &self.done,
+                into: &mut self.claimed,
+            };
+            if !self.ep.spin_pass(claim) {
                 self.gave_way = false;
                 return Look::Sleep;
+            }
+            if let Some(f) = self.claimed.pop_front() {
+                return Look::Got(Some(f));
             }
             match self.done.try_recv() {
                 Ok(f) => return Look::Got(Some(f)),
@@ -256,16 +268,20 @@ impl AsyncRead for FabricRead {
             if let Some(e) = &this.error {
                 return Poll::Ready(Err(io::Error::new(e.kind(), e.to_string())));
             }
-            // The waker stays registered either way, for an end another pass hands out.
-            let f = match this.done.poll_recv(cx) {
-                Poll::Ready(f) => f,
-                Poll::Pending => match this.look() {
-                    Look::Got(f) => f,
-                    Look::Later => {
-                        cx.waker().wake_by_ref();
-                        return Poll::Pending;
-                    }
-                    Look::Sleep => return Poll::Pending,
+            // Claimed ends first (they came before any in `done`). The waker stays registered
+            // either way, for an end another pass hands out.
+            let f = match this.claimed.pop_front() {
+                Some(f) => Some(f),
+                None => match this.done.poll_recv(cx) {
+                    Poll::Ready(f) => f,
+                    Poll::Pending => match this.look() {
+                        Look::Got(f) => f,
+                        Look::Later => {
+                            cx.waker().wake_by_ref();
+                            return Poll::Pending;
+                        }
+                        Look::Sleep => return Poll::Pending,
+                    },
                 },
             };
             this.gave_way = false;

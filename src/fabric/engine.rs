@@ -128,6 +128,9 @@ pub struct Stats {
     /// CQ reads made by the efa stream's readers themselves while the endpoint spun, not
     /// counted in `polls` (`Poster::spin_pass`; zero from the engine itself).
     pub reader_passes: u64,
+    /// Of the ends those passes read, the ones handed straight to the reader that read them
+    /// (`Claim`), not through its pipe's queue (zero from the engine itself).
+    pub reader_claims: u64,
     /// Sends ended without reaching the provider because their pipe's peer was gone
     /// ([`Engine::refuse_sends`]).
     pub refused: u64,

@@ -806,7 +806,7 @@ impl Drop for Endpoint {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 /// What libfabric offers on this host, for `actorpipe info`.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
