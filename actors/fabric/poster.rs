@@ -176,9 +176,9 @@ impl Core {
 /// What a reader's own pass ([`Poster::spin_pass`]) may keep of what it reads: the ends of
 /// its own pipe go straight into `into` instead of through the pipe's queue `queue`, when that
 /// queue is empty. Through the queue, each end woke the reader's own task (its waker was
-/// registered: the reader had found the queue empty), and the end was sent and received: about
-/// a few hundred instructions on the path from a message's arrival to its handler, and a poll
-/// of the reader's task for nothing afterwards. The reader takes the ends in `into` before any
+/// registered: the reader had found the queue empty), and the end was sent and received: a few
+/// hundred instructions on the path from a message's arrival to its handler, and a poll of the
+/// reader's task for nothing afterwards. The reader takes the ends in `into` before any
 /// in `queue`, which keeps its order (see [`Core::progress_claiming`]).
 pub struct Claim<'a> {
     /// The reader's pipe.
