@@ -14,7 +14,8 @@
 //! buffers. A zero-length message is the end of the stream (`shutdown`). Both halves post
 //! through the endpoint's [`Poster`], straight into its engine from the half's own poll (no
 //! mailbox hop); the actor reads the CQ and hands the ends to the halves' queues, and while it
-//! spins a reader with nothing to read reads it too (`Poster::spin_pass`).
+//! spins a reader with nothing to read reads it too (`Poster::spin_pass`), keeping its own ends
+//! out of its queue ([`Claim`]).
 //!
 //! The TCP connection that bootstrapped the stream stays open and carries nothing: its end (the
 //! peer closed or died: the kernel closes it either way) fails both halves' pending operations,
