@@ -606,7 +606,6 @@ impl Engine {
         self.stats.backlog_max = self.stats.backlog_max.max(self.backlog.len());
     }
 
-    /// Hands the op at `index` to the provider (or to fault injection).
     /// Fault injection's answer to a post: `-FI_EAGAIN` for the chosen fraction (counted).
     fn refused_by_faults(&mut self) -> bool {
         let refused = self.faults.eagain > 0.0 && self.dice.roll(self.faults.eagain);
@@ -614,6 +613,7 @@ impl Engine {
         refused
     }
 
+    /// Hands the op at `index` to the provider (or to fault injection).
     fn try_post(&mut self, index: usize) -> Result<(), PostError> {
         if self.refused_by_faults() {
             return Err(PostError::Again);
