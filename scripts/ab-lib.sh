@@ -39,8 +39,15 @@ ab_efa_halves_and_apis() {
     echo "r$r | $v halves $p | $x"
   done
   for api in handler standing; do
-    x=$(./$v bench efa --sizes 64 --iters 3000 --rounds 3 --spin 50 --api $api \
-      --rows "raw,transport spin,channel spin" 2>&1 | ab_rows)
-    echo "r$r | $v $api | $x"
+    ab_efa_api "$v" "$r" $api
   done
+}
+
+# Per binary ./$1, run $2: `bench efa --sizes 64 --spin 50 --api $3` (both providers), the raw
+# ping-pong and the pipe rows in spin mode, on one line: `rRUN | VARIANT API | row;row;...`.
+ab_efa_api() {
+  local x
+  x=$(./$1 bench efa --sizes 64 --iters 3000 --rounds 3 --spin 50 --api "$3" \
+    --rows "raw,transport spin,channel spin" 2>&1 | ab_rows)
+  echo "r$2 | $1 $3 | $x"
 }

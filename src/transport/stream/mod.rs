@@ -416,5 +416,7 @@ mod write;
 use ops::{send, Ticketed};
 pub use ops::{Done, InOp, Memory, OutOp, Region};
 pub use parking::Parking;
+#[cfg(test)]
+use read::{buffered_inline, read_op};
 pub use read::{read_frame, read_frame_bytes, read_loop};
 pub use write::write_loop;

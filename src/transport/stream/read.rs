@@ -149,7 +149,44 @@ async fn read_tensor(
     Ok(())
 }
 
-async fn read_op(
+/// A message's inline bytes taken straight from the read buffer `avail`, when all of them are
+/// there in the shape a writer sends them in: `payloads` bytes of payloads, then each tensor the
+/// stream carries in one chunk (its frame and its bytes). Returns the `total` bytes, copied once
+/// into a buffer of their size (not zeroed first), and how many bytes of `avail` they took.
+/// `None` when anything is missing or in another shape (a chunk split in two, a ping between
+/// them, a header that does not fit): the general path then reads it, and tells any error.
+pub(super) fn buffered_inline(
+    avail: &[u8],
+    wd: &WireDescriptor,
+    carried: Carried,
+    payloads: usize,
+    total: usize,
+    limits: &Limits,
+) -> Option<(Vec<u8>, usize)> {
+    let mut bytes = Vec::with_capacity(total);
+    bytes.extend_from_slice(avail.get(..payloads)?);
+    let mut at = payloads;
+    let tensors = wd.descriptor.tensors.iter().zip(&wd.routes);
+    for (i, (t, (_, data))) in tensors.enumerate() {
+        if !carried.carries(data) || t.length == 0 {
+            continue;
+        }
+        let rest = &avail[at..];
+        let prefix = rest.first_chunk::<LEN_PREFIX>()?;
+        let end = LEN_PREFIX.checked_add(u32::from_le_bytes(*prefix) as usize)?;
+        let Ok(Frame::Chunk(h)) = wire::decode_frame(rest.get(LEN_PREFIX..end)?, limits) else {
+            return None;
+        };
+        if h.seq != wd.seq || h.tensor != i as u32 || h.offset != 0 || h.length != t.length {
+            return None;
+        }
+        bytes.extend_from_slice(rest.get(end..end.checked_add(h.length as usize)?)?);
+        at += end + h.length as usize;
+    }
+    (bytes.len() == total).then_some((bytes, at))
+}
+
+pub(super) async fn read_op(
     r: &mut BufReader<BoxRead>,
     op: &mut InOp,
     buf: &mut Vec<u8>,
@@ -192,6 +229,13 @@ async fn read_op(
                             r.consume(len);
                             return Ok(Some((frame, payloads)));
                         }
+                    } else if let Some((bytes, used)) =
+                        buffered_inline(r.buffer(), wd, *carried, inline.payloads, len, limits)
+                    {
+                        // The usual small message with tensors: all of it came with the
+                        // frame, each tensor in one chunk.
+                        r.consume(used);
+                        return Ok(Some((frame, bytes)));
                     }
                     payloads = vec![0; len];
                     let (mine, mut rest) = payloads.split_at_mut(inline.payloads);

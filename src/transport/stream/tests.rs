@@ -384,3 +384,129 @@ async fn frames_read_the_same_however_the_stream_cuts_them() {
         assert_eq!(e.class(), "limit", "piece {piece}: {e}");
     }
 }
+
+/// The bytes of a message with a payload and three tensors (the second empty) as a writer
+/// sends them: descriptor frame, payload, each tensor's chunks (`split`: the first tensor's
+/// in two), a ping between the tensors if `ping`, then a close frame. Returns them with the
+/// message's inline bytes.
+fn small_message(split: bool, ping: bool, index: u32) -> (Vec<u8>, Vec<u8>) {
+    let t0 = vec![1u8; 64];
+    let t2 = vec![2u8; 5];
+    let msg = crate::message::Message::new()
+        .with_payload(Payload::new(b"pay".to_vec()))
+        .with_tensor(crate::message::Tensor::cpu(t0.clone()))
+        .with_tensor(crate::message::Tensor::cpu(Vec::new()))
+        .with_tensor(crate::message::Tensor::cpu(t2.clone()));
+    let mut s = Vec::new();
+    wire::encode_frame(&mut s, FrameKind::Descriptor, |b| {
+        wire::encode_descriptor(b, 3, &msg, |_, _| 0)
+    });
+    s.extend_from_slice(b"pay");
+    if split {
+        encode_chunk_header(&mut s, 3, index, 0, 32);
+        s.extend_from_slice(&t0[..32]);
+        encode_chunk_header(&mut s, 3, index, 32, 32);
+        s.extend_from_slice(&t0[32..]);
+    } else {
+        encode_chunk_header(&mut s, 3, index, 0, 64);
+        s.extend_from_slice(&t0);
+    }
+    if ping {
+        s.extend_from_slice(&wire::PING_FRAME);
+    }
+    encode_chunk_header(&mut s, 3, 2, 0, 5);
+    s.extend_from_slice(&t2);
+    wire::encode_serde(
+        &mut s,
+        FrameKind::Close,
+        &wire::Farewell {
+            reason: "bye".into(),
+            graceful: true,
+        },
+    );
+    (s, [&b"pay"[..], &t0, &t2].concat())
+}
+
+/// A read loop's buffered reader over `stream`, delivered `piece` bytes at a time.
+fn pieces(stream: &[u8], piece: usize) -> BufReader<BoxRead> {
+    let data = stream.to_vec();
+    BufReader::with_capacity(8192, Box::new(Pieces { data, at: 0, piece }))
+}
+
+/// The op for the next frame, on a stream that carries every tensor (basic).
+fn frame_op(reply: &Reply) -> InOp {
+    InOp::Frame {
+        ticket: 0,
+        reply: reply.clone(),
+        more: 0,
+        carried: Carried::All,
+        catch: None,
+    }
+}
+
+/// A small message's tensors come out of the read buffer with its frame (`buffered_inline`)
+/// when they lie there whole, one chunk each; cut any other way (chunks split, a ping between
+/// them, a stream that delivers a few bytes at a time) the general path reads the same bytes,
+/// and a chunk for the wrong tensor fails the read either way.
+#[tokio::test]
+async fn a_small_messages_tensors_read_the_same_from_the_buffer_or_not() {
+    let limits = Limits::default();
+    let origin = Origin::new("test://inline", "test");
+    let (reply, _done) = mpsc::unbounded_channel();
+    for (split, ping) in [(false, false), (true, false), (false, true)] {
+        let (stream, want) = small_message(split, ping, 0);
+        // Straight from the buffer only in the writer's usual shape.
+        let at = LEN_PREFIX + u32::from_le_bytes(stream[..4].try_into().unwrap()) as usize;
+        let wd = match wire::decode_frame(&stream[LEN_PREFIX..at], &limits).unwrap() {
+            Frame::Descriptor(wd) => wd,
+            f => panic!("{f:?}"),
+        };
+        let fast = buffered_inline(&stream[at..], &wd, Carried::All, 3, want.len(), &limits);
+        assert_eq!(
+            fast.is_some(),
+            !split && !ping,
+            "split {split}, ping {ping}"
+        );
+        if let Some((bytes, used)) = fast {
+            assert_eq!(bytes, want);
+            // Up to the close frame, which the read loop's next frame op decodes in place.
+            let rest = &stream[at + used..];
+            let end = LEN_PREFIX + u32::from_le_bytes(rest[..4].try_into().unwrap()) as usize;
+            let close = wire::decode_frame(&rest[LEN_PREFIX..end], &limits);
+            assert!(matches!(close, Ok(Frame::Close(_))), "{close:?}");
+        }
+        assert!(buffered_inline(&stream[at..at + 80], &wd, Carried::All, 3, 72, &limits).is_none());
+        for piece in [1, 7, 70, stream.len()] {
+            let what = format!("split {split}, ping {ping}, piece {piece}");
+            let (mut r, mut op) = (pieces(&stream, piece), frame_op(&reply));
+            let (mut buf, mut spare) = (Vec::new(), None);
+            let got = read_op(&mut r, &mut op, &mut buf, &mut spare, &limits, &origin).await;
+            let (frame, bytes) = got.unwrap().expect("a frame op reads a frame");
+            assert!(
+                matches!(frame, Frame::Descriptor(ref wd) if wd.seq == 3),
+                "{what}"
+            );
+            assert_eq!(bytes, want, "{what}");
+            let next = read_frame(&mut r, &mut buf, &limits, &origin)
+                .await
+                .unwrap();
+            assert!(matches!(next, Frame::Close(_)), "{what}: {next:?}");
+        }
+    }
+    // The first tensor's chunk names tensor 1: a protocol error, from the buffer or not.
+    let (stream, _) = small_message(false, false, 1);
+    for piece in [7, stream.len()] {
+        let (mut r, mut op) = (pieces(&stream, piece), frame_op(&reply));
+        let e = read_op(
+            &mut r,
+            &mut op,
+            &mut Vec::new(),
+            &mut None,
+            &limits,
+            &origin,
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(e.class(), "protocol", "piece {piece}: {e}");
+    }
+}
