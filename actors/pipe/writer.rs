@@ -249,6 +249,34 @@ impl WriteShare {
         if message.tensors.is_empty() {
             return self.direct_message(guard, message, frame, seq, ticket, bytes, completer);
         }
+        let ops = 1 + message.tensors.len();
+        let since = self.metrics.start();
+        // Its ops are built only if the loop must write part of them.
+        let Some(whole) =
+            wire.parking
+                .try_write_parts(ticket, seq, &frame, &message.payloads, &message.tensors)
+        else {
+            // Nothing went out: the pipe writes it (through its write loop).
+            return_frame(&mut l.frames, frame);
+            l.outstanding += 1;
+            return Direct::ToPipe(message);
+        };
+        // Its bytes are on the stream: it takes its id, sequence number and tickets.
+        let id = l.next_id;
+        l.next_id += 1;
+        l.next_seq += 1;
+        l.out_ticket += ops as u64;
+        l.sent_on_control += (ops - 1) as u64;
+        self.metrics.issued(OpKind::Write);
+        if whole == ops {
+            return_frame(&mut l.frames, frame);
+            l.written_by_caller += 1;
+            drop(guard);
+            self.metrics.finished(OpKind::Write, since, Ok(bytes));
+            return Direct::Done(id, message);
+        }
+        // Written in part: the write loop writes the rest, and the pipe completes the write
+        // (it takes it from `handoff` before it handles any completion of the loop's).
         let mut batch = start_batch(
             &mut l.batch,
             ticket,
@@ -268,36 +296,6 @@ impl WriteShare {
                 reply: wire.reply.clone(),
             });
         }
-        let ops = batch.len();
-        let since = self.metrics.start();
-        let Some(whole) = wire.parking.try_write(&batch) else {
-            // Nothing went out: the pipe writes it (through its write loop).
-            for op in batch.drain(..) {
-                give_back(op, &mut message, &mut l.frames);
-            }
-            l.batch = batch;
-            l.outstanding += 1;
-            return Direct::ToPipe(message);
-        };
-        // Its bytes are on the stream: it takes its id, sequence number and tickets.
-        let id = l.next_id;
-        l.next_id += 1;
-        l.next_seq += 1;
-        l.out_ticket += ops as u64;
-        l.sent_on_control += (ops - 1) as u64;
-        self.metrics.issued(OpKind::Write);
-        if whole == ops {
-            for op in batch.drain(..) {
-                give_back(op, &mut message, &mut l.frames);
-            }
-            l.batch = batch;
-            l.written_by_caller += 1;
-            drop(guard);
-            self.metrics.finished(OpKind::Write, since, Ok(bytes));
-            return Direct::Done(id, message);
-        }
-        // Written in part: the write loop writes the rest, and the pipe completes the write
-        // (it takes it from `handoff` before it handles any completion of the loop's).
         for (i, op) in batch.drain(..).enumerate() {
             if i < whole {
                 give_back(op, &mut message, &mut l.frames);

@@ -108,8 +108,6 @@ impl Parking {
     /// was, the ops may go anywhere) from "bytes written, this many ops whole" (`Some`: the
     /// ops are committed to this stream's order, and the loop must write what is left of them).
     pub fn try_write(&self, ops: &[OutOp]) -> Option<usize> {
-        /// Up to this many chunk headers in one write.
-        const HEADERS: usize = IOV_BATCH / 2;
         // The loop holds the lock only for moments, never across a poll; the owner's writes
         // (the pipe's, a `PipeWriter`'s, on any thread) are serialised by the owner's own
         // lock, so a failed try means the loop is taking its half back: let it have the ops.
@@ -123,9 +121,6 @@ impl Parking {
         // The run: each op next in ticket order, qualified, and with room for its slices.
         let mut slices = 0;
         let mut run = 0;
-        let mut headers = [(0usize, 0usize); HEADERS];
-        let mut nh = 0;
-        p.header.clear();
         for (i, op) in ops.iter().enumerate() {
             if op.ticket() != p.next + i as u64 {
                 break;
@@ -135,23 +130,14 @@ impl Parking {
                     slices += 1 + payloads.len();
                 }
                 OutOp::Tensor {
-                    seq,
-                    index,
                     memory,
                     offset: 0,
                     chunk_size,
                     ..
                 } if slices + 2 <= IOV_BATCH
-                    && nh < HEADERS
                     && (1..=DIRECT_TENSOR_MAX.min(*chunk_size))
                         .contains(&memory.as_slice().len()) =>
                 {
-                    // The same bytes as the loop's `write_op` would write: one chunk.
-                    let at = p.header.len();
-                    let len = memory.as_slice().len() as u64;
-                    encode_chunk_header(&mut p.header, *seq, *index, 0, len);
-                    headers[nh] = (at, p.header.len());
-                    nh += 1;
                     slices += 2;
                 }
                 _ => break,
@@ -161,58 +147,156 @@ impl Parking {
         if run == 0 {
             return None;
         }
-        let mut iov = [IoSlice::new(&[]); IOV_BATCH];
-        let mut lens = [0usize; IOV_BATCH];
-        let mut n = 0;
-        let mut h = 0;
-        for (i, op) in ops[..run].iter().enumerate() {
-            let first = n;
-            match op {
-                OutOp::Message {
-                    frame, payloads, ..
-                } => {
-                    iov[n] = IoSlice::new(frame);
-                    n += 1;
-                    for pl in payloads {
-                        iov[n] = IoSlice::new(&pl.data);
-                        n += 1;
-                    }
-                }
-                OutOp::Tensor { memory, .. } => {
-                    let (a, b) = headers[h];
-                    h += 1;
-                    iov[n] = IoSlice::new(&p.header[a..b]);
-                    iov[n + 1] = IoSlice::new(memory.as_slice());
-                    n += 2;
-                }
-            }
-            lens[i] = iov[first..n].iter().map(|b| b.len()).sum();
-        }
-        let w = p.w.as_mut().expect("checked above");
-        // A waker that does nothing: if the stream is not ready, the loop takes the ops over
-        // and polls with its own.
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        let mut k = match Pin::new(&mut **w).poll_write_vectored(&mut cx, &iov[..n]) {
-            std::task::Poll::Ready(Ok(k)) if k > 0 => k,
-            // Not ready, or an error the loop will meet again and report.
-            _ => return None,
-        };
-        p.last_write = Some(Coarse::now_ns());
-        let mut whole = 0;
-        for (i, &len) in lens[..run].iter().enumerate() {
-            if k >= len {
-                k -= len;
-                whole += 1;
-            } else {
-                if k > 0 {
-                    p.torn = Some((ops[i].ticket(), k));
-                }
-                break;
-            }
-        }
-        p.next += whole as u64;
-        Some(whole)
+        write_run(p, ops[..run].iter().map(Part::of))
     }
+
+    /// [`Parking::try_write`] for one message and its tensors (the message at `ticket`, tensor
+    /// `i` at `ticket + 1 + i`, each in one chunk of message `seq`), without building their
+    /// [`OutOp`]s: the same bytes in the same one write. The caller has checked that each
+    /// tensor is in host memory, of 1 to [`DIRECT_TENSOR_MAX`] bytes within its chunk size, and
+    /// that the frame, the payloads and two slices a tensor fit [`IOV_BATCH`]. The answer is
+    /// `try_write`'s: on a torn write the caller builds the ops from the first not written
+    /// whole on, for the loop.
+    pub fn try_write_parts(
+        &self,
+        ticket: u64,
+        seq: u64,
+        frame: &[u8],
+        payloads: &[Payload],
+        tensors: &[crate::message::Tensor],
+    ) -> Option<usize> {
+        if 1 + payloads.len() + 2 * tensors.len() > IOV_BATCH {
+            return None;
+        }
+        // As in `try_write`: a failed try means the loop is taking its half back.
+        let Ok(mut p) = self.0.try_lock() else {
+            return None;
+        };
+        let p = &mut *p;
+        if p.halted || p.torn.is_some() || p.w.is_none() || ticket != p.next {
+            return None;
+        }
+        // What the caller checked, the two things that would write other bytes than the loop.
+        if tensors
+            .iter()
+            .any(|t| t.buffer.as_cpu().is_none_or(|b| b.is_empty()))
+        {
+            return None;
+        }
+        let tensors = tensors.iter().enumerate().map(|(i, t)| Part::Tensor {
+            seq,
+            index: i as u32,
+            bytes: t.buffer.as_cpu().unwrap_or_default(),
+        });
+        write_run(
+            p,
+            std::iter::once(Part::Message { frame, payloads }).chain(tensors),
+        )
+    }
+}
+
+/// What [`Parking::try_write`] writes of one op, borrowed from it (or from the message it
+/// would have been built from).
+#[derive(Clone, Copy)]
+enum Part<'a> {
+    Message {
+        frame: &'a [u8],
+        payloads: &'a [Payload],
+    },
+    /// A tensor's bytes, in one chunk at offset 0.
+    Tensor {
+        seq: u64,
+        index: u32,
+        bytes: &'a [u8],
+    },
+}
+
+impl<'a> Part<'a> {
+    /// An op's part (a tensor op as one chunk: [`Parking::try_write`] checked it is one).
+    fn of(op: &'a OutOp) -> Part<'a> {
+        match op {
+            OutOp::Message {
+                frame, payloads, ..
+            } => Part::Message { frame, payloads },
+            OutOp::Tensor {
+                seq, index, memory, ..
+            } => Part::Tensor {
+                seq: *seq,
+                index: *index,
+                bytes: memory.as_slice(),
+            },
+        }
+    }
+}
+
+/// Writes `parts`, the ops of tickets `p.next`, `p.next + 1`, ... (at most [`IOV_BATCH`]
+/// slices in all), with one non-blocking vectored write: `None` when nothing was written, else
+/// how many were written whole (a torn one is left in `p.torn` for the loop).
+fn write_run<'a>(p: &mut Parked, parts: impl Iterator<Item = Part<'a>> + Clone) -> Option<usize> {
+    // The same bytes as the loop's `write_op` would write: a tensor's chunk header, then it.
+    p.header.clear();
+    let mut headers = [(0usize, 0usize); IOV_BATCH / 2];
+    let mut nh = 0;
+    for part in parts.clone() {
+        if let Part::Tensor { seq, index, bytes } = part {
+            let at = p.header.len();
+            encode_chunk_header(&mut p.header, seq, index, 0, bytes.len() as u64);
+            *headers.get_mut(nh)? = (at, p.header.len());
+            nh += 1;
+        }
+    }
+    let mut iov = [IoSlice::new(&[]); IOV_BATCH];
+    let mut lens = [0usize; IOV_BATCH];
+    let mut n = 0;
+    let mut h = 0;
+    let mut ops = 0;
+    for (i, part) in parts.enumerate() {
+        ops = i + 1;
+        match part {
+            Part::Message { frame, payloads } => {
+                iov[n] = IoSlice::new(frame);
+                n += 1;
+                lens[i] = frame.len();
+                for pl in payloads {
+                    iov[n] = IoSlice::new(&pl.data);
+                    n += 1;
+                    lens[i] += pl.data.len();
+                }
+            }
+            Part::Tensor { bytes, .. } => {
+                let (a, b) = headers[h];
+                h += 1;
+                iov[n] = IoSlice::new(&p.header[a..b]);
+                iov[n + 1] = IoSlice::new(bytes);
+                n += 2;
+                lens[i] = b - a + bytes.len();
+            }
+        }
+    }
+    let w = p.w.as_mut()?;
+    // A waker that does nothing: if the stream is not ready, the loop takes the ops over and
+    // polls with its own.
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let mut k = match Pin::new(&mut **w).poll_write_vectored(&mut cx, &iov[..n]) {
+        std::task::Poll::Ready(Ok(k)) if k > 0 => k,
+        // Not ready, or an error the loop will meet again and report.
+        _ => return None,
+    };
+    p.last_write = Some(Coarse::now_ns());
+    let mut whole = 0;
+    for &len in &lens[..ops] {
+        if k >= len {
+            k -= len;
+            whole += 1;
+        } else {
+            if k > 0 {
+                p.torn = Some((p.next + whole as u64, k));
+            }
+            break;
+        }
+    }
+    p.next += whole as u64;
+    Some(whole)
 }
 
 /// The write loop's hold on its write half: in hand while working, parked while idle.

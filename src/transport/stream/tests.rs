@@ -154,30 +154,65 @@ async fn owner_writes_batches() {
         ]
     };
     let want = reference(ops());
+    // The loop writes the ops the owner did not write whole (from `whole` on); the stream
+    // then carries `want`, and each op the loop wrote completes.
+    async fn rest(
+        w: &mut Writer,
+        whole: usize,
+        want: &[u8],
+        ops: Vec<OutOp>,
+        done: &mut mpsc::UnboundedReceiver<Done>,
+    ) {
+        let left = ops.len() - whole;
+        for op in ops.into_iter().skip(whole) {
+            w.tx.send(op).unwrap();
+        }
+        let mut got = vec![0u8; want.len()];
+        w.r.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, want);
+        for i in 0..left {
+            let d = done.recv().await.unwrap();
+            assert!(
+                matches!(d, Done::WroteTensor { result: Ok(()), .. }),
+                "op {i} of the loop's: {d:?}"
+            );
+        }
+    }
     // The stream takes 40 bytes at once: the message and part of the first tensor.
     let mut w = writer(40).await;
     let batch = ops();
     let whole = w.parking.try_write_batch(&batch);
     assert_eq!(whole, 1, "the message went whole, the first tensor in part");
-    for op in batch.into_iter().skip(whole) {
-        w.tx.send(op).unwrap();
-    }
-    let mut got = vec![0u8; want.len()];
-    w.r.read_exact(&mut got).await.unwrap();
-    assert_eq!(got, want);
-    for ticket in [1, 2] {
-        let d = done.recv().await.unwrap();
-        assert!(
-            matches!(d, Done::WroteTensor { result: Ok(()), .. }),
-            "ticket {ticket}: {d:?}"
-        );
-    }
+    rest(&mut w, whole, &want, batch, &mut done).await;
     // With room: all three in one write, nothing for the loop.
     let mut w = writer(4096).await;
     assert_eq!(w.parking.try_write_batch(&ops()), 3);
-    let mut got = vec![0u8; want.len()];
-    w.r.read_exact(&mut got).await.unwrap();
-    assert_eq!(got, want);
+    rest(&mut w, 3, &want, ops(), &mut done).await;
+    // The same bytes from the message's own parts, with no op built (a `PipeWriter`'s way).
+    // Torn: the loop writes the rest from the ops built then, from the first one not whole.
+    let payloads = [Payload::new(b"-payload".to_vec())];
+    let tensors = [
+        crate::message::Tensor::cpu(vec![1; 100]),
+        crate::message::Tensor::cpu(vec![2; 50]),
+    ];
+    let parts = |w: &Writer, ticket| {
+        w.parking
+            .try_write_parts(ticket, 7, b"hd", &payloads, &tensors)
+    };
+    let mut w = writer(40).await;
+    let whole = parts(&w, 0);
+    assert_eq!(
+        whole,
+        Some(1),
+        "the message whole, the first tensor in part"
+    );
+    rest(&mut w, 1, &want, ops(), &mut done).await;
+    // Whole; then a ticket that is not next writes nothing.
+    let mut w = writer(4096).await;
+    assert_eq!(parts(&w, 1), None, "ticket 1 before 0");
+    assert_eq!(parts(&w, 0), Some(3));
+    rest(&mut w, 3, &want, ops(), &mut done).await;
+    assert_eq!(parts(&w, 0), None, "ticket 0 again");
 }
 
 /// The owner writes while the loop is idle: whole, in part (the loop finishes it, and no
