@@ -348,6 +348,44 @@ fn bytes_of(b: &[u8]) -> Vec<u8> {
     }
 }
 
+/// A positive int in any of its forms, at `*at` of `b` (for [`small_head`] and [`small_tensors`]).
+#[inline(always)]
+fn small_uint(b: &[u8], at: &mut usize) -> Option<u64> {
+    let m = *b.get(*at)?;
+    *at += 1;
+    let n = match m {
+        0x00..=0x7f => return Some(m as u64),
+        0xcc => 1,
+        0xcd => 2,
+        0xce => 4,
+        0xcf => 8,
+        _ => return None,
+    };
+    let v = b.get(*at..*at + n)?;
+    *at += n;
+    Some(match *v {
+        [a] => a as u64,
+        [a, b] => u16::from_be_bytes([a, b]) as u64,
+        [a, b, c, d] => u32::from_be_bytes([a, b, c, d]) as u64,
+        _ => u64::from_be_bytes(v.try_into().ok()?),
+    })
+}
+/// A bin 8 field of at most `budget` bytes, charged to it.
+#[inline(always)]
+fn small_bin<'a>(b: &'a [u8], at: &mut usize, budget: &mut u64) -> Option<&'a [u8]> {
+    let [0xc4, len] = *b.get(*at..*at + 2)? else {
+        return None;
+    };
+    let len = len as usize;
+    if len as u64 > *budget {
+        return None;
+    }
+    let v = b.get(*at + 2..*at + 2 + len)?;
+    *budget -= len as u64;
+    *at += 2 + len;
+    Some(v)
+}
+
 /// A descriptor's fields up to its tensor count, when each is in its usual small form: the
 /// array header `0x94`, a positive int sequence number, bin 8 metadata, a fixarray of payload
 /// entries (`0x92`, a positive int size, bin 8 metadata), all within `limits`. The payloads go
@@ -362,47 +400,12 @@ fn small_head<'a>(
     budget: &mut u64,
     payloads: &mut Vec<PayloadDescriptor>,
 ) -> Option<(u64, Vec<u8>, &'a [u8])> {
-    #[inline(always)]
-    fn uint(b: &[u8], at: &mut usize) -> Option<u64> {
-        let m = *b.get(*at)?;
-        *at += 1;
-        let n = match m {
-            0x00..=0x7f => return Some(m as u64),
-            0xcc => 1,
-            0xcd => 2,
-            0xce => 4,
-            0xcf => 8,
-            _ => return None,
-        };
-        let v = b.get(*at..*at + n)?;
-        *at += n;
-        Some(match *v {
-            [a] => a as u64,
-            [a, b] => u16::from_be_bytes([a, b]) as u64,
-            [a, b, c, d] => u32::from_be_bytes([a, b, c, d]) as u64,
-            _ => u64::from_be_bytes(v.try_into().ok()?),
-        })
-    }
-    #[inline(always)]
-    fn bin<'a>(b: &'a [u8], at: &mut usize, budget: &mut u64) -> Option<&'a [u8]> {
-        let [0xc4, len] = *b.get(*at..*at + 2)? else {
-            return None;
-        };
-        let len = len as usize;
-        if len as u64 > *budget {
-            return None;
-        }
-        let v = b.get(*at + 2..*at + 2 + len)?;
-        *budget -= len as u64;
-        *at += 2 + len;
-        Some(v)
-    }
     let mut at = 1;
     if *body.first()? != 0x94 {
         return None;
     }
-    let seq = uint(body, &mut at)?;
-    let metadata = bin(body, &mut at, budget)?;
+    let seq = small_uint(body, &mut at)?;
+    let metadata = small_bin(body, &mut at, budget)?;
     let np = match *body.get(at)? {
         m @ 0x90..=0x9f => (m & 0x0f) as u32,
         _ => return None,
@@ -418,11 +421,11 @@ fn small_head<'a>(
             return None;
         }
         at += 1;
-        let length = uint(body, &mut at)?;
+        let length = small_uint(body, &mut at)?;
         if length > limits.max_payload_size {
             return None;
         }
-        let metadata = bytes_of(bin(body, &mut at, budget)?);
+        let metadata = bytes_of(small_bin(body, &mut at, budget)?);
         payloads.push(PayloadDescriptor { length, metadata });
     }
     Some((seq, bytes_of(metadata), &body[at..]))
@@ -470,33 +473,13 @@ pub fn decode_descriptor_reusing(
     // No tensors and nothing after (the usual small message): what the loop below would accept
     // at once.
     if c.rest != [0x90] {
-        let (nt, cap) = c.count("tensor count", limits.max_tensors, 7)?;
-        reserve(&mut tensors, cap);
-        reserve(&mut routes, cap);
-        for _ in 0..nt {
-            c.fixed_array(6, "tensor entry")?;
-            let length = c.size("tensor size", limits.max_tensor_size)?;
-            let source_device = device_from(c.uint("source device")?)?;
-            let target_device = if c.rest.first() == Some(&NIL) {
-                c.rest = &c.rest[1..];
-                None
-            } else {
-                Some(device_from(c.uint("target device")?)?)
-            };
-            let channel = u8::try_from(c.uint("channel index")?).map_err(|_| {
-                WireError::Malformed("malformed frame: channel index over 255".into())
-            })?;
-            let data = c.bin("channel data", &mut budget, max_meta)?;
-            let metadata = c.bin("tensor metadata", &mut budget, max_meta)?;
-            tensors.push(TensorDescriptor {
-                length,
-                source_device,
-                target_device,
-                metadata,
-            });
-            routes.push((channel, data));
+        let at_count = budget;
+        if small_tensors(c.rest, limits, &mut budget, &mut tensors, &mut routes).is_none() {
+            tensors.clear();
+            routes.clear();
+            budget = at_count;
+            decode_tensors(&mut c, limits, &mut budget, &mut tensors, &mut routes)?;
         }
-        c.done()?;
     }
     Ok(WireDescriptor {
         seq,
@@ -507,6 +490,106 @@ pub fn decode_descriptor_reusing(
         },
         routes,
     })
+}
+
+/// The general decoder of a descriptor's tensor list, from its count to the end of the body
+/// (see [`small_tensors`]).
+#[inline(never)]
+fn decode_tensors(
+    c: &mut Cursor<'_>,
+    limits: &Limits,
+    budget: &mut u64,
+    tensors: &mut Vec<TensorDescriptor>,
+    routes: &mut Vec<(u8, Vec<u8>)>,
+) -> Result<(), WireError> {
+    let max_meta = limits.max_metadata_size;
+    let (nt, cap) = c.count("tensor count", limits.max_tensors, 7)?;
+    reserve(tensors, cap);
+    reserve(routes, cap);
+    for _ in 0..nt {
+        c.fixed_array(6, "tensor entry")?;
+        let length = c.size("tensor size", limits.max_tensor_size)?;
+        let source_device = device_from(c.uint("source device")?)?;
+        let target_device = if c.rest.first() == Some(&NIL) {
+            c.rest = &c.rest[1..];
+            None
+        } else {
+            Some(device_from(c.uint("target device")?)?)
+        };
+        let channel = u8::try_from(c.uint("channel index")?)
+            .map_err(|_| WireError::Malformed("malformed frame: channel index over 255".into()))?;
+        let data = c.bin("channel data", budget, max_meta)?;
+        let metadata = c.bin("tensor metadata", budget, max_meta)?;
+        tensors.push(TensorDescriptor {
+            length,
+            source_device,
+            target_device,
+            metadata,
+        });
+        routes.push((channel, data));
+    }
+    c.done()
+}
+
+/// A descriptor's tensor list (`rest`: from its count to the end of the body) when every
+/// field is in its usual small form: a fixarray count, each entry `0x96`, a positive int
+/// size, device codes and the channel index as positive fixints (the target may be nil),
+/// channel data and metadata as bin 8, and nothing after. `None` for anything else (other
+/// forms, truncation, a limit exceeded): the general decoder then decodes the list from its
+/// count, and it accepts whatever this accepts, with the same values.
+#[inline(always)]
+fn small_tensors(
+    rest: &[u8],
+    limits: &Limits,
+    budget: &mut u64,
+    tensors: &mut Vec<TensorDescriptor>,
+    routes: &mut Vec<(u8, Vec<u8>)>,
+) -> Option<()> {
+    let nt = match *rest.first()? {
+        m @ 0x90..=0x9f => (m & 0x0f) as u32,
+        _ => return None,
+    };
+    if nt > limits.max_tensors {
+        return None;
+    }
+    let mut at = 1;
+    // The capacity the general decoder reserves (`Cursor::count`).
+    let cap = (nt as usize).min((rest.len() - at) / 7);
+    reserve(tensors, cap);
+    reserve(routes, cap);
+    let fixint = |at: &mut usize| -> Option<u64> {
+        let m = *rest.get(*at)?;
+        *at += 1;
+        (m <= 0x7f).then_some(m as u64)
+    };
+    for _ in 0..nt {
+        if *rest.get(at)? != 0x96 {
+            return None;
+        }
+        at += 1;
+        let length = small_uint(rest, &mut at)?;
+        if length > limits.max_tensor_size {
+            return None;
+        }
+        let source_device = device_from(fixint(&mut at)?).ok()?;
+        let target_device = if *rest.get(at)? == NIL {
+            at += 1;
+            None
+        } else {
+            Some(device_from(fixint(&mut at)?).ok()?)
+        };
+        let channel = fixint(&mut at)? as u8;
+        let data = small_bin(rest, &mut at, budget)?;
+        let metadata = bytes_of(small_bin(rest, &mut at, budget)?);
+        tensors.push(TensorDescriptor {
+            length,
+            source_device,
+            target_device,
+            metadata,
+        });
+        routes.push((channel, bytes_of(data)));
+    }
+    (at == rest.len()).then_some(())
 }
 
 /// The general decoder of a descriptor's fields up to its tensor count (see [`small_head`]):
@@ -768,21 +851,12 @@ mod tests {
                 ..Limits::default()
             },
         ];
-        let mut inputs = Vec::new();
-        for body in &bodies {
-            for cut in 0..=body.len() {
-                inputs.push(body[..cut].to_vec());
-            }
-            for i in 0..body.len() {
-                for b in [
-                    0x00, 0x01, 0x7f, 0x90, 0x92, 0x94, 0xc4, 0xc5, 0xcc, 0xd0, 0xdc, 0xff,
-                ] {
-                    let mut v = body.clone();
-                    v[i] = b;
-                    inputs.push(v);
-                }
-            }
-        }
+        let inputs = damaged(
+            &bodies,
+            &[
+                0x00, 0x01, 0x7f, 0x90, 0x92, 0x94, 0xc4, 0xc5, 0xcc, 0xd0, 0xdc, 0xff,
+            ],
+        );
         for limits in &limits {
             for input in &inputs {
                 let mut budget = limits.max_metadata_size;
@@ -801,6 +875,151 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Whatever `small_tensors` accepts, the general decoder (`decode_tensors`) accepts with the
+    /// same tensors and routes, the same capacity reserved and the same metadata budget left:
+    /// on every truncation and many one-byte changes of a few bodies, under tight limits too.
+    #[test]
+    fn the_small_tensors_are_the_general_tensors() {
+        let mut bodies = Vec::new();
+        for (sizes, data, meta) in [
+            (vec![64], 0, 0),
+            (vec![0, 127, 128], 0, 2),
+            (vec![300, 70_000, 5, 1], 3, 0),
+            (vec![1 << 33], 200, 255),
+        ] {
+            let mut m = Message::new();
+            for (i, &n) in sizes.iter().enumerate() {
+                let mut t = Tensor::cpu(vec![4; (n as usize).min(9)]);
+                t.metadata = vec![5; (meta + i) % 256];
+                if i == 1 {
+                    t.target_device = Some(Device::Cuda(3));
+                }
+                m = m.with_tensor(t);
+            }
+            let mut body = Vec::new();
+            encode_descriptor(&mut body, 7, &m, |i, d| {
+                d.set(&vec![6; (data + i) % MAX_CHANNEL_DATA]);
+                i as u8
+            });
+            // The sizes as written, not the buffers' (kept small): patch each entry's size.
+            let mut wd = decode_descriptor(&body, &Limits::default()).expect("decodes");
+            for (t, &n) in wd.descriptor.tensors.iter_mut().zip(&sizes) {
+                t.length = n;
+            }
+            bodies.push(reencode(&wd));
+        }
+        let limits = [
+            Limits::default(),
+            Limits {
+                max_tensors: 2,
+                max_tensor_size: 200,
+                max_metadata_size: 4,
+                ..Limits::default()
+            },
+        ];
+        let inputs = damaged(
+            &bodies,
+            &[
+                0x00, 0x01, 0x7f, 0x80, 0x90, 0x92, 0x96, 0xc0, 0xc4, 0xc5, 0xcc, 0xd0, 0xdc, 0xff,
+            ],
+        );
+        let mut fast = 0;
+        for limits in &limits {
+            for input in &inputs {
+                let mut budget = limits.max_metadata_size;
+                let Ok((_, _, c)) = decode_head(input, limits, &mut budget, &mut Vec::new()) else {
+                    continue;
+                };
+                let (mut b1, mut t1, mut r1) = (budget, Vec::new(), Vec::new());
+                let small = small_tensors(c.rest, limits, &mut b1, &mut t1, &mut r1);
+                let (mut b2, mut t2, mut r2) = (budget, Vec::new(), Vec::new());
+                let mut gc = Cursor { rest: c.rest };
+                let general = decode_tensors(&mut gc, limits, &mut b2, &mut t2, &mut r2);
+                if small.is_some() {
+                    fast += 1;
+                    general.expect("the general decoder accepts it");
+                    assert_eq!((&t1, &r1, b1), (&t2, &r2, b2));
+                    assert_eq!(
+                        (t1.capacity(), r1.capacity()),
+                        (t2.capacity(), r2.capacity())
+                    );
+                }
+            }
+        }
+        assert!(
+            fast > 2 * bodies.len(),
+            "the straight-line path was taken {fast} times"
+        );
+    }
+
+    /// A tensor list the straight-line decoder gives up on half way (the second tensor's
+    /// channel index is not a fixint) decodes whole, from the start of the list, with the whole
+    /// metadata budget: here exactly what its channel data takes.
+    #[test]
+    fn a_tensor_list_given_up_half_way_decodes_from_its_start() {
+        let m = Message::new()
+            .with_tensor(Tensor::cpu(vec![1; 8]))
+            .with_tensor(Tensor::cpu(vec![2; 8]));
+        let mut body = Vec::new();
+        encode_descriptor(&mut body, 1, &m, |i, d| {
+            if i == 0 {
+                d.set(&[6; 3]);
+                0
+            } else {
+                200
+            }
+        });
+        let limits = Limits {
+            max_metadata_size: 3,
+            ..Limits::default()
+        };
+        let wd = decode_descriptor(&body, &limits).expect("decodes");
+        assert_eq!(wd.routes, vec![(0, vec![6; 3]), (200, vec![])]);
+        assert_eq!(wd.descriptor.tensors.len(), 2);
+    }
+
+    /// Every truncation of each body, and each body with each byte in turn set to each of
+    /// `bytes`.
+    fn damaged(bodies: &[Vec<u8>], bytes: &[u8]) -> Vec<Vec<u8>> {
+        let mut inputs = Vec::new();
+        for body in bodies {
+            for cut in 0..=body.len() {
+                inputs.push(body[..cut].to_vec());
+            }
+            for i in 0..body.len() {
+                for &b in bytes {
+                    let mut v = body.clone();
+                    v[i] = b;
+                    inputs.push(v);
+                }
+            }
+        }
+        inputs
+    }
+
+    /// A descriptor's body again, with its tensor sizes as they are in `wd`.
+    fn reencode(wd: &WireDescriptor) -> Vec<u8> {
+        let mut b = Vec::new();
+        put_array(&mut b, 4);
+        put_uint(&mut b, wd.seq);
+        put_bin(&mut b, &wd.descriptor.metadata);
+        put_array(&mut b, 0);
+        put_array(&mut b, wd.descriptor.tensors.len());
+        for (t, (ch, data)) in wd.descriptor.tensors.iter().zip(&wd.routes) {
+            put_array(&mut b, 6);
+            put_uint(&mut b, t.length);
+            put_uint(&mut b, device_code(t.source_device));
+            match t.target_device {
+                Some(d) => put_uint(&mut b, device_code(d)),
+                None => b.push(NIL),
+            }
+            put_uint(&mut b, *ch as u64);
+            put_bin(&mut b, data);
+            put_bin(&mut b, &t.metadata);
+        }
+        b
     }
 
     #[test]

@@ -163,6 +163,10 @@ pub(super) fn buffered_inline(
     total: usize,
     limits: &Limits,
 ) -> Option<(Vec<u8>, usize)> {
+    if avail.len() < total {
+        // Not all here (a large one coming in pieces): no allocation for nothing.
+        return None;
+    }
     let mut bytes = Vec::with_capacity(total);
     bytes.extend_from_slice(avail.get(..payloads)?);
     let mut at = payloads;
