@@ -222,11 +222,34 @@ fn stream_done_callbacks() -> Outcome {
     // Fresh streams: a pooled one may still carry another trial's work.
     let long = g.context().new_stream().map_err(fail)?;
     let short = g.context().new_stream().map_err(fail)?;
-    let (tx, rx) = mpsc::channel();
-    for i in 0..8u32 {
+    // The long stream's work must outlast its enqueueing and the watcher's longest nap (1 ms)
+    // many times over, on any GPU: at the 4.2 TB/s of an H200, eight copies of 256 MiB take
+    // about 1 ms, and there the idle stream's callback once came last (2026-11-27). So each
+    // of the long stream's eight callbacks follows at least 5 ms of copies, counted from one
+    // timed copy.
+    let copy = || {
         // SAFETY: both buffers are `len` bytes of device 0 and live until the end.
         unsafe { cuda::copy_async((dst.device_ptr(), &g), (src.device_ptr(), &g), len, &long) }
-            .map_err(fail)?;
+            .map_err(fail)
+    };
+    // Timed after one untimed copy (the stream's first may carry set-up); at most 100 a
+    // callback, so that the 800 stay within what a stream queues without blocking the host.
+    copy()?;
+    long.synchronize().map_err(fail)?;
+    let t = std::time::Instant::now();
+    copy()?;
+    long.synchronize().map_err(fail)?;
+    let one = t.elapsed().as_secs_f64().max(1e-6);
+    let per = (5e-3 / one).ceil().clamp(1.0, 100.0) as u32;
+    print!(
+        "{per} copies of 256 MiB a callback, {:.3} ms each: ",
+        one * 1e3
+    );
+    let (tx, rx) = mpsc::channel();
+    for i in 0..8u32 {
+        for _ in 0..per {
+            copy()?;
+        }
         let tx = tx.clone();
         cuda::on_stream_done(&long, move || {
             let _ = tx.send(("long", i));
@@ -251,7 +274,11 @@ fn stream_done_callbacks() -> Outcome {
     }
     if got.last().map(|c| c.0) == Some("short") {
         return Err(fail(
-            "the idle stream's callback waited for 2 GiB of copies on another stream",
+            format!(
+                "the idle stream's callback waited for {} copies of 256 MiB ({:.0} ms) on another stream",
+                8 * per,
+                8.0 * per as f64 * one * 1e3
+            ),
         ));
     }
     Ok(())
