@@ -387,6 +387,27 @@ fn small_bin<'a>(b: &'a [u8], at: &mut usize, budget: &mut u64) -> Option<&'a [u
     Some(v)
 }
 
+/// A fixarray count of at most `max` entries.
+#[inline(always)]
+fn small_count(b: &[u8], at: &mut usize, max: u32) -> Option<u32> {
+    let n = match *b.get(*at)? {
+        m @ 0x90..=0x9f => (m & 0x0f) as u32,
+        _ => return None,
+    };
+    *at += 1;
+    (n <= max).then_some(n)
+}
+
+/// An entry's fixarray `marker`, then its size as a positive int of at most `max`.
+#[inline(always)]
+fn small_sized(b: &[u8], at: &mut usize, marker: u8, max: u64) -> Option<u64> {
+    if *b.get(*at)? != marker {
+        return None;
+    }
+    *at += 1;
+    small_uint(b, at).filter(|&n| n <= max)
+}
+
 /// A descriptor's fields up to its tensor count, when each is in its usual small form: the
 /// array header `0x94`, a positive int sequence number, bin 8 metadata, a fixarray of payload
 /// entries (`0x92`, a positive int size, bin 8 metadata), all within `limits`. The payloads go
@@ -407,25 +428,11 @@ fn small_head<'a>(
     }
     let seq = small_uint(body, &mut at)?;
     let metadata = small_bin(body, &mut at, budget)?;
-    let np = match *body.get(at)? {
-        m @ 0x90..=0x9f => (m & 0x0f) as u32,
-        _ => return None,
-    };
-    at += 1;
-    if np > limits.max_payloads {
-        return None;
-    }
+    let np = small_count(body, &mut at, limits.max_payloads)?;
     // The capacity the general decoder reserves (`Cursor::count`).
     reserve(payloads, (np as usize).min((body.len() - at) / 3));
     for _ in 0..np {
-        if *body.get(at)? != 0x92 {
-            return None;
-        }
-        at += 1;
-        let length = small_uint(body, &mut at)?;
-        if length > limits.max_payload_size {
-            return None;
-        }
+        let length = small_sized(body, &mut at, 0x92, limits.max_payload_size)?;
         let metadata = bytes_of(small_bin(body, &mut at, budget)?);
         payloads.push(PayloadDescriptor { length, metadata });
     }
@@ -546,14 +553,8 @@ fn small_tensors(
     tensors: &mut Vec<TensorDescriptor>,
     routes: &mut Vec<(u8, Vec<u8>)>,
 ) -> Option<()> {
-    let nt = match *rest.first()? {
-        m @ 0x90..=0x9f => (m & 0x0f) as u32,
-        _ => return None,
-    };
-    if nt > limits.max_tensors {
-        return None;
-    }
-    let mut at = 1;
+    let mut at = 0;
+    let nt = small_count(rest, &mut at, limits.max_tensors)?;
     // The capacity the general decoder reserves (`Cursor::count`).
     let cap = (nt as usize).min((rest.len() - at) / 7);
     reserve(tensors, cap);
@@ -564,14 +565,7 @@ fn small_tensors(
         (m <= 0x7f).then_some(m as u64)
     };
     for _ in 0..nt {
-        if *rest.get(at)? != 0x96 {
-            return None;
-        }
-        at += 1;
-        let length = small_uint(rest, &mut at)?;
-        if length > limits.max_tensor_size {
-            return None;
-        }
+        let length = small_sized(rest, &mut at, 0x96, limits.max_tensor_size)?;
         let source_device = device_from(fixint(&mut at)?).ok()?;
         let target_device = if *rest.get(at)? == NIL {
             at += 1;

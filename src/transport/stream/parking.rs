@@ -36,6 +36,16 @@ impl Parking {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The parked half, when the owner may write ticket `ticket` into it now: the loop idle
+    /// with its half parked, nothing torn, not halted, and `ticket` next. The loop holds the
+    /// lock only for moments, never across a poll; the owner's writes (the pipe's, a
+    /// `PipeWriter`'s, on any thread) are serialised by the owner's own lock, so a failed try
+    /// means the loop is taking its half back: let it have the write.
+    fn ready(&self, ticket: u64) -> Option<std::sync::MutexGuard<'_, Parked>> {
+        let p = self.0.try_lock().ok()?;
+        (!p.halted && p.torn.is_none() && p.w.is_some() && p.next == ticket).then_some(p)
+    }
+
     /// From now on, nothing is written here: everything goes through the loop, which stops.
     pub fn halt(&self) {
         self.lock().halted = true;
@@ -65,14 +75,8 @@ impl Parking {
         if 1 + payloads.len() > IOV_BATCH {
             return None;
         }
-        // As in `try_write`: a failed try means the loop is taking its half back.
-        let Ok(mut p) = self.0.try_lock() else {
-            return None;
-        };
+        let mut p = self.ready(ticket)?;
         let p = &mut *p;
-        if p.halted || p.torn.is_some() || ticket != p.next {
-            return None;
-        }
         let w = p.w.as_mut()?;
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         let mut write = |iov: &[IoSlice<'_>]| Pin::new(&mut **w).poll_write_vectored(&mut cx, iov);
@@ -108,16 +112,8 @@ impl Parking {
     /// was, the ops may go anywhere) from "bytes written, this many ops whole" (`Some`: the
     /// ops are committed to this stream's order, and the loop must write what is left of them).
     pub fn try_write(&self, ops: &[OutOp]) -> Option<usize> {
-        // The loop holds the lock only for moments, never across a poll; the owner's writes
-        // (the pipe's, a `PipeWriter`'s, on any thread) are serialised by the owner's own
-        // lock, so a failed try means the loop is taking its half back: let it have the ops.
-        let Ok(mut p) = self.0.try_lock() else {
-            return None;
-        };
+        let mut p = self.ready(ops.first()?.ticket())?;
         let p = &mut *p;
-        if p.halted || p.torn.is_some() || p.w.is_none() {
-            return None;
-        }
         // The run: each op next in ticket order, qualified, and with room for its slices.
         let mut slices = 0;
         let mut run = 0;
@@ -168,14 +164,8 @@ impl Parking {
         if 1 + payloads.len() + 2 * tensors.len() > IOV_BATCH {
             return None;
         }
-        // As in `try_write`: a failed try means the loop is taking its half back.
-        let Ok(mut p) = self.0.try_lock() else {
-            return None;
-        };
+        let mut p = self.ready(ticket)?;
         let p = &mut *p;
-        if p.halted || p.torn.is_some() || p.w.is_none() || ticket != p.next {
-            return None;
-        }
         // What the caller checked, the two things that would write other bytes than the loop.
         if tensors
             .iter()
