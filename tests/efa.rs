@@ -959,6 +959,99 @@ mod pipes {
         });
     }
 
+    /// A stream that flows both ways returns its credits on the messages going back, in their
+    /// tags: a ping-pong of many times the window sends no credit message of its own (a 4-byte
+    /// send through an op: injected, but not directly). One that flows one way still does,
+    /// every `WINDOW / 2` buffers, or its writer would stop after `WINDOW` messages.
+    pub fn credits_ride_the_answers(provider: &str) {
+        use actorpipe::actors::fabric::stream::WINDOW;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        actix::System::new().block_on(async {
+            let (a, sa, sb) = stream_pair(provider, EndpointConfig::default()).await;
+            let ep = a.endpoint_actor().expect("a's endpoint");
+            // Credit messages a's reader has sent, once the backlog (the posts the connection
+            // refused at first, retried through ops) is empty.
+            let credit_messages = || async {
+                loop {
+                    let s = ep.send(FabricStats).await.unwrap();
+                    if s.backlog == 0 {
+                        return (s.injected - s.direct, s);
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            };
+            let transport::Stream {
+                read: mut ra,
+                write: mut wa,
+                ..
+            } = sa;
+            let transport::Stream {
+                read: mut rb,
+                write: mut wb,
+                ..
+            } = sb;
+            wa.write_all(&[1; 64]).await.expect("write");
+            rb.read_exact(&mut [0; 64]).await.expect("read");
+            wb.write_all(&[2; 64]).await.expect("write");
+            ra.read_exact(&mut [0; 64]).await.expect("read");
+            let (before, _) = credit_messages().await;
+            let rounds = 20 * WINDOW;
+            let echo = actix::spawn(async move {
+                let mut m = [0u8; 64];
+                for _ in 0..rounds {
+                    rb.read_exact(&mut m).await?;
+                    wb.write_all(&m).await?;
+                }
+                Ok::<_, std::io::Error>((rb, wb))
+            });
+            for i in 0..rounds {
+                let m = [i as u8; 64];
+                wa.write_all(&m).await.expect("write");
+                let mut got = [0u8; 64];
+                within(10, "the answer", ra.read_exact(&mut got))
+                    .await
+                    .expect("read");
+                assert_eq!(got, m, "{provider}: round {i}");
+            }
+            let (_, mut wb) = within(10, "the echo", echo)
+                .await
+                .expect("joined")
+                .expect("echo");
+            let (after, stats) = credit_messages().await;
+            assert_eq!(
+                after, before,
+                "{provider}: a ping-pong's credits ride its messages: {stats:?}"
+            );
+            // One way: b writes, a only reads. Every `WINDOW / 2` buffers a's reader owes
+            // goes back in a message of its own (the first after the ping-pong may hold one
+            // less: a credit still owed from it).
+            let n = 8 * WINDOW;
+            let writer = actix::spawn(async move {
+                for i in 0..n {
+                    wb.write_all(&[i as u8; 64]).await?;
+                }
+                Ok::<_, std::io::Error>(wb)
+            });
+            for i in 0..n {
+                let mut got = [0u8; 64];
+                within(10, "a one-way message", ra.read_exact(&mut got))
+                    .await
+                    .expect("read");
+                assert_eq!(got, [i as u8; 64], "{provider}: message {i}");
+            }
+            within(10, "the writer", writer)
+                .await
+                .expect("joined")
+                .expect("writes");
+            let (one_way, stats) = credit_messages().await;
+            assert!(
+                one_way - after >= u64::from(n / (WINDOW / 2)) - 1,
+                "{provider}: {} credit messages for {n} messages one way: {stats:?}",
+                one_way - after
+            );
+        });
+    }
+
     pub fn dead_peer_spinning(provider: &str) {
         dead_peer_with(provider, super::efa::SPIN);
     }
@@ -1116,6 +1209,10 @@ fn main() {
         (
             "stream_small_writes_inject_directly",
             pipes::small_writes_inject_directly,
+        ),
+        (
+            "stream_credits_ride_the_answers",
+            pipes::credits_ride_the_answers,
         ),
         (
             "pipes_without_a_wait_fd_spinning",

@@ -9,9 +9,12 @@
 //! provider's inject size goes out with `fi_tinject` straight from the writer's bytes
 //! ([`Poster::inject`]: the provider copies them, and no op or end is made for it); a larger
 //! one is copied into a pooled bounce buffer and posted. One copy in, one copy out, as the shm
-//! rings cost. The reader reposts each
-//! buffer once its bytes are read, and returns credits in one small message per `WINDOW / 2`
-//! buffers. A zero-length message is the end of the stream (`shutdown`). Both halves post
+//! rings cost. The reader reposts each buffer once its bytes are read, which frees a credit of
+//! the peer's writer. Freed credits ride the next message the same side's writer sends, in its
+//! tag's credits field ([`tag::with_credits`]: receives ignore the field, and the peer's reader
+//! hands them to its writer); only when `WINDOW / 2` are owed and no message has taken them (a
+//! stream that flows one way) does the reader send them in a small message of their own. A
+//! zero-length message is the end of the stream (`shutdown`). Both halves post
 //! through the endpoint's [`Poster`], straight into its engine from the half's own poll (no
 //! mailbox hop); the actor reads the CQ and hands the ends to the halves' queues, and while it
 //! spins a reader with nothing to read reads it too (`Poster::spin_pass`), keeping its own ends
@@ -25,8 +28,11 @@
 use std::collections::VecDeque;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
+
+use atomic_waker::AtomicWaker;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -56,16 +62,54 @@ enum Look {
     Sleep,
 }
 
-/// What both halves share: dropped with the second half, which ends the bootstrap connection's
-/// watcher (and closes it).
+/// What both halves share: the credits they trade, and a guard dropped with the second half,
+/// which ends the bootstrap connection's watcher (and closes it).
 pub struct Shared {
+    credits: Credits,
     _stop: tokio::sync::oneshot::Sender<()>,
 }
 
 impl Shared {
     /// A guard whose drop sends nothing through `stop` (the receiver then sees it closed).
     pub fn new(stop: tokio::sync::oneshot::Sender<()>) -> Arc<Shared> {
-        Arc::new(Shared { _stop: stop })
+        Arc::new(Shared {
+            credits: Credits::default(),
+            _stop: stop,
+        })
+    }
+}
+
+/// The credits one side's two halves hand each other. A message's tag carries what its
+/// sender's reader freed, so a stream that flows both ways (a ping-pong, a request and its
+/// answer) sends no credit message at all: each credit message cost its sender a post and a
+/// send completion, and its receiver a completion, a repost and its writer's turn to take them
+/// (measured in docs/efa-measurements.md, "Credits on the reverse stream's tags").
+///
+/// A credit is owed once its buffer's receive has been handed to the engine. Where that receive
+/// waits in the engine's backlog (`-FI_EAGAIN`), a message of the writer's, on another pipe, can
+/// take the credit out first, and the peer's next message may then reach the provider before
+/// the receive: the provider keeps it as an unexpected message until the receive is posted.
+/// The window still bounds what the peer has unconsumed here, posted or not: `WINDOW`.
+#[derive(Default)]
+struct Credits {
+    /// Freed by our reader (its buffer reposted), not yet returned to the peer's writer.
+    owed: AtomicU32,
+    /// Returned by the peer on the messages our reader took, not yet taken by our writer.
+    granted: AtomicU32,
+    /// Our writer, while it waits for credits.
+    waiter: AtomicWaker,
+}
+
+// A tag carries what is owed, and the reader sends it on its own at `WINDOW / 2`.
+const _: () = assert!(WINDOW / 2 <= tag::MAX_CREDITS);
+
+impl Credits {
+    /// Takes everything in `cell`: a load first, as it is usually zero.
+    fn take(cell: &AtomicU32) -> u32 {
+        if cell.load(Ordering::Relaxed) == 0 {
+            return 0;
+        }
+        cell.swap(0, Ordering::AcqRel)
     }
 }
 
@@ -109,14 +153,13 @@ pub struct FabricRead {
     /// A buffer read out, to repost at the next poll (see `poll_read`).
     emptied: Option<Vec<u8>>,
     next_seq: u32,
-    consumed: u32,
     credit_seq: u32,
     spare: Vec<Vec<u8>>,
     eof: bool,
     error: Option<io::Error>,
     /// This wait (spin mode) has given way to the executor once (see `look`).
     gave_way: bool,
-    _shared: Arc<Shared>,
+    shared: Arc<Shared>,
 }
 
 /// Posts receives `0..n` of `size` bytes, tagged for `stream` of `pipe` (sequence = op id).
@@ -149,13 +192,12 @@ impl FabricRead {
             current: None,
             emptied: None,
             next_seq: WINDOW,
-            consumed: 0,
             credit_seq: 0,
             spare: Vec::new(),
             eof: false,
             error: None,
             gave_way: false,
-            _shared: shared,
+            shared,
         }
     }
 
@@ -206,7 +248,8 @@ impl FabricRead {
         }
     }
 
-    /// Reposts a consumed buffer and returns credits every `WINDOW / 2` buffers.
+    /// Reposts a consumed buffer, which frees a credit; sends what is owed in a message of its
+    /// own once `WINDOW / 2` are (the writer has sent nothing that took them).
     fn recycle(&mut self, mut mem: Vec<u8>) {
         mem.resize(self.bounce, 0);
         let seq = self.next_seq;
@@ -217,12 +260,17 @@ impl FabricRead {
             mem,
             id: seq as u64,
         };
-        self.consumed += 1;
+        let owed = &self.shared.credits.owed;
         let mut credit = None;
-        if self.consumed >= WINDOW / 2 {
+        let n = if owed.fetch_add(1, Ordering::AcqRel) + 1 >= WINDOW / 2 {
+            owed.swap(0, Ordering::AcqRel)
+        } else {
+            0
+        };
+        if n > 0 {
             let mut m = self.spare.pop().unwrap_or_default();
             m.clear();
-            m.extend_from_slice(&self.consumed.to_le_bytes());
+            m.extend_from_slice(&n.to_le_bytes());
             credit = Some(Op {
                 kind: Kind::Send,
                 tag: tag::make(TagStream::Credit, self.wiring.peer_write, self.credit_seq),
@@ -230,7 +278,6 @@ impl FabricRead {
                 id: self.credit_seq as u64,
             });
             self.credit_seq = self.credit_seq.wrapping_add(1);
-            self.consumed = 0;
         }
         self.ep
             .post(self.wiring.read, std::iter::once(recv).chain(credit));
@@ -247,8 +294,8 @@ impl AsyncRead for FabricRead {
         // The buffer the last call emptied is reposted now, not then: between the two calls
         // the reader handles what it read (a small message's frame: the pipe's read loop
         // decodes it and may answer it, through a standing receive's handler), and a post
-        // there (the provider's `fi_trecv`, and every `WINDOW / 2` a credit's `fi_tsend`)
-        // would delay that answer. The window stays `WINDOW` receives, one of them late.
+        // there (the provider's `fi_trecv`) would delay that answer. The window stays `WINDOW`
+        // receives, one of them late (and its credit rides the answer after next).
         if let Some(mem) = this.emptied.take() {
             this.recycle(mem);
         }
@@ -290,6 +337,14 @@ impl AsyncRead for FabricRead {
                 this.error = Some(stopped());
                 continue;
             };
+            if let (Kind::Recv, Ok(_)) = (f.kind, &f.result) {
+                let n = tag::credits(f.tag);
+                if n > 0 {
+                    let c = &this.shared.credits;
+                    c.granted.fetch_add(n, Ordering::AcqRel);
+                    c.waiter.wake();
+                }
+            }
             match (f.kind, &f.result) {
                 (Kind::Recv, Ok(0)) => this.eof = true,
                 (Kind::Recv, Ok(n)) => this.current = Some((f.mem, 0, *n)),
@@ -326,7 +381,7 @@ pub struct FabricWrite {
     in_flight: u32,
     shut: bool,
     error: Option<io::Error>,
-    _shared: Arc<Shared>,
+    shared: Arc<Shared>,
 }
 
 /// Credit receives kept posted by a writer.
@@ -357,7 +412,7 @@ impl FabricWrite {
             in_flight: 0,
             shut: false,
             error: None,
-            _shared: shared,
+            shared,
         }
     }
 
@@ -373,9 +428,10 @@ impl FabricWrite {
         if let Some(e) = &self.error {
             return Err(io::Error::new(e.kind(), e.to_string()));
         }
-        // Nothing there, the usual case of a send (a direct inject has no end, and credits
-        // come every `WINDOW / 2` messages): two loads, where `try_recv` on the empty queue
-        // costs about ten times that. A closed queue still goes the way that reports it.
+        // Nothing there, the usual case of a send (a direct inject has no end, and credit
+        // messages come only to a stream that flows one way): two loads, where `try_recv` on
+        // the empty queue costs about ten times that. A closed queue still goes the way that
+        // reports it.
         if cx.is_none() && self.done.is_empty() && !self.done.is_closed() {
             return Ok(());
         }
@@ -427,21 +483,35 @@ impl FabricWrite {
         Ok(())
     }
 
-    /// Sends `bufs` (gathered, at most `bounce` bytes) as one message; needs a credit.
+    /// Whether a credit is left, after taking those the peer returned (on its messages, which
+    /// our reader took, or in credit messages). When none is, registers the task: a credit
+    /// message's end or our reader's next credits wake it.
+    fn credit(&mut self, cx: &mut TaskContext<'_>) -> io::Result<bool> {
+        self.reap(None)?;
+        let shared = &self.shared.credits;
+        self.credits += Credits::take(&shared.granted);
+        if self.credits == 0 {
+            shared.waiter.register(cx.waker());
+            self.reap(Some(cx))?;
+            self.credits += Credits::take(&self.shared.credits.granted);
+        }
+        Ok(self.credits > 0)
+    }
+
+    /// Sends `bufs` (gathered, at most `bounce` bytes) as one message; needs a credit. The
+    /// message carries the credits our reader owes the peer.
     fn send(
         &mut self,
         cx: &mut TaskContext<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        self.reap(None)?;
-        if self.credits == 0 {
-            // Out of credits: wait for the reader's, registered this time.
-            self.reap(Some(cx))?;
-            if self.credits == 0 {
-                return Poll::Pending;
-            }
+        if !self.credit(cx)? {
+            return Poll::Pending;
         }
-        let tag = tag::make(TagStream::Control, self.wiring.peer_read, self.seq);
+        let tag = tag::with_credits(
+            tag::make(TagStream::Control, self.wiring.peer_read, self.seq),
+            Credits::take(&self.shared.credits.owed),
+        );
         let total: usize = bufs.iter().map(|b| b.len()).sum();
         if total <= self.inject_limit {
             // Straight from the caller's bytes (gathered only if in pieces): no bounce buffer,
@@ -527,12 +597,8 @@ impl AsyncWrite for FabricWrite {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
         if !self.shut {
-            self.reap(None)?;
-            if self.credits == 0 {
-                self.reap(Some(cx))?;
-                if self.credits == 0 {
-                    return Poll::Pending;
-                }
+            if !self.credit(cx)? {
+                return Poll::Pending;
             }
             // The end-of-stream marker: an empty message.
             let seq = self.seq;

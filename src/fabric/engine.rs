@@ -35,6 +35,7 @@ use std::ffi::c_void;
 
 use super::faults::{Dice, Faults};
 use super::regcache::RegCache;
+use super::tag;
 use super::{eio, Attributes, Completion, Endpoint, FabricError, FiAddr, Mr, PostError};
 use crate::keymap::KeyMap;
 
@@ -84,7 +85,8 @@ pub struct Finished {
     pub id: u64,
     /// Send or receive.
     pub kind: Kind,
-    /// The tag it was posted with.
+    /// The tag it was posted with; for a receive that completed, the message's own (with the
+    /// credits field the receive ignored, [`super::tag::IGNORE`]).
     pub tag: u64,
     /// The buffer, back (empty for an op posted with [`Engine::post_region`]).
     pub mem: Vec<u8>,
@@ -685,7 +687,7 @@ impl Engine {
         let r = unsafe {
             match l.kind {
                 Kind::Send => self.ep.tsend(ptr, len, desc, peer, l.tag, ctx),
-                Kind::Recv => self.ep.trecv(ptr, len, desc, peer, l.tag, 0, ctx),
+                Kind::Recv => self.ep.trecv(ptr, len, desc, peer, l.tag, tag::IGNORE, ctx),
             }
         };
         match &r {
@@ -713,7 +715,11 @@ impl Engine {
         self.stats.in_flight -= 1;
         let pipe = l.pipe;
         let result = c.result.map(|()| match l.kind {
-            Kind::Recv => c.len as usize,
+            Kind::Recv => {
+                // The message's own tag: the credits field it carries (receives ignore it).
+                l.tag = c.tag;
+                c.len as usize
+            }
             Kind::Send => l.region.map_or(l.mem.len(), |r| r.len),
         });
         let result = self.finish(pipe, result);

@@ -1,10 +1,10 @@
 //! The 64-bit tags of tagged messages: which pipe, which stream of it, which message.
 //!
 //! ```text
-//!  63      56 55                  32 31                               0
-//! +----------+----------------------+----------------------------------+
-//! |  stream  |  pipe (receiver's)   |  sequence number (per stream)    |
-//! +----------+----------------------+----------------------------------+
+//!  63     59 58    56 55                  32 31                               0
+//! +---------+--------+----------------------+----------------------------------+
+//! | credits | stream |  pipe (receiver's)   |  sequence number (per stream)    |
+//! +---------+--------+----------------------+----------------------------------+
 //! ```
 //!
 //! The pipe field is the *receiving* side's pipe number on its endpoint (the two sides tell each
@@ -13,6 +13,11 @@
 //! Ordering therefore never depends on the provider's matching order: the descriptor says how
 //! many messages follow and the receiver posts exactly those tags (seed 000's descriptor-based
 //! ordering). Sequence numbers wrap at 2^32; at most a few thousand are outstanding at once.
+//!
+//! The credits field is not part of a message's name: every receive ignores it ([`IGNORE`]),
+//! and a message of the efa stream carries there the credits its sender returns for the
+//! opposite direction (see `actors::fabric::stream`), read back from the receive's completion
+//! ([`credits`]). Every other message leaves it zero.
 
 /// Bits for the pipe number: 16 M pipes per endpoint.
 pub const PIPE_BITS: u32 = 24;
@@ -36,16 +41,34 @@ pub enum Stream {
     FirstWord = 5,
 }
 
-/// The tag of message `seq` of `stream` for the receiver's pipe `pipe`.
+/// Where the credits field starts.
+const CREDIT_SHIFT: u32 = 59;
+/// The largest number of credits one tag carries.
+pub const MAX_CREDITS: u32 = (1 << (64 - CREDIT_SHIFT)) - 1;
+/// The bits every receive ignores when it matches a message: the credits field.
+pub const IGNORE: u64 = (MAX_CREDITS as u64) << CREDIT_SHIFT;
+
+/// The tag of message `seq` of `stream` for the receiver's pipe `pipe` (no credits).
 pub fn make(stream: Stream, pipe: u32, seq: u32) -> u64 {
     debug_assert!(pipe <= MAX_PIPE);
     ((stream as u64) << 56) | (((pipe & MAX_PIPE) as u64) << 32) | seq as u64
 }
 
-/// The parts of a tag: (stream byte, pipe, seq).
+/// `tag` carrying `credits` (at most [`MAX_CREDITS`]) in its credits field.
+pub fn with_credits(tag: u64, credits: u32) -> u64 {
+    debug_assert!(credits <= MAX_CREDITS);
+    (tag & !IGNORE) | ((u64::from(credits) & u64::from(MAX_CREDITS)) << CREDIT_SHIFT)
+}
+
+/// The credits a received message's tag carries.
+pub fn credits(tag: u64) -> u32 {
+    (tag >> CREDIT_SHIFT) as u32
+}
+
+/// The parts of a tag: (stream byte, pipe, seq), credits left out.
 pub fn split(tag: u64) -> (u8, u32, u32) {
     (
-        (tag >> 56) as u8,
+        ((tag & !IGNORE) >> 56) as u8,
         ((tag >> 32) as u32) & MAX_PIPE,
         tag as u32,
     )
@@ -75,5 +98,31 @@ mod tests {
             make(Stream::Raw, 2, 5),
             "pipes differ"
         );
+    }
+
+    #[test]
+    fn credits_ride_outside_the_name() {
+        let t = make(Stream::Control, MAX_PIPE, u32::MAX);
+        for n in [0, 1, 16, MAX_CREDITS] {
+            let c = with_credits(t, n);
+            assert_eq!(credits(c), n);
+            assert_eq!(c & !IGNORE, t, "the name is untouched");
+            assert_eq!(split(c), split(t));
+        }
+        assert_eq!(
+            credits(with_credits(with_credits(t, 7), 2)),
+            2,
+            "replaced, not added"
+        );
+        // Every stream's byte fits below the field.
+        for s in [
+            Stream::Control,
+            Stream::Credit,
+            Stream::Tensor,
+            Stream::Raw,
+            Stream::FirstWord,
+        ] {
+            assert_eq!(make(s, 0, 0) & IGNORE, 0);
+        }
     }
 }
