@@ -1052,6 +1052,60 @@ mod pipes {
         });
     }
 
+    /// A writer out of credits is woken by credits that ride a message the other way (its
+    /// reader takes them off the tag), not only by a credit message: here the peer reads fewer
+    /// than a credit message's worth, answers once, and reads nothing more until the waiting
+    /// write has gone through.
+    pub fn credits_on_a_message_wake_a_waiting_writer(provider: &str) {
+        use actorpipe::actors::fabric::stream::WINDOW;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        actix::System::new().block_on(async {
+            let (_a, sa, sb) = stream_pair(provider, EndpointConfig::default()).await;
+            let transport::Stream {
+                read: mut ra,
+                write: mut wa,
+                ..
+            } = sa;
+            let transport::Stream {
+                read: mut rb,
+                write: mut wb,
+                ..
+            } = sb;
+            for i in 0..WINDOW {
+                wa.write_all(&[i as u8; 64]).await.expect("write");
+            }
+            let waiting = actix::spawn(async move { wa.write_all(&[0xee; 64]).await.map(|()| wa) });
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert!(
+                !waiting.is_finished(),
+                "{provider}: a writer with no credit left waits"
+            );
+            for i in 0..4 {
+                let mut m = [0u8; 64];
+                rb.read_exact(&mut m).await.expect("read");
+                assert_eq!(m, [i as u8; 64], "{provider}: message {i}");
+            }
+            wb.write_all(&[7; 64]).await.expect("write");
+            let mut m = [0u8; 64];
+            within(10, "the answer", ra.read_exact(&mut m))
+                .await
+                .expect("read");
+            assert_eq!(m, [7; 64], "{provider}");
+            let _wa = within(10, "the waiting write", waiting)
+                .await
+                .expect("joined")
+                .expect("write");
+            for i in 4..=WINDOW {
+                let want = if i == WINDOW { 0xee } else { i as u8 };
+                let mut m = [0u8; 64];
+                within(10, "the rest", rb.read_exact(&mut m))
+                    .await
+                    .expect("read");
+                assert_eq!(m, [want; 64], "{provider}: message {i}");
+            }
+        });
+    }
+
     pub fn dead_peer_spinning(provider: &str) {
         dead_peer_with(provider, super::efa::SPIN);
     }
@@ -1213,6 +1267,10 @@ fn main() {
         (
             "stream_credits_ride_the_answers",
             pipes::credits_ride_the_answers,
+        ),
+        (
+            "stream_credits_on_a_message_wake_a_waiting_writer",
+            pipes::credits_on_a_message_wake_a_waiting_writer,
         ),
         (
             "pipes_without_a_wait_fd_spinning",
