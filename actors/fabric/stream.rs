@@ -31,10 +31,9 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
-
-use atomic_waker::AtomicWaker;
 use std::time::{Duration, Instant};
 
+use atomic_waker::AtomicWaker;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::mpsc;
 
