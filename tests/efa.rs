@@ -610,7 +610,17 @@ mod pipes {
                 check_backends(&tx, "efa", "efa").await;
                 within(60, "one at a time", stream(&tx, &rx, 200, 1, 5)).await;
                 let ep = t.endpoint_actor().expect("the server's endpoint");
-                let stats = ep.send(FabricStats).await.unwrap();
+                let mut stats = ep.send(FabricStats).await.unwrap();
+                // Which pass finds a message is a matter of timing: at times a reader's own pass
+                // found none of these 200 in about a third of the runs on the 2-core VM (the
+                // code of 2026-11-27 as much as today's). More messages until one has, at most
+                // 2,000 more.
+                let mut seed = 6;
+                while !busy_poll.is_zero() && stats.reader_claims == 0 && seed < 16 {
+                    within(60, "one at a time", stream(&tx, &rx, 200, 1, seed)).await;
+                    stats = ep.send(FabricStats).await.unwrap();
+                    seed += 1;
+                }
                 if busy_poll.is_zero() {
                     assert_eq!(stats.reader_passes, 0, "{provider}, no spin: {stats:?}");
                     assert_eq!(stats.reader_claims, 0, "{provider}, no spin: {stats:?}");
