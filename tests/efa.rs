@@ -778,6 +778,11 @@ mod pipes {
         (a, sa.expect("accept"), sb.expect("connect"))
     }
 
+    /// A stream's two halves.
+    fn halves(s: transport::Stream) -> (transport::BoxRead, transport::BoxWrite) {
+        (s.read, s.write)
+    }
+
     /// A stream dropped says goodbye on its bootstrap connection: the peer's endpoint then
     /// refuses none of that pipe's sends (writes after the end go out as before, to nobody),
     /// unlike after a peer that ends without one (the test above).
@@ -990,16 +995,7 @@ mod pipes {
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
             };
-            let transport::Stream {
-                read: mut ra,
-                write: mut wa,
-                ..
-            } = sa;
-            let transport::Stream {
-                read: mut rb,
-                write: mut wb,
-                ..
-            } = sb;
+            let ((mut ra, mut wa), (mut rb, mut wb)) = (halves(sa), halves(sb));
             wa.write_all(&[1; 64]).await.expect("write");
             rb.read_exact(&mut [0; 64]).await.expect("read");
             wb.write_all(&[2; 64]).await.expect("write");
@@ -1071,16 +1067,7 @@ mod pipes {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         actix::System::new().block_on(async {
             let (_a, sa, sb) = stream_pair(provider, EndpointConfig::default()).await;
-            let transport::Stream {
-                read: mut ra,
-                write: mut wa,
-                ..
-            } = sa;
-            let transport::Stream {
-                read: mut rb,
-                write: mut wb,
-                ..
-            } = sb;
+            let ((mut ra, mut wa), (mut rb, mut wb)) = (halves(sa), halves(sb));
             for i in 0..WINDOW {
                 wa.write_all(&[i as u8; 64]).await.expect("write");
             }
