@@ -94,6 +94,24 @@ pub struct Finished {
     pub result: Result<usize, FabricError>,
 }
 
+/// The error of a receive that ended with another name in its tag than it was posted with: a
+/// provider that does not report a received message's tag (libfabric 1.17's `ofi_rxm` with
+/// `FI_OFI_RXM_ENABLE_PASSTHRU=1` reports 0), so the credits riding there would be lost and
+/// every stream's writer would starve. Fails the pipe at once instead of at its heartbeat's
+/// timeout.
+fn unreported_tag(provider: &str, posted: u64, got: u64) -> FabricError {
+    FabricError {
+        op: "completion",
+        provider: provider.to_string(),
+        code: eio(),
+        text: format!(
+            "a receive posted for tag {posted:#018x} ended with tag {got:#018x}: the provider \
+             does not report received tags, which the efa streams need (on libfabric 1.17, \
+             unset FI_OFI_RXM_ENABLE_PASSTHRU)"
+        ),
+    }
+}
+
 /// Counters of one engine (one endpoint).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Stats {
@@ -714,13 +732,17 @@ impl Engine {
         }
         self.stats.in_flight -= 1;
         let pipe = l.pipe;
-        let result = c.result.map(|()| match l.kind {
+        let result = c.result.and_then(|()| match l.kind {
+            // Every receive is posted for one name, with only the credits field ignored.
+            Kind::Recv if (c.tag ^ l.tag) & !tag::IGNORE != 0 => {
+                Err(unreported_tag(self.ep.provider(), l.tag, c.tag))
+            }
             Kind::Recv => {
                 // The message's own tag: the credits field it carries (receives ignore it).
                 l.tag = c.tag;
-                c.len as usize
+                Ok(c.len as usize)
             }
-            Kind::Send => l.region.map_or(l.mem.len(), |r| r.len),
+            Kind::Send => Ok(l.region.map_or(l.mem.len(), |r| r.len)),
         });
         let result = self.finish(pipe, result);
         self.end_op(index, pipe, result);

@@ -195,9 +195,15 @@ fn fds() -> usize {
 /// close descriptors meanwhile, which made the count here race with them.
 #[test]
 fn closing_releases_every_descriptor() {
-    let name = "fabric::tests::descriptors_alone";
+    run_alone("fabric::tests::descriptors_alone", &[]);
+}
+
+/// Runs the ignored test `name` of this binary in a process of its own, with `env` set, and
+/// asserts that it passed.
+pub fn run_alone(name: &str, env: &[(&str, &str)]) {
     let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
         .args([name, "--exact", "--ignored", "--test-threads", "1"])
+        .envs(env.iter().copied())
         .output()
         .expect("run the test binary");
     let text =
