@@ -5,13 +5,15 @@
 # credit messages (nocredit: AP_EXP_NOCREDIT=1), rotated, all from one build of
 # scripts/experiments.patch (docs/efa-measurements.md, "Credits on the reverse stream's tags").
 # Build: bash scripts/build-patched.sh scripts/experiments.patch DIR exp;
-# run: RUNS=N bash scripts/ab-efa-yield.sh DIR (default 20; about 8 s a run on 16 cores).
+# run: RUNS=N bash scripts/ab-efa-yield.sh DIR (default 20; about 8 s a run on 16 cores);
+# VARIANTS="base noyield" runs only those, rotated the same way.
 . "$(dirname "$0")/ab-lib.sh"
 ab_start "${1:-}" ab-efa-yield.sh
-vs=(base idle noyield nocredit)
+read -ra vs <<<"${VARIANTS:-base idle noyield nocredit}"
+n=${#vs[@]}
 for r in $(seq 1 "${RUNS:-20}"); do
-  for j in 0 1 2 3; do
-    v=${vs[$(((r + j) % 4))]}
+  for j in $(seq 0 $((n - 1))); do
+    v=${vs[$(((r + j) % n))]}
     case $v in
       base) e=() ;;
       idle) e=(AP_EXP_IDLE_YIELD=1) ;;
