@@ -114,25 +114,31 @@ impl Efa {
         &self.provider
     }
 
-    /// Every (fabric, domain) pair `fi_getinfo` lists for the provider, or why none.
+    /// Every (fabric, domain) pair `fi_getinfo` lists for the provider, or why none (or why
+    /// the provider is refused here: [`crate::fabric::refusal`]).
     fn probe_all(&self) -> Probe {
         static CACHE: OnceLock<std::sync::Mutex<HashMap<String, Probe>>> = OnceLock::new();
         let cache = CACHE.get_or_init(Default::default);
         let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
         cache
             .entry(self.provider.clone())
-            .or_insert_with(|| match InfoList::get(Some(&self.provider)) {
-                Ok(list) => Ok(list
-                    .iter()
-                    .map(|i| {
-                        let a = i.attributes();
-                        (a.fabric, a.domain)
-                    })
-                    .collect()),
-                Err(e) => Err(format!(
-                    "libfabric offers no {} endpoint here: {e}",
-                    self.provider
-                )),
+            .or_insert_with(|| {
+                if let Some(why) = crate::fabric::refusal(&self.provider) {
+                    return Err(why);
+                }
+                match InfoList::get(Some(&self.provider)) {
+                    Ok(list) => Ok(list
+                        .iter()
+                        .map(|i| {
+                            let a = i.attributes();
+                            (a.fabric, a.domain)
+                        })
+                        .collect()),
+                    Err(e) => Err(format!(
+                        "libfabric offers no {} endpoint here: {e}",
+                        self.provider
+                    )),
+                }
             })
             .clone()
     }

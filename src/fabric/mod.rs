@@ -86,6 +86,34 @@ pub fn strerror(code: i32) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
+/// The switch that turns libfabric's rxm passthru on ([`refusal`]).
+pub const PASSTHRU: &str = "FI_OFI_RXM_ENABLE_PASSTHRU";
+
+/// Why the efa transport and channel refuse `provider` in this process, if they do: rxm with
+/// its passthru on ([`PASSTHRU`], which rxm reads once, as libfabric loads). libfabric 1.17's
+/// passthru reports every received tag as 0, stalls the efa channel when many tensors are in
+/// flight before their receives are posted, and cannot talk to an end without it
+/// (docs/efa.md, "Providers"). Its raw endpoints still open (`bench efa`'s raw rows).
+pub fn refusal(provider: &str) -> Option<String> {
+    passthru_refusal(provider, std::env::var(PASSTHRU).ok().as_deref())
+}
+
+/// [`refusal`] for the switch's value `switch`, read as libfabric reads a boolean.
+fn passthru_refusal(provider: &str, switch: Option<&str>) -> Option<String> {
+    let on = switch.is_some_and(|v| {
+        ["1", "on", "yes", "true"]
+            .iter()
+            .any(|t| v.trim().eq_ignore_ascii_case(t))
+    });
+    (on && provider.split(';').any(|p| p == "ofi_rxm")).then(|| {
+        format!(
+            "{provider} with rxm's passthru on ({PASSTHRU}) is not supported: libfabric 1.17's \
+             passthru reports received tags as 0 and stalls the efa channel, and cannot talk to \
+             a peer without it; unset {PASSTHRU} (docs/efa.md, \"Providers\")"
+        )
+    })
+}
+
 /// libfabric's version at run time and the headers' version this build was compiled against,
 /// each as (major, minor).
 pub fn version() -> ((u32, u32), (u32, u32)) {

@@ -319,3 +319,25 @@ fn an_inject_arrives_without_a_send_completion() {
         assert_eq!(inbox, msg, "{provider}");
     }
 }
+
+/// rxm's passthru switch is read as libfabric reads a boolean, and refuses rxm providers only.
+#[test]
+fn passthru_refuses_rxm_only() {
+    for on in ["1", "on", "YES", " true "] {
+        let why = passthru_refusal("tcp;ofi_rxm", Some(on)).expect(on);
+        assert!(why.contains(PASSTHRU), "{why}");
+        assert!(passthru_refusal("verbs;ofi_rxm", Some(on)).is_some());
+        assert_eq!(passthru_refusal("shm", Some(on)), None);
+        assert_eq!(passthru_refusal("efa", Some(on)), None);
+    }
+    for off in [
+        None,
+        Some("0"),
+        Some("off"),
+        Some("no"),
+        Some("false"),
+        Some(""),
+    ] {
+        assert_eq!(passthru_refusal("tcp;ofi_rxm", off), None, "{off:?}");
+    }
+}

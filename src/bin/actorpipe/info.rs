@@ -58,6 +58,12 @@ fn fabric() -> String {
             }
         ));
     }
+    let mut providers: Vec<&str> = r.domains.iter().map(|d| d.provider.as_str()).collect();
+    providers.sort_unstable();
+    providers.dedup();
+    for why in providers.into_iter().filter_map(actorpipe::fabric::refusal) {
+        out.push_str(&format!("  refused: {why}\n"));
+    }
     match &r.efa {
         Ok(()) => out.push_str("efa: usable\n"),
         Err(why) => out.push_str(&format!("efa: not usable: {why}\n")),

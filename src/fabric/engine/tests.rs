@@ -674,6 +674,12 @@ fn unreported_tags_fail_the_receive_alone() {
     for provider in PROVIDERS {
         received_tag(provider);
     }
+    // The efa transport refuses rxm here (so a default context offers it to no peer), not shm.
+    use crate::actors::fabric::transport::Efa;
+    use crate::transport::Transport;
+    let why = Efa::new("tcp;ofi_rxm").viable().expect_err("rxm refused");
+    assert!(why.contains(super::super::PASSTHRU), "{why}");
+    assert_eq!(Efa::new("shm").viable(), Ok(()));
 }
 
 #[test]
