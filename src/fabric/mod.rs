@@ -105,7 +105,12 @@ fn passthru_refusal(provider: &str, switch: Option<&str>) -> Option<String> {
             .iter()
             .any(|t| v.trim().eq_ignore_ascii_case(t))
     });
-    (on && provider.split(';').any(|p| p == "ofi_rxm")).then(|| {
+    // Passthru is "an optimized path to the tcp provider" (`fi_info -e`): rxm over tcp, or
+    // over net (its other name); rxm over verbs is left alone.
+    let mut layers = provider.split(';');
+    let core = layers.next().unwrap_or_default();
+    let rxm = layers.any(|p| p == "ofi_rxm");
+    (on && rxm && matches!(core, "tcp" | "net")).then(|| {
         format!(
             "{provider} with rxm's passthru on ({PASSTHRU}) is not supported: libfabric 1.17's \
              passthru reports received tags as 0 and stalls the efa channel, and cannot talk to \

@@ -320,13 +320,15 @@ fn an_inject_arrives_without_a_send_completion() {
     }
 }
 
-/// rxm's passthru switch is read as libfabric reads a boolean, and refuses rxm providers only.
+/// rxm's passthru switch is read as libfabric reads a boolean, and refuses rxm over tcp only.
 #[test]
-fn passthru_refuses_rxm_only() {
+fn passthru_refuses_rxm_over_tcp_only() {
     for on in ["1", "on", "YES", " true "] {
         let why = passthru_refusal("tcp;ofi_rxm", Some(on)).expect(on);
         assert!(why.contains(PASSTHRU), "{why}");
-        assert!(passthru_refusal("verbs;ofi_rxm", Some(on)).is_some());
+        assert!(passthru_refusal("net;ofi_rxm", Some(on)).is_some());
+        assert_eq!(passthru_refusal("verbs;ofi_rxm", Some(on)), None);
+        assert_eq!(passthru_refusal("tcp", Some(on)), None);
         assert_eq!(passthru_refusal("shm", Some(on)), None);
         assert_eq!(passthru_refusal("efa", Some(on)), None);
     }

@@ -607,9 +607,6 @@ fn direct_injects_go_at_once_but_never_ahead_of_the_backlog() {
     }
 }
 
-/// Set in the process that [`unreported_tags_fail_the_receive`] starts, with rxm's passthru.
-const PASSTHRU: &str = "FI_OFI_RXM_ENABLE_PASSTHRU";
-
 /// One message whose tag carries credits, sent to a receive that ignores them: the receive ends
 /// with the message's own tag. Where the provider reports another tag (libfabric 1.17's rxm in
 /// passthru mode reports 0) it ends with an error that says so instead: the efa stream's
@@ -639,7 +636,7 @@ fn received_tag(provider: &str) {
         a.progress(&mut |_| {}).expect("cq");
         b.progress(&mut |f| got.push(f)).expect("cq");
     }
-    let passthru = std::env::var_os(PASSTHRU).is_some()
+    let passthru = std::env::var_os(super::super::PASSTHRU).is_some()
         && provider == "tcp;ofi_rxm"
         && super::super::version().0 == (1, 17);
     match (&got[0].result, passthru) {
@@ -685,5 +682,5 @@ fn unreported_tags_fail_the_receive_alone() {
 #[test]
 fn unreported_tags_fail_the_receive() {
     let name = "fabric::engine::tests::unreported_tags_fail_the_receive_alone";
-    run_alone(name, &[(PASSTHRU, "1")]);
+    run_alone(name, &[(super::super::PASSTHRU, "1")]);
 }
