@@ -28,12 +28,14 @@ static void open_side(struct fi_info *i, struct side *s) {
   CK(fi_enable(s->ep));
 }
 int main(int argc, char **argv) {
+  if (argc < 2) { fprintf(stderr, "usage: %s PROVIDER\n", argv[0]); return 2; }
   struct fi_info *h = fi_allocinfo(), *i;
   h->caps = FI_TAGGED | FI_MSG; h->ep_attr->type = FI_EP_RDM; h->mode = FI_CONTEXT;
   h->domain_attr->cq_data_size = 4;
   h->fabric_attr->prov_name = strdup(argv[1]);
   CK(fi_getinfo(FI_VERSION(1, 17), NULL, NULL, 0, h, &i));
   while (i && strcmp(i->domain_attr->name, "lo") && strcmp(i->fabric_attr->prov_name, "shm")) i = i->next;
+  if (!i) { fprintf(stderr, "%s: no loopback domain\n", argv[1]); return 1; }
   printf("%s %s inject %zu cq_data %zu\n", i->fabric_attr->prov_name, i->domain_attr->name, i->tx_attr->inject_size, i->domain_attr->cq_data_size);
   struct side a, b; open_side(i, &a); open_side(i, &b);
   char name[256]; size_t len = sizeof name; fi_addr_t b_at_a, a_at_b;
