@@ -426,6 +426,19 @@ rxm_pair_suite!(efa_tcp_efa_domains, || {
         .channel(Arc::new(c))
         .only_channels(&["efa", "basic"])
 });
+/// The efa suites on `tcp;ofi_rxm` again, with rxm's passthru on (docs/efa.md, "Providers"):
+/// the tcp provider's own RDM endpoint, which reports received tags as 0 and keeps no large
+/// unexpected message. The stream's credits ride CQ data, and the efa channel sends a tensor
+/// only to receives the peer has posted; without that, `order_of_many_ops` on the efa channel
+/// stalls there. The cases skipped above for rxm's crash at close run too: the passthru path
+/// does not crash (development VM, 2026-11-28: seven runs of all six).
+#[cfg(feature = "efa")]
+#[test]
+fn under_rxm_passthru_the_efa_suites_on_tcp() {
+    if let Err(e) = common::rerun_under_passthru(&["efa_tcp", "--include-ignored"], 30) {
+        panic!("{e}");
+    }
+}
 transport_suite!(shm, "shm", || {
     base()
         .transport(Arc::new(Shm::new().with_capacity(RING)))

@@ -974,8 +974,8 @@ mod pipes {
         });
     }
 
-    /// A stream that flows both ways returns its credits on the messages going back, in their
-    /// tags: a ping-pong of many times the window sends no credit message of its own (a 4-byte
+    /// A stream that flows both ways returns its credits on the messages going back (as their
+    /// remote CQ data): a ping-pong of many times the window sends no credit message of its own (a 4-byte
     /// send through an op: injected, but not directly). One that flows one way still does,
     /// every `WINDOW / 2` buffers, or its writer would stop after `WINDOW` messages.
     pub fn credits_ride_the_answers(provider: &str) {
@@ -1304,6 +1304,17 @@ fn main() {
                 None => t,
             });
         }
+    }
+    // Every `tcp;ofi_rxm` trial above again, with rxm's passthru on (a process of its own).
+    #[cfg(feature = "efa")]
+    {
+        let t = Trial::test("rxm_passthru_runs_the_trials_again", || {
+            common::rerun_under_passthru(&["::tcp;ofi_rxm"], 25).map_err(Into::into)
+        });
+        trials.push(match efa::missing("tcp;ofi_rxm") {
+            Some(why) => t.with_ignored_flag(true).with_kind(why),
+            None => t,
+        });
     }
     #[cfg(not(feature = "efa"))]
     {

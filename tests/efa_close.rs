@@ -72,6 +72,7 @@ mod close {
                     std::ptr::null_mut(),
                     to,
                     tag,
+                    0,
                     ctx(c),
                 )
             };

@@ -19,6 +19,14 @@
 //!
 //! With several links, a tensor is cut into mpt's stripes (`channel::mpt::stripes`), stripe
 //! `k` on link `k`, each chunked at the agreed size; every link numbers its own chunks.
+//!
+//! Where the provider does not keep a large unexpected message until a receive matches it
+//! (rxm's passthru: `fabric::keeps_unexpected`), the receiver says on the lane how far it has
+//! posted, and the sender posts a chunk only once its receive is posted (a rendezvous):
+//!
+//! ```text
+//! Ack{seq: receives posted on link k so far (wrapping at 2^32), tensor: k, ok}   ◄───
+//! ```
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -78,6 +86,34 @@ struct Link {
     recvs: VecDeque<(HeldKey, usize)>,
     send_seq: u32,
     recv_seq: u32,
+    /// Rendezvous only: how many receives the peer has posted on this link (its `recv_seq`,
+    /// as it last told us), and our chunks that wait for theirs, each with its number.
+    granted: u32,
+    unsent: VecDeque<(u32, RegionOp)>,
+}
+
+impl Link {
+    /// Posts the waiting chunks whose receives the peer has posted, in order (`scratch`: a
+    /// list kept empty between calls).
+    fn post_granted(&mut self, scratch: &mut Vec<RegionOp>) {
+        let (Some(poster), Some(pipe)) = (&self.poster, self.pipe) else {
+            return;
+        };
+        // `granted` runs ahead of a waiting chunk's number by less than 2^31.
+        while let Some((seq, _)) = self.unsent.front() {
+            if self.granted.wrapping_sub(*seq) as i32 <= 0 {
+                break;
+            }
+            scratch.extend(self.unsent.pop_front().map(|(_, op)| op));
+        }
+        if !scratch.is_empty() {
+            // SAFETY: as in `efa_move`, which queued them: each region lies inside a tensor's
+            // buffer held in `held` until the op ends; a failing channel empties `unsent` and
+            // takes `pipe`, so nothing is posted after it has handed the buffers back.
+            unsafe { poster.post_regions(pipe, scratch) };
+            scratch.clear();
+        }
+    }
 }
 
 /// The channel's state on the fabric.
@@ -101,6 +137,12 @@ pub(super) struct Fabric {
     waiting: VecDeque<(bool, u64, u32, Memory)>,
     /// `efa_move`'s lists of ops, one per link, kept empty between tensors.
     posts: Vec<Vec<RegionOp>>,
+    /// Whether in-place chunks wait for the peer's receives (the provider does not keep a large
+    /// unexpected message: `fabric::keeps_unexpected`). Both sides decide alike: their
+    /// transports' domains, which negotiation matched, name the provider as peers compare it.
+    rendezvous: bool,
+    /// `efa_move`'s rendezvous messages for the lane, kept empty between tensors.
+    grants: Vec<Ack>,
 }
 
 impl Fabric {
@@ -121,6 +163,8 @@ impl Fabric {
             next_peer: 0,
             waiting: VecDeque::new(),
             posts: Vec::new(),
+            rendezvous: false,
+            grants: Vec::new(),
         }
     }
 
@@ -231,6 +275,10 @@ impl Channel {
         }
         f.eps = kept;
         f.infos = infos;
+        f.rendezvous = f.infos.iter().flatten().any(|i| {
+            let provider = &i.attributes.provider;
+            !crate::fabric::keeps_unexpected(provider)
+        });
         f.step = Step::Hello;
         let list = encode_domains(&f.infos.iter().flatten().collect::<Vec<_>>());
         let hello = Ack {
@@ -328,6 +376,27 @@ impl Channel {
             (Done::Frame { result: Err(e), .. } | Done::Payloads { result: Err(e), .. }, _) => {
                 self.efa_fail(e, ctx)
             }
+            (
+                Done::Frame {
+                    result: Ok(Frame::Ack(a)),
+                    ..
+                },
+                Step::Ready,
+            ) if self.fabric().rendezvous => {
+                // The peer has posted receives on link `a.tensor` up to `a.seq`.
+                let f = self.fabric();
+                let (Some(l), Ok(seq)) = (f.links.get_mut(a.tensor as usize), u32::try_from(a.seq))
+                else {
+                    let e = bad("a rendezvous for no link", &self.origin);
+                    return self.efa_fail(e, ctx);
+                };
+                l.granted = seq;
+                let mut scratch = std::mem::take(&mut f.posts);
+                scratch.resize_with(1, Vec::new);
+                l.post_granted(&mut scratch[0]);
+                f.posts = scratch;
+                self.lane_read_frame(LANE);
+            }
             (Done::Frame { result: Ok(_), .. }, Step::Ready) => {
                 let e = Error::Closed {
                     reason: "the peer's efa channel connection ended".into(),
@@ -366,6 +435,8 @@ impl Channel {
                 recvs: VecDeque::new(),
                 send_seq: 0,
                 recv_seq: 0,
+                granted: 0,
+                unsent: VecDeque::new(),
             })
             .collect();
         f.step = Step::Attaching;
@@ -516,11 +587,30 @@ impl Channel {
         // The buffer moves into `held`; its heap memory, which the regions name, does not.
         self.hold(key, buffer, out);
         let f = self.fabric();
-        for (l, ops) in f.links.iter().zip(&mut posts) {
+        let rendezvous = f.rendezvous;
+        let mut grants = std::mem::take(&mut f.grants);
+        for (k, (l, ops)) in f.links.iter_mut().zip(&mut posts).enumerate() {
+            if rendezvous && sending && !ops.is_empty() {
+                // Each chunk waits for the peer's receive (numbered as `send_seq` counted).
+                let first = l.send_seq.wrapping_sub(ops.len() as u32);
+                let numbered = (0..).map(|i| first.wrapping_add(i));
+                l.unsent.extend(numbered.zip(ops.drain(..)));
+                l.post_granted(ops);
+                continue;
+            }
             let (Some(poster), Some(pipe)) = (&l.poster, l.pipe) else {
                 ops.clear();
                 continue; // not reached: `ready` above checked every link's pipe
             };
+            if rendezvous && !sending && !ops.is_empty() {
+                // After the receives below: the peer sends into them once it hears.
+                let grant = Ack {
+                    seq: l.recv_seq as u64,
+                    tensor: k as u32,
+                    ok: true,
+                };
+                grants.push(grant);
+            }
             if !ops.is_empty() {
                 // SAFETY: every region lies inside the tensor's buffer (the stripes and their
                 // chunks are disjoint ranges of it), whose heap memory stays in `self.held`,
@@ -533,6 +623,10 @@ impl Channel {
             }
         }
         f.posts = posts;
+        for grant in grants.drain(..) {
+            self.lane_write_ack(LANE, grant, Vec::new());
+        }
+        self.fabric().grants = grants;
         self.maybe_stop(ctx);
     }
 
@@ -585,6 +679,10 @@ impl Channel {
             f.failed = Some(e.clone());
         }
         let waiting = std::mem::take(&mut f.waiting);
+        // Chunks that wait for the peer's receives are never posted.
+        for l in &mut f.links {
+            l.unsent.clear();
+        }
         let detach: Vec<(u32, Addr<FabricEndpoint>)> = f
             .links
             .iter_mut()

@@ -190,10 +190,6 @@ impl FabricEndpoint {
         config: EndpointConfig,
     ) -> Result<Addr<FabricEndpoint>, Error> {
         let origin = Origin::new("", format!("efa[{provider}]"));
-        if let Some(reason) = crate::fabric::refusal(provider) {
-            let backend = "efa".into();
-            return Err(Error::Unavailable { backend, reason });
-        }
         let list = InfoList::get(Some(provider)).map_err(|e| fabric_error(e, &origin))?;
         let info = list
             .iter()

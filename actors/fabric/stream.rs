@@ -11,8 +11,9 @@
 //! one is copied into a pooled bounce buffer and posted. One copy in, one copy out, as the shm
 //! rings cost. The reader reposts each buffer once its bytes are read, which frees a credit of
 //! the peer's writer. Freed credits ride the next message the same side's writer sends, in its
-//! tag's credits field ([`tag::with_credits`]: receives ignore the field, and the peer's reader
-//! hands them to its writer); only when `WINDOW / 2` are owed and no message has taken them (a
+//! tag's credits field ([`tag::with_credits`]: the engine sends them as the message's remote CQ
+//! data and hands them back with the receive's end, and the peer's reader gives them to its
+//! writer); only when `WINDOW / 2` are owed and no message has taken them (a
 //! stream that flows one way) does the reader send them in a small message of their own. A
 //! zero-length message is the end of the stream (`shutdown`). Both halves post
 //! through the endpoint's [`Poster`], straight into its engine from the half's own poll (no

@@ -114,31 +114,25 @@ impl Efa {
         &self.provider
     }
 
-    /// Every (fabric, domain) pair `fi_getinfo` lists for the provider, or why none (or why
-    /// the provider is refused here: [`crate::fabric::refusal`]).
+    /// Every (fabric, domain) pair `fi_getinfo` lists for the provider, or why none.
     fn probe_all(&self) -> Probe {
         static CACHE: OnceLock<std::sync::Mutex<HashMap<String, Probe>>> = OnceLock::new();
         let cache = CACHE.get_or_init(Default::default);
         let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
         cache
             .entry(self.provider.clone())
-            .or_insert_with(|| {
-                if let Some(why) = crate::fabric::refusal(&self.provider) {
-                    return Err(why);
-                }
-                match InfoList::get(Some(&self.provider)) {
-                    Ok(list) => Ok(list
-                        .iter()
-                        .map(|i| {
-                            let a = i.attributes();
-                            (a.fabric, a.domain)
-                        })
-                        .collect()),
-                    Err(e) => Err(format!(
-                        "libfabric offers no {} endpoint here: {e}",
-                        self.provider
-                    )),
-                }
+            .or_insert_with(|| match InfoList::get(Some(&self.provider)) {
+                Ok(list) => Ok(list
+                    .iter()
+                    .map(|i| {
+                        let a = i.attributes();
+                        (a.fabric, a.domain)
+                    })
+                    .collect()),
+                Err(e) => Err(format!(
+                    "libfabric offers no {} endpoint here: {e}",
+                    self.provider
+                )),
             })
             .clone()
     }
@@ -238,9 +232,11 @@ impl Efa {
             let origin = origin.clone();
             move |e| Error::io(op, e, &origin)
         };
-        // Hello: provider, fabric, endpoint address (each u16 length + bytes).
+        // Hello: provider (as peers compare it: `wire_name`), fabric, endpoint address (each
+        // u16 length + bytes).
+        let provider = crate::fabric::wire_name(&self.provider);
         let mut hello = Vec::new();
-        for part in [self.provider.as_bytes(), fabric.as_bytes(), &info.name] {
+        for part in [provider.as_bytes(), fabric.as_bytes(), &info.name] {
             hello.extend_from_slice(&(part.len() as u16).to_le_bytes());
             hello.extend_from_slice(part);
         }
@@ -260,14 +256,13 @@ impl Efa {
                 .map_err(io("reading the efa hello"))?;
             parts.push(b);
         }
-        if parts[0] != self.provider.as_bytes() || parts[1] != fabric.as_bytes() {
+        if parts[0] != provider.as_bytes() || parts[1] != fabric.as_bytes() {
             return Err(Error::Unavailable {
                 backend: "efa".into(),
                 reason: format!(
-                    "the peer's endpoint is on {}/{}, ours on {}/{fabric}",
+                    "the peer's endpoint is on {}/{}, ours on {provider}/{fabric}",
                     String::from_utf8_lossy(&parts[0]),
                     String::from_utf8_lossy(&parts[1]),
-                    self.provider
                 ),
             });
         }
@@ -527,7 +522,8 @@ impl Transport for Efa {
             Ok((fabric, _)) if self.provider == "shm" => {
                 format!("shm/{fabric}/{}", crate::transport::shm::domain())
             }
-            Ok((fabric, _)) => format!("{}/{fabric}", self.provider),
+            // rxm with and without its passthru do not talk: the name says which.
+            Ok((fabric, _)) => format!("{}/{fabric}", crate::fabric::wire_name(&self.provider)),
             Err(_) => format!("{}/unavailable", self.provider),
         }
     }

@@ -201,7 +201,8 @@ impl ChannelBackend for Efa {
     }
 
     fn lane_read_buffer(&self) -> usize {
-        // The lane carries two small frames at set-up, then nothing.
+        // The lane carries two small frames at set-up, then nothing, or (rendezvous, under
+        // rxm's passthru) one small frame per in-place tensor.
         4 << 10
     }
 

@@ -85,31 +85,13 @@ pub struct Finished {
     pub id: u64,
     /// Send or receive.
     pub kind: Kind,
-    /// The tag it was posted with; for a receive that completed, the message's own (with the
-    /// credits field the receive ignored, [`super::tag::IGNORE`]).
+    /// The tag it was posted with; for a receive that completed, with the credits its message
+    /// carried in its remote CQ data in the credits field ([`super::tag::received`]).
     pub tag: u64,
     /// The buffer, back (empty for an op posted with [`Engine::post_region`]).
     pub mem: Vec<u8>,
     /// Bytes received (receives), or sent.
     pub result: Result<usize, FabricError>,
-}
-
-/// The error of a receive that ended with another name in its tag than it was posted with: a
-/// provider that does not report a received message's tag (libfabric 1.17's `ofi_rxm` with
-/// `FI_OFI_RXM_ENABLE_PASSTHRU=1` reports 0), so the credits riding there would be lost and
-/// every stream's writer would starve. Fails the pipe at once instead of at its heartbeat's
-/// timeout.
-fn unreported_tag(provider: &str, posted: u64, got: u64) -> FabricError {
-    FabricError {
-        op: "completion",
-        provider: provider.to_string(),
-        code: eio(),
-        text: format!(
-            "a receive posted for tag {posted:#018x} ended with tag {got:#018x}: the provider \
-             does not report received tags, which the efa streams need (on libfabric 1.17, \
-             unset FI_OFI_RXM_ENABLE_PASSTHRU)"
-        ),
-    }
 }
 
 /// Counters of one engine (one endpoint).
@@ -704,8 +686,11 @@ impl Engine {
         // closed (it drops first).
         let r = unsafe {
             match l.kind {
-                Kind::Send => self.ep.tsend(ptr, len, desc, peer, l.tag, ctx),
-                Kind::Recv => self.ep.trecv(ptr, len, desc, peer, l.tag, tag::IGNORE, ctx),
+                Kind::Send => {
+                    let (wire, data) = tag::on_the_wire(l.tag);
+                    self.ep.tsend(ptr, len, desc, peer, wire, data, ctx)
+                }
+                Kind::Recv => self.ep.trecv(ptr, len, desc, peer, l.tag, 0, ctx),
             }
         };
         match &r {
@@ -732,17 +717,14 @@ impl Engine {
         }
         self.stats.in_flight -= 1;
         let pipe = l.pipe;
-        let result = c.result.and_then(|()| match l.kind {
-            // Every receive is posted for one name, with only the credits field ignored.
-            Kind::Recv if (c.tag ^ l.tag) & !tag::IGNORE != 0 => {
-                Err(unreported_tag(self.ep.provider(), l.tag, c.tag))
-            }
+        let result = c.result.map(|()| match l.kind {
             Kind::Recv => {
-                // The message's own tag: the credits field it carries (receives ignore it).
-                l.tag = c.tag;
-                Ok(c.len as usize)
+                // The posted name (not the reported tag: not every provider reports it), with
+                // the credits the message carried in its CQ data.
+                l.tag = tag::received(l.tag, c.data);
+                c.len as usize
             }
-            Kind::Send => Ok(l.region.map_or(l.mem.len(), |r| r.len)),
+            Kind::Send => l.region.map_or(l.mem.len(), |r| r.len),
         });
         let result = self.finish(pipe, result);
         self.end_op(index, pipe, result);
@@ -936,7 +918,8 @@ fn counted_inject(
     peer: FiAddr,
     tag: u64,
 ) -> Result<(), PostError> {
-    let r = ep.tinject(bytes, peer, tag);
+    let (wire, data) = tag::on_the_wire(tag);
+    let r = ep.tinject(bytes, peer, wire, data);
     match &r {
         Ok(()) => {
             stats.posted += 1;

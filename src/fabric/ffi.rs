@@ -23,6 +23,7 @@ pub struct ApCompletion {
     pub tag: u64,
     pub len: u64,
     pub flags: u64,
+    pub data: u64,
     pub err: i32,
     pub prov_errno: i32,
 }
@@ -86,10 +87,17 @@ extern "C" {
         desc: *mut c_void,
         dest: u64,
         tag: u64,
+        data: u64,
         context: *mut c_void,
     ) -> isize;
-    pub fn ap_tinject(ep: *mut FidEp, buf: *const c_void, len: usize, dest: u64, tag: u64)
-        -> isize;
+    pub fn ap_tinject(
+        ep: *mut FidEp,
+        buf: *const c_void,
+        len: usize,
+        dest: u64,
+        tag: u64,
+        data: u64,
+    ) -> isize;
     pub fn ap_trecv(
         ep: *mut FidEp,
         buf: *mut c_void,

@@ -86,37 +86,63 @@ pub fn strerror(code: i32) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
-/// The switch that turns libfabric's rxm passthru on ([`refusal`]).
+/// The switch that turns libfabric's rxm passthru on ([`passthru`]).
 pub const PASSTHRU: &str = "FI_OFI_RXM_ENABLE_PASSTHRU";
 
-/// Why the efa transport and channel refuse `provider` in this process, if they do: rxm with
-/// its passthru on ([`PASSTHRU`], which rxm reads once, as libfabric loads). libfabric 1.17's
-/// passthru reports every received tag as 0, stalls the efa channel when many tensors are in
-/// flight before their receives are posted, and cannot talk to an end without it
-/// (docs/efa.md, "Providers"). Its raw endpoints still open (`bench efa`'s raw rows).
-pub fn refusal(provider: &str) -> Option<String> {
-    passthru_refusal(provider, std::env::var(PASSTHRU).ok().as_deref())
+/// Whether `provider` runs with rxm's passthru in this process: rxm over tcp (or over net, its
+/// other name) with [`PASSTHRU`] on, read once, as rxm reads it once when libfabric loads.
+/// rxm then hands tagged calls to the tcp provider's own RDM endpoint ("an optimized path to
+/// the tcp provider", `fi_info -e`), which differs from rxm's in three ways the efa transport
+/// and channel heed (docs/efa.md, "Providers"):
+///
+/// - it speaks another protocol on the wire: an end with it and an end without it do not talk
+///   (libfabric's own `fi_pingpong` fails or hangs), so peers compare [`wire_name`]s;
+/// - libfabric 1.17's reports every received message's tag as 0: the efa stream's credits
+///   travel as remote CQ data, which it keeps ([`engine`]);
+/// - it keeps an unexpected tagged message only up to its inject size (128 bytes), and stops
+///   reading the connection behind a larger one until a matching receive is posted: the efa
+///   channel sends an in-place tensor only once the peer has posted its receives
+///   ([`keeps_unexpected`]).
+pub fn passthru(provider: &str) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| switch_on(std::env::var(PASSTHRU).ok().as_deref()));
+    on && rides_tcp(provider)
 }
 
-/// [`refusal`] for the switch's value `switch`, read as libfabric reads a boolean.
-fn passthru_refusal(provider: &str, switch: Option<&str>) -> Option<String> {
-    let on = switch.is_some_and(|v| {
+/// Whether rxm's passthru switch, set to `value`, is on: read as libfabric reads a boolean.
+fn switch_on(value: Option<&str>) -> bool {
+    value.is_some_and(|v| {
         ["1", "on", "yes", "true"]
             .iter()
             .any(|t| v.trim().eq_ignore_ascii_case(t))
-    });
-    // Passthru is "an optimized path to the tcp provider" (`fi_info -e`): rxm over tcp, or
-    // over net (its other name); rxm over verbs is left alone.
+    })
+}
+
+/// Whether passthru applies to `provider`: rxm over tcp or net (rxm over verbs is left alone).
+fn rides_tcp(provider: &str) -> bool {
     let mut layers = provider.split(';');
     let core = layers.next().unwrap_or_default();
-    let rxm = layers.any(|p| p == "ofi_rxm");
-    (on && rxm && matches!(core, "tcp" | "net")).then(|| {
-        format!(
-            "{provider} with rxm's passthru on ({PASSTHRU}) is not supported: libfabric 1.17's \
-             passthru reports received tags as 0 and stalls the efa channel, and cannot talk to \
-             a peer without it; unset {PASSTHRU} (docs/efa.md, \"Providers\")"
-        )
-    })
+    matches!(core, "tcp" | "net") && layers.any(|p| p == "ofi_rxm")
+}
+
+/// `provider`'s name as two peers compare it before they talk over the fabric (the efa
+/// transport's hello and domain): the provider's own, with `+passthru` where [`passthru`]
+/// holds, since the two ways of `tcp;ofi_rxm` do not talk to each other.
+pub fn wire_name(provider: &str) -> String {
+    if passthru(provider) {
+        format!("{provider}+passthru")
+    } else {
+        provider.to_string()
+    }
+}
+
+/// Whether `provider`'s endpoint keeps an unexpected tagged message of any size until a
+/// receive matches it (rxm, `shm` and `efa` do), so a sender may send a tensor before the
+/// peer has posted its receive. rxm's [`passthru`] does not: it keeps such a message only up
+/// to its inject size and stops reading the connection behind a larger one, so the efa channel
+/// waits for the peer's word that its receives are posted (a rendezvous).
+pub fn keeps_unexpected(provider: &str) -> bool {
+    !passthru(provider)
 }
 
 /// libfabric's version at run time and the headers' version this build was compiled against,
@@ -495,8 +521,11 @@ pub enum PostError {
 pub struct Completion {
     /// The context pointer given to the post, as an integer.
     pub context: u64,
-    /// The tag of a tagged receive's message (senders: whatever the provider reports).
+    /// The tag of a tagged receive's message (senders: whatever the provider reports). Not
+    /// every provider reports it: libfabric 1.17's rxm in passthru mode reports 0.
     pub tag: u64,
+    /// The remote CQ data a received message carried (0 if none).
+    pub data: u64,
     /// Bytes received (receives).
     pub len: u64,
     /// `Err` for an error completion.
@@ -688,13 +717,15 @@ impl Endpoint {
         }
     }
 
-    /// Posts a tagged send of `len` bytes at `buf` to `dest`.
+    /// Posts a tagged send of `len` bytes at `buf` to `dest`; with `data` non-zero the message
+    /// carries it as remote CQ data (`fi_tsenddata`: the receive's [`Completion::data`]).
     ///
     /// # Safety
     /// `buf..buf+len` must stay readable and `context` valid (and untouched by us beyond
     /// `FI_CONTEXT2`'s 64 bytes, which the provider may write) until the completion for
     /// `context` has been read, the op cancelled and its completion read, or the endpoint
     /// dropped. `desc` is null or the descriptor of a live registration covering the buffer.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn tsend(
         &self,
         buf: *const u8,
@@ -702,21 +733,24 @@ impl Endpoint {
         desc: *mut c_void,
         dest: FiAddr,
         tag: u64,
+        data: u64,
         context: *mut c_void,
     ) -> Result<(), PostError> {
         // SAFETY: the caller's contract above.
-        let ret = unsafe { ffi::ap_tsend(self.ep.ptr, buf.cast(), len, desc, dest, tag, context) };
+        let ret =
+            unsafe { ffi::ap_tsend(self.ep.ptr, buf.cast(), len, desc, dest, tag, data, context) };
         self.post_result("fi_tsend", ret)
     }
 
     /// Sends `buf` (at most [`Attributes::inject_size`] bytes) to `dest`, tagged `tag`, as an
     /// inject: the provider has taken the bytes when this returns `Ok`, and no completion
-    /// follows. No registration is needed.
-    pub fn tinject(&self, buf: &[u8], dest: FiAddr, tag: u64) -> Result<(), PostError> {
+    /// follows. No registration is needed. `data` as in [`Endpoint::tsend`]
+    /// (`fi_tinjectdata`).
+    pub fn tinject(&self, buf: &[u8], dest: FiAddr, tag: u64, data: u64) -> Result<(), PostError> {
+        let (ptr, len) = (buf.as_ptr().cast(), buf.len());
         // SAFETY: `buf` is a live slice for the call; an inject copies it (or sends it) before
         // returning, and keeps no pointer to it or to any context.
-        let ret =
-            unsafe { ffi::ap_tinject(self.ep.ptr, buf.as_ptr().cast(), buf.len(), dest, tag) };
+        let ret = unsafe { ffi::ap_tinject(self.ep.ptr, ptr, len, dest, tag, data) };
         self.post_result("fi_tinject", ret)
     }
 
@@ -801,6 +835,7 @@ impl Endpoint {
             f(Completion {
                 context: raw.context,
                 tag: raw.tag,
+                data: raw.data,
                 len: raw.len,
                 result,
             });

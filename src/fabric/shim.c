@@ -28,6 +28,7 @@ struct ap_completion {
 	uint64_t tag;
 	uint64_t len;
 	uint64_t flags;
+	uint64_t data;      /* the remote CQ data, where flags has FI_REMOTE_CQ_DATA; else 0 */
 	int32_t err;        /* 0, or a positive FI_E* code */
 	int32_t prov_errno; /* provider-specific code when err != 0 */
 };
@@ -70,6 +71,9 @@ int ap_getinfo(const char *prov, size_t inject, struct fi_info **out)
 		FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
 	hints->domain_attr->threading = FI_THREAD_DOMAIN;
 	hints->tx_attr->inject_size = inject;
+	/* The efa stream's credits ride remote CQ data (at most 31: 4 bytes, efa's size, is
+	 * plenty). */
+	hints->domain_attr->cq_data_size = 4;
 	if (prov) {
 		hints->fabric_attr->prov_name = strdup(prov);
 		if (!hints->fabric_attr->prov_name) {
@@ -191,16 +195,22 @@ int ap_close_mr(struct fid_mr *p) { return fi_close(&p->fid); }
 int ap_close_domain(struct fid_domain *p) { return fi_close(&p->fid); }
 int ap_close_fabric(struct fid_fabric *p) { return fi_close(&p->fid); }
 
+/* With `data` non-zero, the message carries it as remote CQ data (fi_tsenddata). */
 ssize_t ap_tsend(struct fid_ep *ep, const void *buf, size_t len, void *desc, uint64_t dest,
-		 uint64_t tag, void *context)
+		 uint64_t tag, uint64_t data, void *context)
 {
+	if (data)
+		return fi_tsenddata(ep, buf, len, desc, data, dest, tag, context);
 	return fi_tsend(ep, buf, len, desc, dest, tag, context);
 }
 
 /* A tagged send of at most the inject size: the buffer is free on return and no completion
- * is generated. */
-ssize_t ap_tinject(struct fid_ep *ep, const void *buf, size_t len, uint64_t dest, uint64_t tag)
+ * is generated. With `data` non-zero, as ap_tsend. */
+ssize_t ap_tinject(struct fid_ep *ep, const void *buf, size_t len, uint64_t dest, uint64_t tag,
+		   uint64_t data)
 {
+	if (data)
+		return fi_tinjectdata(ep, buf, len, data, dest, tag);
 	return fi_tinject(ep, buf, len, dest, tag);
 }
 
@@ -232,6 +242,7 @@ ssize_t ap_cq_read(struct fid_cq *cq, struct ap_completion *out, size_t count, c
 			out[i].tag = entries[i].tag;
 			out[i].len = entries[i].len;
 			out[i].flags = entries[i].flags;
+			out[i].data = entries[i].flags & FI_REMOTE_CQ_DATA ? entries[i].data : 0;
 			out[i].err = 0;
 			out[i].prov_errno = 0;
 		}
@@ -251,6 +262,7 @@ ssize_t ap_cq_read(struct fid_cq *cq, struct ap_completion *out, size_t count, c
 	out[0].tag = e.tag;
 	out[0].len = e.len;
 	out[0].flags = e.flags;
+	out[0].data = 0;
 	out[0].err = e.err ? e.err : FI_EOTHER;
 	out[0].prov_errno = e.prov_errno;
 	if (errbuf && errlen) {

@@ -14,10 +14,13 @@
 //! many messages follow and the receiver posts exactly those tags (seed 000's descriptor-based
 //! ordering). Sequence numbers wrap at 2^32; at most a few thousand are outstanding at once.
 //!
-//! The credits field is not part of a message's name: every receive ignores it ([`IGNORE`]),
-//! and a message of the efa stream carries there the credits its sender returns for the
-//! opposite direction (see `actors::fabric::stream`), read back from the receive's completion
-//! ([`credits`]). Every other message leaves it zero.
+//! The credits field is not part of a message's name, and never goes on the wire: a message of
+//! the efa stream carries there, between the stream and the engine, the credits its sender
+//! returns for the opposite direction (see `actors::fabric::stream`). The engine sends them as
+//! the message's remote CQ data ([`on_the_wire`]) and gives a completed receive its posted
+//! name with the credits its message carried ([`received`]): not every provider reports a
+//! received message's tag (libfabric 1.17's rxm with its passthru on reports 0), while remote
+//! CQ data arrives on all of them. Every other message leaves the field zero.
 
 /// Bits for the pipe number: 16 M pipes per endpoint.
 pub const PIPE_BITS: u32 = 24;
@@ -45,7 +48,7 @@ pub enum Stream {
 const CREDIT_SHIFT: u32 = 59;
 /// The largest number of credits one tag carries.
 pub const MAX_CREDITS: u32 = (1 << (64 - CREDIT_SHIFT)) - 1;
-/// The bits every receive ignores when it matches a message: the credits field.
+/// The credits field's bits (never on the wire: [`on_the_wire`]).
 pub const IGNORE: u64 = (MAX_CREDITS as u64) << CREDIT_SHIFT;
 
 /// The tag of message `seq` of `stream` for the receiver's pipe `pipe` (no credits).
@@ -63,6 +66,18 @@ pub fn with_credits(tag: u64, credits: u32) -> u64 {
 /// The credits a received message's tag carries.
 pub fn credits(tag: u64) -> u32 {
     (tag >> CREDIT_SHIFT) as u32
+}
+
+/// What a send of `tag` puts on the wire: the tag without its credits field, and the credits
+/// as the message's remote CQ data (0: none, a plain send).
+pub fn on_the_wire(tag: u64) -> (u64, u64) {
+    (tag & !IGNORE, u64::from(credits(tag)))
+}
+
+/// The tag a receive posted for `posted` ends with when its message carried `data` as remote
+/// CQ data: the posted name, with the credits the data holds (at most [`MAX_CREDITS`]).
+pub fn received(posted: u64, data: u64) -> u64 {
+    with_credits(posted, data.min(u64::from(MAX_CREDITS)) as u32)
 }
 
 /// The parts of a tag: (stream byte, pipe, seq), credits left out.

@@ -259,6 +259,35 @@ pub fn reexec_args(name: &str) -> [&str; 6] {
     ]
 }
 
+/// Runs this test binary again with `args` (a filter first), with rxm's passthru on
+/// (`FI_OFI_RXM_ENABLE_PASSTHRU=1`: rxm reads it once, as libfabric loads, so it takes a
+/// process of its own). `Err` with the child's output unless it passed, and ran at least
+/// `at_least` tests (so a filter that matches nothing does not pass).
+#[cfg(feature = "efa")]
+#[allow(dead_code)] // not every test binary that includes this module calls it
+pub fn rerun_under_passthru(args: &[&str], at_least: usize) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let out = std::process::Command::new(exe)
+        .args(args)
+        .env(actorpipe::fabric::PASSTHRU, "1")
+        .output()
+        .map_err(|e| e.to_string())?;
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let passed = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("test result: ok. "))
+        .filter_map(|l| l.split(' ').next()?.parse::<usize>().ok())
+        .sum::<usize>();
+    if out.status.success() && passed >= at_least {
+        return Ok(());
+    }
+    Err(format!(
+        "under passthru, {args:?}: {} with {passed} passed (at least {at_least} wanted):\n{text}",
+        out.status
+    ))
+}
+
 /// In a child started by [`reexec`]: die with the test thread that started us, so a parent that
 /// is killed (or times out) leaves no orphan behind.
 pub fn die_with_parent() {

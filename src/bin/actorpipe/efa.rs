@@ -226,12 +226,12 @@ fn raw_side(
             early = 0;
         }
         let sends: usize = if inject {
-            early += post(&mut ep, |ep| ep.tinject(&out, to, t))?;
+            early += post(&mut ep, |ep| ep.tinject(&out, to, t, 0))?;
             0
         } else {
             // SAFETY: as above.
             early += post(&mut ep, |ep| unsafe {
-                ep.tsend(pout, size, std::ptr::null_mut(), to, t, x2)
+                ep.tsend(pout, size, std::ptr::null_mut(), to, t, 0, x2)
             })?;
             1
         };

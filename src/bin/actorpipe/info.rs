@@ -61,8 +61,16 @@ fn fabric() -> String {
     let mut providers: Vec<&str> = r.domains.iter().map(|d| d.provider.as_str()).collect();
     providers.sort_unstable();
     providers.dedup();
-    for why in providers.into_iter().filter_map(actorpipe::fabric::refusal) {
-        out.push_str(&format!("  refused: {why}\n"));
+    for p in providers
+        .into_iter()
+        .filter(|p| actorpipe::fabric::passthru(p))
+    {
+        out.push_str(&format!(
+            "  {p}: rxm's passthru on ({}): the tcp provider's own RDM endpoint; peers \
+             must have it on too (named {})\n",
+            actorpipe::fabric::PASSTHRU,
+            actorpipe::fabric::wire_name(p)
+        ));
     }
     match &r.efa {
         Ok(()) => out.push_str("efa: usable\n"),
