@@ -85,6 +85,13 @@ pub struct EndpointConfig {
     /// yielding through the runtime. Bounded: the thread is busy at most `busy_poll` past the
     /// last activity. Default from `ACTORPIPE_EFA_SPIN` (microseconds), else zero.
     pub busy_poll: Duration,
+    /// In spin mode, a stream's reader that waits keeps reading the CQ within each poll (for up
+    /// to `stream::READER_BURST`) only while its stream is in a quick exchange: this wait began
+    /// less than this long after its previous one (a stream's first wait never does). Other
+    /// waits read it once a poll, so that they hold up the thread's other tasks less. Default
+    /// `stream::READER_HOT` (25 µs); `Duration::MAX` makes every wait but a stream's first
+    /// burst, zero none.
+    pub quick_exchange: Duration,
 }
 
 /// The environment variable that turns spin mode on for endpoints built with defaults: the
@@ -108,6 +115,7 @@ impl Default for EndpointConfig {
             force_polling: false,
             register_all: false,
             busy_poll: spin_from_env(),
+            quick_exchange: stream::READER_HOT,
         }
     }
 }
@@ -523,6 +531,7 @@ impl Handler<FabricShare> for FabricEndpoint {
             self.core.clone(),
             self.signal.clone(),
             ctx.address(),
+            self.config.quick_exchange,
         ))
     }
 }

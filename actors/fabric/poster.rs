@@ -209,6 +209,7 @@ pub struct Poster {
     core: Arc<Mutex<Core>>,
     signal: Arc<KickSignal>,
     ep: Addr<FabricEndpoint>,
+    quick_exchange: std::time::Duration,
 }
 
 impl Poster {
@@ -216,8 +217,19 @@ impl Poster {
         core: Arc<Mutex<Core>>,
         signal: Arc<KickSignal>,
         ep: Addr<FabricEndpoint>,
+        quick_exchange: std::time::Duration,
     ) -> Poster {
-        Poster { core, signal, ep }
+        Poster {
+            core,
+            signal,
+            ep,
+            quick_exchange,
+        }
+    }
+
+    /// The endpoint's `EndpointConfig::quick_exchange`: which waits of a stream's reader burst.
+    pub fn quick_exchange(&self) -> std::time::Duration {
+        self.quick_exchange
     }
 
     /// The endpoint actor (for the messages that still go through it: attach, detach, stats).

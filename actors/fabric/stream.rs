@@ -52,6 +52,20 @@ pub const BOUNCE: usize = 64 << 10;
 /// most, plus one pass.
 pub const READER_BURST: Duration = Duration::from_micros(2);
 
+/// A waiting reader bursts ([`READER_BURST`]) only while its stream is in a quick exchange:
+/// this wait began less than this after the one before it (the default of
+/// `EndpointConfig::quick_exchange`). Every other wait, a stream's first included, makes one
+/// CQ pass a poll. A burst holds up every other task of the thread, and a reader in spin mode that
+/// gives way wakes itself at once, so a burst comes on every turn of the executor while it
+/// waits: a reader that waits long (a channel's lane, which carries nothing after its set-up;
+/// a stream whose peer is busy elsewhere) cost each hand-over between the tasks that do the
+/// work up to 2 µs. An in-place tensor makes several such hand-overs (the pipe, the channel
+/// actor, the endpoint's ends): on 16 cores its 64 B to 16 KiB round trips on `shm` took
+/// 1.7–1.8 times as long as with no bursts at all, and under the channel's rendezvous 2.6–2.9
+/// times (on `tcp;ofi_rxm` 1.1–1.2 and 1.6 times; docs/efa-measurements.md, "A reader's burst
+/// only in a quick exchange").
+pub const READER_HOT: Duration = Duration::from_micros(25);
+
 /// What a waiting reader's look at the CQ found.
 enum Look {
     /// An end (`None`: the queue closed).
@@ -159,6 +173,10 @@ pub struct FabricRead {
     error: Option<io::Error>,
     /// This wait (spin mode) has given way to the executor once (see `look`).
     gave_way: bool,
+    /// When the last wait began (its first poll in spin mode), and whether this one bursts
+    /// ([`READER_HOT`]).
+    wait_began: Option<Instant>,
+    burst: bool,
     shared: Arc<Shared>,
 }
 
@@ -197,6 +215,8 @@ impl FabricRead {
             eof: false,
             error: None,
             gave_way: false,
+            wait_began: None,
+            burst: false,
             shared,
         }
     }
@@ -211,7 +231,8 @@ impl FabricRead {
     ///   pass (on `tcp;ofi_rxm`, reads of its sockets) would come before it;
     /// - each later poll reads it, again and again for up to [`READER_BURST`] until its own end
     ///   comes: a message that lands meanwhile is read a pass later, not a trip through the
-    ///   executor later (the read loop's future polled from the top, the other tasks).
+    ///   executor later (the read loop's future polled from the top, the other tasks). Only in
+    ///   a quick exchange ([`READER_HOT`]); otherwise once a poll.
     ///
     /// Measured in docs/efa-measurements.md, "A reader that keeps looking" and "A recipient
     /// actor's turn without a pass before it".
@@ -220,10 +241,16 @@ impl FabricRead {
             if !self.ep.readers_spin() {
                 return Look::Sleep;
             }
+            let now = Instant::now();
+            let quick = self.ep.quick_exchange();
+            self.burst = self
+                .wait_began
+                .is_some_and(|t| now.duration_since(t) < quick);
+            self.wait_began = Some(now);
             self.gave_way = true;
             return Look::Later;
         }
-        let end = Instant::now() + READER_BURST;
+        let end = self.burst.then(|| Instant::now() + READER_BURST);
         loop {
             let claim = Claim {
                 pipe: self.wiring.read,
@@ -242,7 +269,7 @@ impl FabricRead {
                 Err(mpsc::error::TryRecvError::Disconnected) => return Look::Got(None),
                 Err(mpsc::error::TryRecvError::Empty) => {}
             }
-            if Instant::now() >= end {
+            if end.is_none_or(|end| Instant::now() >= end) {
                 return Look::Later;
             }
         }
