@@ -391,8 +391,11 @@ impl Channel {
                     return self.efa_fail(e, ctx);
                 };
                 l.granted = seq;
+                // `efa_move`'s first list (empty between tensors) as the scratch list.
                 let mut scratch = std::mem::take(&mut f.posts);
-                scratch.resize_with(1, Vec::new);
+                if scratch.is_empty() {
+                    scratch.push(Vec::new());
+                }
                 l.post_granted(&mut scratch[0]);
                 f.posts = scratch;
                 self.lane_read_frame(LANE);
