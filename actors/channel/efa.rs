@@ -390,6 +390,11 @@ impl Channel {
                     let e = bad("a rendezvous for no link", &self.origin);
                     return self.efa_fail(e, ctx);
                 };
+                // A count of receives posted only grows (wrapping at 2^32).
+                if (seq.wrapping_sub(l.granted) as i32) < 0 {
+                    let e = bad("a rendezvous count that went back", &self.origin);
+                    return self.efa_fail(e, ctx);
+                }
                 l.granted = seq;
                 // `efa_move`'s first list (empty between tensors) as the scratch list.
                 let mut scratch = std::mem::take(&mut f.posts);
