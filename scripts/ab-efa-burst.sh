@@ -10,16 +10,12 @@
 # on a 16-core machine. Then: bash scripts/ab-efa-burst.sh --summary FILE (median p50 of each
 # row, per variant).
 if [ "${1:-}" = "--summary" ]; then
-  python3 - "${2:?usage: ab-efa-burst.sh --summary FILE}" <<'PY'
+  PYTHONPATH="$(dirname "$0")" python3 - "${2:?usage: ab-efa-burst.sh --summary FILE}" <<'PY'
 import collections, re, statistics as st, sys
+from ab_runs import runs
 rows = collections.defaultdict(list)
-variants = []
-for line in open(sys.argv[1]):
-    if not line.startswith("r"):
-        continue
-    _, vp, x = (s.strip() for s in line.split("|", 2))
-    v, p = vp.split(" ", 1)
-    variants += [v] if v not in variants else []
+variants, lines = runs(sys.argv[1])
+for v, p, x in lines:
     for m in re.finditer(r"(?:shm|tcp;ofi_rxm) (\S+) (raw|channel spin|in-place spin) ([\d.]+) µs", x):
         rows[(p, m[1], m[2])].append((v, float(m[3])))
 print("provider          size   row            " + "  ".join(f"{v:>8}" for v in variants))

@@ -5,7 +5,9 @@
 //! for the timed ones); [`Drive`] acts on it each time the actor's task runs:
 //!
 //! - `Waiting`: the CQ's wait fd, through tokio's readiness ([`AsyncFd::poll_read_ready`]);
-//! - `Polling` with a deadline, or `Deferred`: one timer, reset to each new deadline;
+//! - `Polling` with a deadline: a [`FineTimer`] (a `timerfd`), reset to each new deadline: its
+//!   first sleeps are shorter than tokio's millisecond tick;
+//! - `Deferred`: one tokio timer, reset to each new deadline;
 //! - `Polling` without one: a yield (the wake-up goes through tokio's deferred list, as
 //!   `yield_now`'s does, so the runtime looks at its I/O first);
 //! - kicks from the posters and the spin task's word that its spin is over ([`KickSignal`]).
@@ -30,6 +32,7 @@ use actix::prelude::*;
 use tokio::time::{Instant, Sleep};
 
 use super::poster::{lock, KickSignal};
+use super::timer::FineTimer;
 use super::{Driver, FabricEndpoint};
 
 /// The actor's driver (see the module docs). Spawned once, when the actor starts; it ends
@@ -38,9 +41,13 @@ pub(super) struct Drive {
     signal: Arc<KickSignal>,
     /// Its waker is in the signal (a poster that takes it raises a flag first).
     armed: bool,
-    /// The one timer of `Polling` and `Deferred`, and the deadline it is set to.
+    /// The one tokio timer of `Deferred` (and of `Polling` where no `timerfd` could be made),
+    /// and the deadline it is set to.
     timer: Pin<Box<Sleep>>,
     timer_at: Option<Instant>,
+    /// `Polling`'s timer, made the first time a poll is armed (endpoints with a wait fd seldom
+    /// need one); `Err` once making it failed (tokio's timer serves then).
+    fine: Option<Result<FineTimer, ()>>,
     /// A yield (`Polling` without a deadline) has handed its wake-up to tokio: the next poll
     /// is its end.
     yielded: bool,
@@ -56,8 +63,19 @@ impl Drive {
                 Instant::now() + std::time::Duration::from_secs(86_400 * 365),
             )),
             timer_at: None,
+            fine: None,
             yielded: false,
         }
+    }
+
+    /// `Polling`'s fine timer, made on first use.
+    fn fine(&mut self) -> Option<&mut FineTimer> {
+        let t = self.fine.get_or_insert_with(|| {
+            FineTimer::new().map_err(|e| {
+                tracing::warn!("no timerfd for the endpoint's polls ({e}): millisecond polls")
+            })
+        });
+        t.as_mut().ok()
     }
 
     /// Whether the progress armed in `act.driver` is due now; registers for it if not.
@@ -95,6 +113,22 @@ impl Drive {
                     crate::transport::turns::wake_after_io(task);
                     return false;
                 };
+                if act.driver == Driver::Polling {
+                    if let Some(t) = self.fine() {
+                        match t.reset(at) {
+                            Ok(()) => match t.poll_expired(task) {
+                                Poll::Ready(Ok(())) => return true,
+                                Poll::Pending => return false,
+                                Poll::Ready(Err(e)) => {
+                                    tracing::warn!("the endpoint's timerfd failed ({e})")
+                                }
+                            },
+                            Err(e) => tracing::warn!("arming the endpoint's timerfd failed ({e})"),
+                        }
+                        // Failed: tokio's timer from now on.
+                        self.fine = Some(Err(()));
+                    }
+                }
                 if self.timer_at != Some(at) {
                     self.timer.as_mut().reset(at);
                     self.timer_at = Some(at);

@@ -8,8 +8,10 @@
 //!   `fi_trywait` and then sleeps on the fd through tokio; idle, it costs nothing.
 //! - **Polling** (no wait fd: `shm`; or any provider while the backlog holds ops, which need
 //!   retries that no completion may announce): while ops are in flight the actor spins (below)
-//!   for `spin` after the last completion or post, then sleeps 1 ms between polls, doubling up
-//!   to `max_sleep`. With nothing in flight and no wait fd it does not poll at all.
+//!   for `spin` after the last completion or post, then sleeps between polls an eighth of the
+//!   quiet so far, from `min_sleep` (25 µs) up to `max_sleep` (1 ms), on a `timerfd` (tokio's
+//!   timer ticks in milliseconds: `timer.rs`). With nothing in flight and no wait fd it does not
+//!   poll at all.
 //! - **Spin** (opt-in on providers with a wait fd, [`EndpointConfig::busy_poll`]; the first
 //!   `spin` of polling mode): while ops are in flight, for the spin window after the last
 //!   completion or post, the endpoint reads the CQ on every turn of its thread and wakes
@@ -38,6 +40,7 @@ mod poster;
 mod progress;
 mod spin;
 pub mod stream;
+mod timer;
 pub mod transport;
 use std::cell::RefCell;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
@@ -66,6 +69,11 @@ use spin::Spinner;
 pub struct EndpointConfig {
     /// How long to keep polling on every turn after the last completion or post (no-fd mode).
     pub spin: Duration,
+    /// The shortest sleep between polls past the spin window (no-fd mode). Each sleep is an
+    /// eighth of the quiet so far (the time since the last completion or post), within
+    /// `min_sleep` and `max_sleep`: a message that lands after a quiet of `q` is read at most
+    /// `q / 8` later (or `max_sleep`), not up to `max_sleep` whatever the quiet.
+    pub min_sleep: Duration,
     /// The longest sleep between polls while ops are in flight (no-fd mode).
     pub max_sleep: Duration,
     /// Fault injection (tests).
@@ -110,6 +118,7 @@ impl Default for EndpointConfig {
     fn default() -> Self {
         EndpointConfig {
             spin: Duration::from_micros(200),
+            min_sleep: Duration::from_micros(25),
             max_sleep: Duration::from_millis(1),
             faults: Faults::from_env(),
             force_polling: false,
@@ -233,7 +242,6 @@ impl FabricEndpoint {
             config,
             wait_fd: wait.is_some(),
             last_activity: Stamp::new(lazily),
-            sleep: Duration::from_millis(1),
             metrics,
             polls: 0,
             spin: None,
@@ -360,10 +368,14 @@ impl FabricEndpoint {
         if !c.engine.busy() {
             return Plan::Nothing;
         }
-        // Past the spin window (a spin was due otherwise): sleep between polls.
-        let delay = p.sleep;
-        p.sleep = (p.sleep * 2).min(self.config.max_sleep.max(Duration::from_millis(1)));
-        Plan::Poll(delay)
+        // Past the spin window (a spin was due otherwise): sleep between polls, a share of the
+        // quiet so far.
+        let quiet = if quiet == Duration::MAX {
+            p.last_activity.quiet(Instant::now())
+        } else {
+            quiet
+        };
+        Plan::Poll(progress::poll_sleep(&self.config, quiet))
     }
 
     /// Arms the next progress: a spin, the wait fd, a poll, or nothing ([`Drive`] and the spin

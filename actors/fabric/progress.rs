@@ -10,6 +10,21 @@ use super::metrics::EndpointMetrics;
 use super::poster::{lock, Core};
 use super::EndpointConfig;
 
+/// A poll past the spin window sleeps this share of the quiet so far.
+const QUIET_SHARE: u32 = 8;
+
+/// How long a poll past the spin window sleeps after a quiet of `quiet` (no completion or post):
+/// `quiet / 8` within `min_sleep` (at least a microsecond) and `max_sleep`. So a message that
+/// lands after a quiet of `q` waits at most `q / 8` (or `max_sleep`) to be read: a 1 MiB
+/// tensor's round trip on the `shm` provider, whose sides wait a few hundred microseconds each
+/// for the other's copy, took eight times the raw ping-pong while every poll past the window
+/// slept 1 ms (docs/efa-measurements.md, "Between 64 B and 64 MiB"). In steady idleness it is
+/// `max_sleep`, as before: the idle cost did not move.
+pub(super) fn poll_sleep(config: &EndpointConfig, quiet: Duration) -> Duration {
+    let least = config.min_sleep.max(Duration::from_micros(1));
+    (quiet / QUIET_SHARE).clamp(least, config.max_sleep.max(least))
+}
+
 /// When ops last moved on an endpoint. Where no spin window applies while nothing is
 /// backlogged (a wait fd and no `busy_poll`), an activity is not stamped with the clock at once
 /// but at the next look at a window, if one comes (a backlog: its post or retry is itself
@@ -56,8 +71,6 @@ pub(super) struct Progress {
     pub(super) wait_fd: bool,
     /// When ops last moved (a completion, a post).
     pub(super) last_activity: Stamp,
-    /// The next sleep between polls (no-fd mode, past the spin window).
-    pub(super) sleep: Duration,
     pub(super) metrics: EndpointMetrics,
     /// Progress passes (CQ reads) made: `FabricStats::polls`.
     pub(super) polls: u64,
@@ -143,11 +156,10 @@ impl Progress {
         any
     }
 
-    /// Ops moved (a completion, a post): the spin window starts again, polls back off from
-    /// 1 ms again.
+    /// Ops moved (a completion, a post): the spin window starts again, and polls past it back
+    /// off from `min_sleep` again.
     pub(super) fn activity(&mut self) {
         self.last_activity.touch();
-        self.sleep = Duration::from_millis(1);
     }
 
     /// How long after the last completion or post the endpoint keeps reading the CQ on every
@@ -172,5 +184,37 @@ impl Progress {
         let c = lock(&self.core);
         let window = self.spin_window(c.engine.backlogged());
         c.engine.busy() && self.last_activity.quiet(now) < window
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn polls_past_the_window_sleep_an_eighth_of_the_quiet_within_bounds() {
+        let c = EndpointConfig {
+            min_sleep: Duration::from_micros(25),
+            max_sleep: Duration::from_millis(1),
+            ..EndpointConfig::default()
+        };
+        let us = Duration::from_micros;
+        // Just past the default 200 µs window: the shortest sleep.
+        assert_eq!(poll_sleep(&c, us(200)), us(25));
+        assert_eq!(poll_sleep(&c, us(0)), us(25));
+        // A quiet of 2 ms: a message landing now is read within 250 µs, not 1 ms.
+        assert_eq!(poll_sleep(&c, us(2_000)), us(250));
+        // Steady idleness: `max_sleep`, the idle cost of before.
+        assert_eq!(poll_sleep(&c, us(8_000)), us(1_000));
+        assert_eq!(poll_sleep(&c, Duration::from_secs(60)), us(1_000));
+        // A zero `min_sleep` still sleeps (no poll on every turn for ever), and a `max_sleep`
+        // below `min_sleep` gives way to it.
+        let odd = EndpointConfig {
+            min_sleep: Duration::ZERO,
+            max_sleep: Duration::ZERO,
+            ..c
+        };
+        assert_eq!(poll_sleep(&odd, Duration::ZERO), us(1));
+        assert_eq!(poll_sleep(&odd, Duration::from_secs(1)), us(1));
     }
 }
