@@ -27,22 +27,16 @@ PY
 fi
 . "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
 ab_start "${1:-}" ab-efa-burst.sh
-read -r -a variants <<<"${VARIANTS:-new hot}"
-for r in $(seq 1 "${RUNS:-3}"); do
-  for v in "${variants[@]}"; do
-    for p in shm 'tcp;ofi_rxm' 'tcp;ofi_rxm+pass'; do
-      e=(AP_NONE=1)
-      q=$p
-      if [ "$p" = 'tcp;ofi_rxm+pass' ]; then
-        e=(FI_OFI_RXM_ENABLE_PASSTHRU=1)
-        q='tcp;ofi_rxm'
-      fi
-      x=$(env "${e[@]}" "./$v" bench efa --providers "$q" --sizes 64,4K,16K,64K --iters 1000 \
-        --rounds 2 --spin 50 --api handler --rows "raw,channel spin,in-place spin" 2>&1 |
-        grep -E ' (64 B|4 KiB|16 KiB|64 KiB) ' |
-        awk '{s = $1 " " $2 $3; for (i = 4; i <= NF; i++) s = s " " $i; print s}' | tr '\n' ';')
-      echo "r$r | $v $p | $x"
-    done
-  done
-done
-echo "# end $(date -u +%FT%TZ)"
+one() {
+  local v=$1 p=$2 r=$3 e=(AP_NONE=1) q=$2 x
+  if [ "$p" = 'tcp;ofi_rxm+pass' ]; then
+    e=(FI_OFI_RXM_ENABLE_PASSTHRU=1)
+    q='tcp;ofi_rxm'
+  fi
+  x=$(env "${e[@]}" "./$v" bench efa --providers "$q" --sizes 64,4K,16K,64K --iters 1000 \
+    --rounds 2 --spin 50 --api handler --rows "raw,channel spin,in-place spin" 2>&1 |
+    grep -E ' (64 B|4 KiB|16 KiB|64 KiB) ' |
+    awk '{s = $1 " " $2 $3; for (i = 4; i <= NF; i++) s = s " " $i; print s}' | tr '\n' ';')
+  echo "r$r | $v $p | $x"
+}
+ab_each "new hot" one shm 'tcp;ofi_rxm' 'tcp;ofi_rxm+pass'

@@ -33,16 +33,12 @@ PY
 fi
 . "$(dirname "${BASH_SOURCE[0]}")/ab-lib.sh"
 ab_start "${1:-}" ab-efa-mid.sh
-read -r -a variants <<<"${VARIANTS:-old new}"
-for r in $(seq 1 "${RUNS:-3}"); do
-  for v in "${variants[@]}"; do
-    for p in shm 'tcp;ofi_rxm'; do
-      x=$("./$v" bench efa --providers "$p" --sizes 16K,64K,256K,1M,4M,16M --rounds 1 \
-        --spin 50 --api receive --rows "raw,transport,channel,channel spin" 2>&1 |
-        grep -E ' (16|64|256) KiB | (1|4|16) MiB ' |
-        awk '{s = $1 " " $2 " " $3; for (i = 4; i <= NF; i++) s = s " " $i; print s}' | tr '\n' ';')
-      echo "r$r | $v $p | $x"
-    done
-  done
-done
-echo "# end $(date -u +%FT%TZ)"
+one() {
+  local v=$1 p=$2 r=$3 x
+  x=$("./$v" bench efa --providers "$p" --sizes 16K,64K,256K,1M,4M,16M --rounds 1 --spin 50 \
+    --api receive --rows "raw,transport,channel,channel spin" 2>&1 |
+    grep -E ' (16|64|256) KiB | (1|4|16) MiB ' |
+    awk '{s = $1 " " $2 " " $3; for (i = 4; i <= NF; i++) s = s " " $i; print s}' | tr '\n' ';')
+  echo "r$r | $v $p | $x"
+}
+ab_each "old new" one shm 'tcp;ofi_rxm'

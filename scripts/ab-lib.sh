@@ -51,3 +51,20 @@ ab_efa_api() {
     --rows "raw,transport spin,channel spin" 2>&1 | ab_rows)
   echo "r$2 | $1 $3 | $x"
 }
+
+# Runs `ONE VARIANT PROVIDER RUN` (a function of the caller's, printing one line) for each run
+# (RUNS, default 3), each binary of VARIANTS (default DEFAULTS) and each PROVIDER, in that
+# nesting, then prints the end line: `ab_each "DEFAULTS" ONE PROVIDER...`.
+ab_each() {
+  local defaults=$1 one=$2 r v p variants
+  shift 2
+  read -r -a variants <<<"${VARIANTS:-$defaults}"
+  for r in $(seq 1 "${RUNS:-3}"); do
+    for v in "${variants[@]}"; do
+      for p in "$@"; do
+        "$one" "$v" "$p" "$r"
+      done
+    done
+  done
+  echo "# end $(date -u +%FT%TZ)"
+}

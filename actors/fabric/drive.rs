@@ -68,14 +68,24 @@ impl Drive {
         }
     }
 
-    /// `Polling`'s fine timer, made on first use.
-    fn fine(&mut self) -> Option<&mut FineTimer> {
+    /// Whether `Polling`'s deadline `at` has passed, on the fine timer (made on first use);
+    /// `None` once that timer is unusable (it could not be made, or failed): tokio's serves then.
+    fn fine_due(&mut self, at: Instant, task: &mut std::task::Context<'_>) -> Option<bool> {
         let t = self.fine.get_or_insert_with(|| {
             FineTimer::new().map_err(|e| {
                 tracing::warn!("no timerfd for the endpoint's polls ({e}): millisecond polls")
             })
         });
-        t.as_mut().ok()
+        let t = t.as_mut().ok()?;
+        let r = t.reset(at).and_then(|()| match t.poll_expired(task) {
+            Poll::Ready(r) => r.map(|()| true),
+            Poll::Pending => Ok(false),
+        });
+        r.map_err(|e| {
+            tracing::warn!("the endpoint's timerfd failed ({e}): millisecond polls");
+            self.fine = Some(Err(()));
+        })
+        .ok()
     }
 
     /// Whether the progress armed in `act.driver` is due now; registers for it if not.
@@ -114,19 +124,8 @@ impl Drive {
                     return false;
                 };
                 if act.driver == Driver::Polling {
-                    if let Some(t) = self.fine() {
-                        match t.reset(at) {
-                            Ok(()) => match t.poll_expired(task) {
-                                Poll::Ready(Ok(())) => return true,
-                                Poll::Pending => return false,
-                                Poll::Ready(Err(e)) => {
-                                    tracing::warn!("the endpoint's timerfd failed ({e})")
-                                }
-                            },
-                            Err(e) => tracing::warn!("arming the endpoint's timerfd failed ({e})"),
-                        }
-                        // Failed: tokio's timer from now on.
-                        self.fine = Some(Err(()));
+                    if let Some(due) = self.fine_due(at, task) {
+                        return due;
                     }
                 }
                 if self.timer_at != Some(at) {

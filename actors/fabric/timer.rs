@@ -111,21 +111,39 @@ impl FineTimer {
 mod tests {
     use super::*;
 
+    /// Waits for `t` to fire, failing (not hanging) if it has not within 5 s.
+    async fn expiry(t: &mut FineTimer) {
+        let wait = std::future::poll_fn(|cx| t.poll_expired(cx));
+        tokio::time::timeout(Duration::from_secs(5), wait)
+            .await
+            .expect("the timer fired")
+            .expect("the timerfd read");
+    }
+
+    /// How precise it is is a matter for the benchmarks (docs/efa-measurements.md, "Between
+    /// 64 B and 64 MiB"); this checks that it fires, never early, and that re-arming replaces
+    /// the deadline, however loaded the machine.
     #[tokio::test(flavor = "current_thread")]
-    async fn fires_within_a_millisecond_and_re_arming_moves_it() {
+    async fn fires_after_its_deadline_and_re_arming_moves_it() {
         let mut t = FineTimer::new().unwrap();
-        // Re-armed from far away to near: only the near deadline counts.
+        // Re-armed from an hour away to near: only the near deadline counts.
         t.reset(Instant::now() + Duration::from_secs(3600)).unwrap();
         let start = Instant::now();
         t.reset(start + Duration::from_micros(100)).unwrap();
-        std::future::poll_fn(|cx| t.poll_expired(cx)).await.unwrap();
+        expiry(&mut t).await;
         let took = start.elapsed();
         assert!(took >= Duration::from_micros(100), "fired early: {took:?}");
-        // A generous bound for a loaded CI machine; tokio's own timer would round 100 µs up to
-        // its next millisecond tick.
-        assert!(took < Duration::from_millis(50), "fired late: {took:?}");
-        // Disarmed after firing: a deadline in the past fires at once.
+        // Re-armed for a deadline already past (the expiry read, the fd not readable): at once.
         t.reset(Instant::now() - Duration::from_millis(1)).unwrap();
-        std::future::poll_fn(|cx| t.poll_expired(cx)).await.unwrap();
+        expiry(&mut t).await;
+        // Re-armed from near to far before it fires: the near expiry is gone.
+        t.reset(Instant::now() + Duration::from_micros(50)).unwrap();
+        t.reset(Instant::now() + Duration::from_secs(3600)).unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(
+            t.poll_expired(&mut cx).is_pending(),
+            "a replaced deadline fired"
+        );
     }
 }
