@@ -27,7 +27,6 @@ impl Channel {
                 buffer: m.buffer,
                 out: usize::from(!empty),
                 error: None,
-                sending: true,
                 awaiting_ack: !empty,
             },
         );
@@ -204,7 +203,6 @@ impl Channel {
                         buffer: Memory::Owned(dst),
                         out: 1,
                         error: None,
-                        sending: false,
                         awaiting_ack: false,
                     },
                 );

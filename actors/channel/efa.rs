@@ -28,21 +28,19 @@
 //! Ack{seq: receives posted on link k so far (wrapping at 2^32), tensor: k, ok}   ◄───
 //! ```
 
-use std::collections::VecDeque;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
 use std::task::Poll;
 
 use super::*;
-use crate::actors::fabric::{
-    fabric_error, EndpointInfo, FabricAttach, FabricDescribe, FabricDetach, FabricEndpoint,
-    FabricQuarantine, FabricShare, Poster, RegionOp,
-};
-use crate::channel::efa::{pair_domains, ChannelPort};
-use crate::fabric::engine::{Finished, Kind, Region};
-use crate::fabric::tag::{self, Stream as TagStream};
+use crate::actors::fabric::{EndpointInfo, FabricAttach, FabricDescribe, FabricShare};
+use crate::channel::efa::pair_domains;
+use crate::fabric::tag;
 use crate::message::Payload;
 use actix::fut::wrap_future;
+
+mod path;
+use path::{gone, Link, Step};
+pub(crate) use path::{LinkEnd, Path, PathEnds, SharedPath};
 
 /// The lane's index.
 const LANE: usize = 0;
@@ -53,146 +51,32 @@ const MAX_HELLO: u32 = 64 << 10;
 /// The most domains a list may name.
 const MAX_DOMAINS: usize = 64;
 
-/// Where the set-up stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Step {
-    /// Asking the endpoint for its address.
-    Describing,
-    /// Our hello is out; waiting for the peer's.
-    Hello,
-    /// Reading the peer's address.
-    Name,
-    /// Attaching to the endpoint.
-    Attaching,
-    /// Waiting for the peer's pipe number.
-    PeerPipe,
-    /// Moving tensors; the lane's read watches for its end.
-    Ready,
+/// The channel actor's side of an `efa` channel: the data path it shares with the pipe, and
+/// the queue of rendezvous grants the path leaves for the lane.
+pub(super) struct EfaSide {
+    path: SharedPath,
+    grants: Option<mpsc::UnboundedReceiver<Ack>>,
 }
 
-/// One pair of endpoints (ours on one domain, the peer's on the same fabric) and the channel's
-/// pipe on it.
-struct Link {
-    ep: Addr<FabricEndpoint>,
-    /// Posts straight into the endpoint's engine (from the attach on).
-    poster: Option<Poster>,
-    /// The peer endpoint's address (until attached).
-    peer: Vec<u8>,
-    pipe: Option<u32>,
-    peer_pipe: u32,
-    /// The tensor of each chunk posted, in post order (the endpoint ends them in that order).
-    sends: VecDeque<HeldKey>,
-    /// Same for receives, with the chunk's length.
-    recvs: VecDeque<(HeldKey, usize)>,
-    send_seq: u32,
-    recv_seq: u32,
-    /// Rendezvous only: how many receives the peer has posted on this link (its `recv_seq`,
-    /// as it last told us), and our chunks that wait for theirs, each with its number.
-    granted: u32,
-    unsent: VecDeque<(u32, RegionOp)>,
-}
-
-impl Link {
-    /// Posts the waiting chunks whose receives the peer has posted, in order (`scratch`: a
-    /// list kept empty between calls).
-    fn post_granted(&mut self, scratch: &mut Vec<RegionOp>) {
-        let (Some(poster), Some(pipe)) = (&self.poster, self.pipe) else {
-            return;
-        };
-        // `granted` runs ahead of a waiting chunk's number by less than 2^31.
-        while let Some((seq, _)) = self.unsent.front() {
-            if self.granted.wrapping_sub(*seq) as i32 <= 0 {
-                break;
-            }
-            scratch.extend(self.unsent.pop_front().map(|(_, op)| op));
-        }
-        if !scratch.is_empty() {
-            // SAFETY: as in `efa_move`, which queued them: each region lies inside a tensor's
-            // buffer held in `held` until the op ends; a failing channel empties `unsent` and
-            // takes `pipe`, so nothing is posted after it has handed the buffers back.
-            unsafe { poster.post_regions(pipe, scratch) };
-            scratch.clear();
-        }
-    }
-}
-
-/// The channel's state on the fabric.
-pub(super) struct Fabric {
-    /// Our endpoints: the transport's domain first, then the further ones.
-    eps: Vec<Addr<FabricEndpoint>>,
-    /// What each said of itself (`None`: not yet, or it stopped: left out).
-    infos: Vec<Option<EndpointInfo>>,
-    /// Descriptions still awaited.
-    describing: usize,
-    step: Step,
-    failed: Option<Error>,
-    chunk: usize,
-    /// The links, in stripe order (set once the peer's list is in).
-    links: Vec<Link>,
-    /// Attaches still out.
-    attaching: usize,
-    /// The next link whose peer pipe number is due.
-    next_peer: usize,
-    /// Tensors handed over before the set-up finished: (sending, seq, index, buffer).
-    waiting: VecDeque<(bool, u64, u32, Memory)>,
-    /// `efa_move`'s lists of ops, one per link, kept empty between tensors.
-    posts: Vec<Vec<RegionOp>>,
-    /// Whether in-place chunks wait for the peer's receives (the provider does not keep a large
-    /// unexpected message: `fabric::keeps_unexpected`). Both sides decide alike: their
-    /// transports' domains, which negotiation matched, name the provider as peers compare it.
-    rendezvous: bool,
-    /// `efa_move`'s rendezvous messages for the lane, kept empty between tensors.
-    grants: Vec<Ack>,
-}
-
-impl Fabric {
-    pub(super) fn new(port: ChannelPort) -> Fabric {
-        let (eps, failed) = match port.endpoint {
-            Ok(ep) => (std::iter::once(ep).chain(port.extra).collect(), None),
-            Err(e) => (Vec::new(), Some(e)),
-        };
-        Fabric {
-            infos: vec![None; eps.len()],
-            eps,
-            describing: 0,
-            step: Step::Describing,
-            failed,
-            chunk: port.max_message.max(1),
-            links: Vec::new(),
-            attaching: 0,
-            next_peer: 0,
-            waiting: VecDeque::new(),
-            posts: Vec::new(),
-            rendezvous: false,
-            grants: Vec::new(),
+impl EfaSide {
+    pub(super) fn new(path: SharedPath, grants: mpsc::UnboundedReceiver<Ack>) -> EfaSide {
+        EfaSide {
+            path,
+            grants: Some(grants),
         }
     }
 
-    /// Whether the actor must stay for the fabric's sake (an attach is under way: its pipe
-    /// must be detached once it comes back).
+    /// Whether the actor must stay for the path's sake (see [`Path::busy`]).
     pub(super) fn busy(&self) -> bool {
-        self.attaching > 0
+        self.path.borrow().busy()
     }
 }
 
-/// A link's ends, tagged with the link (pipe numbers of different endpoints may be equal).
-struct LinkEnds {
-    link: usize,
-    rx: mpsc::UnboundedReceiver<Finished>,
-}
+/// A rendezvous grant the path left for the lane.
+struct Grant(Ack);
 
-/// One op's end on a link.
-pub(super) struct LinkEnd(usize, Finished);
-
-impl futures_core::Stream for LinkEnds {
-    type Item = LinkEnd;
-    fn poll_next(
-        mut self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> Poll<Option<LinkEnd>> {
-        let link = self.link;
-        self.rx.poll_recv(cx).map(|f| f.map(|f| LinkEnd(link, f)))
-    }
+impl actix::Message for Grant {
+    type Result = ();
 }
 
 /// Our domains' list for the hello: per domain, its fabric and endpoint address.
@@ -228,28 +112,40 @@ fn decode_domains(mut b: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
 }
 
 impl Channel {
-    fn fabric(&mut self) -> &mut Fabric {
+    /// The data path (a handle: a borrow of it must end before the next call that borrows it).
+    fn path(&self) -> SharedPath {
         self.fabric
-            .as_mut()
+            .as_ref()
             .expect("an efa channel has its fabric state")
+            .path
+            .clone()
     }
 
     /// Starts the set-up (from `started`): every endpoint describes itself.
     pub(super) fn efa_start(&mut self, ctx: &mut Context<Self>) {
-        let eps = self.fabric().eps.clone();
-        self.fabric().describing = eps.len();
+        if let Some(grants) = self.fabric.as_mut().and_then(|s| s.grants.take()) {
+            ctx.add_stream(Grants(grants));
+        }
+        let path = self.path();
+        let eps = path.borrow().eps.clone();
+        path.borrow_mut().describing = eps.len();
         for (i, ep) in eps.into_iter().enumerate() {
             let ask = ep.send(FabricDescribe);
             ctx.spawn(wrap_future::<_, Self>(ask).map(move |r, act, ctx| {
-                let f = act.fabric();
+                let path = act.path();
+                let mut f = path.borrow_mut();
                 f.describing -= 1;
                 match r {
                     Ok(info) => f.infos[i] = Some(info),
                     // The transport's own endpoint is needed; a further one is left out.
-                    Err(_) if i == 0 => return act.efa_fail(gone(&act.origin), ctx),
+                    Err(_) if i == 0 => {
+                        drop(f);
+                        return act.efa_fail(gone(&act.origin), ctx);
+                    }
                     Err(_) => {}
                 }
-                if act.fabric().describing == 0 {
+                if f.describing == 0 {
+                    drop(f);
                     act.efa_described(ctx);
                 }
             }));
@@ -258,14 +154,16 @@ impl Channel {
 
     /// Every endpoint has answered: our hello goes out.
     fn efa_described(&mut self, ctx: &mut Context<Self>) {
-        let f = self.fabric();
+        let path = self.path();
+        let mut f = path.borrow_mut();
         if f.failed.is_some() {
             return;
         }
         // Endpoints that stopped before answering are left out (the first cannot be).
         let mut kept = Vec::new();
         let mut infos = Vec::new();
-        for (ep, info) in f.eps.drain(..).zip(f.infos.drain(..)) {
+        let (eps, all) = (std::mem::take(&mut f.eps), std::mem::take(&mut f.infos));
+        for (ep, info) in eps.into_iter().zip(all) {
             if let Some(info) = info {
                 let max = usize::try_from(info.attributes.max_msg_size).unwrap_or(usize::MAX);
                 f.chunk = f.chunk.min(max).max(1);
@@ -286,6 +184,7 @@ impl Channel {
             tensor: list.len() as u32,
             ok: true,
         };
+        drop(f);
         self.lane_write_ack(LANE, hello, vec![Payload::new(list)]);
         self.lane_read_frame(LANE);
         // The lane's ends come on the own queue, which the hello may have just made: poll it
@@ -297,10 +196,14 @@ impl Channel {
 
     /// A completion from the lane.
     pub(super) fn efa_lane(&mut self, d: Done, ctx: &mut Context<Self>) {
-        if self.fabric().failed.is_some() {
+        let path = self.path();
+        let (failed, step, rendezvous) = {
+            let f = path.borrow();
+            (f.failed.is_some(), f.step, f.rendezvous)
+        };
+        if failed {
             return;
         }
-        let step = self.fabric().step;
         let bad = |what: &str, origin: &Origin| {
             Error::protocol(format!("efa channel set-up: {what}"), origin)
         };
@@ -318,9 +221,11 @@ impl Channel {
                     let e = bad("a malformed hello", &self.origin);
                     return self.efa_fail(e, ctx);
                 }
-                let f = self.fabric();
-                f.chunk = f.chunk.min(usize::try_from(a.seq).unwrap_or(usize::MAX));
-                f.step = Step::Name;
+                {
+                    let mut f = path.borrow_mut();
+                    f.chunk = f.chunk.min(usize::try_from(a.seq).unwrap_or(usize::MAX));
+                    f.step = Step::Name;
+                }
                 let reply = self.own();
                 let l = &mut self.lanes[LANE];
                 let ticket = l.in_ticket;
@@ -355,23 +260,25 @@ impl Channel {
                 },
                 Step::PeerPipe,
             ) => {
-                let f = self.fabric();
+                let mut f = path.borrow_mut();
                 let pipe = u32::try_from(a.seq).ok().filter(|p| *p <= tag::MAX_PIPE);
                 let (Some(p), true) = (pipe, a.tensor as usize == f.next_peer) else {
+                    drop(f);
                     let e = bad("a pipe number out of range or order", &self.origin);
                     return self.efa_fail(e, ctx);
                 };
-                f.links[f.next_peer].peer_pipe = p;
+                let k = f.next_peer;
+                f.links[k].peer_pipe = p;
                 f.next_peer += 1;
                 if f.next_peer < f.links.len() {
+                    drop(f);
                     return self.lane_read_frame(LANE);
                 }
-                f.step = Step::Ready;
+                // Tensors handed over meanwhile move now, in order.
+                f.ready();
+                drop(f);
                 // The read that tells when the lane ends.
                 self.lane_read_frame(LANE);
-                while let Some((sending, seq, index, buffer)) = self.fabric().waiting.pop_front() {
-                    self.efa_move(sending, seq, index, buffer, ctx);
-                }
             }
             (Done::Frame { result: Err(e), .. } | Done::Payloads { result: Err(e), .. }, _) => {
                 self.efa_fail(e, ctx)
@@ -382,27 +289,31 @@ impl Channel {
                     ..
                 },
                 Step::Ready,
-            ) if self.fabric().rendezvous => {
+            ) if rendezvous => {
                 // The peer has posted receives on link `a.tensor` up to `a.seq`.
-                let f = self.fabric();
-                let (Some(l), Ok(seq)) = (f.links.get_mut(a.tensor as usize), u32::try_from(a.seq))
-                else {
-                    let e = bad("a rendezvous for no link", &self.origin);
-                    return self.efa_fail(e, ctx);
+                let granted = {
+                    let mut f = path.borrow_mut();
+                    let f = &mut *f;
+                    match (f.links.get_mut(a.tensor as usize), u32::try_from(a.seq)) {
+                        // A count of receives posted only grows (wrapping at 2^32).
+                        (Some(l), Ok(seq)) if (seq.wrapping_sub(l.granted) as i32) >= 0 => {
+                            l.granted = seq;
+                            // The path's first list of ops (empty between tensors) as the
+                            // scratch list.
+                            if f.posts.is_empty() {
+                                f.posts.push(Vec::new());
+                            }
+                            l.post_granted(&mut f.posts[0]);
+                            Ok(())
+                        }
+                        (Some(_), Ok(_)) => Err("a rendezvous count that went back"),
+                        _ => Err("a rendezvous for no link"),
+                    }
                 };
-                // A count of receives posted only grows (wrapping at 2^32).
-                if (seq.wrapping_sub(l.granted) as i32) < 0 {
-                    let e = bad("a rendezvous count that went back", &self.origin);
+                if let Err(what) = granted {
+                    let e = bad(what, &self.origin);
                     return self.efa_fail(e, ctx);
                 }
-                l.granted = seq;
-                // `efa_move`'s first list (empty between tensors) as the scratch list.
-                let mut scratch = std::mem::take(&mut f.posts);
-                if scratch.is_empty() {
-                    scratch.push(Vec::new());
-                }
-                l.post_granted(&mut scratch[0]);
-                f.posts = scratch;
                 self.lane_read_frame(LANE);
             }
             (Done::Frame { result: Ok(_), .. }, Step::Ready) => {
@@ -423,7 +334,8 @@ impl Channel {
     /// Pairs our domains with the peer's (`theirs`: fabric and address each) and attaches a
     /// pipe on each pair's endpoint.
     fn efa_attach(&mut self, theirs: Vec<(String, Vec<u8>)>, ctx: &mut Context<Self>) {
-        let f = self.fabric();
+        let path = self.path();
+        let mut f = path.borrow_mut();
         let ours: Vec<String> = f
             .infos
             .iter()
@@ -433,26 +345,14 @@ impl Channel {
         let fabrics: Vec<String> = theirs.iter().map(|(fabric, _)| fabric.clone()).collect();
         f.links = pair_domains(&ours, &fabrics)
             .into_iter()
-            .map(|(i, j)| Link {
-                ep: f.eps[i].clone(),
-                poster: None,
-                peer: theirs[j].1.clone(),
-                pipe: None,
-                peer_pipe: 0,
-                sends: VecDeque::new(),
-                recvs: VecDeque::new(),
-                send_seq: 0,
-                recv_seq: 0,
-                granted: 0,
-                unsent: VecDeque::new(),
-            })
+            .map(|(i, j)| Link::new(f.eps[i].clone(), theirs[j].1.clone()))
             .collect();
         f.step = Step::Attaching;
         f.attaching = f.links.len();
         for k in 0..f.links.len() {
-            let f = self.fabric();
+            // The pipe reads the link's ends itself (`PathEnds`).
             let (sink, rx) = mpsc::unbounded_channel();
-            ctx.add_stream(LinkEnds { link: k, rx });
+            f.add_ends(k, rx);
             let l = &mut f.links[k];
             let attach = l.ep.send(FabricAttach {
                 peer: std::mem::take(&mut l.peer),
@@ -465,17 +365,18 @@ impl Channel {
                 Ok::<_, MailboxError>(pipe.map(|p| (p, poster)))
             };
             ctx.spawn(wrap_future::<_, Self>(ask).map(move |r, act, ctx| {
-                act.fabric().attaching -= 1;
+                let path = act.path();
+                path.borrow_mut().attaching -= 1;
                 match r {
                     Ok(Ok((pipe, poster))) => {
-                        let l = &mut act.fabric().links[k];
+                        let l = &mut path.borrow_mut().links[k];
                         l.pipe = Some(pipe);
                         l.poster = Some(poster);
                     }
                     Ok(Err(e)) => act.efa_fail(e, ctx),
                     Err(_) => act.efa_fail(gone(&act.origin), ctx),
                 }
-                if act.fabric().attaching == 0 {
+                if path.borrow().attaching == 0 {
                     act.efa_attached(ctx);
                 }
                 act.maybe_stop(ctx);
@@ -487,13 +388,16 @@ impl Channel {
     /// detached).
     fn efa_attached(&mut self, ctx: &mut Context<Self>) {
         let stop = self.stopping;
-        let f = self.fabric();
+        let path = self.path();
+        let mut f = path.borrow_mut();
         f.step = Step::PeerPipe;
         if stop || f.failed.is_some() {
             let e = f.failed.clone().unwrap_or_else(|| stopping(&self.origin));
+            drop(f);
             return self.efa_fail(e, ctx);
         }
         let pipes: Vec<Option<u32>> = f.links.iter().map(|l| l.pipe).collect();
+        drop(f);
         for (k, pipe) in pipes.into_iter().enumerate() {
             let ack = Ack {
                 seq: pipe.unwrap_or_default() as u64,
@@ -506,287 +410,50 @@ impl Channel {
         self.poll_own(ctx);
     }
 
-    /// Sends (`sending`) or receives a tensor: now if the set-up is done, else later.
-    pub(super) fn efa_tensor(
-        &mut self,
-        sending: bool,
-        seq: u64,
-        index: u32,
-        buffer: Memory,
-        ctx: &mut Context<Self>,
-    ) {
-        let f = self.fabric();
-        if let Some(e) = f.failed.clone() {
-            return self.hand_back(sending, seq, index, buffer, Err(e));
-        }
-        if f.step != Step::Ready {
-            f.waiting.push_back((sending, seq, index, buffer));
-            return;
-        }
-        self.efa_move(sending, seq, index, buffer, ctx);
+    /// Sends (`sending`) or receives a tensor through the path (a `SendTensor` or
+    /// `RecvTensor` from a pipe that does not hand them to the path itself).
+    pub(super) fn efa_tensor(&mut self, sending: bool, seq: u64, index: u32, buffer: Memory) {
+        self.path().borrow_mut().tensor(sending, seq, index, buffer);
     }
 
-    /// A tensor to receive in place: its channel data must give its length (an inline one's is
-    /// empty, and the pipe reads it itself).
-    pub(super) fn efa_recv(&mut self, m: RecvTensor, ctx: &mut Context<Self>) {
-        if let Err(e) = self.check_length(&m, "efa") {
-            return self.hand_back(false, m.seq, m.index, Memory::Owned(m.buffer), Err(e));
-        }
-        self.efa_tensor(false, m.seq, m.index, Memory::Owned(m.buffer), ctx)
+    /// As [`Self::efa_tensor`], receiving.
+    pub(super) fn efa_recv(&mut self, m: RecvTensor) {
+        self.path()
+            .borrow_mut()
+            .recv(m.seq, m.index, m.buffer, &m.data);
     }
 
-    /// Posts a tensor's chunks, straight from or into its buffer, which stays in `held` until
-    /// every chunk has ended: stripe `k` of mpt's plan on link `k`, chunked.
-    fn efa_move(
-        &mut self,
-        sending: bool,
-        seq: u64,
-        index: u32,
-        mut buffer: Memory,
-        ctx: &mut Context<Self>,
-    ) {
-        let key = (sending, seq, index);
-        let len = buffer.len();
-        // Shared bytes come only with `sending`: they are sent from, never received into.
-        let base = buffer.base_ptr() as usize;
-        let f = self.fabric.as_mut().expect("efa state");
-        let ready = !f.links.is_empty()
-            && f.links
-                .iter()
-                .all(|l| l.pipe.is_some() && l.poster.is_some() && l.ep.connected());
-        if !ready {
-            let e = f.failed.clone().unwrap_or_else(|| gone(&self.origin));
-            return self.hand_back(sending, seq, index, buffer, Err(e));
-        }
-        // One list of ops per link, reused from tensor to tensor (no allocation per tensor).
-        let mut posts = std::mem::take(&mut f.posts);
-        posts.resize_with(f.links.len(), Vec::new);
-        let stripes = crate::channel::mpt::stripes(len as u64, f.links.len() as u32);
-        for (k, start, n) in stripes {
-            let l = &mut f.links[k as usize];
-            let start = start as usize;
-            for (offset, n) in crate::channel::efa::chunks(n as usize, f.chunk) {
-                let (kind, t) = if sending {
-                    let t = tag::make(TagStream::Tensor, l.peer_pipe, l.send_seq);
-                    l.send_seq = l.send_seq.wrapping_add(1);
-                    l.sends.push_back(key);
-                    (Kind::Send, t)
-                } else {
-                    let pipe = l.pipe.unwrap_or_default();
-                    let t = tag::make(TagStream::Tensor, pipe, l.recv_seq);
-                    l.recv_seq = l.recv_seq.wrapping_add(1);
-                    l.recvs.push_back((key, n));
-                    (Kind::Recv, t)
-                };
-                posts[k as usize].push(RegionOp {
-                    kind,
-                    tag: t,
-                    region: Region {
-                        base,
-                        buffer_len: len,
-                        offset: start + offset,
-                        len: n,
-                    },
-                    id: seq,
-                });
-            }
-        }
-        let out = posts.iter().map(Vec::len).sum();
-        // The buffer moves into `held`; its heap memory, which the regions name, does not.
-        self.hold(key, buffer, out);
-        let f = self.fabric();
-        let rendezvous = f.rendezvous;
-        let mut grants = std::mem::take(&mut f.grants);
-        for (k, (l, ops)) in f.links.iter_mut().zip(&mut posts).enumerate() {
-            if rendezvous && sending && !ops.is_empty() {
-                // Each chunk waits for the peer's receive (numbered as `send_seq` counted).
-                let first = l.send_seq.wrapping_sub(ops.len() as u32);
-                let numbered = (0..).map(|i| first.wrapping_add(i));
-                l.unsent.extend(numbered.zip(ops.drain(..)));
-                l.post_granted(ops);
-                continue;
-            }
-            let (Some(poster), Some(pipe)) = (&l.poster, l.pipe) else {
-                ops.clear();
-                continue; // not reached: `ready` above checked every link's pipe
-            };
-            if rendezvous && !sending && !ops.is_empty() {
-                // After the receives below: the peer sends into them once it hears.
-                let grant = Ack {
-                    seq: l.recv_seq as u64,
-                    tensor: k as u32,
-                    ok: true,
-                };
-                grants.push(grant);
-            }
-            if !ops.is_empty() {
-                // SAFETY: every region lies inside the tensor's buffer (the stripes and their
-                // chunks are disjoint ranges of it), whose heap memory stays in `self.held`,
-                // untouched, until each op has ended (`efa_finished` counts them down;
-                // `release` waits for zero; a failing channel hands back a stand-in and leaves
-                // the buffer with the endpoints; a channel torn down with ops out forgets the
-                // buffer rather than free it).
-                unsafe { poster.post_regions(pipe, ops) };
-                ops.clear();
-            }
-        }
-        f.posts = posts;
-        for grant in grants.drain(..) {
-            self.lane_write_ack(LANE, grant, Vec::new());
-        }
-        self.fabric().grants = grants;
-        self.maybe_stop(ctx);
-    }
-
-    /// One chunk ended on link `link` (from that endpoint's queue for our pipe, in post order).
-    pub(super) fn efa_finished(&mut self, link: usize, done: Finished, ctx: &mut Context<Self>) {
-        // The origin is borrowed, not cloned: only an error needs it.
-        let origin = &self.origin;
-        let f = self.fabric.as_mut().expect("efa state");
-        let Some(l) = f.links.get_mut(link) else {
-            return tracing::warn!("efa channel: an end on no link");
-        };
-        let (key, want) = match done.kind {
-            Kind::Send => (l.sends.pop_front(), None),
-            Kind::Recv => match l.recvs.pop_front() {
-                Some((k, n)) => (Some(k), Some(n)),
-                None => (None, None),
-            },
-        };
-        let Some(key) = key else {
-            return tracing::warn!("efa channel: an end for no posted chunk");
-        };
-        let result = match (done.result, want) {
-            // Once the channel has failed (and detached its pipes), its ops end with that error.
-            (Err(e), _) => Err(f.failed.clone().unwrap_or_else(|| chunk_error(e, origin))),
-            // Short or long chunks: the two sides cut differently, and every later tag is off.
-            (Ok(n), Some(w)) if n != w => Err(Error::protocol(
-                format!("efa channel: a chunk of {n} bytes arrived where {w} were expected"),
-                origin,
-            )),
-            (Ok(_), _) => Ok(()),
-        };
-        if let Err(e) = &result {
-            // The endpoint failed the pipe's other ops too; the channel fails as a whole.
-            self.efa_fail(e.clone(), ctx);
-        }
-        self.piece_done(key, result);
-        self.maybe_stop(ctx);
-    }
-
-    /// Fails the channel: waiting tensors go back with `e` now, and so do held ones: the pipes
-    /// are detached from their endpoints (their ops end with the error, in order), but a posted
-    /// op the provider cannot take back (a send to a dead peer) may hold its memory until the
-    /// endpoint closes. So a held tensor goes back as a copy (a send's bytes; a receive's,
-    /// which failed anyway, as zeros), and its own buffer is left with the endpoints
-    /// (`FabricQuarantine`, shared by every link's), dropped once each has let go of it. Later
-    /// tensors fail at once.
+    /// Fails the channel ([`Path::fail`]).
     pub(super) fn efa_fail(&mut self, e: Error, ctx: &mut Context<Self>) {
-        let f = self.fabric();
-        if f.failed.is_none() {
-            f.failed = Some(e.clone());
-        }
-        let waiting = std::mem::take(&mut f.waiting);
-        // Chunks that wait for the peer's receives are never posted.
-        for l in &mut f.links {
-            l.unsent.clear();
-        }
-        let detach: Vec<(u32, Addr<FabricEndpoint>)> = f
-            .links
-            .iter_mut()
-            .filter_map(|l| Some((l.pipe.take()?, l.ep.clone())))
-            .collect();
-        for (sending, seq, index, buffer) in waiting {
-            self.hand_back(sending, seq, index, buffer, Err(e.clone()));
-        }
-        if detach.is_empty() {
-            return self.maybe_stop(ctx);
-        }
-        for (pipe, ep) in &detach {
-            ep.do_send(FabricDetach {
-                pipe: *pipe,
-                reason: e.to_string(),
-            });
-        }
-        let keys: Vec<HeldKey> = self.held.keys().copied().collect();
-        let mut originals = Vec::new();
-        for k in keys {
-            if let Some(h) = self.held.get_mut(&k).filter(|h| h.out > 0) {
-                let stand_in = match &h.buffer {
-                    Memory::Shared(b) => Memory::Shared(b.clone()),
-                    m if h.sending => Memory::Owned(m.as_slice().to_vec()),
-                    m => Memory::Owned(vec![0; m.len()]),
-                };
-                originals.push(std::mem::replace(&mut h.buffer, stand_in));
-                h.out = 0;
-                h.error.get_or_insert(e.clone());
-            }
-            self.release(k);
-        }
-        if !originals.is_empty() {
-            let kept = Arc::new(Mutex::new(originals));
-            for (pipe, ep) in detach {
-                ep.do_send(FabricQuarantine {
-                    pipe,
-                    buffers: kept.clone(),
-                });
-            }
-        }
+        self.path().borrow_mut().fail(e);
         self.maybe_stop(ctx);
     }
 
     /// `StopChannel` for an efa channel: anything still out is failed through the endpoints.
     pub(super) fn efa_stop(&mut self, ctx: &mut Context<Self>) {
         self.shutdown_lanes();
-        let e = self
-            .fabric()
-            .failed
-            .clone()
-            .unwrap_or_else(|| stopping(&self.origin));
+        let failed = self.path().borrow().failed.clone();
+        let e = failed.unwrap_or_else(|| stopping(&self.origin));
         // While attaches are under way, their answers see `failed` and detach the pipes.
         self.efa_fail(e, ctx);
     }
 }
 
-impl StreamHandler<LinkEnd> for Channel {
-    fn handle(&mut self, LinkEnd(link, f): LinkEnd, ctx: &mut Self::Context) {
-        self.efa_finished(link, f, ctx);
+impl StreamHandler<Grant> for Channel {
+    fn handle(&mut self, Grant(ack): Grant, _: &mut Self::Context) {
+        self.lane_write_ack(LANE, ack, Vec::new());
     }
 
     fn finished(&mut self, _: &mut Self::Context) {}
 }
 
-/// A chunk's failure as the pipe's error: a connection to the peer that the provider found
-/// lost (`tcp;ofi_rxm` reports a dead peer as `ENOTCONN`, `ECONNRESET`, or `ECANCELED` with
-/// "not connected" in its own text; `shm` as `EIO`, its answer when the cross-memory copy
-/// to or from the peer's process fails, which for buffers the runtime holds means that process
-/// is gone) is `PeerClosed`, as on every other backend; anything else is an I/O error naming
-/// the provider. The provider's text stays in the reason either way.
-fn chunk_error(e: crate::fabric::FabricError, origin: &Origin) -> Error {
-    let lost = [
-        libc::ENOTCONN,
-        libc::ECONNRESET,
-        libc::ECONNABORTED,
-        libc::EPIPE,
-        libc::EHOSTUNREACH,
-    ]
-    .contains(&e.code)
-        || (e.code == libc::ECANCELED && e.text.contains("not connected"))
-        || (e.code == libc::EIO && e.provider == "shm");
-    if lost {
-        return Error::PeerClosed {
-            reason: e.to_string(),
-            graceful: false,
-            origin: origin.clone(),
-        };
-    }
-    fabric_error(e, origin)
-}
+/// The path's rendezvous grants, as a stream of the channel actor's.
+struct Grants(mpsc::UnboundedReceiver<Ack>);
 
-fn gone(origin: &Origin) -> Error {
-    Error::Closed {
-        reason: "the fabric endpoint actor stopped".into(),
-        origin: origin.clone(),
+impl futures_core::Stream for Grants {
+    type Item = Grant;
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Option<Grant>> {
+        self.0.poll_recv(cx).map(|a| a.map(Grant))
     }
 }
 

@@ -57,7 +57,6 @@ struct Held {
     /// Operations still out (stripes for mpt).
     out: usize,
     error: Option<Error>,
-    sending: bool,
     /// A sent cma tensor waiting for the receiver's acknowledgement.
     awaiting_ack: bool,
 }
@@ -65,6 +64,70 @@ struct Held {
 /// A held tensor: direction (`true` when sending), message, tensor. Both directions of a pipe
 /// number their messages from 0, so the direction is part of the key.
 type HeldKey = (bool, u64, u32);
+
+impl Held {
+    /// A tensor with `out` operations over it.
+    fn new(buffer: Memory, out: usize) -> Held {
+        Held {
+            buffer,
+            out,
+            error: None,
+            awaiting_ack: false,
+        }
+    }
+}
+
+/// A whole tensor's completion for the pipe: sent (`key.0`) or received, with `result`.
+fn tensor_done(key: HeldKey, memory: Memory, result: Result<(), Error>) -> Done {
+    let (sending, seq, index) = key;
+    if sending {
+        Done::WroteTensor {
+            seq,
+            index,
+            memory,
+            result,
+        }
+    } else {
+        Done::Tensor {
+            seq,
+            index,
+            memory,
+            result,
+        }
+    }
+}
+
+/// The tensor held at `key`, taken out as the pipe's completion, once nothing of it is out any
+/// more.
+fn released(held: &mut KeyMap<HeldKey, Held>, key: HeldKey) -> Option<Done> {
+    if held.get(&key).is_none_or(|h| h.out != 0) {
+        return None;
+    }
+    let h = held.remove(&key).expect("present");
+    Some(tensor_done(key, h.buffer, h.error.map_or(Ok(()), Err)))
+}
+
+/// One operation over the tensor held at `key` ended with `result` (the first error stays).
+fn piece_ended(held: &mut KeyMap<HeldKey, Held>, key: HeldKey, result: Result<(), Error>) {
+    if let Some(h) = held.get_mut(&key) {
+        h.out -= 1;
+        if let Err(e) = result {
+            h.error.get_or_insert(e);
+        }
+    }
+}
+
+/// Checks a received tensor's channel data against its buffer's length: the channels that move
+/// tensors in place (`mpt`, `ibv`, `efa`) send the tensor's length, u64 LE.
+fn check_length(data: &[u8], len: usize, channel: &str, origin: &Origin) -> Result<(), Error> {
+    if data == (len as u64).to_le_bytes() {
+        return Ok(());
+    }
+    Err(Error::protocol(
+        format!("{channel} channel data {data:?} does not give the tensor's length {len}"),
+        origin,
+    ))
+}
 
 /// One negotiated channel of one pipe.
 pub struct Channel {
@@ -111,7 +174,7 @@ pub struct Channel {
     gdr: Option<cuda_gdr::GdrSide>,
     /// The `efa` channel's state.
     #[cfg(feature = "efa")]
-    fabric: Option<efa::Fabric>,
+    fabric: Option<efa::EfaSide>,
 }
 
 /// Send one tensor.
@@ -198,11 +261,16 @@ impl Channel {
         }
     }
 
-    /// Gives an `efa` channel its endpoint (before it starts).
+    /// Gives an `efa` channel its endpoint (before it starts), and returns the data path the
+    /// pipe shares with it ([`efa::Path`]: the pipe hands it tensors and reads its ends).
     #[cfg(feature = "efa")]
-    pub(crate) fn with_fabric(mut self, port: crate::channel::efa::ChannelPort) -> Self {
-        self.fabric = Some(efa::Fabric::new(port));
-        self
+    pub(crate) fn with_fabric(
+        mut self,
+        port: crate::channel::efa::ChannelPort,
+    ) -> (Self, efa::SharedPath) {
+        let (path, grants) = efa::Path::new(port, self.reply.clone(), self.origin.clone());
+        self.fabric = Some(efa::EfaSide::new(path.clone(), grants));
+        (self, path)
     }
 
     /// Sends the completions of CUDA-routed tensors to `reply` (the pipe's CUDA queue).
@@ -348,52 +416,18 @@ impl Channel {
     /// Checks a received tensor's channel data against its buffer: the channels that move
     /// tensors in place (`mpt`, `ibv`, `efa`) send the tensor's length, u64 LE.
     fn check_length(&self, m: &RecvTensor, channel: &str) -> Result<(), Error> {
-        if m.data == (m.buffer.len() as u64).to_le_bytes() {
-            return Ok(());
-        }
-        Err(Error::protocol(
-            format!(
-                "{channel} channel data {:?} does not give the tensor's length {}",
-                m.data,
-                m.buffer.len()
-            ),
-            &self.origin,
-        ))
+        check_length(&m.data, m.buffer.len(), channel, &self.origin)
     }
 
     /// Hands a whole tensor back to the pipe: sent (`sending`) or received, with `r`.
     fn hand_back(&self, sending: bool, seq: u64, index: u32, memory: Memory, r: Result<(), Error>) {
-        self.to_pipe(if sending {
-            Done::WroteTensor {
-                seq,
-                index,
-                memory,
-                result: r,
-            }
-        } else {
-            Done::Tensor {
-                seq,
-                index,
-                memory,
-                result: r,
-            }
-        });
+        self.to_pipe(tensor_done((sending, seq, index), memory, r));
     }
 
     /// Holds a tensor's buffer while `out` operations over it run, then hands it back (now, if
     /// there are none).
     fn hold(&mut self, key: HeldKey, buffer: Memory, out: usize) {
-        let sending = key.0;
-        self.held.insert(
-            key,
-            Held {
-                buffer,
-                out,
-                error: None,
-                sending,
-                awaiting_ack: false,
-            },
-        );
+        self.held.insert(key, Held::new(buffer, out));
         self.release(key);
     }
 
@@ -411,25 +445,8 @@ impl Channel {
 
     /// Hands a held tensor back to the pipe once nothing of it is out any more.
     fn release(&mut self, key: HeldKey) {
-        if self.held.get(&key).is_some_and(|h| h.out == 0) {
-            let h = self.held.remove(&key).expect("present");
-            let result = h.error.map_or(Ok(()), Err);
-            let memory = h.buffer;
-            self.to_pipe(if h.sending {
-                Done::WroteTensor {
-                    seq: key.1,
-                    index: key.2,
-                    memory,
-                    result,
-                }
-            } else {
-                Done::Tensor {
-                    seq: key.1,
-                    index: key.2,
-                    memory,
-                    result,
-                }
-            });
+        if let Some(d) = released(&mut self.held, key) {
+            self.to_pipe(d);
         }
     }
 
@@ -558,12 +575,7 @@ impl Channel {
     }
 
     fn piece_done(&mut self, key: HeldKey, result: Result<(), Error>) {
-        if let Some(h) = self.held.get_mut(&key) {
-            h.out -= 1;
-            if let Err(e) = result {
-                h.error.get_or_insert(e);
-            }
-        }
+        piece_ended(&mut self.held, key, result);
         self.release(key);
     }
 
@@ -657,7 +669,7 @@ impl Handler<SendTensor> for Channel {
                 return self.ibv_flush(ctx);
             }
             #[cfg(feature = "efa")]
-            ChannelKind::Efa { .. } => self.efa_tensor(true, m.seq, m.index, m.buffer, ctx),
+            ChannelKind::Efa { .. } => self.efa_tensor(true, m.seq, m.index, m.buffer),
         }
         self.poll_own(ctx);
     }
@@ -694,7 +706,7 @@ impl Handler<RecvTensor> for Channel {
                 return self.ibv_flush(ctx);
             }
             #[cfg(feature = "efa")]
-            ChannelKind::Efa { .. } => self.efa_recv(m, ctx),
+            ChannelKind::Efa { .. } => self.efa_recv(m),
         }
         self.poll_own(ctx);
     }
@@ -778,6 +790,8 @@ mod cuda_ipc;
 mod cuda_xth;
 #[cfg(feature = "efa")]
 mod efa;
+#[cfg(feature = "efa")]
+pub(crate) use efa::{LinkEnd, PathEnds, SharedPath};
 #[cfg(feature = "ibv")]
 mod ibv;
 mod mpt;

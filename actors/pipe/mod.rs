@@ -204,6 +204,16 @@ pub struct Pipe {
     /// queue while a handler stands, on the `LocalSet` otherwise
     /// ([`ContextBuilder::read_loop_follows_handler`](crate::ContextBuilder::read_loop_follows_handler)).
     read_roams: Option<Arc<Wanted>>,
+    /// The efa channel's data path and its index among the channels: the pipe hands it
+    /// tensors and reads its ends itself, with no hand-over to the channel actor.
+    #[cfg(feature = "efa")]
+    efa: Option<(usize, super::channel::SharedPath)>,
+    /// What the path hands back from an end, kept empty between ends.
+    #[cfg(feature = "efa")]
+    efa_batch: Vec<Done>,
+    /// A message's tensors for the efa path while it is written, kept empty between messages.
+    #[cfg(feature = "efa")]
+    efa_out: Vec<(u32, Memory)>,
 }
 
 /// A descriptor read ahead, with its payloads' bytes (and its small tensors') if they were read
@@ -225,6 +235,10 @@ impl Actor for Pipe {
         #[cfg(feature = "cuda")]
         if let Some(rx) = self.cuda_completions.take() {
             ctx.add_stream(Queue(rx));
+        }
+        #[cfg(feature = "efa")]
+        if let Some((_, path)) = &self.efa {
+            ctx.add_stream(super::channel::PathEnds(path.clone()));
         }
         self.arm_prefetch();
         // The orphan check is a task of its own: an interval on the pipe's context would be
@@ -277,6 +291,33 @@ impl Handler<OrphanCheck> for Pipe {
         if self.closed_sent {
             ctx.stop();
         }
+    }
+}
+
+/// An end of the efa channel's data path: the tensor it ends goes back through `on_done`, as if
+/// the channel actor had sent it.
+#[cfg(feature = "efa")]
+impl StreamHandler<super::channel::LinkEnd> for Pipe {
+    fn handle(&mut self, end: super::channel::LinkEnd, _: &mut Self::Context) {
+        let Some((_, path)) = &self.efa else { return };
+        let mut batch = std::mem::take(&mut self.efa_batch);
+        path.borrow_mut().finished(end, &mut batch);
+        let span = self.span.clone();
+        let _entered = span.enter();
+        for done in batch.drain(..) {
+            self.on_done(done);
+        }
+        self.efa_batch = batch;
+    }
+
+    fn finished(&mut self, _: &mut Self::Context) {}
+}
+
+impl Pipe {
+    /// The efa channel's data path, if channel `ch` is the efa channel.
+    #[cfg(feature = "efa")]
+    fn efa_path(&self, ch: usize) -> Option<&super::channel::SharedPath> {
+        self.efa.as_ref().filter(|(i, _)| *i == ch).map(|(_, p)| p)
     }
 }
 

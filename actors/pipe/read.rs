@@ -282,6 +282,11 @@ impl Pipe {
                 );
                 ticket += 1;
             } else {
+                #[cfg(feature = "efa")]
+                if let Some(path) = self.efa_path(ch as usize) {
+                    path.borrow_mut().recv(seq, i as u32, buffer, &data);
+                    continue;
+                }
                 self.channels[ch as usize].do_send(RecvTensor {
                     seq,
                     index: i as u32,

@@ -122,6 +122,9 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
     let (cuda_reply, cuda_completions) = mpsc::unbounded_channel();
     let chunk_size = config.chunk_size;
     let mut kinds = Vec::new();
+    // The efa channel's data path, which the pipe shares (its index among the channels).
+    #[cfg(feature = "efa")]
+    let mut efa_path = None;
     let channels = choice
         .channels
         .iter()
@@ -224,7 +227,11 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
             };
             #[cfg(feature = "efa")]
             let channel = match kind {
-                ChannelKind::Efa { .. } => channel.with_fabric(efa_port(config, &origin)),
+                ChannelKind::Efa { .. } => {
+                    let (channel, path) = channel.with_fabric(efa_port(config, &origin));
+                    efa_path = Some((kinds.len() - 1, path));
+                    channel
+                }
                 _ => channel,
             };
             channel.start()
@@ -309,6 +316,12 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         stand: None,
         stand_turning: false,
         read_roams,
+        #[cfg(feature = "efa")]
+        efa: efa_path,
+        #[cfg(feature = "efa")]
+        efa_batch: Vec::new(),
+        #[cfg(feature = "efa")]
+        efa_out: Vec::new(),
     }
     .start()
 }

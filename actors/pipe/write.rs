@@ -207,6 +207,9 @@ impl Pipe {
         let mut batch = writer::start_batch(&mut l.batch, ticket, frame, &mut message, reply);
         let mut next = ticket + 1;
         let mut tensors_out = 0;
+        // Tensors for the efa channel's data path, posted once the message is out.
+        #[cfg(feature = "efa")]
+        let mut efa_out = mem::take(&mut self.efa_out);
         for (i, t) in message.tensors.iter_mut().enumerate() {
             let ch = self.route_buf[i] as usize;
             if ch != self.cpu_channel {
@@ -232,16 +235,32 @@ impl Pipe {
                 });
                 next += 1;
             } else {
+                tensors_out += 1;
+                #[cfg(feature = "efa")]
+                if self.efa_path(self.cpu_channel).is_some() {
+                    efa_out.push((i as u32, buffer));
+                    continue;
+                }
                 self.channels[self.cpu_channel].do_send(SendTensor {
                     seq,
                     index: i as u32,
                     buffer,
                 });
-                tensors_out += 1;
             }
         }
         let queued = batch.len();
         let written = link.write_batch(&mut batch, self.link_gone());
+        #[cfg(feature = "efa")]
+        if let Some(path) = self.efa_path(self.cpu_channel) {
+            let mut path = path.borrow_mut();
+            for (index, buffer) in efa_out.drain(..) {
+                path.tensor(true, seq, index, buffer);
+            }
+        }
+        #[cfg(feature = "efa")]
+        {
+            self.efa_out = efa_out;
+        }
         // Tensors still out: those on other channels, and those queued on the connection.
         tensors_out += queued - written.max(1);
         w.payloads_out = written == 0;
