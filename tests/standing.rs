@@ -677,3 +677,45 @@ async fn echo_in_place(name: &str, tx: &Addr<Pipe>, rx: &Addr<Pipe>, on_runtime:
         );
     }
 }
+
+/// A handler the pipe calls (a message with a tensor on a channel, which the pipe reads) that
+/// writes several messages, large and small, through a `PipeWriter`: the pipe takes those in
+/// once the handler returns, not through its mailbox (`Pipe::writers_inside`), and they arrive
+/// in the order written, a small one never ahead of a large one written before it.
+#[actix::test]
+async fn handler_bursts_written_from_the_pipe_arrive_in_order() {
+    const ASKS: u64 = 12;
+    const EACH: u64 = 3;
+    for (name, builder) in CONFIGS {
+        let (tx, rx, _s) = pair(builder(), builder()).await;
+        let back = rx.writer().await.unwrap();
+        let (wrote, _late) = actorpipe::inbox::<WriteDone>();
+        let wrote = std::sync::Arc::new(wrote);
+        rx.receive_all_calling(move |d| {
+            let Ok(()) = d.result else { return };
+            let k = verify(&d.message);
+            for j in 0..EACH {
+                // Large (1 MiB payload), small, large tensor: each after the last.
+                let _ = back.write(Write::new(mixed(k * EACH + j)), &wrote);
+            }
+        })
+        .await
+        .unwrap();
+        let (all, mut inbox) = stand(How::Recipient);
+        tx.send(all).await.unwrap().unwrap();
+        // Each ask has a 1 MiB tensor: the pipe reads it, and calls the handler itself.
+        let _done = write_all(
+            &tx,
+            (0..ASKS).map(|i| checked_message(i, &[16], &[1 << 20])),
+        );
+        for want in 0..ASKS * EACH {
+            let d = next(&mut inbox).await;
+            let got = d.result.as_ref().map(|_| verify(&d.message));
+            assert!(
+                matches!(got, Ok(i) if i == want),
+                "{name}: message {want} expected, got {got:?}"
+            );
+        }
+        nothing_more(&mut inbox, name).await;
+    }
+}

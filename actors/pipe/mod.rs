@@ -204,6 +204,9 @@ pub struct Pipe {
     /// queue while a handler stands, on the `LocalSet` otherwise
     /// ([`ContextBuilder::read_loop_follows_handler`](crate::ContextBuilder::read_loop_follows_handler)).
     read_roams: Option<Arc<Wanted>>,
+    /// The writes writers handed over while the pipe ran a handler
+    /// ([`Pipe::writers_inside`]), kept empty between handlers.
+    deferred: Vec<writer::Handed>,
     /// The efa channel's data path and its index among the channels: the pipe hands it
     /// tensors and reads its ends itself, with no hand-over to the channel actor.
     #[cfg(feature = "efa")]
@@ -298,15 +301,17 @@ impl Handler<OrphanCheck> for Pipe {
 /// the channel actor had sent it.
 #[cfg(feature = "efa")]
 impl StreamHandler<super::channel::LinkEnd> for Pipe {
-    fn handle(&mut self, end: super::channel::LinkEnd, _: &mut Self::Context) {
+    fn handle(&mut self, end: super::channel::LinkEnd, ctx: &mut Self::Context) {
         let Some((_, path)) = &self.efa else { return };
         let mut batch = std::mem::take(&mut self.efa_batch);
         path.borrow_mut().finished(end, &mut batch);
         let span = self.span.clone();
         let _entered = span.enter();
-        for done in batch.drain(..) {
-            self.on_done(done);
-        }
+        self.writers_inside(ctx, |pipe, _| {
+            for done in batch.drain(..) {
+                pipe.on_done(done);
+            }
+        });
         self.efa_batch = batch;
     }
 
@@ -322,10 +327,10 @@ impl Pipe {
 }
 
 impl StreamHandler<Done> for Pipe {
-    fn handle(&mut self, done: Done, _: &mut Self::Context) {
+    fn handle(&mut self, done: Done, ctx: &mut Self::Context) {
         let span = self.span.clone();
         let _entered = span.enter();
-        self.on_done(done);
+        self.writers_inside(ctx, |pipe, _| pipe.on_done(done));
     }
 
     fn finished(&mut self, _: &mut Self::Context) {

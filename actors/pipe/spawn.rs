@@ -316,6 +316,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         stand: None,
         stand_turning: false,
         read_roams,
+        deferred: Vec::new(),
         #[cfg(feature = "efa")]
         efa: efa_path,
         #[cfg(feature = "efa")]
