@@ -1,6 +1,8 @@
 //! The `efa` side of the channel actor (feature `efa`, see [`crate::channel::efa`]): set-up
-//! over the channel's lane, then tagged sends and receives posted on the context's endpoint
-//! actor straight from and into the held buffers, chunked at the agreed size.
+//! over the channel's lane of the data path ([`Path`]: tagged sends and receives posted on the
+//! context's endpoint actor straight from and into the held buffers, chunked at the agreed
+//! size), which the pipe then drives itself; this actor watches the lane, writes the
+//! rendezvous's words on it, and fails the path.
 //!
 //! Set-up on the lane, both sides at once (neither waits for the other before writing):
 //!

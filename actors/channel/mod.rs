@@ -13,11 +13,13 @@
 //! - `mpt`: each tensor is split in stripes, one per lane connection, read in place.
 //! - `efa` (feature `efa`): tagged sends and receives on the context's libfabric endpoint,
 //!   straight from the sender's buffer into the receiver's; the lane serves the set-up and
-//!   tells when the peer is gone.
+//!   tells when the peer is gone. This actor sets up the channel's data path and fails it; the
+//!   pipe posts the tensors and reads their ends on that path itself (`efa::Path`).
 //!
-//! For the last three, completions come back here first (the channel tracks what it holds and
-//! must hand every buffer back even when stopped), then go on to the pipe. A stopping channel
-//! stays alive until every buffer it holds has gone back.
+//! For `xth`, `cma` and `mpt`, completions come back here first (the channel tracks what it
+//! holds and must hand every buffer back even when stopped), then go on to the pipe; the `efa`
+//! path holds its tensors the same way, for the pipe. A stopping channel stays alive until
+//! every buffer it holds has gone back.
 
 use crate::keymap::KeyMap;
 use std::pin::Pin;

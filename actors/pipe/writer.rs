@@ -641,14 +641,17 @@ impl PipeWriter {
                 self.pipe.do_send(handed);
                 None
             }
-            Err(SendError::Closed(handed)) => Some(WriteDone {
-                id: u64::MAX,
-                result: Err(Error::Closed {
-                    reason: "the pipe's actor has stopped".into(),
-                    origin: self.share.origin.clone(),
-                }),
-                message: handed.message,
-            }),
+            Err(SendError::Closed(handed)) => {
+                self.share.lock().in_mailbox -= 1;
+                Some(WriteDone {
+                    id: u64::MAX,
+                    result: Err(Error::Closed {
+                        reason: "the pipe's actor has stopped".into(),
+                        origin: self.share.origin.clone(),
+                    }),
+                    message: handed.message,
+                })
+            }
         }
     }
 
