@@ -412,19 +412,6 @@ impl Channel {
         self.poll_own(ctx);
     }
 
-    /// Sends (`sending`) or receives a tensor through the path (a `SendTensor` or
-    /// `RecvTensor` from a pipe that does not hand them to the path itself).
-    pub(super) fn efa_tensor(&mut self, sending: bool, seq: u64, index: u32, buffer: Memory) {
-        self.path().borrow_mut().tensor(sending, seq, index, buffer);
-    }
-
-    /// As [`Self::efa_tensor`], receiving.
-    pub(super) fn efa_recv(&mut self, m: RecvTensor) {
-        self.path()
-            .borrow_mut()
-            .recv(m.seq, m.index, m.buffer, &m.data);
-    }
-
     /// Fails the channel ([`Path::fail`]).
     pub(super) fn efa_fail(&mut self, e: Error, ctx: &mut Context<Self>) {
         self.path().borrow_mut().fail(e);

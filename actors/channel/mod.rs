@@ -440,9 +440,18 @@ impl Channel {
     /// The error for a tensor the pipe should have moved on its own connection.
     fn misrouted(&self) -> Error {
         Error::protocol(
-            "internal: a tensor for the control connection reached the channel actor",
+            "internal: a tensor the pipe moves itself reached the channel actor",
             &self.origin,
         )
+    }
+
+    /// Whether the pipe moves this channel's in-place tensors itself (the `efa` channel's data
+    /// path, [`efa::Path`]), so that none is handed to this actor.
+    fn pipe_moves_tensors(&self) -> bool {
+        #[cfg(feature = "efa")]
+        return self.fabric.is_some();
+        #[cfg(not(feature = "efa"))]
+        false
     }
 
     /// Hands a held tensor back to the pipe once nothing of it is out any more.
@@ -641,10 +650,13 @@ impl Handler<SendTensor> for Channel {
     type Result = ();
 
     fn handle(&mut self, m: SendTensor, ctx: &mut Self::Context) {
-        if self.kind.sends_on_control(m.buffer.len() as u64) || self.kind.carries_cuda() {
-            // The pipe queues these on its connection itself, and hands CUDA channels their
-            // tensors as `SendCuda`; one here is a bug: fail it rather than lose the buffer or
-            // the order.
+        if self.kind.sends_on_control(m.buffer.len() as u64)
+            || self.kind.carries_cuda()
+            || self.pipe_moves_tensors()
+        {
+            // The pipe queues these on its connection itself (or posts them on the efa path),
+            // and hands CUDA channels their tensors as `SendCuda`; one here is a bug: fail it
+            // rather than lose the buffer or the order.
             return self.to_pipe(Done::WroteTensor {
                 seq: m.seq,
                 index: m.index,
@@ -671,7 +683,7 @@ impl Handler<SendTensor> for Channel {
                 return self.ibv_flush(ctx);
             }
             #[cfg(feature = "efa")]
-            ChannelKind::Efa { .. } => self.efa_tensor(true, m.seq, m.index, m.buffer),
+            ChannelKind::Efa { .. } => unreachable!("refused above"),
         }
         self.poll_own(ctx);
     }
@@ -681,9 +693,12 @@ impl Handler<RecvTensor> for Channel {
     type Result = ();
 
     fn handle(&mut self, m: RecvTensor, ctx: &mut Self::Context) {
-        if self.kind.carried().carries(&m.data) || self.kind.carries_cuda() {
-            // As for `SendTensor`: the pipe reads these itself, or hands them over as
-            // `RecvCuda`.
+        if self.kind.carried().carries(&m.data)
+            || self.kind.carries_cuda()
+            || self.pipe_moves_tensors()
+        {
+            // As for `SendTensor`: the pipe reads these itself (or posts them on the efa path),
+            // or hands them over as `RecvCuda`.
             return self.to_pipe(Done::Tensor {
                 seq: m.seq,
                 index: m.index,
@@ -708,7 +723,7 @@ impl Handler<RecvTensor> for Channel {
                 return self.ibv_flush(ctx);
             }
             #[cfg(feature = "efa")]
-            ChannelKind::Efa { .. } => self.efa_recv(m),
+            ChannelKind::Efa { .. } => unreachable!("refused above"),
         }
         self.poll_own(ctx);
     }
