@@ -6,7 +6,7 @@ use std::time::Duration;
 use actix::prelude::*;
 
 use super::listener::Listener;
-use super::messages::{Connect, Endpoint, GetMetricsAddr, Listen, Listening};
+use super::messages::{Connect, Endpoint, GetMetricsAddr, Listen, Listening, NotListening};
 use super::pipe::{spawn_pipe, Pipe, PipeParts};
 use crate::channel::basic::{Basic, DEFAULT_CHUNK_SIZE};
 use crate::channel::cma::Cma;
@@ -765,6 +765,7 @@ impl Handler<Listen> for Context {
                 acceptors.push((name, a));
             }
             // Transports a pipe may move to after bootstrapping need an endpoint too.
+            let mut not_listening = Vec::new();
             for (t, _) in &config.transports {
                 if acceptors.iter().any(|(n, _)| n == t.name()) {
                     continue;
@@ -772,7 +773,14 @@ impl Handler<Listen> for Context {
                 if let Some(u) = t.auto_listen_url() {
                     match t.listen(&u).await {
                         Ok(a) => acceptors.push((t.name().to_string(), a)),
-                        Err(e) => tracing::info!(transport = t.name(), error = %e, "not listening"),
+                        Err(e) => {
+                            tracing::info!(transport = t.name(), url = %u, error = %e, "not listening");
+                            not_listening.push(NotListening {
+                                transport: t.name().to_string(),
+                                url: u,
+                                reason: e.to_string(),
+                            });
+                        }
                     }
                 }
             }
@@ -792,6 +800,7 @@ impl Handler<Listen> for Context {
                 listener,
                 urls,
                 endpoints,
+                not_listening,
             })
         })
     }

@@ -136,6 +136,11 @@ impl Listener {
         if brochure.channels.iter().any(|c| named(&c.name)) {
             brochure.channels.retain(|c| named(&c.name));
         }
+        // A pipe reaches a transport at an address: one this listener has none for (it could
+        // not listen on it: `Listening::not_listening`) is not offered, so that negotiation
+        // picks another both sides have. Offered, it was chosen, and every dial to this
+        // listener failed ("the peer offers it but gives no address for it").
+        brochure.transports.retain(|t| !t.addresses.is_empty());
         Listener {
             acceptors,
             subscriber,

@@ -72,8 +72,8 @@ pub mod prelude {
     pub use crate::actors::{
         inbox, Accepted, Call, ChannelInfo, Close, Closed, Connect, ContextBuilder, ContextExt,
         DescriptorReady, Endpoint, GetInfo, GetMetricsAddr, GetWriter, Inbox, LaneInfo, Listen,
-        Listener, Listening, Op, Pipe, PipeExt, PipeInfo, PipeWriter, ReadDescriptor, ReadDone,
-        Receive, ReceiveAll, Recycle, StopListening, StopReceiving, Subscribe, WriteDone,
+        Listener, Listening, NotListening, Op, Pipe, PipeExt, PipeInfo, PipeWriter, ReadDescriptor,
+        ReadDone, Receive, ReceiveAll, Recycle, StopListening, StopReceiving, Subscribe, WriteDone,
     };
     pub use crate::error::{Error, ErrorClass, Origin};
     pub use crate::message::{

@@ -54,10 +54,12 @@ fn fast_server() -> ContextBuilder {
 
 #[actix::test]
 async fn connection_refused_fails_at_once_with_a_clear_error() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    // A socket bound and never listening: a connect to its port is refused, and, unlike a
+    // listener bound and dropped, no other process can take the port meanwhile (under a loaded
+    // machine's parallel test runs one did: this connect reached a stranger's listener).
+    let held = tokio::net::TcpSocket::new_v4().unwrap();
+    held.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = held.local_addr().unwrap().port();
     let c = Context::builder().start();
     let url = format!("tcp://127.0.0.1:{port}");
     let r = within(5, "refused connect", c.send(Connect::new(&url)))
@@ -75,6 +77,7 @@ async fn connection_refused_fails_at_once_with_a_clear_error() {
     assert!(matches!(r, Err(Error::InvalidArgument { .. })));
     let r = c.send(Connect::new("ib://127.0.0.1:1")).await.unwrap();
     assert!(matches!(r, Err(Error::Unavailable { .. })));
+    drop(held);
 }
 
 #[actix::test]

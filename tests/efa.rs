@@ -538,12 +538,44 @@ mod pipes {
         });
     }
 
+    /// A listener whose efa transport cannot listen (its bootstrap address, 192.0.2.1 of
+    /// TEST-NET-1, is not this machine's) says so in `Listening::not_listening`, and a pipe to
+    /// it is set up on `tcp`, which both sides offer, instead of failing.
+    pub fn listener_says_why_the_fabric_is_not_offered(provider: &str) {
+        actix::System::new().block_on(async {
+            let off_host = Efa::new(provider).bootstrap_host([192, 0, 2, 1].into());
+            let b = Context::builder()
+                .without("shm")
+                .transport(Arc::new(off_host))
+                .only_channels(&["basic"]);
+            let mut server = Server::start(b, "tcp://127.0.0.1:0").await;
+            let [n] = &server.not_listening[..] else {
+                panic!("one transport not listening: {:?}", server.not_listening)
+            };
+            assert_eq!(n.transport, "efa");
+            assert!(n.url.starts_with("efa://192.0.2.1:"), "{n:?}");
+            assert!(!n.reason.is_empty(), "{n:?}");
+            let client = efa_context(provider, EndpointConfig::default()).start();
+            let tx = client
+                .send(Connect::new(&server.url))
+                .await
+                .unwrap()
+                .expect("connect");
+            let rx = server.next().await;
+            check_backends(&tx, "tcp", "basic").await;
+            stream(&tx, &rx, 20, 4, 5).await;
+        });
+    }
+
     /// Two fresh contexts dial each other at once, then stream both ways on both pipes.
     async fn connect_both_ways(provider: &str, seed: u64) {
         let config = EndpointConfig::default();
         let url = "tcp://127.0.0.1:0";
         let mut a = Server::start(efa_context(provider, config), url).await;
         let mut b = Server::start(efa_context(provider, config), url).await;
+        for s in [&a, &b] {
+            assert!(s.not_listening.is_empty(), "{:?}", s.not_listening);
+        }
         let (ra, rb) = tokio::join!(
             a.ctx.send(Connect::new(&b.url)),
             b.ctx.send(Connect::new(&a.url))
@@ -551,6 +583,20 @@ mod pipes {
         let ta = ra.unwrap().expect("a connects to b");
         let tb = rb.unwrap().expect("b connects to a");
         let (xa, xb) = (a.next().await, b.next().await);
+        // Each pipe's two ends agree on what negotiation chose, and it is the fabric: a pipe
+        // that fell back to tcp would not test what this trial is for. (Once in 35 runs of
+        // this suite on 64 cores running a dozen suites at once, an accepted end here was
+        // tcp/basic and read "the peer closed the connection": these say which end chose what.)
+        for (dialer, acceptor) in [(&ta, &xb), (&tb, &xa)] {
+            let d = dialer.send(GetInfo).await.unwrap();
+            let x = acceptor.send(GetInfo).await.unwrap();
+            assert_eq!(
+                (&d.transport, &d.channels),
+                (&x.transport, &x.channels),
+                "the ends of a pipe disagree: dialer {d:?}, acceptor {x:?}"
+            );
+            assert_eq!(d.transport, "efa", "not on the fabric: {d:?}");
+        }
         tokio::join!(
             stream(&ta, &xb, 20, 4, seed + 1),
             stream(&tb, &xa, 20, 4, seed + 2)
@@ -853,11 +899,15 @@ mod pipes {
                     "{provider}, round {round}: the first poll of a wait gives way unread"
                 );
                 // Later polls pass once, or in a quick exchange again and again within
-                // `READER_BURST`; a few polls, so that a thread preempted for the whole burst
-                // does not decide it.
+                // `READER_BURST`. A thread preempted for a whole burst, or one pass that outlasts
+                // the burst on a loaded machine, makes one pass in that poll: so a quick
+                // exchange gets up to 200 polls to show a burst (four were not always enough
+                // on the 2-core VM running three suites at once, 2026-11-28), and the others
+                // four polls to show that none bursts (load cannot add passes).
+                let quick = round > 0 && quick_exchange > Duration::ZERO;
                 let mut most = 0;
                 let mut last = first;
-                for _ in 0..4 {
+                for _ in 0..if quick { 200 } else { 4 } {
                     assert!(
                         poll(&mut sa, &mut block).is_pending(),
                         "{provider}: nothing sent"
@@ -865,8 +915,10 @@ mod pipes {
                     let now = passes().await;
                     most = most.max(now - last);
                     last = now;
+                    if quick && most >= 2 {
+                        break;
+                    }
                 }
-                let quick = round > 0 && quick_exchange > Duration::ZERO;
                 if quick {
                     assert!(
                         most >= 2,
@@ -1240,6 +1292,10 @@ fn main() {
         (
             "pipes_connect_both_ways_at_once",
             pipes::connect_both_ways_at_once,
+        ),
+        (
+            "listener_says_why_the_fabric_is_not_offered",
+            pipes::listener_says_why_the_fabric_is_not_offered,
         ),
         (
             "pipes_keep_their_loops_with_the_endpoint",

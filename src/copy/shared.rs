@@ -313,18 +313,21 @@ mod tests {
         let pool = pool_of(2);
         let src = pattern(4 << 20, 9);
         let mut dst = vec![0u8; 4 << 20];
-        for _ in 0..50 {
+        // A copy thread that the scheduler has not run yet leaves every share to the caller,
+        // so keep copying until one helps: 50 copies were not always enough on 64 cores
+        // running a dozen test suites at once (2026-11-28). The bound is only there to end a
+        // run whose copy threads never take a share.
+        let (mut copies, started) = (0, std::time::Instant::now());
+        while pool.0.helped() == 0 && started.elapsed() < std::time::Duration::from_secs(20) {
             let spans = spans_of(&src, &mut dst, &[]);
             // SAFETY: as above.
             unsafe { copy_in(pool.0, pool.1, &spans, src.len(), false) };
-            if pool.0.helped() > 0 {
-                break;
-            }
+            copies += 1;
         }
         assert_eq!(dst, src);
         assert!(
             pool.0.helped() > 0,
-            "no share was copied by a copy thread in 50 copies of 4 MiB"
+            "no share was copied by a copy thread in {copies} copies of 4 MiB (20 s)"
         );
     }
 

@@ -104,6 +104,8 @@ pub struct Server {
     pub url: String,
     pub listener: Addr<Listener>,
     pub accepted: tokio::sync::mpsc::UnboundedReceiver<Accepted>,
+    /// The transports this listener could not listen on, and why.
+    pub not_listening: Vec<NotListening>,
 }
 
 impl Server {
@@ -120,6 +122,7 @@ impl Server {
             url: l.urls[0].clone(),
             listener: l.listener,
             accepted,
+            not_listening: l.not_listening,
         }
     }
 
@@ -145,6 +148,16 @@ pub async fn pair(
         .expect("connect");
     let rx = s.next().await;
     (tx, rx, s)
+}
+
+/// The channels that move CUDA tensors. With feature `cuda` on a GPU host a default context
+/// offers them, and a pipe between two such contexts lists them next to its host channels.
+pub const CUDA_CHANNELS: [&str; 4] = ["cuda_xth", "cuda_ipc", "cuda_basic", "cuda_gdr"];
+
+/// `b` without any channel that moves CUDA tensors: what a host without a GPU offers, on any
+/// host (a test of host paths must not depend on how many GPUs the machine has).
+pub fn host_only(b: ContextBuilder) -> ContextBuilder {
+    CUDA_CHANNELS.iter().fold(b, |b, c| b.without(c))
 }
 
 /// Reads one whole message: descriptor, allocation, read.
