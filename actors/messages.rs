@@ -129,17 +129,17 @@ pub struct Listening {
     pub urls: Vec<String>,
     /// The same endpoints, each with its transport.
     pub endpoints: Vec<Endpoint>,
-    /// The transports a pipe could move to after bootstrapping (`efa`, `ibv`: those that listen
-    /// on an address of their own) whose listening failed, with why. Pipes to this listener are
-    /// not offered them, so negotiation picks another transport: this says why a pipe that
-    /// could have used the fabric is on `tcp`.
+    /// The transports a pipe could move to after bootstrapping (`shm`, `efa`, `ibv`: those a
+    /// listener opens an endpoint for by itself) whose listening failed, with why. Pipes to
+    /// this listener are not offered them, so negotiation picks another transport: this says
+    /// why a pipe that could have used the fabric is on `tcp`.
     pub not_listening: Vec<NotListening>,
 }
 
 /// A transport a listener could not listen on, in [`Listening::not_listening`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NotListening {
-    /// The transport (`efa`, `ibv`).
+    /// The transport (`shm`, `efa`, `ibv`).
     pub transport: String,
     /// The URL it tried.
     pub url: String,

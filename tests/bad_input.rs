@@ -36,12 +36,7 @@ fn brochure() -> Brochure {
 /// After each bad client, a good one still gets a working pipe.
 async fn still_serves(server: &mut Server) {
     let c = Context::builder().start();
-    let tx = c
-        .send(Connect::new(&server.url))
-        .await
-        .unwrap()
-        .expect("connect");
-    let rx = server.next().await;
+    let (tx, rx) = server.dial(&c).await;
     let m = checked_message(3, &[5], &[7]);
     let w = tx.send(Write::new(m));
     assert_eq!(verify(&read_one(&rx).await.unwrap()), 3);

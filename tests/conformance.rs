@@ -142,12 +142,7 @@ async fn concurrent_pipes(b: fn() -> ContextBuilder, t: &str, c: &str) {
     let client = b().start();
     let mut tasks = Vec::new();
     for p in 0..16u64 {
-        let tx = client
-            .send(Connect::new(&server.url))
-            .await
-            .unwrap()
-            .expect("connect");
-        let rx = server.next().await;
+        let (tx, rx) = server.dial(&client).await;
         let info = tx.send(GetInfo).await.unwrap();
         assert_eq!(info.transport, t);
         assert!(info.channels.iter().any(|x| x.name == c));

@@ -556,12 +556,7 @@ mod pipes {
             assert!(n.url.starts_with("efa://192.0.2.1:"), "{n:?}");
             assert!(!n.reason.is_empty(), "{n:?}");
             let client = efa_context(provider, EndpointConfig::default()).start();
-            let tx = client
-                .send(Connect::new(&server.url))
-                .await
-                .unwrap()
-                .expect("connect");
-            let rx = server.next().await;
+            let (tx, rx) = server.dial(&client).await;
             check_backends(&tx, "tcp", "basic").await;
             stream(&tx, &rx, 20, 4, 5).await;
         });
@@ -613,12 +608,7 @@ mod pipes {
             let client = efa_context(provider, config).start();
             let mut pairs = Vec::new();
             for _ in 0..12 {
-                let tx = client
-                    .send(Connect::new(&server.url))
-                    .await
-                    .unwrap()
-                    .expect("connect");
-                let rx = server.next().await;
+                let (tx, rx) = server.dial(&client).await;
                 check_backends(&tx, "efa", "efa").await;
                 pairs.push((tx, rx));
             }

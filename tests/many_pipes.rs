@@ -15,12 +15,7 @@ async fn a_hundred_and_twenty_eight_pipes_at_once() {
     let client = Context::builder().chunk_size(8 << 10).start();
     let mut pairs = Vec::new();
     for _ in 0..PIPES {
-        let tx = client
-            .send(Connect::new(&server.url))
-            .await
-            .unwrap()
-            .expect("connect");
-        let rx = server.next().await;
+        let (tx, rx) = server.dial(&client).await;
         pairs.push((tx, rx));
     }
     let work = pairs.iter().enumerate().map(|(p, (tx, rx))| {

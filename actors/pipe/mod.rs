@@ -204,8 +204,9 @@ pub struct Pipe {
     /// queue while a handler stands, on the `LocalSet` otherwise
     /// ([`ContextBuilder::read_loop_follows_handler`](crate::ContextBuilder::read_loop_follows_handler)).
     read_roams: Option<Arc<Wanted>>,
-    /// The writes writers handed over while the pipe ran a handler
-    /// ([`Pipe::writers_inside`]), kept empty between handlers.
+    /// A spare list swapped with the ledger's `deferred` writes while the pipe submits them
+    /// ([`Pipe::writers_inside`]), so that neither list is allocated again per handler; empty
+    /// between handlers.
     deferred: Vec<writer::Handed>,
     /// The efa channel's data path and its index among the channels: the pipe hands it
     /// tensors and reads its ends itself, with no hand-over to the channel actor.

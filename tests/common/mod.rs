@@ -126,6 +126,16 @@ impl Server {
         }
     }
 
+    /// `client` dials this server: both ends of the new pipe, the dialer's first.
+    pub async fn dial(&mut self, client: &Addr<Context>) -> (Addr<Pipe>, Addr<Pipe>) {
+        let tx = client
+            .send(Connect::new(&self.url))
+            .await
+            .unwrap()
+            .expect("connect");
+        (tx, self.next().await)
+    }
+
     pub async fn next(&mut self) -> Addr<Pipe> {
         within(10, "accepting a pipe", self.accepted.recv())
             .await
@@ -140,13 +150,7 @@ pub async fn pair(
     server: ContextBuilder,
 ) -> (Addr<Pipe>, Addr<Pipe>, Server) {
     let mut s = Server::start(server, "tcp://127.0.0.1:0").await;
-    let c = client.start();
-    let tx = c
-        .send(Connect::new(&s.url))
-        .await
-        .unwrap()
-        .expect("connect");
-    let rx = s.next().await;
+    let (tx, rx) = s.dial(&client.start()).await;
     (tx, rx, s)
 }
 
