@@ -1,4 +1,4 @@
-//! Build script: with the `efa` feature, compiles the libfabric shim (`src/fabric/shim.c`)
+//! Build script: with the `efa` feature, compiles the libfabric shim (`src/backend/efa/shim.c`)
 //! against the system's libfabric, found with pkg-config. Without the feature it does nothing.
 
 fn main() {
@@ -9,7 +9,7 @@ fn main() {
 
 #[cfg(feature = "efa")]
 fn efa() {
-    println!("cargo::rerun-if-changed=src/fabric/shim.c");
+    println!("cargo::rerun-if-changed=src/backend/efa/shim.c");
     let lib = match pkg_config::Config::new()
         .atleast_version("1.9")
         .probe("libfabric")
@@ -21,7 +21,7 @@ fn efa() {
         ),
     };
     let mut build = cc::Build::new();
-    build.file("src/fabric/shim.c").warnings(true);
+    build.file("src/backend/efa/shim.c").warnings(true);
     for dir in &lib.include_paths {
         build.include(dir);
     }

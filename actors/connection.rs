@@ -20,9 +20,9 @@ use actix::{Actor, Context, Handler, Message};
 use tokio::io::BufReader;
 use tokio::sync::{mpsc, watch};
 
+use crate::actors::placement::{spawn_roaming, Wanted};
 use crate::error::{Error, Origin};
 use crate::transport::liveness::Heartbeat;
-use crate::transport::placement::{spawn_roaming, Wanted};
 use std::future::Future;
 use std::sync::Arc;
 
@@ -61,7 +61,7 @@ struct ReadParts {
 struct OnThread(IoThread, Arc<IoPool>);
 
 /// Which queue of the current arbiter's thread a loop runs on (see
-/// [`crate::transport::placement`]).
+/// [`crate::actors::placement`]).
 #[derive(Debug, Clone)]
 pub(crate) enum Queue {
     /// The arbiter's `LocalSet`, where its actors run.
@@ -255,9 +255,7 @@ impl Connection {
         let on = pool.and_then(|p| Some(OnThread(p.next()?, p.clone())));
         // A lane's socket tells its own thread when it is ready, not the one it came from.
         let (read, write) = match &on {
-            Some(OnThread(thread, _)) => {
-                crate::transport::tcp::rehome(read, write, &thread.runtime)
-            }
+            Some(OnThread(thread, _)) => crate::backend::tcp::rehome(read, write, &thread.runtime),
             None => (read, write),
         };
         let (out_tx, out_rx) = mpsc::unbounded_channel();

@@ -8,17 +8,17 @@ use actix::prelude::*;
 use super::listener::Listener;
 use super::messages::{Connect, Endpoint, GetMetricsAddr, Listen, Listening, NotListening};
 use super::pipe::{spawn_pipe, Pipe, PipeParts};
-use crate::channel::basic::{Basic, DEFAULT_CHUNK_SIZE};
-use crate::channel::cma::Cma;
-use crate::channel::mpt::Mpt;
-use crate::channel::xth::Xth;
+use crate::backend::basic::{Basic, DEFAULT_CHUNK_SIZE};
+use crate::backend::cma::Cma;
+use crate::backend::mpt::Mpt;
+use crate::backend::shm::Shm;
+use crate::backend::tcp::Tcp;
+use crate::backend::xth::Xth;
 use crate::channel::ChannelBackend;
 use crate::error::Error;
 use crate::handshake::{self, Halves};
 use crate::negotiate::{Brochure, Offer, Purpose};
 use crate::transport::liveness::Heartbeat;
-use crate::transport::shm::Shm;
-use crate::transport::tcp::Tcp;
 use crate::transport::{scheme, Acceptor, Transport};
 use crate::wire::Limits;
 
@@ -182,7 +182,7 @@ impl Default for ContextBuilder {
                 connect_timeout: Duration::from_secs(10),
                 handshake_timeout: Duration::from_secs(10),
                 max_pending_pipes: DEFAULT_MAX_PENDING_PIPES,
-                cma_threads: crate::channel::cma::default_threads(super::pool::available_cores()),
+                cma_threads: crate::backend::cma::default_threads(super::pool::available_cores()),
                 loops_on_runtime: loops_on_runtime_from_env(),
                 read_loop_follows_handler: read_loop_follows_handler_from_env(),
                 // Sized from the machine (none on 2 cores or fewer); no thread starts until
@@ -206,9 +206,9 @@ impl Default for ContextBuilder {
         #[cfg(feature = "efa")]
         {
             // Offered only where its provider runs (efa, or ACTORPIPE_EFA_PROVIDER).
-            let efa = crate::actors::fabric::transport::Efa::from_env();
+            let efa = crate::actors::hardware::efa::transport::Efa::from_env();
             if efa.viable().is_ok() {
-                let channel = crate::channel::efa::Efa::over(&efa).domains_from_env();
+                let channel = crate::backend::efa::channel::Efa::over(&efa).domains_from_env();
                 b = b.transport(Arc::new(efa)).channel(Arc::new(channel));
             }
         }
@@ -218,15 +218,15 @@ impl Default for ContextBuilder {
             .channel(Arc::new(Mpt::default()));
         b = b.channel(Arc::new(Cma));
         #[cfg(feature = "cuda")]
-        for c in crate::channel::cuda_xth::CudaXth::all() {
+        for c in crate::backend::cuda_xth::CudaXth::all() {
             b = b.channel(c);
         }
         #[cfg(feature = "cuda")]
-        for c in crate::channel::cuda_ipc::CudaIpc::all() {
+        for c in crate::backend::cuda_ipc::CudaIpc::all() {
             b = b.channel(c);
         }
         #[cfg(feature = "cuda")]
-        for c in crate::channel::cuda_basic::CudaBasic::all() {
+        for c in crate::backend::cuda_basic::CudaBasic::all() {
             b = b.channel(c);
         }
         b
@@ -271,7 +271,7 @@ impl ContextBuilder {
 
     /// Threads per cma read (large tensors are split across them, 1 MiB a thread at least; the
     /// process keeps its reader threads). The default is
-    /// [`crate::channel::cma::default_threads`] of the CPUs this process may use: half of them,
+    /// [`crate::backend::cma::default_threads`] of the CPUs this process may use: half of them,
     /// 2 to 8.
     pub fn cma_threads(mut self, n: usize) -> Self {
         self.config.cma_threads = n.max(1);
@@ -346,7 +346,7 @@ impl ContextBuilder {
     /// Tensors of at most this many bytes that would go over cma travel on the pipe's own
     /// connection instead, as basic ones do: for them a copy through the transport costs less
     /// than a cross-memory read and its acknowledgement. The default depends on the pipe's
-    /// transport ([`crate::channel::cma::inline_max`]); 0 sends every non-empty tensor by cma.
+    /// transport ([`crate::backend::cma::inline_max`]); 0 sends every non-empty tensor by cma.
     /// Only the sender's setting counts: the receiver follows the descriptor.
     pub fn cma_inline_max(mut self, bytes: u64) -> Self {
         self.config.cma_inline_max = Some(bytes);
@@ -375,7 +375,7 @@ impl ContextBuilder {
     /// Defaults: 2 s and 10 s.
     pub fn keepalive(mut self, interval: Duration, timeout: Duration) -> Self {
         self.config.heartbeat = Some(Heartbeat::new(interval, timeout));
-        self.tcp(Some(crate::transport::tcp::Keepalive {
+        self.tcp(Some(crate::backend::tcp::Keepalive {
             interval,
             timeout,
             unacked_timeout: None,
@@ -383,9 +383,9 @@ impl ContextBuilder {
     }
 
     /// The kernel's side of TCP liveness alone, including the abort of connections whose data
-    /// stays unacknowledged (see [`Keepalive`](crate::transport::tcp::Keepalive) for the catch).
+    /// stays unacknowledged (see [`Keepalive`](crate::backend::tcp::Keepalive) for the catch).
     /// Heartbeats are left as they are.
-    pub fn tcp_keepalive(self, k: crate::transport::tcp::Keepalive) -> Self {
+    pub fn tcp_keepalive(self, k: crate::backend::tcp::Keepalive) -> Self {
         self.tcp(Some(k))
     }
 
@@ -396,7 +396,7 @@ impl ContextBuilder {
         self.tcp(None)
     }
 
-    fn tcp(mut self, k: Option<crate::transport::tcp::Keepalive>) -> Self {
+    fn tcp(mut self, k: Option<crate::backend::tcp::Keepalive>) -> Self {
         for (t, _) in &mut self.config.transports {
             if t.name() == "tcp" {
                 *t = Arc::new(Tcp::with_keepalive(k));
@@ -422,7 +422,7 @@ impl ContextBuilder {
 
     /// Tensors of 1 to `bytes` bytes that would go over mpt travel inline instead, after their
     /// descriptor on the pipe's own connection, as basic ones do
-    /// ([`crate::channel::mpt::INLINE_MAX`], 256 KiB, by default: below that, striping costs
+    /// ([`crate::backend::mpt::INLINE_MAX`], 256 KiB, by default: below that, striping costs
     /// more than it saves). 0 sends every non-empty tensor over the lanes (those under 64 KiB
     /// whole on the first lane, which runs on the context's thread). Only the sender's setting
     /// counts: the receiver follows the descriptor. Nothing happens if mpt was removed.
@@ -446,8 +446,8 @@ impl ContextBuilder {
     /// `efa`, or `ACTORPIPE_EFA_PROVIDER`). See docs/efa.md.
     #[cfg(feature = "efa")]
     pub fn efa(self, provider: &str) -> Self {
-        let t = crate::actors::fabric::transport::Efa::new(provider);
-        let c = crate::channel::efa::Efa::over(&t);
+        let t = crate::actors::hardware::efa::transport::Efa::new(provider);
+        let c = crate::backend::efa::channel::Efa::over(&t);
         self.transport(Arc::new(t)).channel(Arc::new(c))
     }
 
@@ -456,8 +456,8 @@ impl ContextBuilder {
     /// shared endpoint per domain). See docs/efa.md, "Several domains".
     #[cfg(feature = "efa")]
     pub fn efa_domains(self, provider: &str, domains: &[&str]) -> Self {
-        let t = crate::actors::fabric::transport::Efa::new(provider);
-        let c = crate::channel::efa::Efa::over(&t);
+        let t = crate::actors::hardware::efa::transport::Efa::new(provider);
+        let c = crate::backend::efa::channel::Efa::over(&t);
         let c = if domains.is_empty() {
             c.all_domains()
         } else {
@@ -617,9 +617,9 @@ pub struct IpcCacheStats(pub u32);
 #[cfg(feature = "cuda")]
 impl actix::Message for IpcCacheStats {
     type Result = Option<(
-        crate::cuda::cache::Stats,
-        crate::cuda::cache::Stats,
-        crate::cuda::cache::Stats,
+        crate::backend::cuda_ipc::cache::Stats,
+        crate::backend::cuda_ipc::cache::Stats,
+        crate::backend::cuda_ipc::cache::Stats,
     )>;
 }
 

@@ -9,16 +9,13 @@ mod channel;
 mod connection;
 mod context;
 mod ext;
-#[cfg(feature = "efa")]
-pub mod fabric;
 pub mod hardware;
 mod inbox;
 mod listener;
 mod messages;
 mod pipe;
+pub(crate) mod placement;
 mod pool;
-#[cfg(feature = "ibv")]
-pub(crate) mod queue_pair;
 
 #[cfg(feature = "cuda")]
 pub use context::IpcCacheStats;
@@ -28,3 +25,30 @@ pub use inbox::{inbox, Inbox};
 pub use listener::Listener;
 pub use messages::*;
 pub use pipe::{Pipe, PipeWriter};
+
+impl From<actix::MailboxError> for crate::Error {
+    /// The actor an awaited request went to stopped before answering (it never does while
+    /// anyone holds its address; a mailbox timeout is reported as a [`crate::Error::Timeout`]).
+    fn from(e: actix::MailboxError) -> Self {
+        match e {
+            actix::MailboxError::Timeout => crate::Error::Timeout {
+                what: "waiting for the actor to answer",
+                after: std::time::Duration::ZERO,
+                origin: crate::Origin::default(),
+            },
+            actix::MailboxError::Closed => crate::Error::Closed {
+                reason: "the actor stopped before answering".into(),
+                origin: crate::Origin::default(),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_stopped_actor_is_a_closed_error() {
+        let gone = crate::Error::from(actix::MailboxError::Closed);
+        assert_eq!(gone.kind(), crate::ErrorClass::Closed);
+    }
+}

@@ -19,7 +19,8 @@ use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::Instant;
 
-use actorpipe::cuda::{self, ipc, sys, CudaBuffer};
+use actorpipe::backend::cuda_ipc::ipc;
+use actorpipe::cuda::{self, sys, CudaBuffer};
 
 const ROUND_TRIPS: usize = 400;
 const LEN: usize = 4096;

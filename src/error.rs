@@ -358,24 +358,6 @@ impl fmt::Display for ErrorClass {
     }
 }
 
-impl From<actix::MailboxError> for Error {
-    /// The actor an awaited request went to stopped before answering (it never does while
-    /// anyone holds its address; a mailbox timeout is reported as a [`Error::Timeout`]).
-    fn from(e: actix::MailboxError) -> Self {
-        match e {
-            actix::MailboxError::Timeout => Error::Timeout {
-                what: "waiting for the actor to answer",
-                after: Duration::ZERO,
-                origin: Origin::default(),
-            },
-            actix::MailboxError::Closed => Error::Closed {
-                reason: "the actor stopped before answering".into(),
-                origin: Origin::default(),
-            },
-        }
-    }
-}
-
 /// `Result` with actorpipe's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -419,8 +401,6 @@ mod tests {
         assert_eq!(refused.class(), "refused");
         assert!(refused.kind().is_transient());
         assert!(!ErrorClass::Protocol.is_transient());
-        let gone = Error::from(actix::MailboxError::Closed);
-        assert_eq!(gone.kind(), ErrorClass::Closed);
         assert_eq!(ErrorClass::InvalidArgument.to_string(), "invalid_argument");
     }
 }

@@ -30,14 +30,12 @@
 #![warn(missing_docs)]
 
 pub mod auth;
-pub mod backends;
+pub mod backend;
 pub mod channel;
 pub mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
-#[cfg(feature = "efa")]
-pub mod fabric;
 pub mod fds;
 pub mod handshake;
 pub mod keymap;
@@ -46,7 +44,6 @@ pub mod metrics;
 pub mod negotiate;
 pub mod topology;
 pub mod transport;
-pub mod verbs;
 pub mod wire;
 
 #[path = "../actors/mod.rs"]

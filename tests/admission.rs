@@ -8,9 +8,9 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use actorpipe::backend::tcp::Tcp;
 use actorpipe::handshake;
 use actorpipe::negotiate::{Brochure, ChannelOffer, DevicePair, Offer};
-use actorpipe::transport::tcp::Tcp;
 use actorpipe::transport::Transport;
 use actorpipe::*;
 use common::*;
@@ -289,7 +289,7 @@ fn shm_child() {
         .build()
         .expect("runtime");
     rt.block_on(async move {
-        let shm = actorpipe::transport::shm::Shm::new();
+        let shm = actorpipe::backend::shm::Shm::new();
         let mut acceptor = shm.listen_name(Some(&name)).await.expect("listen");
         let r = libc::rlimit {
             rlim_cur: 64,
@@ -317,7 +317,7 @@ async fn shm_refuses_with_a_reason_at_the_descriptor_limit() {
     child
         .line("ready", Duration::from_secs(20))
         .expect("the child is ready");
-    let shm = actorpipe::transport::shm::Shm::new();
+    let shm = actorpipe::backend::shm::Shm::new();
     match shm.connect_name(&name, Duration::from_secs(5)).await {
         Err(Error::Refused { reason, .. }) => {
             assert_eq!(reason, "listener out of file descriptors")

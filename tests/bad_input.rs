@@ -6,9 +6,9 @@ mod common;
 
 use std::time::Duration;
 
+use actorpipe::backend::tcp::into_stream;
 use actorpipe::handshake;
 use actorpipe::negotiate::{Brochure, ChannelOffer, DevicePair, Offer};
-use actorpipe::transport::tcp::into_stream;
 use actorpipe::wire::{self, encode_frame, FrameKind, Preamble, MAGIC};
 use actorpipe::*;
 use common::*;

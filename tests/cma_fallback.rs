@@ -7,7 +7,7 @@
 
 mod common;
 
-use actorpipe::channel::cma;
+use actorpipe::backend::cma;
 use actorpipe::*;
 use common::*;
 

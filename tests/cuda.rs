@@ -15,7 +15,8 @@ use std::io::{BufRead, Write as _};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
-use actorpipe::cuda::{self, ipc, CudaBuffer, CudaCompletion};
+use actorpipe::backend::cuda_ipc::ipc;
+use actorpipe::cuda::{self, CudaBuffer, CudaCompletion};
 use libtest_mimic::{Arguments, Failed, Trial};
 
 type Outcome = Result<(), Failed>;
@@ -469,8 +470,8 @@ fn peer_copy() -> Outcome {
 
 // ----- channel engines ---------------------------------------------------------------------
 
-use actorpipe::channel::cuda_ipc::{self, IpcTensor, Staging};
-use actorpipe::channel::cuda_xth::{self, End, Key, Sent, Wanted};
+use actorpipe::backend::cuda_ipc::{self, IpcTensor, Staging};
+use actorpipe::backend::cuda_xth::{self, End, Key, Sent, Wanted};
 use std::sync::mpsc;
 
 type XthResult = (
@@ -981,7 +982,7 @@ fn ipc_measure() -> Outcome {
 /// n + 1's device-to-host copy overlapping chunk n's host hop and host-to-device copy; data
 /// checked, then the pipeline's rate printed next to each leg alone.
 fn basic_pipeline() -> Outcome {
-    use actorpipe::channel::cuda_basic::{stage_in, stage_out, CHUNK, DEPTH};
+    use actorpipe::backend::cuda_basic::{stage_in, stage_out, CHUNK, DEPTH};
     let g = gpu0()?;
     let len = 256 << 20;
     let (src, data) = filled(0, 55, len)?;

@@ -15,12 +15,12 @@ mod common;
 mod pipe;
 
 use actix::Addr;
-use actorpipe::channel::cuda_gdr::CudaGdr;
-use actorpipe::channel::ibv::IbvChannel;
+use actorpipe::backend::cuda_gdr::CudaGdr;
+use actorpipe::backend::ibv::channel::IbvChannel;
+use actorpipe::backend::ibv::sim;
+use actorpipe::backend::ibv::transport::Ibv;
 use actorpipe::cuda::{self, CudaBuffer};
 use actorpipe::topology::{pci_address, PciDevice, Topology, VENDOR_NVIDIA};
-use actorpipe::transport::ibv::Ibv;
-use actorpipe::verbs::sim;
 use actorpipe::{
     Close, Context, ContextBuilder, Device, GetInfo, Message, Pipe, Receive, Tensor, Write,
 };

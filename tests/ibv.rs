@@ -8,10 +8,10 @@ mod common;
 
 use std::sync::Arc;
 
-use actorpipe::channel::ibv::IbvChannel;
-use actorpipe::transport::ibv::Ibv;
+use actorpipe::backend::ibv::channel::IbvChannel;
+use actorpipe::backend::ibv::sim;
+use actorpipe::backend::ibv::transport::Ibv;
 use actorpipe::transport::Transport;
-use actorpipe::verbs::sim;
 use actorpipe::*;
 use common::*;
 

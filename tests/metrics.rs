@@ -166,13 +166,13 @@ mod efa_support;
 #[cfg(feature = "efa")]
 #[test]
 fn efa_counters_equal_the_endpoints() {
-    use actorpipe::actors::fabric::FabricStats;
+    use actorpipe::actors::hardware::efa::FabricStats;
     use efa_support::*;
     let addr = actorpipe::metrics::serve("127.0.0.1:0".parse().unwrap()).unwrap();
     actix::System::new().block_on(async {
         let (a, b) = endpoints(
             "shm",
-            config(actorpipe::fabric::faults::Faults::NONE, false),
+            config(actorpipe::backend::efa::faults::Faults::NONE, false),
         )
         .await;
         let (tx, rx) = pipe(&a, &b).await;

@@ -34,7 +34,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use actix::Addr;
-use actorpipe::transport::tcp::Keepalive;
+use actorpipe::backend::tcp::Keepalive;
 use actorpipe::*;
 use common::*;
 

@@ -8,7 +8,7 @@ mod common;
 use std::io::IoSlice;
 use std::sync::Arc;
 
-use actorpipe::transport::shm::{ring, Shm};
+use actorpipe::backend::shm::{ring, Shm};
 use actorpipe::*;
 use common::*;
 

@@ -258,11 +258,11 @@ fn dgx_a100_gpu_n_starts_on_mlx5_n_and_never_on_a_storage_hca() {
 }
 
 /// Which links each GPU's tensors take once paired with a peer (feature `ibv`: the channel's
-/// table, [`actorpipe::channel::ibv::placement::GpuLinks`]).
+/// table, [`actorpipe::backend::ibv::channel::placement::GpuLinks`]).
 #[cfg(feature = "ibv")]
 #[test]
 fn a_gpus_tensors_take_the_links_of_its_nics_that_the_peer_reaches() {
-    use actorpipe::channel::ibv::placement::GpuLinks;
+    use actorpipe::backend::ibv::channel::placement::GpuLinks;
     let (_tree, t, gpus) = dgx1();
     let devices = names(&["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]);
     let table = GpuLinks::compute(&t, &devices, &gpus);

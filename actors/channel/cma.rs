@@ -3,7 +3,7 @@
 //! read falls back to streaming the bytes there.
 
 use super::*;
-use crate::channel::cma::{self, CmaError, RemoteBuffer};
+use crate::backend::cma::{self, CmaError, RemoteBuffer};
 
 /// The outcome of a cma read on a blocking thread.
 struct CmaRead {

@@ -1,6 +1,6 @@
 //! The `cuda_basic` side of the channel actor (feature `cuda`): CUDA tensors through pinned host
 //! staging buffers over the channel's own connection (the pipe's transport: TCP between hosts),
-//! with the legs of [`crate::channel::cuda_basic`].
+//! with the legs of [`crate::backend::cuda_basic`].
 //!
 //! - **Sending.** A device tensor is copied device-to-host in chunks of [`CHUNK`] bytes into
 //!   pinned buffers, on a stream of the channel's per device that first waits on the tensor's
@@ -21,7 +21,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use super::*;
-use crate::channel::cuda_basic::{self as engine, CHUNK, DEPTH};
+use crate::backend::cuda_basic::{self as engine, CHUNK, DEPTH};
 use crate::cuda::{PinnedBuf, StreamLease};
 use crate::message::Buffer;
 

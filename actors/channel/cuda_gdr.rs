@@ -1,6 +1,6 @@
 //! The `cuda_gdr` side of the channel actor (features `cuda` and `ibv`): CUDA tensors by RDMA
-//! write between registered buffers (`src/channel/cuda_gdr.rs`). The queue pair, its bootstrap,
-//! its watch and the protocol are the `ibv` channel's ([`super::ibv`], `src/channel/ibv/`);
+//! write between registered buffers (`src/backend/cuda_gdr/mod.rs`). The queue pair, its bootstrap,
+//! its watch and the protocol are the `ibv` channel's ([`super::ibv`], `src/backend/ibv/channel/`);
 //! this file adds what CUDA memory needs around them:
 //!
 //! - **Sending.** A tensor in GPU memory goes to the queue pair only once its stream has run the
@@ -21,11 +21,11 @@ use std::collections::{HashMap, VecDeque};
 
 use super::cuda_xth::{post, post_when_done};
 use super::*;
-use crate::channel::ibv::core::{Finished, RdmaBuf};
-use crate::channel::ibv::placement::sender_gpu;
-use crate::channel::ibv::{self as chan};
+use crate::backend::ibv::channel::core::{Finished, RdmaBuf};
+use crate::backend::ibv::channel::placement::sender_gpu;
+use crate::backend::ibv::channel::{self as chan};
+use crate::backend::ibv::MIN_OP_BYTES;
 use crate::message::Buffer;
-use crate::verbs::MIN_OP_BYTES;
 
 /// A sent tensor's stream has run the work queued before its write.
 #[derive(Debug)]
@@ -195,7 +195,7 @@ fn landed(f: Finished, landing: Option<Landing>, reply: Option<&CudaReply>) {
     }
     let (gpu, stream) = (c.gpu().clone(), c.stream().clone());
     let event =
-        crate::channel::cuda_gdr::flush_rdma_writes(&gpu).and_then(|_| gpu.recorded(&stream));
+        crate::backend::cuda_gdr::flush_rdma_writes(&gpu).and_then(|_| gpu.recorded(&stream));
     match event {
         Err(e) => post(tx, done(buffer, None, Err(e))),
         Ok(ev) if data_complete => {

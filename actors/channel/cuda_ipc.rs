@@ -1,6 +1,6 @@
 //! The `cuda_ipc` side of the channel actor (feature `cuda`): CUDA tensors between two
 //! processes of one host, through CUDA IPC handles (seed 002; the engine is
-//! [`crate::channel::cuda_ipc`]).
+//! [`crate::backend::cuda_ipc`]).
 //!
 //! - **Sending.** The pipe exports the tensor when it writes the descriptor (the ready event
 //!   recorded on the tensor's stream, the allocation's handle from the context's cache for the
@@ -25,8 +25,8 @@ use std::collections::HashMap;
 
 use super::*;
 use crate::actors::hardware::cuda_ipc::IpcCaches;
-use crate::channel::cuda_ipc::{self as engine, IpcTensor, Outgoing};
-use crate::channel::cuda_xth::End;
+use crate::backend::cuda_ipc::{self as engine, IpcTensor, Outgoing};
+use crate::backend::cuda_xth::End;
 use crate::message::Buffer;
 
 /// The state of a `cuda_ipc` channel.

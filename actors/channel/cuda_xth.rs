@@ -1,5 +1,5 @@
 //! The `cuda_xth` side of the channel actor (feature `cuda`): CUDA tensors between two contexts
-//! of one process, through the rendezvous of [`crate::channel::cuda_xth`].
+//! of one process, through the rendezvous of [`crate::backend::cuda_xth`].
 //!
 //! The sender records a *ready* event on the tensor's stream (no CPU wait) and parks its buffer;
 //! the receiver parks its destination and stream. Whichever arrives second queues one copy on the
@@ -13,7 +13,7 @@
 use std::sync::Mutex;
 
 use super::*;
-use crate::channel::cuda_xth::{self as engine, End, Key, Sent, Wanted};
+use crate::backend::cuda_xth::{self as engine, End, Key, Sent, Wanted};
 use crate::cuda::{CudaStream, Event};
 use crate::message::Buffer;
 
@@ -48,7 +48,7 @@ pub(crate) struct SendCuda {
     pub index: u32,
     pub buffer: Buffer,
     /// For `cuda_ipc`: what the pipe exported for the descriptor (`None` for an empty tensor).
-    pub ipc: Option<crate::channel::cuda_ipc::Outgoing>,
+    pub ipc: Option<crate::backend::cuda_ipc::Outgoing>,
 }
 
 impl Message for SendCuda {

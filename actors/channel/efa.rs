@@ -1,4 +1,4 @@
-//! The `efa` side of the channel actor (feature `efa`, see [`crate::channel::efa`]): set-up
+//! The `efa` side of the channel actor (feature `efa`, see [`crate::backend::efa::channel`]): set-up
 //! over the channel's lane of the data path ([`Path`]: tagged sends and receives posted on the
 //! context's endpoint actor straight from and into the held buffers, chunked at the agreed
 //! size), which the pipe then drives itself; this actor watches the lane, writes the
@@ -34,9 +34,9 @@ use std::pin::Pin;
 use std::task::Poll;
 
 use super::*;
-use crate::actors::fabric::{EndpointInfo, FabricAttach, FabricDescribe, FabricShare};
-use crate::channel::efa::pair_domains;
-use crate::fabric::tag;
+use crate::actors::hardware::efa::{EndpointInfo, FabricAttach, FabricDescribe, FabricShare};
+use crate::backend::efa::channel::pair_domains;
+use crate::backend::efa::tag;
 use crate::message::Payload;
 use actix::fut::wrap_future;
 
@@ -177,7 +177,7 @@ impl Channel {
         f.infos = infos;
         f.rendezvous = f.infos.iter().flatten().any(|i| {
             let provider = &i.attributes.provider;
-            !crate::fabric::keeps_unexpected(provider)
+            !crate::backend::efa::keeps_unexpected(provider)
         });
         f.step = Step::Hello;
         let list = encode_domains(&f.infos.iter().flatten().collect::<Vec<_>>());

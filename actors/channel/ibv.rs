@@ -1,21 +1,21 @@
 //! The `ibv` side of the channel actor (feature `ibv`): the pipe's tensors by RDMA write into
-//! the receiver's registered buffer (`src/channel/ibv/`). The actor owns the channel's queue
+//! the receiver's registered buffer (`src/backend/ibv/channel/`). The actor owns the channel's queue
 //! pairs (through [`Rdma`]: one per device, usually one), bootstraps them over its one lane,
 //! wakes on each completion queue's descriptor and on the lane's hang-up, and hands every
 //! finished tensor back to the pipe. With several devices (links), a large tensor is cut into
 //! mpt's stripes, one per link, held here until every stripe is back. `cuda_gdr`
 //! (cuda_gdr.rs) runs on the same queue pairs; its GPU tensors take the links of their GPU's
-//! NICs ([`crate::channel::ibv::placement`]), striped the same way.
+//! NICs ([`crate::backend::ibv::channel::placement`]), striped the same way.
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
 use super::*;
-use crate::channel::ibv::core::{Finished, Rdma, RdmaBuf};
-use crate::channel::ibv::placement::GpuLinks;
-use crate::channel::ibv::{self as chan, Event, IbvChannel};
+use crate::backend::ibv::channel::core::{Finished, Rdma, RdmaBuf};
+use crate::backend::ibv::channel::placement::GpuLinks;
+use crate::backend::ibv::channel::{self as chan, Event, IbvChannel};
+use crate::backend::ibv::LinkLayer;
 use crate::handshake::Halves;
-use crate::verbs::LinkLayer;
 
 /// A tensor waiting for the bootstrap.
 struct Parked {
@@ -114,7 +114,7 @@ impl IbvSide {
     /// Places this host's GPUs on the devices (`cuda_gdr`): each GPU's tensors take its NICs.
     #[cfg(feature = "cuda")]
     pub(super) fn place_gpus(&mut self) {
-        self.gpus = crate::channel::cuda_gdr::gpu_links(&self.backend, &self.names);
+        self.gpus = crate::backend::cuda_gdr::gpu_links(&self.backend, &self.names);
     }
 
     /// The links (indices into `links`) a tensor takes: those of its sender's GPU's NICs (by
@@ -274,7 +274,7 @@ impl Channel {
             }
         };
         let stripes: Vec<(u32, u64, u64)> =
-            crate::channel::mpt::stripes(buffer.len() as u64, chosen.len() as u32).collect();
+            crate::backend::mpt::stripes(buffer.len() as u64, chosen.len() as u32).collect();
         if stripes.len() <= 1 {
             return put(&links[first], buffer);
         }

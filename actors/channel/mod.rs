@@ -4,7 +4,7 @@
 //!   tickets the pipe reserved, so they land exactly where the pipe ordered them. The pipe
 //!   queues these on its connection itself and gets their completions directly: they never
 //!   reach this actor, which for `basic` has nothing to do.
-//! - `xth`: one copy through the process-wide table of [`crate::channel::xth`].
+//! - `xth`: one copy through the process-wide table of [`crate::backend::xth`].
 //! - `cma`: the receiver reads the sender's memory with `process_vm_readv` (on a blocking thread)
 //!   and acknowledges on the channel's side connection; the sender hands the buffer back on the
 //!   ack. If the read is refused at run time (EPERM, ENOSYS: ptrace rules, seccomp), the receiver
@@ -145,7 +145,7 @@ pub struct Channel {
     origin: Origin,
     held: KeyMap<HeldKey, Held>,
     /// Parked xth tensors, with their direction (`true` when sending).
-    xth_keys: Vec<(bool, crate::channel::xth::Key)>,
+    xth_keys: Vec<(bool, crate::backend::xth::Key)>,
     ack_armed: bool,
     /// Where CUDA completions go: the pipe's CUDA queue.
     #[cfg(feature = "cuda")]
@@ -157,7 +157,7 @@ pub struct Channel {
     cuda_rx: Option<mpsc::UnboundedReceiver<CudaDone>>,
     /// Parked CUDA tensors, with their direction (`true` when sending).
     #[cfg(feature = "cuda")]
-    cuda_keys: Vec<(bool, crate::channel::cuda_xth::Key)>,
+    cuda_keys: Vec<(bool, crate::backend::cuda_xth::Key)>,
     /// The `cuda_ipc` channel's state.
     #[cfg(feature = "cuda")]
     ipc: Option<cuda_ipc::IpcSide>,
@@ -268,7 +268,7 @@ impl Channel {
     #[cfg(feature = "efa")]
     pub(crate) fn with_fabric(
         mut self,
-        port: crate::channel::efa::ChannelPort,
+        port: crate::backend::efa::channel::ChannelPort,
     ) -> (Self, efa::SharedPath) {
         let (path, grants) = efa::Path::new(port, self.reply.clone(), self.origin.clone());
         self.fabric = Some(efa::EfaSide::new(path.clone(), grants));
@@ -286,7 +286,7 @@ impl Channel {
     #[cfg(feature = "ibv")]
     pub(crate) fn with_ibv(
         mut self,
-        backend: &crate::channel::ibv::IbvChannel,
+        backend: &crate::backend::ibv::channel::IbvChannel,
         lanes: Vec<crate::handshake::Halves>,
     ) -> Self {
         self.ibv = Some(ibv::IbvSide::new(backend, lanes, &self.origin));
@@ -741,7 +741,7 @@ impl Handler<StopChannel> for Channel {
         for (_, k) in &self.xth_keys {
             // Every key gets exactly one completion through our queue: from the withdrawal,
             // or from the other side if it got there first. Either way `on_own` removes the key.
-            crate::channel::xth::withdraw(*k, &e);
+            crate::backend::xth::withdraw(*k, &e);
         }
         #[cfg(feature = "cuda")]
         self.withdraw_cuda(&e);

@@ -24,7 +24,7 @@ impl Channel {
         // Shared bytes come only with `sending`: regions of them are written from, never into.
         let base = buffer.base_ptr();
         let mut out = 0;
-        for (lane, offset, n) in crate::channel::mpt::stripes(len, lanes) {
+        for (lane, offset, n) in crate::backend::mpt::stripes(len, lanes) {
             // SAFETY: the stripes are disjoint ranges inside `buffer`, whose heap memory stays
             // in `self.held` untouched until every stripe's operation has completed (`release`
             // waits for `out == 0`, and a stopping channel waits for `held` to empty).

@@ -1,18 +1,18 @@
 //! The `xth` side of the channel actor: buffers parked in the process-wide table of
-//! [`crate::channel::xth`]; whichever side arrives second copies once.
+//! [`crate::backend::xth`]; whichever side arrives second copies once.
 
 use super::*;
 
 impl Channel {
     pub(super) fn send_xth(&mut self, pipe: u64, m: SendTensor) {
-        let key = crate::channel::xth::Key {
+        let key = crate::backend::xth::Key {
             sender: pipe,
             seq: m.seq,
             index: m.index,
         };
         self.xth_keys.push((true, key));
         let reply = self.own();
-        crate::channel::xth::send(key, m.buffer, reply);
+        crate::backend::xth::send(key, m.buffer, reply);
     }
 
     pub(super) fn recv_xth(&mut self, m: RecvTensor) {
@@ -30,13 +30,13 @@ impl Channel {
                 })
             }
         };
-        let key = crate::channel::xth::Key {
+        let key = crate::backend::xth::Key {
             sender,
             seq: m.seq,
             index: m.index,
         };
         self.xth_keys.push((false, key));
         let reply = self.own();
-        crate::channel::xth::recv(key, m.buffer, reply, &self.origin);
+        crate::backend::xth::recv(key, m.buffer, reply, &self.origin);
     }
 }

@@ -26,8 +26,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use actix::prelude::*;
 
-use crate::cuda::cache::{Key, Lru, Operation, Stats};
-use crate::cuda::ipc::{self, Exported, NotExportable, Opened, RemoteEvent, HANDLE_LEN};
+use crate::backend::cuda_ipc::cache::{Key, Lru, Operation, Stats};
+use crate::backend::cuda_ipc::ipc::{
+    self, Exported, NotExportable, Opened, RemoteEvent, HANDLE_LEN,
+};
 use crate::cuda::{gpu, sys, Gpu};
 
 /// Entries each map of a cache keeps by default.
@@ -66,7 +68,7 @@ pub struct Shared {
     /// The handles.
     pub cache: IpcCache,
     /// Exportable copies of pool memory.
-    pub staging: crate::channel::cuda_ipc::Staging,
+    pub staging: crate::backend::cuda_ipc::Staging,
 }
 
 /// The actor of one context and device: owns its [`Shared`] state.

@@ -4,3 +4,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda_ipc;
+#[cfg(feature = "efa")]
+pub mod efa;
+#[cfg(feature = "ibv")]
+pub(crate) mod queue_pair;

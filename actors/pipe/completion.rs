@@ -53,7 +53,7 @@ impl<T> Calls<T> {
         // use instead (the pipe then fails with `Closed`).
         // From a loop on the runtime's queue, inside the thread's spare `LocalSet`, where
         // `actix::spawn` works as on the arbiter's.
-        let call = || crate::transport::placement::in_spare_local(|| (*f)(v));
+        let call = || crate::actors::placement::in_spare_local(|| (*f)(v));
         if catch_unwind(AssertUnwindSafe(call)).is_err() {
             self.broken.store(true, Ordering::Relaxed);
             tracing::error!("the standing receive's handler panicked: the pipe fails");

@@ -33,13 +33,13 @@ use super::channel::{Channel, ChannelKind, Queue, RecvTensor, SendTensor, StopCh
 use super::connection::{Connection, Link, Queue as ConnQueue, Queues, Shutdown};
 use super::context::Config;
 use super::messages::*;
-use crate::channel::cma::RemoteBuffer;
+use crate::actors::placement::Wanted;
+use crate::backend::cma::RemoteBuffer;
 use crate::error::{Error, Origin};
 use crate::handshake::Halves;
 use crate::message::{Allocation, Buffer, Descriptor, Message, Payload, Tensor};
 use crate::metrics::{OpKind, PipeMetrics};
 use crate::negotiate::{Choice, DevicePair};
-use crate::transport::placement::Wanted;
 use crate::transport::stream::{
     inline_len, unexpected, Done, Farewell, InOp, Inline, Memory, OutOp, Parking, Reply,
 };
@@ -162,7 +162,7 @@ pub struct Pipe {
     #[cfg(feature = "cuda")]
     ipc: Option<Arc<crate::actors::hardware::cuda_ipc::IpcCaches>>,
     #[cfg(feature = "cuda")]
-    ipc_out: Vec<Option<crate::channel::cuda_ipc::Outgoing>>,
+    ipc_out: Vec<Option<crate::backend::cuda_ipc::Outgoing>>,
     conn: Option<(Addr<Connection>, Link)>,
     channels: Vec<Addr<Channel>>,
     fallbacks: Arc<AtomicU64>,

@@ -15,12 +15,12 @@ pub(crate) struct PipeParts {
 
 /// The context's endpoint for a new pipe's `efa` channel.
 #[cfg(feature = "efa")]
-fn efa_port(config: &Config, origin: &Origin) -> crate::channel::efa::ChannelPort {
+fn efa_port(config: &Config, origin: &Origin) -> crate::backend::efa::channel::ChannelPort {
     config
         .channels
         .iter()
         .find_map(|(c, _)| c.fabric_port())
-        .unwrap_or_else(|| crate::channel::efa::ChannelPort {
+        .unwrap_or_else(|| crate::backend::efa::channel::ChannelPort {
             endpoint: Err(Error::protocol(
                 "internal: the efa channel was negotiated but this context has none",
                 origin,
@@ -137,12 +137,12 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                     chunk_size,
                     inline_max: config
                         .cma_inline_max
-                        .unwrap_or_else(|| crate::channel::cma::inline_max(&choice.transport)),
+                        .unwrap_or_else(|| crate::backend::cma::inline_max(&choice.transport)),
                 },
                 "mpt" => ChannelKind::Mpt {
                     chunk_size,
-                    inline_max: backend_of::<crate::channel::mpt::Mpt>(config, "mpt")
-                        .map_or(crate::channel::mpt::INLINE_MAX, |b| b.inline_max),
+                    inline_max: backend_of::<crate::backend::mpt::Mpt>(config, "mpt")
+                        .map_or(crate::backend::mpt::INLINE_MAX, |b| b.inline_max),
                 },
                 #[cfg(feature = "cuda")]
                 "cuda_xth" => ChannelKind::CudaXth { pipe: id },
@@ -156,13 +156,15 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                 "ibv" => ChannelKind::Ibv {
                     chunk_size,
                     inline_max: ibv_backend(config)
-                        .map_or(crate::channel::ibv::MIN_INLINE, |b| b.inline_max()),
+                        .map_or(crate::backend::ibv::channel::MIN_INLINE, |b| b.inline_max()),
                 },
                 #[cfg(feature = "efa")]
                 "efa" => ChannelKind::Efa {
                     chunk_size,
-                    inline_max: backend_of::<crate::channel::efa::Efa>(config, "efa")
-                        .map_or(crate::channel::efa::INLINE_MAX, |b| b.inline_limit()),
+                    inline_max: backend_of::<crate::backend::efa::channel::Efa>(config, "efa")
+                        .map_or(crate::backend::efa::channel::INLINE_MAX, |b| {
+                            b.inline_limit()
+                        }),
                 },
                 // Negotiation only offers what this build has; everything else is basic (and
                 // a channel of another device pair run as basic is never routed to: `Routes`).
@@ -338,7 +340,7 @@ fn backend_of<T: Clone + 'static>(config: &Config, name: &str) -> Option<T> {
 
 /// The context's `ibv` channel backend.
 #[cfg(feature = "ibv")]
-fn ibv_backend(config: &Config) -> Option<crate::channel::ibv::IbvChannel> {
+fn ibv_backend(config: &Config) -> Option<crate::backend::ibv::channel::IbvChannel> {
     backend_of(config, "ibv")
 }
 
@@ -348,11 +350,11 @@ fn ibv_backend(config: &Config) -> Option<crate::channel::ibv::IbvChannel> {
 fn queue_pair_backend(
     kind: ChannelKind,
     config: &Config,
-) -> Option<(crate::channel::ibv::IbvChannel, bool)> {
+) -> Option<(crate::backend::ibv::channel::IbvChannel, bool)> {
     match kind {
         ChannelKind::Ibv { .. } => ibv_backend(config).map(|b| (b, false)),
         #[cfg(feature = "cuda")]
-        ChannelKind::CudaGdr => backend_of::<crate::channel::cuda_gdr::CudaGdr>(config, "cuda_gdr")
+        ChannelKind::CudaGdr => backend_of::<crate::backend::cuda_gdr::CudaGdr>(config, "cuda_gdr")
             .map(|g| (g.ibv().clone(), true)),
         _ => None,
     }

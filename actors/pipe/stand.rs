@@ -71,7 +71,7 @@ impl Pipe {
                 // A read loop on the runtime's queue (following it, or `loops_on_runtime`)
                 // calls it there: spawns made in it go to the thread's spare `LocalSet`
                 // (`transport::placement`), polled from this one. Made once per thread.
-                crate::transport::placement::prepare_spare_local();
+                crate::actors::placement::prepare_spare_local();
                 if let Some(wanted) = &self.read_roams {
                     wanted.set(true);
                 }

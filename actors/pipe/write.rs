@@ -133,7 +133,7 @@ impl Pipe {
                     #[cfg(all(feature = "cuda", feature = "ibv"))]
                     if routing.kind(routes[i] as usize) == Some(ChannelKind::CudaGdr) {
                         let gpu = message.tensors[i].buffer.as_cuda().map(|c| c.device());
-                        data.set(&crate::channel::ibv::placement::gpu_tag(gpu));
+                        data.set(&crate::backend::ibv::channel::placement::gpu_tag(gpu));
                         return routes[i];
                     }
                     // A CUDA channel: cuda_ipc's export, or the pipe id cuda_xth finds the
@@ -289,7 +289,7 @@ impl Pipe {
         seq: u64,
         index: u32,
         buffer: Buffer,
-        ipc: Option<crate::channel::cuda_ipc::Outgoing>,
+        ipc: Option<crate::backend::cuda_ipc::Outgoing>,
     ) {
         self.channels[ch].do_send(super::super::channel::SendCuda {
             seq,
@@ -320,7 +320,7 @@ impl Pipe {
                     let cache = caches.device(b.device())?;
                     let mut shared = cache.lock();
                     let shared = &mut *shared;
-                    match crate::channel::cuda_ipc::send(
+                    match crate::backend::cuda_ipc::send(
                         &mut shared.cache,
                         &mut shared.staging,
                         self.id,

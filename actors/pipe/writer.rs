@@ -499,10 +499,10 @@ pub(super) fn channel_data_len(routes: &Routes, cpu_kind: ChannelKind, ch: usize
     let kind = routes.kind(ch).unwrap_or(cpu_kind);
     match kind {
         ChannelKind::Xth { .. } => 8,
-        ChannelKind::Cma { .. } => crate::channel::cma::REMOTE_BUFFER_LEN,
+        ChannelKind::Cma { .. } => crate::backend::cma::REMOTE_BUFFER_LEN,
         k if k.gives_length() => 8,
         #[cfg(feature = "cuda")]
-        ChannelKind::CudaIpc { .. } => crate::channel::cuda_ipc::IPC_TENSOR_LEN,
+        ChannelKind::CudaIpc { .. } => crate::backend::cuda_ipc::IPC_TENSOR_LEN,
         k if k.carries_cuda() => 8,
         _ => 0,
     }

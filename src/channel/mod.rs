@@ -9,23 +9,6 @@
 //! This module holds what is plain data and arithmetic (offers, chunk planning); the `Channel`
 //! actor in `actors/channel/` drives it.
 
-pub mod basic;
-pub mod cma;
-#[cfg(feature = "cuda")]
-pub mod cuda_basic;
-#[cfg(all(feature = "cuda", feature = "ibv"))]
-pub mod cuda_gdr;
-#[cfg(feature = "cuda")]
-pub mod cuda_ipc;
-#[cfg(feature = "cuda")]
-pub mod cuda_xth;
-#[cfg(feature = "efa")]
-pub mod efa;
-#[cfg(feature = "ibv")]
-pub mod ibv;
-pub mod mpt;
-pub mod xth;
-
 use crate::negotiate::{ChannelOffer, DevicePair};
 
 /// The device pairs a CUDA channel can serve: cuda->cuda, cpu->cuda, cuda->cpu.
@@ -90,7 +73,7 @@ pub trait ChannelBackend: Send + Sync + 'static {
     /// What a new pipe's channel of this kind needs from the context's libfabric endpoint (the
     /// `efa` channel); `None` for every other channel.
     #[cfg(feature = "efa")]
-    fn fabric_port(&self) -> Option<efa::ChannelPort> {
+    fn fabric_port(&self) -> Option<crate::backend::efa::channel::ChannelPort> {
         None
     }
 

@@ -1,5 +1,5 @@
 //! Threads that take shares of a job: the pool behind the shared copies ([`super::copy_spans`])
-//! and the cma channel's multithreaded reads ([`crate::channel::cma::read_remote`]).
+//! and the cma channel's multithreaded reads ([`crate::backend::cma::read_remote`]).
 //!
 //! A job is cut into shares that are claimed with one atomic increment each, by whoever comes
 //! first: the caller, which posts the job and then works on it itself, and the pool's threads,

@@ -18,10 +18,8 @@
 //! - [`devices`]: what `actorpipe info` lists.
 
 mod buffer;
-pub mod cache;
 mod completion;
 mod device;
-pub mod ipc;
 mod pinned;
 mod pool;
 mod watch;

@@ -7,13 +7,8 @@
 //! (epoll on sockets, eventfd through `AsyncFd` for shared memory); no transport runs a busy
 //! thread unless asked to.
 
-#[cfg(feature = "ibv")]
-pub mod ibv;
 pub mod liveness;
-pub mod placement;
-pub mod shm;
 pub mod stream;
-pub mod tcp;
 pub mod turns;
 mod url;
 

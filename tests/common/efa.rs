@@ -4,19 +4,19 @@
 use std::time::{Duration, Instant};
 
 use actix::Addr;
-use actorpipe::actors::fabric::{
+use actorpipe::actors::hardware::efa::{
     EndpointConfig, FabricAttach, FabricDescribe, FabricEndpoint, FabricPost, FabricShare, Poster,
 };
-use actorpipe::fabric::engine::{Finished, Kind, Op};
-use actorpipe::fabric::faults::Faults;
-use actorpipe::fabric::tag::{self, Stream};
+use actorpipe::backend::efa::engine::{Finished, Kind, Op};
+use actorpipe::backend::efa::faults::Faults;
+use actorpipe::backend::efa::tag::{self, Stream};
 use tokio::sync::mpsc;
 
 pub const PROVIDERS: [&str; 2] = ["tcp;ofi_rxm", "shm"];
 
 /// Why a provider cannot be tested here, if it cannot.
 pub fn missing(provider: &str) -> Option<String> {
-    actorpipe::fabric::InfoList::get(Some(provider))
+    actorpipe::backend::efa::InfoList::get(Some(provider))
         .err()
         .map(|e| format!("skipped: libfabric has no {provider} provider here ({e})"))
 }

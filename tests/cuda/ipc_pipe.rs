@@ -5,7 +5,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use actix::Addr;
-use actorpipe::cuda::{self, CudaBuffer};
+use actorpipe::cuda::CudaBuffer;
 use actorpipe::{
     Allocation, Close, Connect, Context, Device, GetInfo, IpcCacheStats, Message, Pipe, Receive,
     Tensor, Write,
@@ -117,7 +117,15 @@ async fn mixed_round_trips(pipe: &Addr<Pipe>, seed: u64) -> Outcome {
 }
 
 /// Our cache counters for device 0: (exports, opened memory).
-async fn stats(s: &common::Server) -> Result<(cuda::cache::Stats, cuda::cache::Stats), Failed> {
+async fn stats(
+    s: &common::Server,
+) -> Result<
+    (
+        actorpipe::backend::cuda_ipc::cache::Stats,
+        actorpipe::backend::cuda_ipc::cache::Stats,
+    ),
+    Failed,
+> {
     let (e, o, _) = s
         .ctx
         .send(IpcCacheStats(0))
@@ -230,7 +238,7 @@ pub fn basic_round_trips() -> Outcome {
         .await?;
         mixed_round_trips(&pipe, 0xba5e).await?;
         // Sizes around the chunk boundaries, one at a time.
-        let chunk = actorpipe::channel::cuda_basic::CHUNK;
+        let chunk = actorpipe::backend::cuda_basic::CHUNK;
         for (i, len) in [1, chunk - 1, chunk, chunk + 1, 5 * chunk + 3]
             .into_iter()
             .enumerate()

@@ -21,11 +21,13 @@ use actix::Addr;
 use tokio::sync::mpsc;
 
 use super::super::{check_length, piece_ended, released, tensor_done, Held, HeldKey};
-use crate::actors::fabric::{FabricDetach, FabricEndpoint, FabricQuarantine, Poster, RegionOp};
-use crate::channel::efa::ChannelPort;
+use crate::actors::hardware::efa::{
+    FabricDetach, FabricEndpoint, FabricQuarantine, Poster, RegionOp,
+};
+use crate::backend::efa::channel::ChannelPort;
+use crate::backend::efa::engine::{Finished, Kind, Region};
+use crate::backend::efa::tag::{self, Stream as TagStream};
 use crate::error::{Error, Origin};
-use crate::fabric::engine::{Finished, Kind, Region};
-use crate::fabric::tag::{self, Stream as TagStream};
 use crate::keymap::KeyMap;
 use crate::transport::stream::{Done, Memory, Reply};
 use crate::wire::Ack;
@@ -118,7 +120,7 @@ pub(crate) struct Path {
     /// Our endpoints: the transport's domain first, then the further ones.
     pub(super) eps: Vec<Addr<FabricEndpoint>>,
     /// What each said of itself (`None`: not yet, or it stopped: left out).
-    pub(super) infos: Vec<Option<crate::actors::fabric::EndpointInfo>>,
+    pub(super) infos: Vec<Option<crate::actors::hardware::efa::EndpointInfo>>,
     /// Descriptions still awaited.
     pub(super) describing: usize,
     pub(super) step: Step,
@@ -274,11 +276,11 @@ impl Path {
         // One list of ops per link, reused from tensor to tensor (no allocation per tensor).
         let mut posts = std::mem::take(&mut self.posts);
         posts.resize_with(self.links.len(), Vec::new);
-        let stripes = crate::channel::mpt::stripes(len as u64, self.links.len() as u32);
+        let stripes = crate::backend::mpt::stripes(len as u64, self.links.len() as u32);
         for (k, start, n) in stripes {
             let l = &mut self.links[k as usize];
             let start = start as usize;
-            for (offset, n) in crate::channel::efa::chunks(n as usize, self.chunk) {
+            for (offset, n) in crate::backend::efa::channel::chunks(n as usize, self.chunk) {
                 let (kind, t) = if sending {
                     let t = tag::make(TagStream::Tensor, l.peer_pipe, l.send_seq);
                     l.send_seq = l.send_seq.wrapping_add(1);
@@ -495,7 +497,7 @@ impl futures_core::Stream for PathEnds {
 /// to or from the peer's process fails, which for buffers the runtime holds means that process
 /// is gone) is `PeerClosed`, as on every other backend; anything else is an I/O error naming
 /// the provider. The provider's text stays in the reason either way.
-fn chunk_error(e: crate::fabric::FabricError, origin: &Origin) -> Error {
+fn chunk_error(e: crate::backend::efa::FabricError, origin: &Origin) -> Error {
     let lost = [
         libc::ENOTCONN,
         libc::ECONNRESET,
@@ -513,7 +515,7 @@ fn chunk_error(e: crate::fabric::FabricError, origin: &Origin) -> Error {
             origin: origin.clone(),
         };
     }
-    crate::actors::fabric::fabric_error(e, origin)
+    crate::actors::hardware::efa::fabric_error(e, origin)
 }
 
 /// The error of a tensor whose endpoint stopped.

@@ -324,7 +324,7 @@ pub async fn read_loop(
     let mut halted = false;
     let mut halt = Halt::new(stop);
     let pulse = Pulse::new();
-    let give_way = crate::transport::shm::halves::spins(&**r.get_ref());
+    let give_way = crate::backend::shm::halves::spins(&**r.get_ref());
     if heartbeat.is_some() {
         // Count every byte the stream delivers from now on as a sign of life (bytes already
         // buffered by the handshake are not, but they were received just now anyway).

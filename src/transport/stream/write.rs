@@ -56,7 +56,7 @@ async fn write_op(
         } => {
             let buffer = memory.as_slice();
             for (offset, len) in
-                crate::channel::basic::chunks(buffer.len() as u64, *chunk_size as u64)
+                crate::backend::basic::chunks(buffer.len() as u64, *chunk_size as u64)
             {
                 scratch.clear();
                 encode_chunk_header(scratch, *seq, *index, base + offset, len);

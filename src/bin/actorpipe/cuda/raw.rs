@@ -14,7 +14,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use actorpipe::cuda::ipc::{self, Opened, RemoteEvent, HANDLE_LEN};
+use actorpipe::backend::cuda_ipc::ipc::{self, Opened, RemoteEvent, HANDLE_LEN};
 use actorpipe::cuda::{self, CudaBuffer, Event, Gpu, StreamLease};
 
 use crate::failure::Failure;
