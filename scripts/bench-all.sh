@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs every benchmark that docs/performance.md reports, one after the other, and prints the
-# tables (Markdown) as they come. Run it on an idle machine:
+# Runs the transport, channel, pipe, idle and copy benchmarks of docs/performance.md, one after
+# the other, and prints the tables (Markdown) as they come. Run it on an idle machine:
 #
 #   bash scripts/bench-all.sh | tee bench.md
 #
