@@ -285,7 +285,7 @@ impl ContextBuilder {
     /// [`PipeWriter`](crate::PipeWriter) writes in place. Off by default: every message handed to
     /// an actor then crosses from one scheduler to the other and costs more (in spin mode,
     /// `Shm::with_spin`, a 64 B shm round trip to a recipient actor took 3.2–3.6 µs instead of
-    /// 1.8–2.1 µs on 16 cores; docs/performance-limits.md, "The loops on the runtime's
+    /// 1.8–2.1 µs on 16 cores; git history's docs/performance-limits.md, "The loops on the runtime's
     /// queue"). For applications that read through handlers. Only pipes over `tcp` and `shm`
     /// take it: the `efa` and `ibv` streams are driven by actors on the `LocalSet`, and their
     /// loops stay there.
@@ -309,7 +309,7 @@ impl ContextBuilder {
     ///
     /// A handler's messages then skip the `LocalSet`'s layer of scheduling: on 16 cores a 64 B
     /// shm round trip without spin answered by a handler took 1.18× the raw eventfd ring instead
-    /// of 1.26× (medians of 20 runs; docs/performance-limits.md, "Twelfth round"). The handler
+    /// of 1.26× (medians of 20 runs; git history's docs/performance-limits.md, "Twelfth round"). The handler
     /// is called inside a spare `LocalSet` of the thread, polled by a task of the arbiter's:
     /// `actix::spawn`, `Actor::start` and tokio's `spawn_local` work in it as on the arbiter's
     /// `LocalSet`, and what they start runs on the same thread. The loop moves at its next

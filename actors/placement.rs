@@ -6,7 +6,7 @@
 //! message to a handler in place (a standing receive's, `ReceiveAll::calling`) is woken faster
 //! from the runtime's queue: the reactor's wake-up goes straight into that queue, while a task of
 //! the `LocalSet` is woken through the `LocalSet`'s shared queue and the wake-up of the runtime's
-//! main future (docs/performance-limits.md, "Where the runtime queue's gain comes from"). A
+//! main future (git history's docs/performance-limits.md, "Where the runtime queue's gain comes from"). A
 //! loop that hands messages to actors is faster on the `LocalSet`, where they run. So a loop
 //! *roams* ([`spawn_roaming`]): it runs where its [`Wanted`] says, and moves at its next poll
 //! after that changes (the pipe moves its read loop to the runtime's queue while a handler

@@ -1,5 +1,5 @@
 //! What two processes sharing one GPU pay to alternate GPU work, with no actorpipe pipe on the
-//! path (feature `cuda`; docs/performance.md, "Between processes on one GPU").
+//! path (feature `cuda`; docs/performance.md, "CUDA channels").
 //!
 //! This program starts a copy of itself; the two connect over a Unix socket and exchange the
 //! handles of one interprocess event each. Each round trip is two turns, one per process; in a

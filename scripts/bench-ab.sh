@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# A/B of two builds of `actorpipe` on the rows of docs/performance.md: each command runs twice,
-# alternating the old and the new binary, so a slow spell of a shared machine weighs on both.
+# A/B of two builds of `actorpipe` on the transport, channel and pipe rows of
+# docs/performance.md: each command runs twice, alternating the old and the new binary, so a
+# slow spell of a shared machine weighs on both.
 # Run it on an idle machine (it prints the load before each command):
 #
 #   bash scripts/bench-ab.sh OLD_BINARY NEW_BINARY | tee ab.md

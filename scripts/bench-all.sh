@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs every benchmark that docs/performance.md reports, one after the other, and prints the
-# tables (Markdown) as they come. Run it on an idle machine:
+# Runs the transport, channel, pipe, idle and copy benchmarks of docs/performance.md, one after
+# the other, and prints the tables (Markdown) as they come. Run it on an idle machine:
 #
 #   bash scripts/bench-all.sh | tee bench.md
 #
@@ -32,8 +32,8 @@ run bench transport --backend tcp --sizes 64 --iters 20000
 run bench transport --backend tcp --sizes 64 --iters 20000 --api fired
 run bench transport --backend shm --sizes 64 --iters 20000
 run bench transport --backend shm --spin 20 --pin --sizes 64 --iters 20000 --api fired
-# Issue 14's small-message rows, with the standing receive's handler (docs/performance-limits.md,
-# "Eighth round") and with its recipient actor.
+# The small-message rows with a standing receive's handler (`--api handler`) and with its
+# recipient actor (`--api standing`).
 for api in handler standing; do
     run bench transport --backend shm --spin 20 --sizes 64 --rounds 5 --api "$api"
     run bench transport --backend tcp --sizes 64 --rounds 5 --api "$api"

@@ -5,7 +5,7 @@
 //! against the next one it expects, never a peer's free choice, and each map holds only what is
 //! in flight; so SipHash's resistance to chosen keys buys nothing here. It cost about 110
 //! instructions a lookup: some 3,000 instructions per 64 B round trip of `bench efa`'s
-//! `transport` row and 5,800 of its `channel` row (callgrind, docs/efa-measurements.md,
+//! `transport` row and 5,800 of its `channel` row (callgrind, git history's docs/efa-measurements.md,
 //! "Instruction counts"). This one is a multiply and a rotate per word (the `FxHash` of rustc).
 
 use std::collections::HashMap;

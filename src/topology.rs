@@ -3,7 +3,7 @@
 //! On a machine with several GPUs and several RDMA NICs, a GPU should send through the NIC
 //! nearest to it on PCIe: usually the one behind the same PCIe switch. A GPU whose traffic
 //! crosses the host bridge, or the link between CPU sockets, shares that link with everyone
-//! else's, and one NIC used by every GPU is a bottleneck while the others idle (seed 001, "GPU to
+//! else's, and one NIC used by every GPU is a bottleneck while the others idle (hence "GPU to
 //! NIC matching"). This module reads the PCI tree from sysfs, measures the distance between two
 //! devices by their deepest common ancestor, and assigns GPUs to NICs nearest first while
 //! spreading them evenly.

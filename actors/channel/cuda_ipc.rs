@@ -1,5 +1,5 @@
 //! The `cuda_ipc` side of the channel actor (feature `cuda`): CUDA tensors between two
-//! processes of one host, through CUDA IPC handles (seed 002; the engine is
+//! processes of one host, through CUDA IPC handles (the engine is
 //! [`crate::backend::cuda_ipc`]).
 //!
 //! - **Sending.** The pipe exports the tensor when it writes the descriptor (the ready event

@@ -1,6 +1,6 @@
 //! The CUDA IPC handle cache: one actor per context and device owns the handles we exported and
 //! the ones we opened from peers (design card: "CUDA IPC handle caches keyed by peer, tensor and
-//! operation"; seed 002).
+//! operation").
 //!
 //! - **Export** (sending): the allocation holding a tensor is found (`cuMemGetAddressRange`) and
 //!   its buffer id read; a cached export for (peer, buffer id) answers without another

@@ -204,7 +204,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                         config.heartbeat,
                         // Lanes that stripe tensors get cores of their own, but the first:
                         // the pipe's thread moves its share (every lane on the pool measured
-                        // no faster; docs/performance-many-cores.md, "mpt's small tensors
+                        // no faster; git history's docs/performance-many-cores.md, "mpt's small tensors
                         // inline"), and where small tensors are not inline it carries those
                         // whole, which then cross no thread. cma's side connections
                         // (acknowledgements) stay with the pipe.

@@ -110,7 +110,7 @@ impl Pipe {
     /// may write) with the writers inside: a write a `PipeWriter` hands over meanwhile is taken
     /// in when `f` returns, not a turn of the thread later through the mailbox. A handler that
     /// answers a message with tensors in place writes that way (on the VM, 2 µs from the
-    /// handler to the post before: docs/efa-measurements.md, "A handler's write without the
+    /// handler to the post before: git history's docs/efa-measurements.md, "A handler's write without the
     /// mailbox").
     pub(super) fn writers_inside(
         &mut self,

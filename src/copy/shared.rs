@@ -1,6 +1,6 @@
 //! Large copies shared among a few threads of the process.
 //!
-//! One thread copies 64 MiB at 6–8 GB/s on the 16-core machine of docs/performance.md ("Large
+//! One thread copies 64 MiB at 6–8 GB/s on the 16-core machine of git history's docs/performance-many-cores.md ("Large
 //! copies shared among copy threads"), where four threads copy 48 GB/s and eight 82 GB/s
 //! (`actorpipe bench copy`): a large copy made by one thread leaves most of the memory system
 //! idle, and holds its thread (a context's arbiter, with every pipe on it) for the whole copy.

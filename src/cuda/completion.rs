@@ -1,4 +1,4 @@
-//! [`CudaCompletion`]: the CUDA-aware completion of a read (seed 003).
+//! [`CudaCompletion`]: the CUDA-aware completion of a read, as PyTorch's CUDA-aware futures are.
 //!
 //! A read of CUDA tensors completes (its `ReadDone` is sent) as soon as the copies are
 //! *enqueued*. The completion then carries one event per device the read touched, recorded right

@@ -5,7 +5,7 @@
 //! a driver thread has run it, so the copy after it waits, and the context stays busy, which
 //! between processes sharing a GPU (time-sliced contexts, no MPS) delays the other process's
 //! work until the time slice ends. Measured on an H100 (`examples/cuda_ipc_floor.rs`, two
-//! processes alternating a 4 KiB copy; docs/performance.md "Between processes on one GPU"): a
+//! processes alternating a 4 KiB copy; docs/performance.md, "CUDA channels"): a
 //! host function per turn instead of a synchronized event made the round trip 1.8x as long
 //! without MPS and 3.7x with it.
 //!

@@ -9,7 +9,7 @@
 //! it is polled again. A loop on the runtime's queue (`ContextBuilder::loops_on_runtime`) that
 //! wakes itself the same way is polled again straight away, up to 61 times (the runtime's event
 //! interval) before the `LocalSet` gets its next turn: in spin mode an actor waited about 60
-//! busy polls of 1 µs for each message (docs/performance.md, "The loops on the runtime's
+//! busy polls of 1 µs for each message (git history's docs/performance-limits.md, "The loops on the runtime's
 //! queue").
 //!
 //! [`on_runtime_queue`] marks such a loop while it is polled, and [`let_actors_run`] gives way

@@ -99,7 +99,7 @@ fn device_from(code: u64) -> Result<Device, WireError> {
 // The MessagePack these frames use (unsigned ints, arrays, bin, nil), written and read by hand:
 // the same bytes as rmp's writers (each value in its smallest form) and the same inputs
 // accepted as rmp's readers, without their generic reader and writer and error plumbing, which
-// took about a third of a 64 B message's encode and decode (docs/performance.md, "Sixth
+// took about a third of a 64 B message's encode and decode (git history's docs/performance-limits.md, "Sixth
 // round"). `descriptor_encoders_agree` and `hand_msgpack_matches_rmp` hold them to rmp.
 
 #[inline(always)]

@@ -3,7 +3,7 @@
 //! and the pipe, which hands it tensors and reads its ends itself: an in-place tensor crosses
 //! no mailbox between the two actors (before 2026-11-28 each tensor went to the channel actor
 //! as a message, and each end came back through it: two hand-overs of the executor's a tensor,
-//! docs/efa-measurements.md, "An in-place tensor without the channel actor").
+//! git history's docs/efa-measurements.md, "An in-place tensor without the channel actor").
 //!
 //! Both actors run on the pipe's thread, so the path is an `Rc<RefCell<_>>`. Nothing it does
 //! calls back into either actor: what it hands back goes to the pipe's completion queue, or

@@ -22,7 +22,7 @@
 //! through the mailbox boxed an envelope per kick and queued it: about 600 instructions a kick
 //! (malloc and free, the queue, the mailbox's dispatch) against some 300 now (the flag, the
 //! wake-up, the future's polls), and a 64 B round trip without spin makes 4 (`transport`) to 6
-//! (`channel`) kicks (callgrind, docs/efa-measurements.md, "Instruction counts").
+//! (`channel`) kicks (callgrind, git history's docs/efa-measurements.md, "Instruction counts").
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};

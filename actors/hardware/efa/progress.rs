@@ -18,7 +18,7 @@ const QUIET_SHARE: u32 = 8;
 /// lands after a quiet of `q` waits at most `q / 8` (or `max_sleep`) to be read: a 1 MiB
 /// tensor's round trip on the `shm` provider, whose sides wait a few hundred microseconds each
 /// for the other's copy, took eight times the raw ping-pong while every poll past the window
-/// slept 1 ms (docs/efa-measurements.md, "Between 64 B and 64 MiB"). In steady idleness it is
+/// slept 1 ms (git history's docs/efa-measurements.md, "Between 64 B and 64 MiB"). In steady idleness it is
 /// `max_sleep`, as before: the idle cost did not move.
 pub(super) fn poll_sleep(config: &EndpointConfig, quiet: Duration) -> Duration {
     let least = config.min_sleep.max(Duration::from_micros(1));
@@ -118,7 +118,7 @@ impl Progress {
     /// second passes, and one came between a reader handing a message to a recipient actor
     /// and that actor's turn (on `tcp;ofi_rxm` a pass costs microseconds: its sockets are read).
     /// The CQ is still read on every turn that follows no reader's pass (a reader busy
-    /// copying a large message makes none). Measured in docs/efa-measurements.md, "A recipient
+    /// copying a large message makes none). Measured in git history's docs/efa-measurements.md, "A recipient
     /// actor's turn without a pass before it" (64 MiB level in spin mode, against 6-8 %
     /// slower on `shm` in one call of three when the readers made one pass a poll: "A reader
     /// that reads the CQ itself").

@@ -62,7 +62,7 @@ pub const READER_BURST: Duration = Duration::from_micros(2);
 /// work up to 2 µs. An in-place tensor makes several such hand-overs (the pipe, the channel
 /// actor, the endpoint's ends): on 16 cores its 64 B to 16 KiB round trips on `shm` took
 /// 1.7–1.8 times as long as with no bursts at all, and under the channel's rendezvous 2.6–2.9
-/// times (on `tcp;ofi_rxm` 1.1–1.2 and 1.6 times; docs/efa-measurements.md, "A reader's burst
+/// times (on `tcp;ofi_rxm` 1.1–1.2 and 1.6 times; git history's docs/efa-measurements.md, "A reader's burst
 /// only in a quick exchange").
 pub const READER_HOT: Duration = Duration::from_micros(25);
 
@@ -97,7 +97,7 @@ impl Shared {
 /// sender's reader freed, so a stream that flows both ways (a ping-pong, a request and its
 /// answer) sends no credit message at all: each credit message cost its sender a post and a
 /// send completion, and its receiver a completion, a repost and its writer's turn to take them
-/// (measured in docs/efa-measurements.md, "Credits on the reverse stream's tags").
+/// (measured in git history's docs/efa-measurements.md, "Credits on the reverse stream's tags").
 ///
 /// A credit is owed once its buffer's receive has been handed to the engine. Where that receive
 /// waits in the engine's backlog (`-FI_EAGAIN`), a message of the writer's, on another pipe, can
@@ -234,7 +234,7 @@ impl FabricRead {
     ///   executor later (the read loop's future polled from the top, the other tasks). Only in
     ///   a quick exchange ([`READER_HOT`]); otherwise once a poll.
     ///
-    /// Measured in docs/efa-measurements.md, "A reader that keeps looking" and "A recipient
+    /// Measured in git history's docs/efa-measurements.md, "A reader that keeps looking" and "A recipient
     /// actor's turn without a pass before it".
     fn look(&mut self) -> Look {
         if !self.gave_way {

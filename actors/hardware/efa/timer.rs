@@ -120,7 +120,7 @@ mod tests {
             .expect("the timerfd read");
     }
 
-    /// How precise it is is a matter for the benchmarks (docs/efa-measurements.md, "Between
+    /// How precise it is is a matter for the benchmarks (git history's docs/efa-measurements.md, "Between
     /// 64 B and 64 MiB"); this checks that it fires, never early, and that re-arming replaces
     /// the deadline, however loaded the machine.
     #[tokio::test(flavor = "current_thread")]

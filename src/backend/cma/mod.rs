@@ -43,7 +43,7 @@ pub const MAX_THREADS: usize = 64;
 /// them, at least 2 and at most 8. Only the receiver reads, while the sender waits for its
 /// acknowledgement, so a read may take more of the machine than a copy that both sides make at
 /// once. On 16 cores a 128 MiB tensor took 37–44 ms a round trip with 2 threads, 22–23 ms with
-/// 4 and 13–14 ms with 8 (docs/performance-many-cores.md, "Large copies shared among copy
+/// 4 and 13–14 ms with 8 (git history's docs/performance-many-cores.md, "Large copies shared among copy
 /// threads").
 pub fn default_threads(cores: usize) -> usize {
     (cores / 2).clamp(2, 8)

@@ -1,6 +1,6 @@
 //! The bookkeeping of the CUDA IPC handle cache (the actor in `actors/hardware/` drives it).
 //!
-//! Entries are keyed by (peer, allocation, operation) as in seed 002: the peer is the pipe, the
+//! Entries are keyed by (peer, allocation, operation): the peer is the pipe, the
 //! allocation the *exporting* process's buffer id (unique for the life of that process, so a
 //! freed allocation and a new one at the same address never share a key), the operation whether
 //! we export (send) or open (receive). Each entry also keeps the handle bytes it was made for: a

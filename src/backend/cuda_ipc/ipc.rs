@@ -1,5 +1,5 @@
 //! CUDA IPC: handles another process of the same host opens to reach our device memory and
-//! events (seed 002).
+//! events.
 //!
 //! A handle names a whole *allocation*, not a pointer into it: [`export`] finds the allocation
 //! holding a tensor (`cuMemGetAddressRange`), exports its base, and gives the tensor's offset in

@@ -1,4 +1,4 @@
-//! The `cuda_ipc` channel: two processes of one host that see the same GPUs (seed 002).
+//! The `cuda_ipc` channel: two processes of one host that see the same GPUs, through CUDA IPC handles.
 //!
 //! Sending a tensor of `len` bytes at device pointer `p`:
 //!

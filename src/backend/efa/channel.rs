@@ -71,7 +71,7 @@ pub enum Domains {
 pub const DOMAINS_ENV: &str = "ACTORPIPE_EFA_DOMAINS";
 
 /// The largest tensor that travels inline on the control stream by default (see
-/// [`Efa::inline_max`]). Measured on the development VM (docs/efa-measurements.md, "Small
+/// [`Efa::inline_max`]). Measured on the development VM (git history's docs/efa-measurements.md, "Small
 /// tensors inline"): an 8 KiB tensor's round trip in spin mode took 18.1 µs through the
 /// transport against 29.0 µs in place on `tcp;ofi_rxm`, and 8.3 against 11.2 µs on `shm`. At 16
 /// KiB a message no longer reads whole with its frame (16 KiB in all), and in place is faster on

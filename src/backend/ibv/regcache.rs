@@ -1,7 +1,7 @@
 //! A registration cache keyed by address range, and the chunk plan for large RDMA transfers.
 //!
 //! Registering memory pins its pages and programs the HCA's translation tables: a system call
-//! and page-table walk per page, far too slow for every tensor (seed 001: "a setup step").
+//! and page-table walk per page, far too slow for every tensor (a set-up step, not a per-transfer one).
 //! The cache keeps registrations and hands out the one covering a buffer.
 //!
 //! # Invalidation rule

@@ -1,4 +1,4 @@
-//! The send-queue backlog (seed 000: "we first stash it aside") and the completion loop, shared
+//! The send-queue backlog (a request that finds the queue full is stashed aside) and the completion loop, shared
 //! by the `ibv` transport and the `ibv` channel.
 //!
 //! A queue pair's send queue holds `max_send_wr` requests until their completions are polled.

@@ -77,7 +77,7 @@ pub const MIN_STRIPE: u64 = 64 << 10;
 /// ([`Mpt::inline_max`]), as for cma over tcp. On the 16-core machine (2 lanes, each on a thread
 /// of its own) a 128 KiB and a 256 KiB tensor's round trip took 91 and 135 µs inline against
 /// 140–147 and 171–181 µs striped over the lanes; at 512 KiB the two were even and at 1 MiB the
-/// lanes were faster (docs/performance-many-cores.md, "mpt's small tensors
+/// lanes were faster (git history's docs/performance-many-cores.md, "mpt's small tensors
 /// inline").
 pub const INLINE_MAX: u64 = 256 << 10;
 

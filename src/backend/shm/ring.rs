@@ -48,7 +48,7 @@ pub const NT_READ_MIN: usize = (1 << 20) + 1;
 /// peer), so that the producer's copy into the ring and the consumer's copy out of it overlap
 /// instead of taking turns a ring at a time. The consumer starts one piece behind the producer,
 /// so the smaller the piece, the closer a message's time is to one copy's; publishing is one
-/// atomic store. 64 KiB measured best here (docs/performance-limits.md, "Second round").
+/// atomic store. 64 KiB measured best here (git history's docs/performance-limits.md, "Second round").
 pub const PIECE: usize = 64 << 10;
 
 /// How many bytes a large read or write copies before it publishes them, when the process

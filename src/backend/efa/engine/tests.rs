@@ -610,7 +610,7 @@ fn direct_injects_go_at_once_but_never_ahead_of_the_backlog() {
 /// One message whose tag carries credits, sent (posted, then injected) to a receive posted for
 /// its name: the receive ends with that name and those credits, which travel as the message's
 /// remote CQ data, not in its tag (libfabric 1.17's rxm in passthru mode reports every received
-/// tag as 0, and its CQ data intact: `scripts/fi-tags-probe.c`). The efa stream's credits ride
+/// tag as 0, and its CQ data intact: `scripts/fi-tags-probe.c` in git history). The efa stream's credits ride
 /// there.
 fn credits_arrive(provider: &str) {
     let (mut a, pa, mut b, pb) = pair(provider, Faults::NONE);
