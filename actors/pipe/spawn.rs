@@ -166,9 +166,13 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                             b.inline_limit()
                         }),
                 },
-                // Negotiation only offers what this build has; everything else is basic (and
-                // a channel of another device pair run as basic is never routed to: `Routes`).
-                _ => ChannelKind::Basic { chunk_size },
+                // Negotiation picks only names both contexts offer, and a context offers only
+                // this crate's backends (`ChannelBackend` is sealed): what is left is `basic`.
+                // (A CUDA channel of a build without `cuda` is never offered.)
+                name => {
+                    debug_assert_eq!(name, "basic", "a channel this build cannot run");
+                    ChannelKind::Basic { chunk_size }
+                }
             };
             kinds.push(kind);
             // The ibv and cuda_gdr channels bootstrap their queue pair over their lane

@@ -31,8 +31,20 @@ pub fn cuda_pairs() -> [DevicePair; 3] {
     ]
 }
 
+/// Keeps [`ChannelBackend`] implemented only here: the pipe runs each channel by a driver of its
+/// own, which a backend defined outside the crate would not have.
+pub(crate) mod sealed {
+    /// Implemented by every channel backend of this crate, and by nothing else.
+    pub trait Sealed {}
+}
+
 /// A channel backend, as a context offers it.
-pub trait ChannelBackend: Send + Sync + 'static {
+///
+/// The trait is sealed: the crate's backends are the only ones. Each needs a data path of its
+/// own in the pipe's channel actor, so a backend written elsewhere could be negotiated but not
+/// run. Pick, configure and prioritise the crate's backends with
+/// [`crate::ContextBuilder::channel`] and [`crate::ContextBuilder::priority`].
+pub trait ChannelBackend: sealed::Sealed + Send + Sync + 'static {
     /// Name in brochures (`basic`).
     fn name(&self) -> &'static str;
     /// Default priority; higher wins.

@@ -15,6 +15,8 @@ pub const DEFAULT_CHUNK_SIZE: usize = 4 << 20;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Basic;
 
+impl crate::channel::sealed::Sealed for Basic {}
+
 impl ChannelBackend for Basic {
     fn name(&self) -> &'static str {
         "basic"

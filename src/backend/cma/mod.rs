@@ -86,6 +86,8 @@ pub const REMOTE_BUFFER_LEN: usize = 20;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Cma;
 
+impl crate::channel::sealed::Sealed for Cma {}
+
 impl ChannelBackend for Cma {
     fn name(&self) -> &'static str {
         "cma"

@@ -37,6 +37,8 @@ impl CudaBasic {
     }
 }
 
+impl crate::channel::sealed::Sealed for CudaBasic {}
+
 impl ChannelBackend for CudaBasic {
     fn name(&self) -> &'static str {
         "cuda_basic"

@@ -69,6 +69,8 @@ impl CudaGdr {
     }
 }
 
+impl crate::channel::sealed::Sealed for CudaGdr {}
+
 impl ChannelBackend for CudaGdr {
     fn name(&self) -> &'static str {
         "cuda_gdr"

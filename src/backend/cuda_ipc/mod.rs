@@ -76,6 +76,8 @@ pub fn domain() -> String {
         .clone()
 }
 
+impl crate::channel::sealed::Sealed for CudaIpc {}
+
 impl ChannelBackend for CudaIpc {
     fn name(&self) -> &'static str {
         "cuda_ipc"

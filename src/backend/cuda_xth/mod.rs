@@ -25,6 +25,8 @@ impl CudaXth {
     }
 }
 
+impl crate::channel::sealed::Sealed for CudaXth {}
+
 impl ChannelBackend for CudaXth {
     fn name(&self) -> &'static str {
         "cuda_xth"

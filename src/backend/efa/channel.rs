@@ -175,6 +175,8 @@ impl Efa {
     }
 }
 
+impl crate::channel::sealed::Sealed for Efa {}
+
 impl ChannelBackend for Efa {
     fn name(&self) -> &'static str {
         "efa"

@@ -40,6 +40,8 @@ impl Default for Mpt {
     }
 }
 
+impl crate::channel::sealed::Sealed for Mpt {}
+
 impl ChannelBackend for Mpt {
     fn name(&self) -> &'static str {
         "mpt"

@@ -35,6 +35,8 @@ pub fn process_token() -> &'static str {
     })
 }
 
+impl crate::channel::sealed::Sealed for Xth {}
+
 impl ChannelBackend for Xth {
     fn name(&self) -> &'static str {
         "xth"

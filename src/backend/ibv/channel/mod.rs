@@ -223,6 +223,8 @@ impl IbvChannel {
     }
 }
 
+impl crate::channel::sealed::Sealed for IbvChannel {}
+
 impl ChannelBackend for IbvChannel {
     fn name(&self) -> &'static str {
         "ibv"
