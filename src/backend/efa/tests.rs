@@ -196,7 +196,14 @@ fn fds() -> usize {
 /// close descriptors meanwhile, which made the count here race with them.
 #[test]
 fn closing_releases_every_descriptor() {
-    run_alone("fabric::tests::descriptors_alone", &[]);
+    run_alone(&in_this_module("descriptors_alone"), &[]);
+}
+
+/// The name the test harness gives the test `name` of this module: its path without the crate.
+fn in_this_module(name: &str) -> String {
+    let here = module_path!();
+    let here = here.split_once("::").map_or(here, |(_, rest)| rest);
+    format!("{here}::{name}")
 }
 
 /// Runs the ignored test `name` of this binary in a process of its own, with `env` set, and

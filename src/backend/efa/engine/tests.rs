@@ -695,6 +695,7 @@ fn credits_survive_unreported_tags_alone() {
 
 #[test]
 fn credits_survive_unreported_tags() {
-    let name = "fabric::engine::tests::credits_survive_unreported_tags_alone";
+    let name = concat!(module_path!(), "::credits_survive_unreported_tags_alone");
+    let name = name.split_once("::").map_or(name, |(_, rest)| rest);
     run_alone(name, &[(super::super::PASSTHRU, "1")]);
 }
