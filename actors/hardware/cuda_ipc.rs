@@ -26,41 +26,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use actix::prelude::*;
 
-use crate::backend::cuda_ipc::cache::{Key, Lru, Operation, Stats};
-use crate::backend::cuda_ipc::ipc::{
-    self, Exported, NotExportable, Opened, RemoteEvent, HANDLE_LEN,
-};
-use crate::cuda::{gpu, sys, Gpu};
-
-/// Entries each map of a cache keeps by default.
-pub const DEFAULT_BOUND: usize = 256;
-
-/// An opened allocation and where it lives in the exporting process.
-struct Mapped {
-    mapping: Arc<Opened>,
-    base: u64,
-    size: u64,
-}
-
-/// The cache of one device.
-pub struct IpcCache {
-    gpu: Arc<Gpu>,
-    exported: Lru<Exported>,
-    opened: Lru<Mapped>,
-    events: Lru<Arc<RemoteEvent>>,
-}
-
-impl IpcCache {
-    /// A cache for device `ordinal` with `bound` entries per map.
-    pub fn new(ordinal: u32, bound: usize) -> crate::Result<Self> {
-        Ok(IpcCache {
-            gpu: gpu(ordinal)?,
-            exported: Lru::new(bound),
-            opened: Lru::new(bound),
-            events: Lru::new(bound),
-        })
-    }
-}
+use crate::backend::cuda_ipc::cache::Stats;
+pub use crate::backend::cuda_ipc::cache::{IpcCache, DEFAULT_BOUND};
+use crate::backend::cuda_ipc::ipc::{Exported, NotExportable, Opened, RemoteEvent, HANDLE_LEN};
+use crate::cuda::sys;
 
 /// What one device's cache actor owns: the cache, and the staging allocations of tensors
 /// whose memory cannot be exported (reused, so their exports stay cached on the peer).
@@ -210,110 +179,6 @@ pub struct GetStats;
 
 impl Message for GetStats {
     type Result = (Stats, Stats, Stats);
-}
-
-impl IpcCache {
-    /// [`Export`], callable without a message (the channel actor runs it on the same thread).
-    pub fn export(
-        &mut self,
-        peer: u64,
-        ptr: sys::CUdeviceptr,
-    ) -> crate::Result<Result<Exported, NotExportable>> {
-        let (base, size, buffer_id) = ipc::allocation_of(&self.gpu, ptr)?;
-        let key = Key {
-            peer,
-            allocation: buffer_id,
-            op: Operation::Send,
-        };
-        if let Some((_, e)) = self.exported.get(&key) {
-            crate::metrics::cuda_ipc_lookup("export", true);
-            return Ok(Ok(Exported {
-                offset: ptr - base,
-                ..*e
-            }));
-        }
-        crate::metrics::cuda_ipc_lookup("export", false);
-        let e = match ipc::export(&self.gpu, ptr)? {
-            Ok(e) => e,
-            Err(not) => return Ok(Err(not)),
-        };
-        debug_assert_eq!((e.buffer_id, e.size), (buffer_id, size));
-        self.exported.insert(key, e.handle, e);
-        Ok(Ok(e))
-    }
-
-    /// [`Open`], callable without a message.
-    ///
-    /// On a miss, the entries of the same peer whose allocations overlap the new one in the
-    /// peer's address space are dropped first: the peer freed them (two live allocations never
-    /// overlap), and their mappings would otherwise keep that memory allocated.
-    pub fn open(&mut self, peer: u64, e: &Exported) -> crate::Result<Arc<Opened>> {
-        let key = Key {
-            peer,
-            allocation: e.buffer_id,
-            op: Operation::Recv,
-        };
-        if let Some(m) = self.opened.lookup(&key, &e.handle) {
-            crate::metrics::cuda_ipc_lookup("open", true);
-            return Ok(m.mapping.clone());
-        }
-        crate::metrics::cuda_ipc_lookup("open", false);
-        let (start, end) = (e.base, e.base.saturating_add(e.size));
-        self.opened.evict_where(|k, m| {
-            k.peer == peer && m.base < end && start < m.base.saturating_add(m.size)
-        });
-        let mapping = Arc::new(ipc::open(&self.gpu, &e.handle, e.size)?);
-        self.opened.insert(
-            key,
-            e.handle,
-            Mapped {
-                mapping: mapping.clone(),
-                base: e.base,
-                size: e.size,
-            },
-        );
-        Ok(mapping)
-    }
-
-    /// [`OpenEvent`], callable without a message.
-    pub fn open_event(
-        &mut self,
-        peer: u64,
-        handle: &[u8; HANDLE_LEN],
-    ) -> crate::Result<Arc<RemoteEvent>> {
-        let key = Key {
-            peer,
-            allocation: fnv(handle),
-            op: Operation::Recv,
-        };
-        let gpu = &self.gpu;
-        Ok(self
-            .events
-            .get_or_try(key, handle, || ipc::open_event(gpu, handle).map(Arc::new))?
-            .clone())
-    }
-
-    /// [`ClosePeer`], callable without a message.
-    pub fn close_peer(&mut self, peer: u64) {
-        self.exported.close_peer(peer);
-        self.opened.close_peer(peer);
-        self.events.close_peer(peer);
-    }
-
-    /// [`GetStats`], callable without a message.
-    pub fn stats(&self) -> (Stats, Stats, Stats) {
-        (
-            self.exported.stats(),
-            self.opened.stats(),
-            self.events.stats(),
-        )
-    }
-}
-
-fn fnv(b: &[u8]) -> u64 {
-    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
-        (h ^ x as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
 }
 
 impl Handler<Export> for IpcCacheActor {

@@ -23,7 +23,7 @@
 //! the device has them) is copied first into an exportable staging allocation of the channel's:
 //! one extra device-to-device copy, counted as a fallback.
 //!
-//! [`IpcCache`]: crate::actors::hardware::cuda_ipc::IpcCache
+//! [`IpcCache`]: crate::backend::cuda_ipc::cache::IpcCache
 
 pub mod cache;
 pub mod ipc;
@@ -175,7 +175,7 @@ impl IpcTensor {
 
 // ----- the two halves of a transfer ---------------------------------------------------------
 
-use crate::actors::hardware::cuda_ipc::IpcCache;
+use crate::backend::cuda_ipc::cache::IpcCache;
 use crate::cuda::{CudaBuffer, CudaStream, Event};
 
 use crate::backend::cuda_xth::End;
