@@ -25,19 +25,9 @@ use crate::wire::Limits;
 /// Default of [`ContextBuilder::max_pending_pipes`].
 pub const DEFAULT_MAX_PENDING_PIPES: usize = 128;
 
-/// `ACTORPIPE_LOOPS_ON_RUNTIME` (`1`, `true` or `yes`): the default of
-/// [`ContextBuilder::loops_on_runtime`].
-fn loops_on_runtime_from_env() -> bool {
-    std::env::var("ACTORPIPE_LOOPS_ON_RUNTIME")
-        .is_ok_and(|v| matches!(v.trim(), "1" | "true" | "yes"))
-}
-
-/// `ACTORPIPE_READ_LOOP_FOLLOWS_HANDLER` (`0`, `false` or `no` turn it off): the default of
-/// [`ContextBuilder::read_loop_follows_handler`] (on).
-fn read_loop_follows_handler_from_env() -> bool {
-    !std::env::var("ACTORPIPE_READ_LOOP_FOLLOWS_HANDLER")
-        .is_ok_and(|v| matches!(v.trim(), "0" | "false" | "no"))
-}
+mod env;
+#[cfg(test)]
+mod tests;
 
 /// Settings shared by every pipe of a context.
 pub struct Config {
@@ -120,6 +110,8 @@ impl Config {
     }
 }
 
+/// The backends and settings, not the I/O pool's threads or the CUDA caches (which hold no
+/// settings).
 impl std::fmt::Debug for Config {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Config")
@@ -135,12 +127,13 @@ impl std::fmt::Debug for Config {
             .field("cma_inline_max", &self.cma_inline_max)
             .field("metrics_addr", &self.metrics_addr)
             .field("secret", &self.secret.as_ref().map(|_| "<set>"))
+            .field("heartbeat", &self.heartbeat)
             .field(
                 "transports",
                 &self
                     .transports
                     .iter()
-                    .map(|(t, p)| (t.name(), *p))
+                    .map(|(t, p)| (t.name(), *p, t))
                     .collect::<Vec<_>>(),
             )
             .field(
@@ -148,113 +141,189 @@ impl std::fmt::Debug for Config {
                 &self
                     .channels
                     .iter()
-                    .map(|(c, p)| (c.name(), *p))
+                    .map(|(c, p)| (c.name(), *p, c))
                     .collect::<Vec<_>>(),
             )
             .finish()
     }
 }
 
+/// How the context's own `efa` transport and channel are made (feature `efa`).
+#[cfg(feature = "efa")]
+#[derive(Debug, Clone, Default)]
+struct EfaSettings {
+    /// The provider ([`ContextBuilder::efa`]); `None`: `efa`.
+    provider: Option<String>,
+    /// The channel's domains ([`ContextBuilder::efa_domains`]); `None`: the transport's one.
+    domains: Option<crate::backend::efa::channel::Domains>,
+    /// The endpoints' settings ([`ContextBuilder::efa_config`]); `None`: the defaults.
+    config: Option<crate::actors::hardware::efa::EndpointConfig>,
+    /// Where its automatic bootstrap socket binds ([`ContextBuilder::efa_bootstrap_host`]).
+    bootstrap_host: Option<std::net::IpAddr>,
+}
+
 /// Builds a [`Context`].
 ///
 /// With no settings it enables every backend that can run here: transports `tcp` and `shm`,
-/// channels `basic`, `xth`, `cma` (if a trial read of this process succeeds) and `mpt` (2 lanes),
-/// and with the `cuda` feature `cuda_xth` (one per device pair) where a CUDA GPU is, and
-/// `cuda_ipc` and `cuda_basic` there too when asked for (`ACTORPIPE_CUDA_IPC=1`,
-/// `ACTORPIPE_CUDA_BASIC=1`: docs/cuda.md).
-/// Every backend can be removed ([`without`](Self::without)), re-prioritised
-/// ([`priority`](Self::priority)) or replaced by one configured differently
-/// ([`transport`](Self::transport), [`channel`](Self::channel)).
-#[derive(Debug)]
+/// channels `basic`, `xth`, `cma` (if a trial read of this process succeeds) and `mpt` (2 lanes);
+/// with the `efa` feature the `efa` transport and channel where libfabric's `efa` provider runs;
+/// and with the `cuda` feature the CUDA channels `cuda_xth`, `cuda_ipc` and `cuda_basic`, each
+/// once per device pair it serves, where a CUDA GPU is (docs/cuda.md, "Channels"). Every backend
+/// can be removed ([`without`](Self::without)), re-prioritised ([`priority`](Self::priority)) or
+/// replaced by one configured differently ([`transport`](Self::transport),
+/// [`channel`](Self::channel)). The builder reads no environment variable;
+/// [`from_env`](Self::from_env) makes one from the `ACTORPIPE_*` variables
+/// (docs/operations.md, "Environment variables").
+///
+/// # How the settings combine
+///
+/// Each call only records a setting: the order of the calls never matters. Building the context
+/// ([`build`](Self::build), [`start`](Self::start), [`start_in`](Self::start_in)) resolves them
+/// in these steps:
+///
+/// 1. **The builder's backends**: the defaults above, the `efa` pair made from
+///    [`efa`](Self::efa), [`efa_domains`](Self::efa_domains), [`efa_config`](Self::efa_config)
+///    and [`efa_bootstrap_host`](Self::efa_bootstrap_host).
+/// 2. **Yours replace them**: a transport passed to [`transport`](Self::transport) replaces the
+///    builder's of the same name, a channel passed to [`channel`](Self::channel) the builder's
+///    of the same name and device pair; others are added (after the builder's, by name). The
+///    `efa_*` settings do not reach an `efa` transport or channel of yours: configure it
+///    yourself.
+/// 3. **Adjustments, applied to the result, yours included**: [`lanes`](Self::lanes),
+///    [`lane_addresses`](Self::lane_addresses) and [`mpt_inline_max`](Self::mpt_inline_max)
+///    change the `mpt` channel (an [`Mpt`](crate::backend::mpt::Mpt) of yours is the base they
+///    change, its other settings kept); [`keepalive`](Self::keepalive),
+///    [`no_keepalive`](Self::no_keepalive) and [`tcp_keepalive`](Self::tcp_keepalive) change
+///    the `tcp` transport's kernel keepalive (a [`Tcp`] of yours too), `tcp_keepalive` winning
+///    over the other two for it. A transport or channel of that name but of another type is
+///    left as it is.
+/// 4. **Removals, applied to the result, yours included**: what [`without`](Self::without)
+///    names, and what [`only_transports`](Self::only_transports) or
+///    [`only_channels`](Self::only_channels) do not name (several calls: what all of them name),
+///    is not offered, whenever it was added.
+/// 5. **Priorities**: [`priority`](Self::priority) sets the priority of every backend left of
+///    that name, yours included; the others keep their own default.
+/// 6. At build only: backends that cannot run here are dropped (`actorpipe info` says why).
+///
+/// Calling one setter twice, or two setters of one setting (`keepalive` and `no_keepalive`;
+/// `io_threads` and `io_threads_for_machine`; the provider of `efa` and `efa_domains`; two
+/// transports of one name), keeps the last call's value: a builder from
+/// [`from_env`](Self::from_env) holds the environment's values, which later calls override.
+/// `Debug` shows the configuration steps 1 to 5 resolve to.
+#[derive(Clone)]
 pub struct ContextBuilder {
-    config: Config,
-    /// The settings `lanes` and `lane_addresses` build the mpt channel from.
-    mpt: Mpt,
+    limits: Limits,
+    chunk_size: usize,
+    connect_timeout: Duration,
+    handshake_timeout: Duration,
+    max_pending_pipes: usize,
+    /// `None`: from the machine.
+    cma_threads: Option<usize>,
+    loops_on_runtime: bool,
+    read_loop_follows_handler: bool,
+    /// `None`: from the machine.
+    io_threads: Option<usize>,
+    cma_inline_max: Option<u64>,
+    metrics_addr: Option<std::net::SocketAddr>,
+    secret: Option<Arc<[u8]>>,
+    /// [`keepalive`](Self::keepalive): `Some(Some((interval, timeout)))`;
+    /// [`no_keepalive`](Self::no_keepalive): `Some(None)`; neither: `None`.
+    keepalive: Option<Option<(Duration, Duration)>>,
+    /// [`tcp_keepalive`](Self::tcp_keepalive).
+    tcp_keepalive: Option<crate::backend::tcp::Keepalive>,
+    /// Yours: one per name.
+    transports: Vec<Arc<dyn Transport>>,
+    /// Yours: one per name and device pair.
+    channels: Vec<Arc<dyn ChannelBackend>>,
+    without: Vec<String>,
+    only_transports: Option<Vec<String>>,
+    only_channels: Option<Vec<String>>,
+    /// One per name.
+    priorities: Vec<(String, i32)>,
+    lanes: Option<u32>,
+    lane_addresses: Option<Vec<std::net::IpAddr>>,
+    mpt_inline_max: Option<u64>,
+    #[cfg(feature = "efa")]
+    efa: EfaSettings,
+    /// Process-wide: applied through [`crate::copy::set_threads`] at build
+    /// (`ACTORPIPE_COPY_THREADS`).
+    copy_threads: Option<usize>,
+    /// Process-wide: applied through [`crate::cuda::set_watch_spin`] at build
+    /// (`ACTORPIPE_CUDA_WATCH_SPIN_US`).
+    #[cfg(feature = "cuda")]
+    cuda_watch_spin: Option<Duration>,
 }
 
 impl Default for ContextBuilder {
     fn default() -> Self {
-        let mut b = ContextBuilder {
-            mpt: Mpt::default(),
-            config: Config {
-                limits: Limits::default(),
-                chunk_size: DEFAULT_CHUNK_SIZE,
-                connect_timeout: Duration::from_secs(10),
-                handshake_timeout: Duration::from_secs(10),
-                max_pending_pipes: DEFAULT_MAX_PENDING_PIPES,
-                cma_threads: crate::backend::cma::default_threads(super::pool::available_cores()),
-                loops_on_runtime: loops_on_runtime_from_env(),
-                read_loop_follows_handler: read_loop_follows_handler_from_env(),
-                // Sized from the machine (none on 2 cores or fewer); no thread starts until
-                // an mpt pipe has a second lane.
-                io: Arc::new(super::pool::IoPool::new(super::pool::default_threads(
-                    super::pool::available_cores(),
-                ))),
-                cma_inline_max: None,
-                metrics_addr: None,
-                secret: None,
-                heartbeat: Some(Heartbeat::default()),
-                transports: Vec::new(),
-                channels: Vec::new(),
-                #[cfg(feature = "cuda")]
-                ipc: Default::default(),
-            },
-        };
-        b = b
-            .transport(Arc::new(Tcp::default()))
-            .transport(Arc::new(Shm::new()));
-        #[cfg(feature = "efa")]
-        {
-            // Offered only where its provider runs (efa, or ACTORPIPE_EFA_PROVIDER).
-            let efa = crate::actors::hardware::efa::transport::Efa::from_env();
-            if efa.viable().is_ok() {
-                let channel = crate::backend::efa::channel::Efa::over(&efa).domains_from_env();
-                b = b.transport(Arc::new(efa)).channel(Arc::new(channel));
-            }
+        ContextBuilder {
+            limits: Limits::default(),
+            chunk_size: DEFAULT_CHUNK_SIZE,
+            connect_timeout: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(10),
+            max_pending_pipes: DEFAULT_MAX_PENDING_PIPES,
+            cma_threads: None,
+            loops_on_runtime: false,
+            read_loop_follows_handler: true,
+            io_threads: None,
+            cma_inline_max: None,
+            metrics_addr: None,
+            secret: None,
+            keepalive: None,
+            tcp_keepalive: None,
+            transports: Vec::new(),
+            channels: Vec::new(),
+            without: Vec::new(),
+            only_transports: None,
+            only_channels: None,
+            priorities: Vec::new(),
+            lanes: None,
+            lane_addresses: None,
+            mpt_inline_max: None,
+            #[cfg(feature = "efa")]
+            efa: EfaSettings::default(),
+            copy_threads: None,
+            #[cfg(feature = "cuda")]
+            cuda_watch_spin: None,
         }
-        b = b
-            .channel(Arc::new(Basic))
-            .channel(Arc::new(Xth))
-            .channel(Arc::new(Mpt::default()));
-        b = b.channel(Arc::new(Cma));
+    }
+}
+
+/// The configuration the settings resolve to (before backends that cannot run here are
+/// dropped), and the process-wide settings a build applies.
+impl std::fmt::Debug for ContextBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("ContextBuilder");
+        d.field("config", &self.resolve());
+        d.field("copy_threads", &self.copy_threads);
         #[cfg(feature = "cuda")]
-        for c in crate::backend::cuda_xth::CudaXth::all() {
-            b = b.channel(c);
-        }
-        #[cfg(feature = "cuda")]
-        for c in crate::backend::cuda_ipc::CudaIpc::all() {
-            b = b.channel(c);
-        }
-        #[cfg(feature = "cuda")]
-        for c in crate::backend::cuda_basic::CudaBasic::all() {
-            b = b.channel(c);
-        }
-        b
+        d.field("cuda_watch_spin", &self.cuda_watch_spin);
+        d.finish()
     }
 }
 
 impl ContextBuilder {
     /// Bounds on what peers may announce (frame size, counts, sizes, metadata).
     pub fn limits(mut self, limits: Limits) -> Self {
-        self.config.limits = limits;
+        self.limits = limits;
         self
     }
 
     /// Bytes per chunk when a tensor goes over a connection (basic, mpt, cma fallback).
     pub fn chunk_size(mut self, bytes: usize) -> Self {
-        self.config.chunk_size = bytes.max(1);
+        self.chunk_size = bytes.max(1);
         self
     }
 
     /// How long dialing a peer may take.
     pub fn connect_timeout(mut self, t: Duration) -> Self {
-        self.config.connect_timeout = t;
+        self.connect_timeout = t;
         self
     }
 
     /// How long the handshake of a new pipe may take, on either side.
     pub fn handshake_timeout(mut self, t: Duration) -> Self {
-        self.config.handshake_timeout = t;
+        self.handshake_timeout = t;
         self
     }
 
@@ -265,7 +334,7 @@ impl ContextBuilder {
     /// admits a pipe only if the descriptors its connections need fit under `RLIMIT_NOFILE`
     /// (docs/operations.md).
     pub fn max_pending_pipes(mut self, n: usize) -> Self {
-        self.config.max_pending_pipes = n.max(1);
+        self.max_pending_pipes = n.max(1);
         self
     }
 
@@ -274,7 +343,7 @@ impl ContextBuilder {
     /// [`crate::backend::cma::default_threads`] of the CPUs this process may use: half of them,
     /// 2 to 8.
     pub fn cma_threads(mut self, n: usize) -> Self {
-        self.config.cma_threads = n.max(1);
+        self.cma_threads = Some(n.max(1));
         self
     }
 
@@ -294,9 +363,10 @@ impl ContextBuilder {
     /// `LocalSet` of the thread's: `actix::spawn`, `Actor::start` and `spawn_local` work there,
     /// and what they start runs on the same thread
     /// ([`read_loop_follows_handler`](Self::read_loop_follows_handler) says how).
-    /// `ACTORPIPE_LOOPS_ON_RUNTIME=1` turns it on for contexts built with defaults (the CLI's).
+    /// `ACTORPIPE_LOOPS_ON_RUNTIME=1` turns it on through [`from_env`](Self::from_env) (the
+    /// CLI's contexts).
     pub fn loops_on_runtime(mut self, on: bool) -> Self {
-        self.config.loops_on_runtime = on;
+        self.loops_on_runtime = on;
         self
     }
 
@@ -314,9 +384,9 @@ impl ContextBuilder {
     /// `actix::spawn`, `Actor::start` and tokio's `spawn_local` work in it as on the arbiter's
     /// `LocalSet`, and what they start runs on the same thread. The loop moves at its next
     /// message after the stand begins or ends (a spawn).
-    /// `ACTORPIPE_READ_LOOP_FOLLOWS_HANDLER=0` turns it off for contexts built with defaults.
+    /// `ACTORPIPE_READ_LOOP_FOLLOWS_HANDLER=0` turns it off through [`from_env`](Self::from_env).
     pub fn read_loop_follows_handler(mut self, on: bool) -> Self {
-        self.config.read_loop_follows_handler = on;
+        self.read_loop_follows_handler = on;
         self
     }
 
@@ -331,16 +401,16 @@ impl ContextBuilder {
     ///
     /// [`io_threads_for_machine`]: Self::io_threads_for_machine
     pub fn io_threads(mut self, n: usize) -> Self {
-        self.config.io = Arc::new(super::pool::IoPool::new(n));
+        self.io_threads = Some(n);
         self
     }
 
     /// [`io_threads`](Self::io_threads) sized from this machine (the CPUs this process may
     /// run on): none on 2 cores or fewer (where a second thread only adds wake-ups to every
     /// lane operation), half the cores above that, at most 16. This is the default.
-    pub fn io_threads_for_machine(self) -> Self {
-        let n = super::pool::default_threads(super::pool::available_cores());
-        self.io_threads(n)
+    pub fn io_threads_for_machine(mut self) -> Self {
+        self.io_threads = None;
+        self
     }
 
     /// Tensors of at most this many bytes that would go over cma travel on the pipe's own
@@ -349,7 +419,7 @@ impl ContextBuilder {
     /// transport ([`crate::backend::cma::inline_max`]); 0 sends every non-empty tensor by cma.
     /// Only the sender's setting counts: the receiver follows the descriptor.
     pub fn cma_inline_max(mut self, bytes: u64) -> Self {
-        self.config.cma_inline_max = Some(bytes);
+        self.cma_inline_max = Some(bytes);
         self
     }
 
@@ -357,7 +427,7 @@ impl ContextBuilder {
     /// handshake; the secret never crosses the wire). Both sides must have the same secret; a
     /// side without one cannot open a pipe to a side with one, or the reverse.
     pub fn secret(mut self, secret: impl AsRef<[u8]>) -> Self {
-        self.config.secret = Some(Arc::from(secret.as_ref()));
+        self.secret = Some(Arc::from(secret.as_ref()));
         self
     }
 
@@ -370,54 +440,50 @@ impl ContextBuilder {
     ///   This works with data in flight, and never kills a live peer whose application merely
     ///   stops reading (see [`liveness`](crate::transport::liveness));
     /// - **TCP keepalive** with the same figures (whole seconds, at least 1 s), which also
-    ///   cleans up connections whose pipe is not reading.
+    ///   cleans up connections whose pipe is not reading: set on the `tcp` transport, a
+    ///   [`Tcp`] of yours too, unless [`tcp_keepalive`](Self::tcp_keepalive) sets it.
     ///
-    /// Defaults: 2 s and 10 s.
+    /// Defaults: 2 s and 10 s. Replaces [`no_keepalive`](Self::no_keepalive).
     pub fn keepalive(mut self, interval: Duration, timeout: Duration) -> Self {
-        self.config.heartbeat = Some(Heartbeat::new(interval, timeout));
-        self.tcp(Some(crate::backend::tcp::Keepalive {
-            interval,
-            timeout,
-            unacked_timeout: None,
-        }))
-    }
-
-    /// The kernel's side of TCP liveness alone, including the abort of connections whose data
-    /// stays unacknowledged (see [`Keepalive`](crate::backend::tcp::Keepalive) for the catch).
-    /// Heartbeats are left as they are.
-    pub fn tcp_keepalive(self, k: crate::backend::tcp::Keepalive) -> Self {
-        self.tcp(Some(k))
-    }
-
-    /// Turns heartbeats and TCP keepalive off: a peer that vanishes without closing is then
-    /// found out only by the kernel (hours), or by per-operation deadlines.
-    pub fn no_keepalive(mut self) -> Self {
-        self.config.heartbeat = None;
-        self.tcp(None)
-    }
-
-    fn tcp(mut self, k: Option<crate::backend::tcp::Keepalive>) -> Self {
-        for (t, _) in &mut self.config.transports {
-            if t.name() == "tcp" {
-                *t = Arc::new(Tcp::with_keepalive(k));
-            }
-        }
+        self.keepalive = Some(Some((interval, timeout)));
         self
     }
 
-    /// Lanes of the mpt channel, keeping its priority; nothing happens if mpt was removed.
-    pub fn lanes(self, n: u32) -> Self {
-        self.mpt(|m| m.lanes = n.max(1))
+    /// The kernel's side of TCP liveness alone, including the abort of connections whose data
+    /// stays unacknowledged (see [`Keepalive`](crate::backend::tcp::Keepalive) for the catch):
+    /// set on the `tcp` transport, a [`Tcp`] of yours too, whatever
+    /// [`keepalive`](Self::keepalive) or [`no_keepalive`](Self::no_keepalive) say. Heartbeats are
+    /// left as they are.
+    pub fn tcp_keepalive(mut self, k: crate::backend::tcp::Keepalive) -> Self {
+        self.tcp_keepalive = Some(k);
+        self
+    }
+
+    /// Turns heartbeats and TCP keepalive off (the latter unless
+    /// [`tcp_keepalive`](Self::tcp_keepalive) sets it): a peer that vanishes without closing is
+    /// then found out only by the kernel (hours), or by per-operation deadlines. Replaces
+    /// [`keepalive`](Self::keepalive).
+    pub fn no_keepalive(mut self) -> Self {
+        self.keepalive = Some(None);
+        self
+    }
+
+    /// Lanes of the mpt channel (at least 1), an [`Mpt`](crate::backend::mpt::Mpt) of yours
+    /// too; nothing happens if mpt is removed.
+    pub fn lanes(mut self, n: u32) -> Self {
+        self.lanes = Some(n.max(1));
+        self
     }
 
     /// Local addresses the mpt lanes this side dials leave from, one per NIC: lane `i` binds
     /// `addresses[i % len]` before connecting, so its traffic goes out through that address's
     /// interface. Each must be an address of this host, of the peer's address family; a lane
     /// that cannot bind fails the `Connect` with the reason. Lanes of pipes this side accepts
-    /// are dialed by the peer, from its own lane addresses. Nothing happens if mpt was removed.
-    pub fn lane_addresses(self, addresses: impl IntoIterator<Item = std::net::IpAddr>) -> Self {
-        let sources: Vec<_> = addresses.into_iter().collect();
-        self.mpt(move |m| m.sources = sources)
+    /// are dialed by the peer, from its own lane addresses. Applies to an
+    /// [`Mpt`](crate::backend::mpt::Mpt) of yours too; nothing happens if mpt is removed.
+    pub fn lane_addresses(mut self, addresses: impl IntoIterator<Item = std::net::IpAddr>) -> Self {
+        self.lane_addresses = Some(addresses.into_iter().collect());
+        self
     }
 
     /// Tensors of 1 to `bytes` bytes that would go over mpt travel inline instead, after their
@@ -425,150 +491,330 @@ impl ContextBuilder {
     /// ([`crate::backend::mpt::INLINE_MAX`], 256 KiB, by default: below that, striping costs
     /// more than it saves). 0 sends every non-empty tensor over the lanes (those under 64 KiB
     /// whole on the first lane, which runs on the context's thread). Only the sender's setting
-    /// counts: the receiver follows the descriptor. Nothing happens if mpt was removed.
-    pub fn mpt_inline_max(self, bytes: u64) -> Self {
-        self.mpt(|m| m.inline_max = bytes)
-    }
-
-    /// Changes the mpt channel's settings, keeping its priority.
-    fn mpt(mut self, change: impl FnOnce(&mut Mpt)) -> Self {
-        change(&mut self.mpt);
-        for (c, _) in &mut self.config.channels {
-            if c.name() == "mpt" {
-                *c = Arc::new(self.mpt.clone());
-            }
-        }
+    /// counts: the receiver follows the descriptor. Applies to an
+    /// [`Mpt`](crate::backend::mpt::Mpt) of yours too; nothing happens if mpt is removed.
+    pub fn mpt_inline_max(mut self, bytes: u64) -> Self {
+        self.mpt_inline_max = Some(bytes);
         self
     }
 
-    /// Enables the `efa` transport and the `efa` channel over libfabric's `provider` (`efa`,
-    /// `tcp;ofi_rxm`, `shm`), on one endpoint per domain, replacing the default ones (which use
-    /// `efa`, or `ACTORPIPE_EFA_PROVIDER`). See docs/efa.md.
+    /// The `efa` transport and the `efa` channel over libfabric's `provider` (`efa`, the
+    /// default; `tcp;ofi_rxm`, `shm`), on one endpoint per domain: enabled by default where the
+    /// provider runs. See docs/efa.md.
     #[cfg(feature = "efa")]
-    pub fn efa(self, provider: &str) -> Self {
-        let t = crate::actors::hardware::efa::transport::Efa::new(provider);
-        let c = crate::backend::efa::channel::Efa::over(&t);
-        self.transport(Arc::new(t)).channel(Arc::new(c))
+    pub fn efa(mut self, provider: &str) -> Self {
+        self.efa.provider = Some(provider.into());
+        self
     }
 
     /// [`Self::efa`], with the `efa` channel also on these domains of the provider (empty: every
     /// domain it lists here): large tensors are striped over the domains both peers reach (one
     /// shared endpoint per domain). See docs/efa.md, "Several domains".
     #[cfg(feature = "efa")]
-    pub fn efa_domains(self, provider: &str, domains: &[&str]) -> Self {
-        let t = crate::actors::hardware::efa::transport::Efa::new(provider);
-        let c = crate::backend::efa::channel::Efa::over(&t);
-        let c = if domains.is_empty() {
-            c.all_domains()
+    pub fn efa_domains(mut self, provider: &str, domains: &[&str]) -> Self {
+        use crate::backend::efa::channel::Domains;
+        self.efa.provider = Some(provider.into());
+        self.efa.domains = Some(if domains.is_empty() {
+            Domains::All
         } else {
-            c.domains(domains)
-        };
-        self.transport(Arc::new(t)).channel(Arc::new(c))
+            Domains::Named(domains.iter().map(|d| d.to_string()).collect())
+        });
+        self
     }
 
-    /// Adds a transport at its default priority, replacing one of the same name.
+    /// How the endpoints of the context's `efa` transport and channel progress (spin mode,
+    /// polling, fault injection with the `faults` feature): [`EndpointConfig::default`] unless
+    /// set.
+    ///
+    /// [`EndpointConfig::default`]: crate::actors::hardware::efa::EndpointConfig
+    #[cfg(feature = "efa")]
+    pub fn efa_config(mut self, config: crate::actors::hardware::efa::EndpointConfig) -> Self {
+        self.efa.config = Some(config);
+        self
+    }
+
+    /// The address a listener of this context binds the `efa` transport's bootstrap socket to
+    /// when it enables `efa` by itself (a `Listen` that names no `efa://` URL); default: the
+    /// host's first IPv4 address that is up and not loopback, else 127.0.0.1.
+    #[cfg(feature = "efa")]
+    pub fn efa_bootstrap_host(mut self, ip: std::net::IpAddr) -> Self {
+        self.efa.bootstrap_host = Some(ip);
+        self
+    }
+
+    /// Offers `t` at its default priority, in place of the builder's transport of the same name
+    /// (and of one passed before under that name).
     pub fn transport(mut self, t: Arc<dyn Transport>) -> Self {
-        let p = t.priority();
-        self.config.transports.retain(|(x, _)| x.name() != t.name());
-        self.config.transports.push((t, p));
+        self.transports.retain(|x| x.name() != t.name());
+        self.transports.push(t);
         self
     }
 
-    /// Adds a channel at its default priority, replacing one of the same name and device pair.
+    /// Offers `c` at its default priority, in place of the builder's channel of the same name
+    /// and device pair (and of one passed before under them).
     pub fn channel(mut self, c: Arc<dyn ChannelBackend>) -> Self {
-        let p = c.priority();
-        self.config
-            .channels
-            .retain(|(x, _)| (x.name(), x.devices()) != (c.name(), c.devices()));
-        self.config.channels.push((c, p));
+        self.channels
+            .retain(|x| (x.name(), x.devices()) != (c.name(), c.devices()));
+        self.channels.push(c);
         self
     }
 
-    /// Removes the transport or channel called `name`.
+    /// Offers no transport or channel called `name`, yours included.
     pub fn without(mut self, name: &str) -> Self {
-        self.config.transports.retain(|(t, _)| t.name() != name);
-        self.config.channels.retain(|(c, _)| c.name() != name);
+        if !self.without.iter().any(|n| n == name) {
+            self.without.push(name.into());
+        }
         self
     }
 
-    /// Keeps only the transports named; handy to force one. A `Listen` or `Connect` URL must
-    /// still name an enabled transport.
+    /// Offers only the transports named (and of those, only what another call of this names
+    /// too); handy to force one. A `Listen` or `Connect` URL must still name an enabled
+    /// transport.
     pub fn only_transports(mut self, names: &[&str]) -> Self {
-        self.config
-            .transports
-            .retain(|(t, _)| names.contains(&t.name()));
+        self.only_transports = Some(keep_named(self.only_transports.take(), names));
         self
     }
 
-    /// Keeps only the channels named (plus nothing else); handy to force one in tests.
+    /// Offers only the channels named (and of those, only what another call of this names
+    /// too); handy to force one in tests.
     pub fn only_channels(mut self, names: &[&str]) -> Self {
-        self.config
-            .channels
-            .retain(|(c, _)| names.contains(&c.name()));
+        self.only_channels = Some(keep_named(self.only_channels.take(), names));
         self
     }
 
-    /// Sets the priority of the transport or channel called `name` (higher wins).
+    /// Sets the priority of the transports and channels called `name` (higher wins), yours
+    /// included.
     pub fn priority(mut self, name: &str, priority: i32) -> Self {
-        for (t, p) in &mut self.config.transports {
-            if t.name() == name {
-                *p = priority;
-            }
-        }
-        for (c, p) in &mut self.config.channels {
-            if c.name() == name {
-                *p = priority;
-            }
-        }
+        self.priorities.retain(|(n, _)| n != name);
+        self.priorities.push((name.into(), priority));
         self
     }
 
-    /// Serves this process's metrics (Prometheus text) at `addr` when the context is built.
-    /// Without it, `ACTORPIPE_METRICS_ADDR` (an address, or a port on 127.0.0.1) is used if set.
-    /// One exporter serves the whole process; see [`crate::metrics::serve`].
+    /// Serves this process's metrics (Prometheus text) at `addr` when the context is built
+    /// (`ACTORPIPE_METRICS_ADDR` through [`from_env`](Self::from_env)). One exporter serves the
+    /// whole process; see [`crate::metrics::serve`].
     ///
     /// The address bound (port 0 picks one) or the bind failure is what
     /// [`Context::metrics_addr`] returns, and what [`GetMetricsAddr`] answers once the context
     /// runs.
     pub fn metrics(mut self, addr: std::net::SocketAddr) -> Self {
-        self.config.metrics_addr = Some(addr);
+        self.metrics_addr = Some(addr);
         self
     }
 
-    /// Builds the context actor (start it with [`Actor::start`]).
+    /// The configuration these settings resolve to, in the steps the type's docs list (all but
+    /// the last: every backend is there, whether it can run here or not). Opens nothing, reads
+    /// nothing from the environment and starts no thread.
+    pub(crate) fn resolve(&self) -> Config {
+        let cores = super::pool::available_cores();
+        // 1. The builder's backends.
+        let mut transports: Vec<Arc<dyn Transport>> =
+            vec![Arc::new(Tcp::default()), Arc::new(Shm::new())];
+        let mut channels: Vec<Arc<dyn ChannelBackend>> = Vec::new();
+        #[cfg(feature = "efa")]
+        {
+            let (t, c) = self.efa_pair();
+            transports.push(t);
+            channels.push(c);
+        }
+        channels.extend([
+            Arc::new(Basic) as Arc<dyn ChannelBackend>,
+            Arc::new(Xth),
+            Arc::new(Mpt::default()),
+            Arc::new(Cma),
+        ]);
+        #[cfg(feature = "cuda")]
+        {
+            channels.extend(crate::backend::cuda_xth::CudaXth::all());
+            channels.extend(crate::backend::cuda_ipc::CudaIpc::all());
+            channels.extend(crate::backend::cuda_basic::CudaBasic::all());
+        }
+        // 2. Yours replace them, or come after them, by name.
+        let mut extra: Vec<Arc<dyn Transport>> = Vec::new();
+        for t in &self.transports {
+            match transports.iter_mut().find(|x| x.name() == t.name()) {
+                Some(slot) => *slot = t.clone(),
+                None => extra.push(t.clone()),
+            }
+        }
+        extra.sort_by_key(|t| t.name());
+        transports.extend(extra);
+        let mut extra: Vec<Arc<dyn ChannelBackend>> = Vec::new();
+        for c in &self.channels {
+            let key = (c.name(), c.devices());
+            match channels.iter_mut().find(|x| (x.name(), x.devices()) == key) {
+                Some(slot) => *slot = c.clone(),
+                None => extra.push(c.clone()),
+            }
+        }
+        extra.sort_by_key(|c| (c.name(), c.devices().to_string()));
+        channels.extend(extra);
+        // 3. Adjustments.
+        for c in &mut channels {
+            if let Some(m) = c.as_any().and_then(|a| a.downcast_ref::<Mpt>()) {
+                if let Some(m) = self.adjust_mpt(m) {
+                    *c = Arc::new(m);
+                }
+            }
+        }
+        let kernel = self.tcp_keepalive.map(Some).or(self.keepalive.map(|k| {
+            k.map(|(interval, timeout)| crate::backend::tcp::Keepalive {
+                interval,
+                timeout,
+                unacked_timeout: None,
+            })
+        }));
+        if let Some(k) = kernel {
+            for t in &mut transports {
+                if let Some(tcp) = t.as_any().and_then(|a| a.downcast_ref::<Tcp>()) {
+                    let mut tcp = *tcp;
+                    tcp.keepalive = k;
+                    *t = Arc::new(tcp);
+                }
+            }
+        }
+        // 4. Removals.
+        let offered = |name: &str, only: &Option<Vec<String>>| {
+            !self.without.iter().any(|n| n == name)
+                && only.as_ref().is_none_or(|o| o.iter().any(|n| n == name))
+        };
+        transports.retain(|t| offered(t.name(), &self.only_transports));
+        channels.retain(|c| offered(c.name(), &self.only_channels));
+        // 5. Priorities.
+        let priority = |name: &str, default: i32| {
+            self.priorities
+                .iter()
+                .find(|(n, _)| n == name)
+                .map_or(default, |(_, p)| *p)
+        };
+        let heartbeat = match self.keepalive {
+            None => Some(Heartbeat::default()),
+            Some(None) => None,
+            Some(Some((interval, timeout))) => Some(Heartbeat::new(interval, timeout)),
+        };
+        Config {
+            limits: self.limits,
+            chunk_size: self.chunk_size,
+            connect_timeout: self.connect_timeout,
+            handshake_timeout: self.handshake_timeout,
+            max_pending_pipes: self.max_pending_pipes,
+            cma_threads: self
+                .cma_threads
+                .unwrap_or_else(|| crate::backend::cma::default_threads(cores)),
+            loops_on_runtime: self.loops_on_runtime,
+            read_loop_follows_handler: self.read_loop_follows_handler,
+            // Sized from the machine by default (none on 2 cores or fewer); no thread starts
+            // until an mpt pipe has a second lane.
+            io: Arc::new(super::pool::IoPool::new(
+                self.io_threads
+                    .unwrap_or_else(|| super::pool::default_threads(cores)),
+            )),
+            cma_inline_max: self.cma_inline_max,
+            metrics_addr: self.metrics_addr,
+            secret: self.secret.clone(),
+            heartbeat,
+            transports: transports
+                .into_iter()
+                .map(|t| {
+                    let p = priority(t.name(), t.priority());
+                    (t, p)
+                })
+                .collect(),
+            channels: channels
+                .into_iter()
+                .map(|c| {
+                    let p = priority(c.name(), c.priority());
+                    (c, p)
+                })
+                .collect(),
+            #[cfg(feature = "cuda")]
+            ipc: Default::default(),
+        }
+    }
+
+    /// `m` with the mpt adjustments, if any is set.
+    fn adjust_mpt(&self, m: &Mpt) -> Option<Mpt> {
+        if self.lanes.is_none() && self.lane_addresses.is_none() && self.mpt_inline_max.is_none() {
+            return None;
+        }
+        let mut m = m.clone();
+        if let Some(n) = self.lanes {
+            m.lanes = n;
+        }
+        if let Some(a) = &self.lane_addresses {
+            m.sources = a.clone();
+        }
+        if let Some(b) = self.mpt_inline_max {
+            m.inline_max = b;
+        }
+        Some(m)
+    }
+
+    /// The `efa` transport and channel the `efa_*` settings describe.
+    #[cfg(feature = "efa")]
+    fn efa_pair(&self) -> (Arc<dyn Transport>, Arc<dyn ChannelBackend>) {
+        use crate::actors::hardware::efa::transport::{Efa, DEFAULT_PROVIDER};
+        use crate::backend::efa::channel::Domains;
+        let s = &self.efa;
+        let mut t = Efa::new(s.provider.as_deref().unwrap_or(DEFAULT_PROVIDER))
+            .with_config(s.config.unwrap_or_default());
+        if let Some(ip) = s.bootstrap_host {
+            t = t.bootstrap_host(ip);
+        }
+        let c = crate::backend::efa::channel::Efa::over(&t)
+            .with_domains(s.domains.clone().unwrap_or(Domains::One));
+        (Arc::new(t), Arc::new(c))
+    }
+
+    /// Applies the process-wide settings [`from_env`](Self::from_env) recorded.
+    fn apply_process_wide(&self) {
+        if let Some(n) = self.copy_threads {
+            let asked = n.clamp(1, crate::copy::MAX_THREADS);
+            match crate::copy::set_threads(n) {
+                Err(in_force) if in_force != asked => tracing::warn!(
+                    asked,
+                    in_force,
+                    "ACTORPIPE_COPY_THREADS not applied: the process made its first large copy before"
+                ),
+                _ => {}
+            }
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(spin) = self.cuda_watch_spin {
+            crate::cuda::set_watch_spin(spin);
+        }
+    }
+
+    /// Builds the context actor (start it with [`Actor::start`]): resolves the settings (see
+    /// the type's docs), leaves out the backends that cannot run here, applies the process-wide
+    /// settings [`from_env`](Self::from_env) read and serves metrics if asked.
     ///
     /// If metrics were asked for and cannot be served, the context still works, the failure is
     /// logged at error level and [`Context::metrics_addr`] returns it.
-    pub fn build(mut self) -> Context {
+    pub fn build(self) -> Context {
+        self.apply_process_wide();
+        let mut config = self.resolve();
         // A backend that cannot run here is not offered (`actorpipe info` says why).
-        self.config.transports.retain(|(t, _)| match t.viable() {
+        config.transports.retain(|(t, _)| match t.viable() {
             Ok(()) => true,
             Err(why) => {
                 tracing::info!(transport = t.name(), %why, "transport not offered");
                 false
             }
         });
-        self.config.channels.retain(|(c, _)| match c.viable() {
+        config.channels.retain(|(c, _)| match c.viable() {
             Ok(()) => true,
             Err(why) => {
                 tracing::info!(channel = c.name(), %why, "channel not offered");
                 false
             }
         });
-        let addr = match self.config.metrics_addr {
-            Some(a) => Ok(Some(a)),
-            None => crate::metrics::addr_from_env(),
-        };
-        let metrics = match addr {
-            Ok(None) => None,
-            Ok(Some(a)) => Some(crate::metrics::serve(a)),
-            Err(e) => Some(Err(e)),
-        };
+        let metrics = config.metrics_addr.map(crate::metrics::serve);
         if let Some(Err(e)) = &metrics {
             tracing::error!(error = %e, "metrics not served");
         }
         Context {
-            config: Arc::new(self.config),
+            config: Arc::new(config),
             metrics,
         }
     }
@@ -587,6 +833,15 @@ impl ContextBuilder {
     }
 }
 
+/// What an `only_*` call leaves: the names of `names` that every earlier call named too.
+fn keep_named(before: Option<Vec<String>>, names: &[&str]) -> Vec<String> {
+    let mut kept: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    if let Some(before) = before {
+        kept.retain(|n| before.contains(n));
+    }
+    kept
+}
+
 /// The registry of backends; send it [`Connect`] and [`Listen`].
 #[derive(Debug)]
 pub struct Context {
@@ -595,13 +850,15 @@ pub struct Context {
 }
 
 impl Context {
-    /// A builder with every backend that can run here.
+    /// A builder with every backend that can run here, reading no environment variable
+    /// ([`ContextBuilder::from_env`] reads them).
     pub fn builder() -> ContextBuilder {
         ContextBuilder::default()
     }
 
     /// Where this process's metrics are served, if this context was asked to serve them
-    /// ([`ContextBuilder::metrics`] or `ACTORPIPE_METRICS_ADDR`): the address bound, or why
+    /// ([`ContextBuilder::metrics`], or `ACTORPIPE_METRICS_ADDR` through
+    /// [`ContextBuilder::from_env`]): the address bound, or why
     /// binding failed. `None` if it was not asked.
     pub fn metrics_addr(&self) -> Option<Result<std::net::SocketAddr, Error>> {
         self.metrics.clone()

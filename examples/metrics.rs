@@ -1,7 +1,8 @@
 //! Serve Prometheus metrics, move some traffic, and print what a scrape returns.
 //!
-//! Run: `cargo run --example metrics` (or set `ACTORPIPE_METRICS_ADDR=127.0.0.1:9100` and
-//! scrape `http://127.0.0.1:9100/metrics` while your own program runs).
+//! Run: `cargo run --example metrics` (or, in a program that builds its context with
+//! `ContextBuilder::from_env()`, set `ACTORPIPE_METRICS_ADDR=127.0.0.1:9100` and scrape
+//! `http://127.0.0.1:9100/metrics` while it runs).
 
 use std::io::{Read as _, Write as _};
 

@@ -137,16 +137,8 @@ struct Exporter {
 
 static EXPORTER: OnceLock<Mutex<Option<Exporter>>> = OnceLock::new();
 
-/// The address metrics are served at when `ACTORPIPE_METRICS_ADDR` is set: a socket address,
-/// or a bare port (bound on 127.0.0.1).
-pub fn addr_from_env() -> Result<Option<SocketAddr>, Error> {
-    match std::env::var("ACTORPIPE_METRICS_ADDR") {
-        Ok(v) if !v.trim().is_empty() => parse_addr(v.trim()).map(Some),
-        _ => Ok(None),
-    }
-}
-
-/// Parses `host:port` or a bare port (loopback).
+/// Parses `host:port` or a bare port (loopback): what `ACTORPIPE_METRICS_ADDR` holds
+/// ([`ContextBuilder::from_env`](crate::ContextBuilder::from_env)).
 pub fn parse_addr(v: &str) -> Result<SocketAddr, Error> {
     if let Ok(port) = v.parse::<u16>() {
         return Ok(SocketAddr::from(([127, 0, 0, 1], port)));

@@ -1,15 +1,15 @@
 //! The libfabric endpoint actor on real providers (`tcp;ofi_rxm`, `shm`): the EAGAIN storm,
-//! many pipes on one endpoint, a failing pipe that spares the others. Each trial reports itself
-//! skipped, with the reason, where the build has no `efa` feature or libfabric lacks the
-//! provider.
+//! many pipes on one endpoint, a failing pipe that spares the others. The suite injects faults:
+//! each trial reports itself skipped, with the reason, where the build has no `faults` feature
+//! (which brings `efa`) or libfabric lacks the provider.
 
 use libtest_mimic::{Arguments, Trial};
 
-#[cfg(feature = "efa")]
+#[cfg(feature = "faults")]
 #[path = "common/efa.rs"]
 mod support;
 
-#[cfg(feature = "efa")]
+#[cfg(feature = "faults")]
 mod efa {
     use std::time::Duration;
 
@@ -389,11 +389,11 @@ mod efa {
 }
 
 /// The same through pipes: the efa transport and the efa channel of real contexts.
-#[cfg(feature = "efa")]
+#[cfg(feature = "faults")]
 #[path = "common/mod.rs"]
 mod common;
 
-#[cfg(feature = "efa")]
+#[cfg(feature = "faults")]
 mod pipes {
     use std::sync::Arc;
     use std::time::Duration;
@@ -1228,7 +1228,7 @@ fn main() {
     let args = Arguments::from_args();
     let mut trials = Vec::new();
     type Case = fn(&str);
-    #[cfg(feature = "efa")]
+    #[cfg(feature = "faults")]
     let cases: [(&str, Case); 11] = [
         ("eagain_storm_10000_messages_in_order", efa::eagain_storm),
         (
@@ -1272,7 +1272,7 @@ fn main() {
             efa::failing_pipe_spares_the_others,
         ),
     ];
-    #[cfg(feature = "efa")]
+    #[cfg(feature = "faults")]
     let cases = cases.into_iter().chain([
         (
             "pipes_eagain_storm_10000_messages_in_order",
@@ -1339,7 +1339,7 @@ fn main() {
             pipes::without_a_wait_fd_spinning,
         ),
     ]);
-    #[cfg(feature = "efa")]
+    #[cfg(feature = "faults")]
     for provider in efa::PROVIDERS {
         // Run only by `endpoints_close_after_spinning`, in a process of its own.
         let p = provider.to_string();
@@ -1355,7 +1355,7 @@ fn main() {
             .with_kind("run by endpoints_close_after_spinning, in a process of its own"),
         );
     }
-    #[cfg(feature = "efa")]
+    #[cfg(feature = "faults")]
     for (name, case) in cases {
         for provider in efa::PROVIDERS {
             let skip = efa::missing(provider);
@@ -1371,7 +1371,7 @@ fn main() {
         }
     }
     // Every `tcp;ofi_rxm` trial above again, with rxm's passthru on (a process of its own).
-    #[cfg(feature = "efa")]
+    #[cfg(feature = "faults")]
     {
         let t = Trial::test("rxm_passthru_runs_the_trials_again", || {
             common::rerun_under_passthru(&["::tcp;ofi_rxm"], 25).map_err(Into::into)
@@ -1381,13 +1381,13 @@ fn main() {
             None => t,
         });
     }
-    #[cfg(not(feature = "efa"))]
+    #[cfg(not(feature = "faults"))]
     {
         let _: Option<Case> = None;
         trials.push(
             Trial::test("efa_endpoint", || Ok(()))
                 .with_ignored_flag(true)
-                .with_kind("skipped: built without the `efa` feature"),
+                .with_kind("skipped: built without the `faults` feature"),
         );
     }
     libtest_mimic::run(&args, trials).exit();

@@ -115,7 +115,9 @@ fn gdr_context(chan: IbvChannel) -> (ContextBuilder, CudaGdr) {
         .expect("a CudaGdr")
         .clone();
     let b = all.into_iter().fold(
-        Context::builder().without("shm").only_channels(&["basic"]),
+        Context::builder()
+            .without("shm")
+            .only_channels(&["basic", "cuda_gdr"]),
         |b, c| b.channel(c),
     );
     (b, first)

@@ -170,11 +170,7 @@ fn efa_counters_equal_the_endpoints() {
     use efa_support::*;
     let addr = actorpipe::metrics::serve("127.0.0.1:0".parse().unwrap()).unwrap();
     actix::System::new().block_on(async {
-        let (a, b) = endpoints(
-            "shm",
-            config(actorpipe::backend::efa::faults::Faults::NONE, false),
-        )
-        .await;
+        let (a, b) = endpoints("shm", plain(false)).await;
         let (tx, rx) = pipe(&a, &b).await;
         exchange(tx.direct(), rx.direct(), 200, 16).await;
         let (sa, sb) = (

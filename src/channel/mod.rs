@@ -38,13 +38,14 @@ pub(crate) mod sealed {
     pub trait Sealed {}
 }
 
-/// A channel backend, as a context offers it.
+/// A channel backend, as a context offers it. Its `Debug` output shows its settings (a
+/// [`ContextBuilder`](crate::ContextBuilder)'s `Debug` lists every backend so).
 ///
 /// The trait is sealed: the crate's backends are the only ones. Each needs a data path of its
 /// own in the pipe's channel actor, so a backend written elsewhere could be negotiated but not
 /// run. Pick, configure and prioritise the crate's backends with
 /// [`crate::ContextBuilder::channel`] and [`crate::ContextBuilder::priority`].
-pub trait ChannelBackend: sealed::Sealed + Send + Sync + 'static {
+pub trait ChannelBackend: sealed::Sealed + std::fmt::Debug + Send + Sync + 'static {
     /// Name in brochures (`basic`).
     fn name(&self) -> &'static str;
     /// Default priority; higher wins.
@@ -76,8 +77,9 @@ pub trait ChannelBackend: sealed::Sealed + Send + Sync + 'static {
     }
 
     /// The backend itself, for the pipe that needs its concrete type (the `ibv` channel's
-    /// device and registration caches, the `mpt` and `efa` channels' inline limits). `None` by
-    /// default.
+    /// device and registration caches, the `mpt` and `efa` channels' inline limits) and for the
+    /// context builder's changes to a known one ([`lanes`](crate::ContextBuilder::lanes) on
+    /// [`Mpt`](crate::backend::mpt::Mpt)). `None` by default.
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         None
     }

@@ -17,8 +17,9 @@
 //!   one whose copy threads had started has none (`fork` copies only the calling thread): its
 //!   callers copy alone. The default is [`default_threads`] of the machine's cores: none on 2
 //!   cores or fewer (a 2-core machine copies as before), a quarter of the cores above that, 2
-//!   to 8. `ACTORPIPE_COPY_THREADS=N` (read once, at first use) or [`set_threads`] before the
-//!   first large copy sets it, at most [`MAX_THREADS`]; 1 turns sharing off.
+//!   to 8. [`set_threads`] before the first large copy sets it, at most [`MAX_THREADS`]; 1 turns
+//!   sharing off (`ACTORPIPE_COPY_THREADS=N` does it for contexts built by
+//!   [`ContextBuilder::from_env`](crate::ContextBuilder::from_env), as they are built).
 //! - **Order.** Every share is copied and, for non-temporal copies, fenced before the caller
 //!   returns, and the caller reads the completion count with acquire ordering: whatever it
 //!   stores afterwards (a ring's position, a completion) is seen after the bytes by any reader.
@@ -72,9 +73,8 @@ static HELPERS: OnceLock<usize> = OnceLock::new();
 static POOL: Pool = Pool::new("actorpipe-copy");
 
 /// Sets how many threads a large copy is shared among (the caller included, at most
-/// [`MAX_THREADS`]; 1 turns sharing off), in place of `ACTORPIPE_COPY_THREADS` and the
-/// machine's default. Takes effect only before the process's first large copy: returns the
-/// count in force when it comes too late.
+/// [`MAX_THREADS`]; 1 turns sharing off), in place of the machine's default. Takes effect only
+/// before the process's first large copy: returns the count in force when it comes too late.
 pub fn set_threads(n: usize) -> Result<(), usize> {
     ASKED.store(n.max(1), Ordering::Relaxed);
     match HELPERS.get() {
@@ -92,12 +92,7 @@ pub fn threads() -> usize {
 fn helpers() -> usize {
     *HELPERS.get_or_init(|| {
         let asked = match ASKED.load(Ordering::Relaxed) {
-            0 => std::env::var("ACTORPIPE_COPY_THREADS")
-                .ok()
-                .and_then(|v| v.trim().parse::<usize>().ok())
-                .unwrap_or_else(|| {
-                    default_threads(std::thread::available_parallelism().map_or(1, |n| n.get()))
-                }),
+            0 => default_threads(std::thread::available_parallelism().map_or(1, |n| n.get())),
             n => n,
         };
         asked.clamp(1, MAX_THREADS) - 1

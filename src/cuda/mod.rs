@@ -16,6 +16,8 @@
 //!   touched, with a blocking and a non-blocking (stream-ordered) wait; see docs/cuda.md.
 //! - [`ipc`]: export and open of CUDA IPC handles for allocations and events.
 //! - [`devices`]: what `actorpipe info` lists.
+//! - [`set_watch_spin`]: how long each device's watcher thread (which runs the channels'
+//!   completion callbacks) polls before it naps; process-wide.
 
 mod buffer;
 mod completion;
@@ -33,6 +35,7 @@ pub use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
 pub use device::{devices, GpuInfo};
 pub use pinned::{PinnedBuf, PinnedPool};
 pub use pool::{Event, StreamLease};
+pub use watch::{set_spin as set_watch_spin, spin as watch_spin, SPIN as WATCH_SPIN};
 
 use crate::error::{Error, Origin};
 

@@ -24,6 +24,7 @@
 //! must not call the CUDA API (the channels' callbacks post to a queue).
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -32,17 +33,26 @@ use super::pool::Event;
 use super::{CudaStream, Gpu};
 
 /// How long the watcher polls without napping after the last completion or new job, unless
-/// `ACTORPIPE_CUDA_WATCH_SPIN_US` says otherwise.
-pub(crate) const SPIN: Duration = Duration::from_micros(20);
+/// [`set_spin`] says otherwise.
+pub const SPIN: Duration = Duration::from_micros(20);
 
-fn spin() -> Duration {
-    static SPIN_US: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *SPIN_US.get_or_init(|| {
-        std::env::var("ACTORPIPE_CUDA_WATCH_SPIN_US")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .map_or(SPIN, Duration::from_micros)
-    })
+/// The spin [`set_spin`] asked for, in nanoseconds; `u64::MAX`: not set ([`SPIN`]).
+static SPIN_NS: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// Sets how long each device's watcher thread polls without napping after its last completion
+/// or new job ([`SPIN`] by default), for watchers started afterwards: each device's starts at
+/// its first stream callback and runs for the life of the process.
+pub fn set_spin(spin: Duration) {
+    let ns = u64::try_from(spin.as_nanos()).unwrap_or(u64::MAX - 1);
+    SPIN_NS.store(ns, Ordering::Relaxed);
+}
+
+/// The spin a watcher starting now uses.
+pub fn spin() -> Duration {
+    match SPIN_NS.load(Ordering::Relaxed) {
+        u64::MAX => SPIN,
+        ns => Duration::from_nanos(ns),
+    }
 }
 
 type Callback = Box<dyn FnOnce() + Send>;

@@ -77,8 +77,9 @@ pub trait Acceptor {
     fn accept(&mut self) -> BoxFuture<'_, std::io::Result<Stream>>;
 }
 
-/// A transport backend: how to reach a peer and how to be reached.
-pub trait Transport: Send + Sync + 'static {
+/// A transport backend: how to reach a peer and how to be reached. Its `Debug` output shows its
+/// settings (a [`ContextBuilder`](crate::ContextBuilder)'s `Debug` lists every backend so).
+pub trait Transport: std::fmt::Debug + Send + Sync + 'static {
     /// The backend's name in brochures and URLs (`tcp`).
     fn name(&self) -> &'static str;
     /// Default priority in negotiation; higher wins.
@@ -122,6 +123,14 @@ pub trait Transport: Send + Sync + 'static {
     /// The URL to listen on when a listener enables this transport by itself (a pipe whose
     /// control stream moves here after a TCP bootstrap); `None` if it cannot be auto-enabled.
     fn auto_listen_url(&self) -> Option<String> {
+        None
+    }
+
+    /// The backend itself, for code that adjusts a transport of a known type (the context
+    /// builder's [`keepalive`](crate::ContextBuilder::keepalive) on [`Tcp`]). `None` by default.
+    ///
+    /// [`Tcp`]: crate::backend::tcp::Tcp
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
         None
     }
 }

@@ -8,6 +8,7 @@ use actorpipe::actors::hardware::efa::{
     EndpointConfig, FabricAttach, FabricDescribe, FabricEndpoint, FabricPost, FabricShare, Poster,
 };
 use actorpipe::backend::efa::engine::{Finished, Kind, Op};
+#[cfg(feature = "faults")]
 use actorpipe::backend::efa::faults::Faults;
 use actorpipe::backend::efa::tag::{self, Stream};
 use tokio::sync::mpsc;
@@ -66,9 +67,17 @@ impl Side {
 pub const SPIN: Duration = Duration::from_micros(50);
 
 /// The default configuration with `faults`, in spin mode if `spin`.
+#[cfg(feature = "faults")]
 pub fn config(faults: Faults, spin: bool) -> EndpointConfig {
     EndpointConfig {
         faults,
+        ..plain(spin)
+    }
+}
+
+/// The default configuration, in spin mode if `spin`.
+pub fn plain(spin: bool) -> EndpointConfig {
+    EndpointConfig {
         busy_poll: if spin { SPIN } else { Duration::ZERO },
         ..EndpointConfig::default()
     }

@@ -36,8 +36,9 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
         "{:<12} {:>6} {:<15} {:>11} {:>7} {:>9}",
         "provider", "size", "row", "p50", "vs raw", "GB/s"
     );
-    // Without --spin the endpoints never spin, whatever ACTORPIPE_EFA_SPIN says; with it each
-    // actorpipe row runs twice per round, without and with spin, against the same raw rounds.
+    // The rows' efa transports are configured here, so the ACTORPIPE_EFA_* variables do not
+    // reach them: without --spin the endpoints never spin; with it each actorpipe row runs
+    // twice per round, without and with spin, against the same raw rounds.
     let plain = EndpointConfig {
         busy_poll: Duration::ZERO,
         force_polling: args.no_wait_fd,

@@ -17,7 +17,7 @@ use std::sync::{mpsc as std_mpsc, Arc};
 
 use actorpipe::actors::hardware::efa::transport::Efa;
 use actorpipe::actors::hardware::efa::EndpointConfig;
-use actorpipe::{Context, ContextBuilder};
+use actorpipe::ContextBuilder;
 
 use crate::bench::{Api, Client};
 use crate::failure::Failure;
@@ -40,7 +40,7 @@ pub enum Row {
 
 impl Row {
     fn builder(self, provider: &str, config: EndpointConfig) -> ContextBuilder {
-        let b = Context::builder().without("shm");
+        let b = crate::plan::base_builder().without("shm");
         let t = Efa::new(provider).with_config(config);
         let c = actorpipe::backend::efa::channel::Efa::over(&t);
         match self {

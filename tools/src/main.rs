@@ -59,6 +59,9 @@ fn main() {
 }
 
 fn bench_command(what: BenchCommand) -> Result<(), Failure> {
+    // Every context the command builds reads the ACTORPIPE_* variables: a malformed one is bad
+    // input before anything runs.
+    plan::check_env()?;
     let (kind, args) = match what {
         BenchCommand::Transport(a) => (Kind::Transport, a),
         BenchCommand::Channel(a) => (Kind::Channel, a),

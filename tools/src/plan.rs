@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use actorpipe::backend::shm::Shm;
 use actorpipe::channel::ChannelBackend;
-use actorpipe::{Context, ContextBuilder, Message, Payload, Tensor};
+use actorpipe::{ContextBuilder, Message, Payload, Tensor};
 
 use crate::baseline::Baseline;
 use crate::cli::RunArgs;
@@ -86,9 +86,9 @@ pub struct Setup {
 }
 
 impl Setup {
-    /// The context builder for either side.
+    /// The context builder for either side: [`base_builder`]'s, with the options.
     pub fn builder(&self) -> ContextBuilder {
-        let mut b = Context::builder();
+        let mut b = base_builder();
         if let Some(spin) = self.spin {
             b = b.transport(Arc::new(Shm::new().with_spin(spin)));
         }
@@ -127,6 +127,24 @@ impl Setup {
             _ => "tcp://127.0.0.1:0",
         }
     }
+}
+
+/// The builder every context of the command starts from: the library's defaults with the
+/// `ACTORPIPE_*` environment variables applied (`ContextBuilder::from_env`), so that they work
+/// as the docs say. `bench` checks them first ([`check_env`]); a malformed value met here all
+/// the same ends the process with exit code 2.
+pub fn base_builder() -> ContextBuilder {
+    ContextBuilder::from_env().unwrap_or_else(|e| {
+        eprintln!("error: {e}");
+        std::process::exit(2)
+    })
+}
+
+/// Whether the `ACTORPIPE_*` environment variables are well formed (bad input if not).
+pub fn check_env() -> Result<(), crate::failure::Failure> {
+    ContextBuilder::from_env()
+        .map(drop)
+        .map_err(|e| crate::failure::bad(e.to_string()))
 }
 
 /// Adds the ibv transport and the ibv channel on the simulated device.

@@ -153,6 +153,33 @@ fn bench_command_runs_end_to_end() {
     assert_eq!(out.status.code(), Some(2));
 }
 
+/// The command's contexts read the `ACTORPIPE_*` variables (`ContextBuilder::from_env`): a
+/// well-formed one is taken, a malformed one is bad input (exit code 2), named.
+#[test]
+fn bench_reads_the_actorpipe_variables() {
+    let bench = |name: &str, value: &str| {
+        Command::new(env!("CARGO_BIN_EXE_actorpipe"))
+            .args(["bench", "transport", "--sizes", "64", "--iters", "5"])
+            .args(["--rounds", "1", "--json"])
+            .env(name, value)
+            .output()
+            .expect("run actorpipe bench")
+    };
+    let out = bench("ACTORPIPE_LOOPS_ON_RUNTIME", "1");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = bench("ACTORPIPE_LOOPS_ON_RUNTIME", "sometimes");
+    assert_eq!(out.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("ACTORPIPE_LOOPS_ON_RUNTIME") && text.contains("sometimes"),
+        "{text}"
+    );
+}
+
 /// `bench layers`: both layers measured over the shm transport (and over tcp), each round's
 /// round trips counted, and a core-speed figure beside them.
 #[test]

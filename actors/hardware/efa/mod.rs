@@ -53,6 +53,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::mpsc;
 
 use crate::backend::efa::engine::{Engine, Finished, Kind, Op, Region, Stats};
+#[cfg(feature = "faults")]
 use crate::backend::efa::faults::Faults;
 use crate::backend::efa::{Attributes, Domain, Endpoint, FabricError, InfoList};
 use crate::error::{Error, Origin};
@@ -76,7 +77,8 @@ pub struct EndpointConfig {
     pub min_sleep: Duration,
     /// The longest sleep between polls while ops are in flight (no-fd mode).
     pub max_sleep: Duration,
-    /// Fault injection (tests).
+    /// Fault injection (tests; feature `faults`).
+    #[cfg(feature = "faults")]
     pub faults: Faults,
     /// Open the CQ without a wait fd and poll it, even where the provider offers one
     /// (`Endpoint::open_with`). Saves the provider's signalling of that fd, on `tcp;ofi_rxm` a
@@ -91,7 +93,8 @@ pub struct EndpointConfig {
     /// Spin mode (zero: off, the default): busy-poll the CQ on every turn of the thread for
     /// this long after the last completion or post, instead of sleeping on the wait fd or
     /// yielding through the runtime. Bounded: the thread is busy at most `busy_poll` past the
-    /// last activity. Default from `ACTORPIPE_EFA_SPIN` (microseconds), else zero.
+    /// last activity. `ACTORPIPE_EFA_SPIN` sets it for the context's own `efa` endpoints
+    /// ([`ContextBuilder::from_env`](crate::ContextBuilder::from_env)).
     pub busy_poll: Duration,
     /// In spin mode, a stream's reader that waits keeps reading the CQ within each poll (for up
     /// to `stream::READER_BURST`) only while its stream is in a quick exchange: this wait began
@@ -102,28 +105,17 @@ pub struct EndpointConfig {
     pub quick_exchange: Duration,
 }
 
-/// The environment variable that turns spin mode on for endpoints built with defaults: the
-/// spin window in microseconds (`ACTORPIPE_EFA_SPIN=50`).
-pub const SPIN_ENV: &str = "ACTORPIPE_EFA_SPIN";
-
-/// `ACTORPIPE_EFA_SPIN`'s window, if set to a number of microseconds (anything else: off).
-fn spin_from_env() -> Duration {
-    std::env::var(SPIN_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map_or(Duration::ZERO, Duration::from_micros)
-}
-
 impl Default for EndpointConfig {
     fn default() -> Self {
         EndpointConfig {
             spin: Duration::from_micros(200),
             min_sleep: Duration::from_micros(25),
             max_sleep: Duration::from_millis(1),
-            faults: Faults::from_env(),
+            #[cfg(feature = "faults")]
+            faults: Faults::NONE,
             force_polling: false,
             register_all: false,
-            busy_poll: spin_from_env(),
+            busy_poll: Duration::ZERO,
             quick_exchange: stream::READER_HOT,
         }
     }
@@ -234,7 +226,9 @@ impl FabricEndpoint {
         let lazily = wait.is_some() && config.busy_poll.is_zero();
         let a = ep.domain().attributes();
         let metrics = metrics::EndpointMetrics::open(&a.provider, &a.domain);
-        let mut engine = Engine::new(ep, config.faults);
+        let mut engine = Engine::new(ep);
+        #[cfg(feature = "faults")]
+        engine.set_faults(config.faults);
         engine.set_register_all(config.register_all);
         let core = Arc::new(Mutex::new(Core::new(engine)));
         let progress = Progress {
@@ -518,7 +512,8 @@ pub struct FabricDescribe;
 #[rtype(result = "Stats")]
 pub struct FabricStats;
 
-/// Replaces the fault-injection settings.
+/// Replaces the fault-injection settings (feature `faults`).
+#[cfg(feature = "faults")]
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct FabricFaults(pub Faults);
@@ -620,6 +615,7 @@ impl Handler<FabricStats> for FabricEndpoint {
     }
 }
 
+#[cfg(feature = "faults")]
 impl Handler<FabricFaults> for FabricEndpoint {
     type Result = ();
     fn handle(&mut self, m: FabricFaults, _: &mut Context<Self>) {

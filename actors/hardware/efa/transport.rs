@@ -33,10 +33,6 @@ use crate::transport::{Acceptor, BoxFuture, Stream, Transport, Url};
 /// The provider used when none is chosen: AWS's Elastic Fabric Adapter.
 pub const DEFAULT_PROVIDER: &str = "efa";
 
-/// The environment variable that picks the provider for contexts built with defaults (the
-/// `actorpipe` CLI among them): `efa`, `tcp;ofi_rxm`, `shm`.
-pub const PROVIDER_ENV: &str = "ACTORPIPE_EFA_PROVIDER";
-
 /// How long a stream waits, once the bootstrap connection is gone, before failing: messages
 /// already on the fabric (the peer's farewell) are read first.
 const GRACE: Duration = Duration::from_millis(200);
@@ -56,13 +52,25 @@ type Probe = Result<Vec<(String, String)>, String>;
 type EndpointKey = (u64, String, Option<String>);
 
 /// The `efa` transport. See the module docs. A clone shares the original's endpoint actors.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Efa {
     provider: String,
     domain: Option<String>,
     config: EndpointConfig,
     id: u64,
     bootstrap_host: Option<std::net::IpAddr>,
+}
+
+/// Its settings; the instance number (which endpoint actors it shares) is left out.
+impl std::fmt::Debug for Efa {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Efa")
+            .field("provider", &self.provider)
+            .field("domain", &self.domain)
+            .field("config", &self.config)
+            .field("bootstrap_host", &self.bootstrap_host)
+            .finish()
+    }
 }
 
 impl Efa {
@@ -79,22 +87,13 @@ impl Efa {
     }
 
     /// The address a listener binds its bootstrap socket to when it enables `efa` by itself
-    /// (a `Listen` that did not name an `efa://` URL). Default: `ACTORPIPE_EFA_BOOTSTRAP` if
-    /// set, else the host's first IPv4 address that is up and not loopback, else 127.0.0.1.
+    /// (a `Listen` that did not name an `efa://` URL). Default: the host's first IPv4 address
+    /// that is up and not loopback, else 127.0.0.1
+    /// ([`ContextBuilder::efa_bootstrap_host`](crate::ContextBuilder::efa_bootstrap_host) sets
+    /// it for the context's own `efa` transport).
     pub fn bootstrap_host(mut self, ip: std::net::IpAddr) -> Efa {
         self.bootstrap_host = Some(ip);
         self
-    }
-
-    /// The transport over the provider named by `ACTORPIPE_EFA_PROVIDER`, or `efa`.
-    pub fn from_env() -> Efa {
-        Efa::new(
-            std::env::var(PROVIDER_ENV)
-                .ok()
-                .filter(|p| !p.trim().is_empty())
-                .as_deref()
-                .unwrap_or(DEFAULT_PROVIDER),
-        )
     }
 
     /// Uses the domain (NIC) named `domain` (`lo`, `rdmap0s6-rdm`) instead of the first.
@@ -554,12 +553,7 @@ impl Transport for Efa {
     }
 
     fn auto_listen_url(&self) -> Option<String> {
-        let ip = self.bootstrap_host.or_else(|| {
-            std::env::var("ACTORPIPE_EFA_BOOTSTRAP")
-                .ok()
-                .and_then(|v| v.trim().parse().ok())
-        });
-        let ip = ip.unwrap_or_else(first_ipv4);
+        let ip = self.bootstrap_host.unwrap_or_else(first_ipv4);
         Some(Url::from_socket("efa", std::net::SocketAddr::new(ip, 0)).to_string())
     }
 

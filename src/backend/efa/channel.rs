@@ -66,10 +66,6 @@ pub enum Domains {
     All,
 }
 
-/// The environment variable that gives contexts built with defaults (the CLI) further domains:
-/// `all`, or a comma-separated list of domain names.
-pub const DOMAINS_ENV: &str = "ACTORPIPE_EFA_DOMAINS";
-
 /// The largest tensor that travels inline on the control stream by default (see
 /// [`Efa::inline_max`]). Measured on the development VM (git history's docs/efa-measurements.md, "Small
 /// tensors inline"): an 8 KiB tensor's round trip in spin mode took 18.1 µs through the
@@ -134,16 +130,10 @@ impl Efa {
         self
     }
 
-    /// The domains `ACTORPIPE_EFA_DOMAINS` names (`all`, or `lo,eth0`); unset: the one.
-    pub fn domains_from_env(self) -> Efa {
-        match std::env::var(DOMAINS_ENV).ok().as_deref().map(str::trim) {
-            Some("all") => self.all_domains(),
-            Some(list) if !list.is_empty() => {
-                let names: Vec<&str> = list.split(',').map(str::trim).collect();
-                self.domains(&names)
-            }
-            _ => self,
-        }
+    /// Uses `domains` ([`Efa::domains`] and [`Efa::all_domains`] in one).
+    pub fn with_domains(mut self, domains: Domains) -> Efa {
+        self.domains = domains;
+        self
     }
 
     /// The further domains' names (not the transport's), in the order given or listed.

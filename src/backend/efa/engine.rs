@@ -33,10 +33,13 @@
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 
+#[cfg(feature = "faults")]
+use super::eio;
+#[cfg(feature = "faults")]
 use super::faults::{Dice, Faults};
 use super::regcache::RegCache;
 use super::tag;
-use super::{eio, Attributes, Completion, Endpoint, FabricError, FiAddr, Mr, PostError};
+use super::{Attributes, Completion, Endpoint, FabricError, FiAddr, Mr, PostError};
 use crate::keymap::KeyMap;
 
 /// Which way an op moves bytes.
@@ -196,7 +199,9 @@ pub struct Engine {
     pipes: KeyMap<u32, PipeState>,
     peers: HashMap<Vec<u8>, (FiAddr, usize)>,
     next_pipe: u32,
+    #[cfg(feature = "faults")]
     faults: Faults,
+    #[cfg(feature = "faults")]
     dice: Dice,
     stats: Stats,
     /// Sends of 1 to this many bytes are injects.
@@ -208,7 +213,7 @@ pub struct Engine {
 
 impl Engine {
     /// An engine over `ep`.
-    pub fn new(ep: Endpoint, faults: Faults) -> Engine {
+    pub fn new(ep: Endpoint) -> Engine {
         let inject_limit = ep.domain().attributes().inject_size as usize;
         Engine {
             inject_limit,
@@ -221,8 +226,10 @@ impl Engine {
             pipes: KeyMap::default(),
             peers: HashMap::new(),
             next_pipe: 0,
-            dice: Dice::new(faults.seed),
-            faults,
+            #[cfg(feature = "faults")]
+            dice: Dice::new(Faults::NONE.seed),
+            #[cfg(feature = "faults")]
+            faults: Faults::NONE,
             stats: Stats::default(),
             batch: Vec::with_capacity(64),
             dirty: Vec::new(),
@@ -239,7 +246,8 @@ impl Engine {
         self.ep.domain().attributes()
     }
 
-    /// Replaces the fault settings.
+    /// Replaces the fault settings (none at first).
+    #[cfg(feature = "faults")]
     pub fn set_faults(&mut self, faults: Faults) {
         self.dice = Dice::new(faults.seed);
         self.faults = faults;
@@ -422,7 +430,7 @@ impl Engine {
         out: &mut impl FnMut(Finished),
     ) -> bool {
         let len = bytes.len();
-        if len == 0 || len > self.inject_limit || self.faults.cq_error > 0.0 {
+        if len == 0 || len > self.inject_limit || self.injects_cq_errors() {
             return false;
         }
         let Some(p) = self.pipes.get(&pipe) else {
@@ -609,10 +617,32 @@ impl Engine {
     }
 
     /// Fault injection's answer to a post: `-FI_EAGAIN` for the chosen fraction (counted).
+    #[cfg(feature = "faults")]
     fn refused_by_faults(&mut self) -> bool {
         let refused = self.faults.eagain > 0.0 && self.dice.roll(self.faults.eagain);
         self.stats.eagain += u64::from(refused);
         refused
+    }
+
+    /// Without the `faults` feature no post is refused but by the provider.
+    #[cfg(not(feature = "faults"))]
+    #[inline(always)]
+    fn refused_by_faults(&mut self) -> bool {
+        false
+    }
+
+    /// Whether fault injection turns completions into errors (injects, which have none, are
+    /// then not used).
+    #[cfg(feature = "faults")]
+    fn injects_cq_errors(&self) -> bool {
+        self.faults.cq_error > 0.0
+    }
+
+    /// Without the `faults` feature no completion is turned into an error.
+    #[cfg(not(feature = "faults"))]
+    #[inline(always)]
+    fn injects_cq_errors(&self) -> bool {
+        false
     }
 
     /// Hands the op at `index` to the provider (or to fault injection).
@@ -752,17 +782,20 @@ impl Engine {
     fn finish(
         &mut self,
         pipe: u32,
-        mut result: Result<usize, FabricError>,
+        result: Result<usize, FabricError>,
     ) -> Result<usize, FabricError> {
-        let inject = self.faults.cq_error > 0.0 && self.dice.roll(self.faults.cq_error);
-        if inject && result.is_ok() {
-            result = Err(FabricError {
-                op: "completion",
-                provider: self.ep.provider().to_string(),
-                code: eio(),
-                text: "injected completion error (fault injection)".into(),
-            });
-        }
+        #[cfg(feature = "faults")]
+        let result =
+            if self.injects_cq_errors() && self.dice.roll(self.faults.cq_error) && result.is_ok() {
+                Err(FabricError {
+                    op: "completion",
+                    provider: self.ep.provider().to_string(),
+                    code: eio(),
+                    text: "injected completion error (fault injection)".into(),
+                })
+            } else {
+                result
+            };
         match (result, self.pipes.get(&pipe).and_then(|p| p.error.clone())) {
             (Err(e), None) => {
                 self.stats.errors += 1;

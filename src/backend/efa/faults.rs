@@ -1,6 +1,9 @@
 //! Fault injection for the endpoint: refuse a fraction of posts with `-FI_EAGAIN`, turn a
-//! fraction of completions into errors. Off unless set (`EndpointConfig::faults`, or the
-//! `ACTORPIPE_EFA_FAULTS` environment variable read by [`Faults::from_env`]).
+//! fraction of completions into errors. Only in builds with the `faults` feature (the engine
+//! has no trace of it otherwise); off unless set (`EndpointConfig::faults`, the `FabricFaults`
+//! message, or `ACTORPIPE_EFA_FAULTS` for contexts built by
+//! [`ContextBuilder::from_env`](crate::ContextBuilder::from_env), in the format of
+//! [`Faults::parse`]).
 
 /// What to inject.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -47,17 +50,6 @@ impl Faults {
             }
         }
         Ok(f)
-    }
-
-    /// `ACTORPIPE_EFA_FAULTS`, if set and valid; an invalid value is logged and ignored.
-    pub fn from_env() -> Faults {
-        match std::env::var("ACTORPIPE_EFA_FAULTS") {
-            Ok(s) => Faults::parse(&s).unwrap_or_else(|e| {
-                tracing::warn!("ACTORPIPE_EFA_FAULTS ignored: {e}");
-                Faults::NONE
-            }),
-            Err(_) => Faults::NONE,
-        }
     }
 
     /// Whether anything is injected.

@@ -16,6 +16,7 @@
 
 pub mod channel;
 pub mod engine;
+#[cfg(feature = "faults")]
 pub mod faults;
 mod ffi;
 pub use crate::keymap;

@@ -365,6 +365,10 @@ impl Transport for Tcp {
         "tcp"
     }
 
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+
     fn priority(&self) -> i32 {
         0
     }

@@ -105,10 +105,12 @@ impl Setup {
     /// the chosen transport.
     fn builder(&self) -> ContextBuilder {
         let mut b = match self.backend.as_str() {
-            "cuda_basic" => Context::builder().without("cuda_xth").without("cuda_ipc"),
+            "cuda_basic" => crate::plan::base_builder()
+                .without("cuda_xth")
+                .without("cuda_ipc"),
             #[cfg(feature = "ibv")]
-            "cuda_gdr" => gdr::with_gdr(Context::builder(), &self.sim),
-            _ => Context::builder(),
+            "cuda_gdr" => gdr::with_gdr(crate::plan::base_builder(), &self.sim),
+            _ => crate::plan::base_builder(),
         };
         if self.shm {
             b = b.without("tcp");

@@ -5,7 +5,6 @@ use std::time::{Duration, Instant};
 
 use super::*;
 use crate::backend::efa::engine::Kind;
-use crate::backend::efa::faults::Faults;
 use crate::backend::efa::tag::{self, Stream};
 use crate::backend::efa::tests::{open, PROVIDERS};
 
@@ -61,8 +60,8 @@ fn deliver_one(
 #[test]
 fn a_readers_pass_claims_its_ends_only_behind_an_empty_queue() {
     for provider in PROVIDERS {
-        let mut a = Engine::new(open(provider), Faults::NONE);
-        let mut b = Engine::new(open(provider), Faults::NONE);
+        let mut a = Engine::new(open(provider));
+        let mut b = Engine::new(open(provider));
         let (pa, other) = (
             a.attach(b.endpoint().name()).expect("attach"),
             a.attach(b.endpoint().name()).expect("attach"),

@@ -2,24 +2,32 @@
 //! pipes that fail alone.
 
 use super::*;
+#[cfg(feature = "faults")]
 use crate::backend::efa::faults::Dice;
 use crate::backend::efa::tag::{self, Stream};
 use crate::backend::efa::tests::{open, run_alone, PROVIDERS};
 
-fn pair(provider: &str, faults: Faults) -> (Engine, u32, Engine, u32) {
-    let mut a = Engine::new(open(provider), faults);
-    let mut b = Engine::new(
-        open(provider),
-        Faults {
-            seed: faults.seed + 1,
-            ..faults
-        },
-    );
+fn pair(provider: &str) -> (Engine, u32, Engine, u32) {
+    let mut a = Engine::new(open(provider));
+    let mut b = Engine::new(open(provider));
     let pa = a.attach(b.endpoint().name()).expect("attach");
     let pb = b.attach(a.endpoint().name()).expect("attach");
     (a, pa, b, pb)
 }
 
+/// [`pair`] with `faults` on both sides (the second's seed one more).
+#[cfg(feature = "faults")]
+fn pair_with(provider: &str, faults: Faults) -> (Engine, u32, Engine, u32) {
+    let (mut a, pa, mut b, pb) = pair(provider);
+    a.set_faults(faults);
+    b.set_faults(Faults {
+        seed: faults.seed + 1,
+        ..faults
+    });
+    (a, pa, b, pb)
+}
+
+#[cfg(feature = "faults")]
 /// A random size: empty, tiny, small, medium, large (up to 2 MiB).
 fn shape(d: &mut Dice, x: &mut u64) -> usize {
     *x = x
@@ -36,18 +44,20 @@ fn shape(d: &mut Dice, x: &mut u64) -> usize {
     }
 }
 
+#[cfg(feature = "faults")]
 fn pattern(seq: u64, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| (seq as usize * 31 + i * 7) as u8 ^ (i >> 8) as u8)
         .collect()
 }
 
+#[cfg(feature = "faults")]
 /// 10 000 messages of random shape, with `faults` on both sides: every one arrives intact, and
 /// each side sees its completions in post order. Without `inject`, every send goes out with
 /// `fi_tsend` and ends with a completion.
 fn storm(provider: &str, faults: Faults, count: u64, inject: bool) -> (Stats, Stats) {
     const WINDOW: u64 = 128;
-    let (mut a, pa, mut b, pb) = pair(provider, faults);
+    let (mut a, pa, mut b, pb) = pair_with(provider, faults);
     if !inject {
         a.set_inject_limit(0);
     }
@@ -120,6 +130,7 @@ fn storm(provider: &str, faults: Faults, count: u64, inject: bool) -> (Stats, St
     (a.stats(), b.stats())
 }
 
+#[cfg(feature = "faults")]
 #[test]
 fn eagain_storm_delivers_everything_in_order_on_each_provider() {
     let faults = Faults {
@@ -153,10 +164,11 @@ fn eagain_storm_delivers_everything_in_order_on_each_provider() {
     }
 }
 
+#[cfg(feature = "faults")]
 #[test]
 fn a_completion_error_fails_its_pipe_in_order_and_spares_the_others() {
     for provider in PROVIDERS {
-        let (mut a, pa, mut b, pb) = pair(provider, Faults::NONE);
+        let (mut a, pa, mut b, pb) = pair(provider);
         // A second pipe between the same endpoints.
         let pa2 = a.attach(b.endpoint().name()).expect("attach");
         let pb2 = b.attach(a.endpoint().name()).expect("attach");
@@ -246,10 +258,11 @@ fn a_completion_error_fails_its_pipe_in_order_and_spares_the_others() {
     }
 }
 
+#[cfg(feature = "faults")]
 #[test]
 fn an_injected_send_that_fails_fails_its_pipe_in_order() {
     for provider in PROVIDERS {
-        let (mut a, pa, mut b, pb) = pair(provider, Faults::NONE);
+        let (mut a, pa, mut b, pb) = pair(provider);
         // One exchange first: rxm refuses posts (-FI_EAGAIN) while it connects, and the
         // faults below must meet the posts themselves, not their retries.
         let mut warm = None;
@@ -345,7 +358,7 @@ fn an_injected_send_that_fails_fails_its_pipe_in_order() {
 #[test]
 fn detach_fails_pending_receives_in_order_then_forgets_the_pipe() {
     for provider in PROVIDERS {
-        let (_a, _pa, mut b, pb) = pair(provider, Faults::NONE);
+        let (_a, _pa, mut b, pb) = pair(provider);
         let mut got = Vec::new();
         for i in 0..5u64 {
             let op = Op {
@@ -392,10 +405,11 @@ fn detach_fails_pending_receives_in_order_then_forgets_the_pipe() {
 /// once with the refusal, in order behind the sends the provider already took, without
 /// reaching the provider; its receives still complete (one backlogged behind the refused
 /// sends included); the other pipe of the same endpoint sends as before.
+#[cfg(feature = "faults")]
 #[test]
 fn refused_sends_end_in_order_and_spare_receives_and_other_pipes() {
     for provider in PROVIDERS {
-        let (mut a, pa, mut b, pb) = pair(provider, Faults::NONE);
+        let (mut a, pa, mut b, pb) = pair(provider);
         // A second pipe between the same endpoints.
         let qa = a.attach(b.endpoint().name()).expect("attach");
         let qb = b.attach(a.endpoint().name()).expect("attach");
@@ -521,10 +535,11 @@ fn refused_sends_end_in_order_and_spare_receives_and_other_pipes() {
 /// [`Engine::inject`] sends at once from the caller's bytes with no end, but never ahead of
 /// its pipe's backlog, nor on a pipe that refuses its sends: it says no then, and the caller's
 /// post keeps the order rules. The peer gets every message, intact.
+#[cfg(feature = "faults")]
 #[test]
 fn direct_injects_go_at_once_but_never_ahead_of_the_backlog() {
     for provider in PROVIDERS {
-        let (mut a, pa, mut b, pb) = pair(provider, Faults::NONE);
+        let (mut a, pa, mut b, pb) = pair(provider);
         let mut got: Vec<Finished> = Vec::new();
         for id in 0..3 {
             let op = Op {
@@ -613,7 +628,7 @@ fn direct_injects_go_at_once_but_never_ahead_of_the_backlog() {
 /// tag as 0, and its CQ data intact: `scripts/fi-tags-probe.c` in git history). The efa stream's credits ride
 /// there.
 fn credits_arrive(provider: &str) {
-    let (mut a, pa, mut b, pb) = pair(provider, Faults::NONE);
+    let (mut a, pa, mut b, pb) = pair(provider);
     for (seq, inject) in [(4, false), (5, true)] {
         let posted = tag::make(Stream::Control, pb, seq);
         let sent = tag::with_credits(posted, 3 + seq);
