@@ -858,10 +858,16 @@ impl Context {
 
     /// Where this process's metrics are served, if this context was asked to serve them
     /// ([`ContextBuilder::metrics`], or `ACTORPIPE_METRICS_ADDR` through
-    /// [`ContextBuilder::from_env`]): the address bound, or why
-    /// binding failed. `None` if it was not asked.
-    pub fn metrics_addr(&self) -> Option<Result<std::net::SocketAddr, Error>> {
-        self.metrics.clone()
+    /// [`ContextBuilder::from_env`]): the address bound, or why binding failed
+    /// ([`Error::Listen`]). A context that was not asked answers [`Error::Unavailable`].
+    pub fn metrics_addr(&self) -> Result<std::net::SocketAddr, Error> {
+        self.metrics.clone().unwrap_or_else(|| {
+            Err(Error::Unavailable {
+                backend: "metrics".into(),
+                reason: "this context was not asked to serve metrics (ContextBuilder::metrics)"
+                    .into(),
+            })
+        })
     }
 }
 
@@ -903,7 +909,7 @@ impl Handler<IpcCacheStats> for Context {
 }
 
 impl Handler<GetMetricsAddr> for Context {
-    type Result = Option<Result<std::net::SocketAddr, Error>>;
+    type Result = Result<std::net::SocketAddr, Error>;
 
     fn handle(&mut self, _: GetMetricsAddr, _: &mut Self::Context) -> Self::Result {
         self.metrics_addr()
@@ -995,11 +1001,28 @@ impl Handler<Connect> for Context {
     fn handle(&mut self, msg: Connect, _: &mut Self::Context) -> Self::Result {
         let config = self.config.clone();
         Box::pin(async move {
-            match dial(config.clone(), msg.url).await {
-                Ok(parts) => Ok(spawn_pipe(parts, &config)),
-                Err(e) => {
-                    crate::metrics::negotiation_failed(&e);
-                    Err(e)
+            let mut attempt = 1;
+            let mut wait = msg.retry.map(|r| r.backoff).unwrap_or_default();
+            loop {
+                match dial(config.clone(), msg.url.clone()).await {
+                    Ok(parts) => return Ok(spawn_pipe(parts, &config)),
+                    Err(e) => {
+                        crate::metrics::negotiation_failed(&e);
+                        match msg.retry {
+                            Some(r) if attempt < r.attempts && e.kind().is_transient() => {
+                                tracing::debug!(
+                                    "connect to {} failed (attempt {attempt} of {}), again in \
+                                     {wait:?}: {e}",
+                                    msg.url,
+                                    r.attempts
+                                );
+                                tokio::time::sleep(wait).await;
+                                wait = (wait * 2).min(r.max_backoff);
+                                attempt += 1;
+                            }
+                            _ => return Err(e),
+                        }
+                    }
                 }
             }
         })

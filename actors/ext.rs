@@ -18,8 +18,8 @@ use actix::dev::{Request, ToEnvelope};
 use actix::{Actor, Addr, Handler, Message as ActixMessage};
 
 use super::messages::{
-    Accepted, Close, Closed, Connect, GetInfo, GetWriter, Listen, Listening, PipeInfo, Read,
-    ReadDescriptor, ReadDone, Receive, ReceiveAll, StopReceiving, Write, WriteDone,
+    Accepted, Close, Closed, Connect, GetInfo, GetMetricsAddr, GetWriter, Listen, Listening,
+    PipeInfo, Read, ReadDescriptor, ReadDone, Receive, ReceiveAll, StopReceiving, Write, WriteDone,
 };
 use super::{Context, Pipe, PipeWriter};
 use crate::error::Result;
@@ -90,8 +90,13 @@ fn read_result(done: ReadDone) -> Result<Message> {
 
 /// One-step awaited operations on a pipe.
 pub trait PipeExt {
-    /// Writes `message`; `Ok` carries the completion (its id and the buffers, for reuse).
-    fn write(&self, message: Message) -> Call<Pipe, Write, WriteDone>;
+    /// Writes a message (a [`Message`], or a [`Write`] with a deadline); `Ok` carries the
+    /// completion (its id and the buffers, for reuse). On failure the error is the result and
+    /// the buffers are dropped: [`PipeExt::write_done`] gives them back either way.
+    fn write(&self, write: impl Into<Write>) -> Call<Pipe, Write, WriteDone>;
+    /// Writes a message and answers its [`WriteDone`] whatever the result, so the buffers
+    /// come back on failure too (`done.result` says how it went).
+    fn write_done(&self, write: impl Into<Write>) -> Call<Pipe, Write, WriteDone>;
     /// Waits for the next message's descriptor.
     fn read_descriptor(&self) -> Call<Pipe, ReadDescriptor, Descriptor>;
     /// Reads the message whose descriptor was delivered last into `allocation`.
@@ -121,11 +126,15 @@ pub trait PipeExt {
 }
 
 impl PipeExt for Addr<Pipe> {
-    fn write(&self, message: Message) -> Call<Pipe, Write, WriteDone> {
-        call(self, Write::new(message), |done| match &done.result {
+    fn write(&self, write: impl Into<Write>) -> Call<Pipe, Write, WriteDone> {
+        call(self, write.into(), |done| match &done.result {
             Ok(()) => Ok(done),
             Err(e) => Err(e.clone()),
         })
+    }
+
+    fn write_done(&self, write: impl Into<Write>) -> Call<Pipe, Write, WriteDone> {
+        call(self, write.into(), Ok)
     }
 
     fn read_descriptor(&self) -> Call<Pipe, ReadDescriptor, Descriptor> {
@@ -174,19 +183,24 @@ impl PipeExt for Addr<Pipe> {
 
 /// One-step awaited requests to a context.
 pub trait ContextExt {
-    /// Opens a pipe to the listener at `url` (see [`Connect`]).
-    fn connect(&self, url: impl Into<String>) -> Call<Context, Connect, Addr<Pipe>>;
+    /// Opens a pipe to a listener: a URL, or a [`Connect`] with a retry policy (see
+    /// [`Connect::retry`]).
+    fn connect(&self, connect: impl Into<Connect>) -> Call<Context, Connect, Addr<Pipe>>;
     /// Listens on `urls`, handing accepted pipes to `subscriber` (see [`Listen`]).
     fn listen<S: Into<String>>(
         &self,
         urls: impl IntoIterator<Item = S>,
         subscriber: actix::Recipient<Accepted>,
     ) -> Call<Context, Listen, Listening>;
+    /// Listens as `listen` says, with its requirements ([`Listen::require`]).
+    fn listen_with(&self, listen: Listen) -> Call<Context, Listen, Listening>;
+    /// Where the context serves metrics (see [`GetMetricsAddr`]).
+    fn metrics_addr(&self) -> Call<Context, GetMetricsAddr, std::net::SocketAddr>;
 }
 
 impl ContextExt for Addr<Context> {
-    fn connect(&self, url: impl Into<String>) -> Call<Context, Connect, Addr<Pipe>> {
-        call(self, Connect::new(url), |r| r)
+    fn connect(&self, connect: impl Into<Connect>) -> Call<Context, Connect, Addr<Pipe>> {
+        call(self, connect.into(), |r| r)
     }
 
     fn listen<S: Into<String>>(
@@ -195,5 +209,13 @@ impl ContextExt for Addr<Context> {
         subscriber: actix::Recipient<Accepted>,
     ) -> Call<Context, Listen, Listening> {
         call(self, Listen::new(urls, subscriber), |r| r)
+    }
+
+    fn listen_with(&self, listen: Listen) -> Call<Context, Listen, Listening> {
+        call(self, listen, |r| r)
+    }
+
+    fn metrics_addr(&self) -> Call<Context, GetMetricsAddr, std::net::SocketAddr> {
+        call(self, GetMetricsAddr, |r| r)
     }
 }

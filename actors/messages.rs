@@ -156,15 +156,15 @@ pub struct Endpoint {
     pub url: String,
 }
 
-/// Ask a context where its metrics are served: `None` if it was not asked to serve them,
-/// otherwise the address bound or why binding failed (see [`ContextBuilder::metrics`]).
+/// Ask a context where its metrics are served: the address bound, why binding failed, or
+/// [`Error::Unavailable`] if it was not asked to serve them (see [`ContextBuilder::metrics`]).
 ///
 /// [`ContextBuilder::metrics`]: super::ContextBuilder::metrics
 #[derive(Debug, Clone, Copy)]
 pub struct GetMetricsAddr;
 
 impl ActixMessage for GetMetricsAddr {
-    type Result = Option<Result<std::net::SocketAddr, Error>>;
+    type Result = Result<std::net::SocketAddr, Error>;
 }
 
 /// Stops a listener; pipes it already accepted keep running.
@@ -191,17 +191,86 @@ impl ActixMessage for Accepted {
 /// Open a pipe to a listener at `url`. Resolves `Ok` once the listener has accepted the whole
 /// pipe: the handshake is done, every extra connection has joined, and the listener has
 /// confirmed it. A listener that cannot take the pipe now fails it fast with
-/// [`Error::Refused`] and its reason.
+/// [`Error::Refused`] and its reason: a transient error, like a listener not up yet
+/// ([`Error::Connect`]) or a timeout, which [`Connect::retry`] retries.
 #[derive(Debug, Clone)]
 pub struct Connect {
     /// The listener's URL.
     pub url: String,
+    /// How to retry a transient failure; `None`: fail at the first.
+    pub retry: Option<Retry>,
 }
 
 impl Connect {
-    /// Connect to `url`.
+    /// Connect to `url`, once.
     pub fn new(url: impl Into<String>) -> Self {
-        Connect { url: url.into() }
+        Connect {
+            url: url.into(),
+            retry: None,
+        }
+    }
+
+    /// Retries a failure whose class is transient ([`crate::ErrorClass::is_transient`]:
+    /// refused, timeout, connect, peer closed) as `policy` says; any other error, and the last
+    /// attempt's, is the result.
+    pub fn retry(mut self, policy: Retry) -> Self {
+        self.retry = Some(policy);
+        self
+    }
+}
+
+impl From<&str> for Connect {
+    fn from(url: &str) -> Self {
+        Connect::new(url)
+    }
+}
+
+impl From<String> for Connect {
+    fn from(url: String) -> Self {
+        Connect::new(url)
+    }
+}
+
+impl From<&String> for Connect {
+    fn from(url: &String) -> Self {
+        Connect::new(url.as_str())
+    }
+}
+
+/// How [`Connect::retry`] retries: up to `attempts` dials in all, waiting `backoff` after the
+/// first failure and twice as long after each next one, at most `max_backoff`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retry {
+    /// Dials in all, the first included (at least 1).
+    pub attempts: u32,
+    /// The wait after the first failure.
+    pub backoff: std::time::Duration,
+    /// The longest wait.
+    pub max_backoff: std::time::Duration,
+}
+
+impl Retry {
+    /// `attempts` dials in all, 50 ms after the first failure, doubling up to 2 s.
+    pub fn attempts(attempts: u32) -> Retry {
+        Retry {
+            attempts: attempts.max(1),
+            backoff: std::time::Duration::from_millis(50),
+            max_backoff: std::time::Duration::from_secs(2),
+        }
+    }
+
+    /// Waits `first` after the first failure, doubling up to `max`.
+    pub fn backoff(mut self, first: std::time::Duration, max: std::time::Duration) -> Retry {
+        self.backoff = first;
+        self.max_backoff = max.max(first);
+        self
+    }
+}
+
+impl Default for Retry {
+    /// Ten dials, 50 ms after the first failure, doubling up to 2 s.
+    fn default() -> Retry {
+        Retry::attempts(10)
     }
 }
 
@@ -218,6 +287,12 @@ pub struct Write {
     /// closes with [`Error::Timeout`] (a stream cannot drop one operation and go on, so a
     /// missed deadline ends the pipe; every pending operation completes with that error).
     pub deadline: Option<std::time::Duration>,
+}
+
+impl From<Message> for Write {
+    fn from(message: Message) -> Self {
+        Write::new(message)
+    }
 }
 
 impl Write {

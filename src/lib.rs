@@ -70,7 +70,8 @@ pub mod prelude {
         inbox, Accepted, Call, ChannelInfo, Close, Closed, Connect, ContextBuilder, ContextExt,
         DescriptorReady, Endpoint, GetInfo, GetMetricsAddr, GetWriter, Inbox, LaneInfo, Listen,
         Listener, Listening, NotListening, Op, Pipe, PipeExt, PipeInfo, PipeWriter, ReadDescriptor,
-        ReadDone, Receive, ReceiveAll, Recycle, StopListening, StopReceiving, Subscribe, WriteDone,
+        ReadDone, Receive, ReceiveAll, Recycle, Retry, StopListening, StopReceiving, Subscribe,
+        WriteDone,
     };
     pub use crate::error::{Error, ErrorClass, Origin};
     pub use crate::message::{

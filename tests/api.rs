@@ -132,23 +132,26 @@ fn metrics_addr_reports_the_bound_port_or_the_failure() {
     let served = actorpipe::Context::builder()
         .metrics("127.0.0.1:0".parse().unwrap())
         .build();
-    let addr = served.metrics_addr().expect("asked for").expect("bound");
+    let addr = served.metrics_addr().expect("bound");
     assert_ne!(addr.port(), 0, "port 0 resolved");
     // One exporter per process: another address fails, and the context says why.
     let other = actorpipe::Context::builder()
         .metrics("127.0.0.1:1".parse().unwrap())
         .build();
-    let e = other.metrics_addr().expect("asked for").expect_err("taken");
+    let e = other.metrics_addr().expect_err("taken");
     assert_eq!(e.kind(), ErrorClass::InvalidArgument, "{e}");
-    assert!(actorpipe::Context::builder()
+    // A context that was not asked says so.
+    let e = actorpipe::Context::builder()
         .build()
         .metrics_addr()
-        .is_none_or(|r| r.is_ok()));
-    // Once started, the context answers GetMetricsAddr.
+        .expect_err("not asked");
+    assert_eq!(e.kind(), ErrorClass::Unavailable, "{e}");
+    // Once started, the context answers GetMetricsAddr, in the raw form and in one step.
     System::new().block_on(async move {
         let ctx = served.start();
         let got = ctx.send(GetMetricsAddr).await.expect("context");
-        assert_eq!(got.expect("asked for").expect("bound"), addr);
+        assert_eq!(got.expect("bound"), addr);
+        assert_eq!(ctx.metrics_addr().await.expect("bound"), addr);
     });
 }
 
@@ -282,4 +285,104 @@ async fn one_shared_buffer_goes_to_many_pipes() {
         assert_eq!(m.tensors[0].buffer.as_cpu(), Some(&[1u8; 10][..]));
         w.await.expect("write");
     }
+}
+
+/// A free loopback port: bound, then let go.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+#[actix::test]
+async fn connect_retries_a_transient_failure_until_the_listener_is_up() {
+    let url = format!("tcp://127.0.0.1:{}", free_port());
+    let client = actorpipe::Context::builder()
+        .only_transports(&["tcp"])
+        .start();
+    // Once, nobody listens: a transient error, and the first is the result.
+    let e = within("connect", client.connect(&url))
+        .await
+        .expect_err("nobody listens");
+    assert!(e.kind().is_transient(), "{e}");
+    // With a policy, the dial goes on until the listener comes up.
+    let dial =
+        client.connect(Connect::new(&url).retry(
+            Retry::attempts(100).backoff(Duration::from_millis(20), Duration::from_millis(50)),
+        ));
+    let up = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let server = actorpipe::Context::builder()
+            .only_transports(&["tcp"])
+            .start();
+        let (accepted, incoming) = inbox::<Accepted>();
+        let l = server
+            .listen([url.as_str()], accepted)
+            .await
+            .expect("listen");
+        (server, l, incoming)
+    };
+    let (pipe, _server) = within("retried connect", async { tokio::join!(dial, up) }).await;
+    pipe.expect("connected once the listener was up");
+}
+
+#[actix::test]
+async fn connect_does_not_retry_what_cannot_change() {
+    let client = actorpipe::Context::builder().start();
+    // A transport this context lacks: not transient, so the 10 s wait never happens.
+    let started = std::time::Instant::now();
+    let e =
+        within(
+            "connect",
+            client.connect(Connect::new("nosuch://127.0.0.1:1").retry(
+                Retry::attempts(3).backoff(Duration::from_secs(10), Duration::from_secs(10)),
+            )),
+        )
+        .await
+        .expect_err("no such transport");
+    assert!(!e.kind().is_transient(), "{e}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "it waited to retry"
+    );
+}
+
+#[actix::test]
+async fn write_done_gives_the_same_buffers_back_on_failure() {
+    let builder = || actorpipe::Context::builder().only_transports(&["tcp"]);
+    let (tx, rx, _l) = pair(builder(), builder(), &[]).await;
+    within("close", tx.close(Close::because("done")))
+        .await
+        .expect("close");
+    drop(rx);
+    let bytes = vec![7u8; 64 << 10];
+    let at = bytes.as_ptr();
+    let m = actorpipe::Message::new().with_tensor(Tensor::cpu(bytes));
+    let done = within("write", tx.write_done(m))
+        .await
+        .expect("the pipe answers");
+    assert!(done.result.is_err(), "a closed pipe refuses the write");
+    let back = done.message.tensors[0].buffer.as_cpu().expect("host bytes");
+    assert_eq!(back.as_ptr(), at, "the same allocation");
+    assert!(back.iter().all(|&b| b == 7), "the same bytes");
+}
+
+#[actix::test]
+async fn listen_with_takes_the_listeners_requirements() {
+    let both = || actorpipe::Context::builder().only_transports(&["tcp"]);
+    let server = both().start();
+    let (accepted, _incoming) = inbox::<Accepted>();
+    let l = within(
+        "listen",
+        server.listen_with(Listen::new(["tcp://127.0.0.1:0"], accepted).require(&["mpt"])),
+    )
+    .await
+    .expect("listen");
+    let client = both().without("mpt").start();
+    let e = within("connect", client.connect(&l.urls[0]))
+        .await
+        .expect_err("the listener requires mpt");
+    assert_eq!(e.kind(), ErrorClass::Unavailable, "{e}");
 }
