@@ -26,12 +26,19 @@ case "$cmd" in
 pack)
   mkdir -p "$dir"
   # cargo names each test binary: "Executable tests/efa.rs (target/debug/deps/efa-...)",
-  # "Executable unittests src/lib.rs (...)" (the suite `lib`).
+  # "Executable tests/integration/main.rs (...)", "Executable unittests src/lib.rs (...)" (the
+  # suite `lib`).
   # The profile of .ci/run, so that a tree built by it (or by the line above) is not rebuilt.
   built=$(CARGO_INCREMENTAL=0 CARGO_PROFILE_DEV_DEBUG=line-tables-only \
     cargo test --all-features --no-run 2>&1 | grep -E "^ +Executable")
   for s in "$@"; do
-    if [ "$s" = lib ]; then pat="unittests src/lib.rs"; else pat="tests/$s.rs"; fi
+    if [ "$s" = lib ]; then
+      pat="unittests src/lib.rs"
+    elif [ -f "tests/$s/main.rs" ]; then
+      pat="tests/$s/main.rs"
+    else
+      pat="tests/$s.rs"
+    fi
     bin=$(echo "$built" | grep -F " $pat (" | sed 's/.*(\(.*\))$/\1/')
     [ -n "$bin" ] || { echo "no test binary for $s" >&2; exit 1; }
     # Symbol tables kept (debug info dropped): a hung run's stacks then name their functions.

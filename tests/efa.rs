@@ -499,8 +499,8 @@ mod pipes {
             let before = runtime.num_alive_tasks();
             let (tx, rx, _s) = pair(b(), b()).await;
             check_backends(&tx, "efa", "efa").await;
-            // Two pipes of two loops each would be 4 (tests/standing.rs sees them over tcp
-            // and shm).
+            // Two pipes of two loops each would be 4 (tests/integration/standing.rs sees them over
+            // tcp and shm).
             let spawned = runtime.num_alive_tasks().saturating_sub(before);
             assert!(spawned < 4, "{spawned} tasks on the runtime's queue");
             within(60, "messages", stream(&tx, &rx, 200, 8, 5)).await;

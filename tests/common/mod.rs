@@ -257,7 +257,8 @@ pub fn draw_size(rng: &mut Rng) -> usize {
 // ----- child processes (peer_death.rs, netns.rs) ---------------------------------------------
 
 /// A command that re-runs this test binary as a child, running only the ignored test `name`
-/// (a child mode selected by the environment the caller adds).
+/// (a child mode selected by the environment the caller adds). `name` is the test's full path in
+/// the binary, as `--exact` wants it: `peer_death::child_process`, not `child_process`.
 pub fn reexec(name: &str) -> std::process::Command {
     let mut c = std::process::Command::new(std::env::current_exe().expect("test binary path"));
     c.args(reexec_args(name));

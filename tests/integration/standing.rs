@@ -1,14 +1,13 @@
 //! The standing receive (`ReceiveAll`): one recipient gets every message, in order, whether the
 //! read loop delivered it (self-contained) or the pipe read it (large, tensors on a channel).
 
-mod common;
-
 use std::time::Duration;
 
 use actix::Addr;
 use actorpipe::*;
-use common::*;
 use tokio::sync::mpsc::{self, UnboundedReceiver};
+
+use crate::common::*;
 
 const CONFIGS: [Setup; 4] = READ_CONFIGS_SPIN;
 

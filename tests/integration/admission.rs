@@ -2,8 +2,6 @@
 //! serve at once and with a reason, and a burst of connects against a listener short of file
 //! descriptors ends with every pipe that fits working and every other one refused fast.
 
-mod common;
-
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -13,7 +11,8 @@ use actorpipe::handshake;
 use actorpipe::negotiate::{Brochure, ChannelOffer, DevicePair, Offer};
 use actorpipe::transport::Transport;
 use actorpipe::*;
-use common::*;
+
+use crate::common::*;
 
 const CHILD_ENV: &str = "ACTORPIPE_ADMISSION_CHILD";
 
@@ -311,7 +310,7 @@ fn shm_child() {
 #[actix::test]
 async fn shm_refuses_with_a_reason_at_the_descriptor_limit() {
     let name = format!("admission-{}", std::process::id());
-    let mut cmd = reexec("shm_child");
+    let mut cmd = reexec("admission::shm_child");
     cmd.env(CHILD_ENV, &name);
     let mut child = ChildProcess::spawn(cmd);
     child

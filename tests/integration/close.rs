@@ -2,11 +2,10 @@
 //! Every pending operation completes with the error, in order, with its buffers; subscribers get
 //! `Closed`.
 
-mod common;
-
 use actix::Addr;
 use actorpipe::*;
-use common::*;
+
+use crate::common::*;
 
 fn big_message(i: u64, size: usize) -> Message {
     Message::new()

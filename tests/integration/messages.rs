@@ -1,9 +1,8 @@
 //! Messages of every shape between two contexts in one process, checked by checksum and order.
 
-mod common;
-
 use actorpipe::*;
-use common::*;
+
+use crate::common::*;
 
 /// 1 000 messages with random counts of payloads and tensors of sizes 0, 1, 31, 32, 4 KiB, 1 MiB
 /// and 64 MiB, with up to 8 writes in flight and a small chunk size so tensors are chunked.

@@ -1074,7 +1074,8 @@ fn serde_frames_stay_within_a_tight_frame_limit() {
 }
 
 /// Measures, for many generated frames, the worst allocation per input byte, by frame kind.
-/// Run by hand: `cargo test --test wire_props allocation_profile -- --ignored --nocapture`.
+/// Run by hand:
+/// `cargo test --test integration wire_props::allocation_profile -- --ignored --nocapture`.
 #[test]
 #[ignore = "measurement; run by hand with --ignored --nocapture"]
 fn allocation_profile() {

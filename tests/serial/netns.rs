@@ -25,18 +25,16 @@
 //! process and deleted by a guard however the test ends. Nothing outside the two namespaces is
 //! ever contacted.
 
-mod common;
-
 use std::cell::Cell;
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use actix::Addr;
 use actorpipe::backend::tcp::Keepalive;
 use actorpipe::*;
-use common::*;
+
+use crate::common::*;
 
 /// Selects the child mode: `server`, `deliver <url>` or `cut <url>`.
 const CHILD_ENV: &str = "ACTORPIPE_NETNS_CHILD";
@@ -56,8 +54,9 @@ const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long after the keepalive timeout every pending operation must have failed.
 const DETECTION_SLACK: Duration = Duration::from_secs(2);
 
-/// The two tests don't overlap, so the timings of one are not skewed by the other's load.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+// The tests don't overlap, with each other or any other test, so the timings of one are not
+// skewed by another's load.
+use crate::ONE_AT_A_TIME;
 
 /// Both sides: TCP only, channels basic and mpt, the plain keepalive.
 fn builder() -> ContextBuilder {
@@ -234,7 +233,7 @@ impl Hosts {
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", ns])
             .arg(exe)
-            .args(reexec_args("netns_child"))
+            .args(reexec_args("netns::netns_child"))
             .env(CHILD_ENV, mode);
         ChildProcess::spawn(cmd)
     }

@@ -1,9 +1,8 @@
 //! `Receive`: the next message whole, in one operation, into buffers the pipe fits.
 
-mod common;
-
 use actorpipe::*;
-use common::*;
+
+use crate::common::*;
 
 const CONFIGS: [Setup; 4] = READ_CONFIGS_SPIN;
 

@@ -6,16 +6,15 @@
 //! suite cannot silently run over another backend. A new backend is done when it passes.
 //!
 //! Everything here runs in one process: cross-process runs of the same backends are in
-//! `tests/processes.rs` (shm + cma are what two processes of one user negotiate).
-
-mod common;
+//! `processes.rs` (shm + cma are what two processes of one user negotiate).
 
 use std::sync::Arc;
 
 use actix::Addr;
 use actorpipe::backend::shm::Shm;
 use actorpipe::*;
-use common::*;
+
+use crate::common::*;
 
 /// A small chunk and ring so that "larger than any internal ring or chunk" is cheap to reach.
 const CHUNK: usize = 64 << 10;
@@ -295,6 +294,16 @@ async fn error_reaches_every_pending_op(b: fn() -> ContextBuilder, t: &str, c: &
 }
 
 macro_rules! cases {
+    // Each case holding `$hold` (a guard, taken in the case's own runtime) while it runs.
+    (hold $hold:expr; $builder:expr, $transport:expr, $channel:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[actix::test]
+            async fn $case() {
+                let _hold = $hold;
+                super::$case($builder, $transport, $channel).await
+            }
+        )*
+    };
     ($builder:expr, $transport:expr, $channel:expr; $($case:ident),* $(,)?) => {
         $(
             #[actix::test]
@@ -430,7 +439,9 @@ rxm_pair_suite!(efa_tcp_efa_domains, || {
 #[cfg(feature = "efa")]
 #[test]
 fn under_rxm_passthru_the_efa_suites_on_tcp() {
-    if let Err(e) = common::rerun_under_passthru(&["efa_tcp", "--include-ignored"], 30) {
+    if let Err(e) =
+        crate::common::rerun_under_passthru(&["conformance::efa_tcp", "--include-ignored"], 30)
+    {
         panic!("{e}");
     }
 }
@@ -474,6 +485,24 @@ channel_suite!(mpt, || base()
     .only_channels(&["mpt", "basic"])
     .lanes(3));
 
+/// Every case over one transport and one channel on the simulated RDMA fabric, each case holding
+/// the fabric for reading: the ibv suite counts the fabric's queue pairs, and must not see ours
+/// come and go (`crate::ibv::SIMULATED_FABRIC`).
+#[cfg(feature = "ibv")]
+macro_rules! ibv_suite {
+    ($name:ident, $transport:expr, $channel:expr, $builder:expr) => {
+        mod $name {
+            use super::*;
+            cases!(hold crate::ibv::SIMULATED_FABRIC.read().await;
+                $builder, $transport, $channel;
+                order_of_many_ops, empty_and_one_byte, larger_than_rings_and_chunks,
+                both_directions, both_directions_large, concurrent_pipes, close_mid_operation_by_writer,
+                close_mid_operation_by_reader, close_with_both_directions_in_flight,
+                error_reaches_every_pending_op);
+        }
+    };
+}
+
 // ibv on the simulated device (no machine here has an RDMA device; docs/ibv.md): the control
 // stream in RDMA writes with immediate through 64 KiB inbox rings, and again with a send queue of
 // depth 1, so that nearly every work request goes through the backlog.
@@ -491,9 +520,9 @@ fn ibv_sim(send_queue: u32) -> ContextBuilder {
         .only_channels(&["basic"])
 }
 #[cfg(feature = "ibv")]
-transport_suite!(ibv_sim, "ibv", || ibv_sim(128));
+ibv_suite!(ibv_sim, "ibv", "basic", || ibv_sim(128));
 #[cfg(feature = "ibv")]
-transport_suite!(ibv_sim_sq1, "ibv", || ibv_sim(1));
+ibv_suite!(ibv_sim_sq1, "ibv", "basic", || ibv_sim(1));
 
 // The ibv channel (RDMA writes into the receiver's registered buffer) over the ibv transport,
 // both on the simulated device; then with send queues of depth 1 (the channel's requests and
@@ -513,27 +542,13 @@ fn ibv_rdma(send_queue: u32) -> ContextBuilder {
         .only_channels(&["ibv", "basic"])
 }
 
-/// The channel suite for one channel over one transport.
 #[cfg(feature = "ibv")]
-macro_rules! pair_suite {
-    ($name:ident, $transport:expr, $channel:expr, $builder:expr) => {
-        mod $name {
-            use super::*;
-            cases!($builder, $transport, $channel;
-                order_of_many_ops, empty_and_one_byte, larger_than_rings_and_chunks,
-                both_directions, both_directions_large, concurrent_pipes, close_mid_operation_by_writer,
-                close_mid_operation_by_reader, close_with_both_directions_in_flight,
-                error_reaches_every_pending_op);
-        }
-    };
-}
+ibv_suite!(ibv_rdma, "ibv", "ibv", || ibv_rdma(128));
 #[cfg(feature = "ibv")]
-pair_suite!(ibv_rdma, "ibv", "ibv", || ibv_rdma(128));
-#[cfg(feature = "ibv")]
-pair_suite!(ibv_rdma_sq1, "ibv", "ibv", || ibv_rdma(1));
+ibv_suite!(ibv_rdma_sq1, "ibv", "ibv", || ibv_rdma(1));
 // The channel on three simulated devices (sim0, sim1, sim2): large tensors striped over them.
 #[cfg(feature = "ibv")]
-pair_suite!(ibv_rdma_devices, "ibv", "ibv", || {
+ibv_suite!(ibv_rdma_devices, "ibv", "ibv", || {
     use actorpipe::backend::ibv::channel::IbvChannel;
     use actorpipe::backend::ibv::transport::Ibv;
     let ibv = Ibv::simulated()

@@ -1,11 +1,10 @@
 //! Graceful close versus abort, and per-operation deadlines.
 
-mod common;
-
 use std::time::Duration;
 
 use actorpipe::*;
-use common::*;
+
+use crate::common::*;
 
 #[actix::test]
 async fn graceful_close_drains_writes_and_the_peer_can_tell() {

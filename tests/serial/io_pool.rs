@@ -1,15 +1,14 @@
 //! The I/O pool (`ContextBuilder::io_threads`): mpt's lanes run their loops on threads of their
 //! own, and the pipe keeps ordering and failure semantics. The conformance suite runs over the
-//! pool too (`mpt_pool`, `mpt_pool_many_lanes` in `tests/conformance.rs`).
-
-mod common;
+//! pool too (`mpt_pool`, `mpt_pool_many_lanes` in `tests/integration/conformance.rs`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::RawFd;
 
 use actix::Addr;
 use actorpipe::*;
-use common::*;
+
+use crate::common::*;
 
 fn mpt(lanes: u32, threads: usize) -> ContextBuilder {
     Context::builder()
@@ -54,10 +53,8 @@ async fn transfer(tx: &Addr<Pipe>, rx: &Addr<Pipe>, n: u64, size: usize) {
     }
 }
 
-/// The tests of this file count threads: one at a time. Each `#[actix::test]` runs on its own
-/// thread and runtime, so a std mutex held across their awaits only serializes the tests
-/// (hence `allow(clippy::await_holding_lock)` on them).
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+// The tests of this file count threads: one at a time, and no other test alongside.
+use crate::ONE_AT_A_TIME;
 
 #[actix::test]
 #[allow(clippy::await_holding_lock)]

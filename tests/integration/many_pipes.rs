@@ -1,9 +1,8 @@
 //! Many pipes on one context at once.
 
-mod common;
-
 use actorpipe::*;
-use common::*;
+
+use crate::common::*;
 
 /// 128 pipes between two contexts, all moving messages at the same time; each pipe's messages
 /// arrive intact and in order, and pipes do not mix.

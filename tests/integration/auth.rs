@@ -2,14 +2,13 @@
 //! A peer without the secret cannot open a pipe, and cannot make the listener allocate more
 //! than one small handshake frame.
 
-mod common;
-
 use std::time::Duration;
 
 use actorpipe::wire::Preamble;
 use actorpipe::*;
-use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::common::*;
 
 async fn connect(client: ContextBuilder, server: &Server) -> Result<actix::Addr<Pipe>> {
     let c = client.start();

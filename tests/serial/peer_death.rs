@@ -10,17 +10,15 @@
 //! [`TRIALS`] trials; in every other one the child dials the survivor's listener instead of
 //! listening itself, so both an accepted and a dialed pipe survive a death.
 //!
-//! The tests of this file hold one lock each: descriptor counts are per process, so they must not
-//! overlap.
+//! The tests of this file hold the binary's lock ([`ONE_AT_A_TIME`]): descriptor counts are per
+//! process, so no other test may run alongside them.
 
-mod common;
-
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use actix::Addr;
 use actorpipe::*;
-use common::*;
+
+use crate::common::*;
 
 /// Selects the child mode: `<backend> <kill|freeze> listen` or `<backend> <kill|freeze> dial
 /// <url>`.
@@ -72,7 +70,7 @@ impl Death {
     }
 }
 
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+use crate::ONE_AT_A_TIME;
 
 /// A transport and channel pair, forced on both sides.
 struct Backend {
@@ -248,7 +246,7 @@ struct Peer {
 
 impl Peer {
     fn start(b: &Backend, death: Death, mode: &str) -> Peer {
-        let mut cmd = reexec("child_process");
+        let mut cmd = reexec("peer_death::child_process");
         let how = match death {
             Death::Kill => "kill",
             Death::Freeze => "freeze",

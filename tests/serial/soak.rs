@@ -3,16 +3,15 @@
 //! opened and closed in rounds; at the end, with every pipe closed and given time to wind down,
 //! the process holds no more file descriptors and not much more memory than after a warm-up.
 //!
-//! The bounded version runs in CI (about 15 s); the long one runs by hand:
-//! `ACTORPIPE_SOAK_SECS=3600 cargo test --release --test soak -- --ignored --nocapture`.
-
-mod common;
+//! The bounded version runs in CI (about 15 s); the long one runs by hand: `ACTORPIPE_SOAK_SECS=3600
+//! cargo test --release --test serial soak::long_soak -- --ignored --nocapture`.
 
 use std::time::{Duration, Instant};
 
 use actix::Addr;
 use actorpipe::*;
-use common::*;
+
+use crate::common::*;
 
 /// Pipes per backend configuration in each round.
 const PIPES: usize = 8;
@@ -266,14 +265,22 @@ async fn soak(total: Duration, round_len: Duration) {
 
 /// About 15 s: a warm-up round, then 8 s of rounds of 4 s, 16 pipes each.
 #[actix::test]
+#[allow(clippy::await_holding_lock)]
 async fn bounded_soak() {
+    let _one = crate::ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
     soak(Duration::from_secs(8), Duration::from_secs(4)).await;
 }
 
 /// The long version: `ACTORPIPE_SOAK_SECS` seconds (default 600) of 30 s rounds.
 #[actix::test]
-#[ignore = "long soak; run by hand: cargo test --release --test soak -- --ignored"]
+#[ignore = "long soak; run by hand: cargo test --release --test serial soak::long_soak -- --ignored"]
+#[allow(clippy::await_holding_lock)]
 async fn long_soak() {
+    let _one = crate::ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
     let secs = std::env::var("ACTORPIPE_SOAK_SECS")
         .ok()
         .and_then(|v| v.parse().ok())

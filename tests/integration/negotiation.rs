@@ -1,9 +1,8 @@
 //! What negotiation picks, and that users can remove and re-prioritise backends.
 
-mod common;
-
 use actorpipe::*;
-use common::*;
+
+use crate::common::*;
 
 async fn chosen(client: ContextBuilder, server: ContextBuilder) -> (String, Vec<String>) {
     let (tx, rx, _s) = pair(client, server).await;

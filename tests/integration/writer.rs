@@ -1,15 +1,14 @@
 //! `PipeWriter`: small messages written from the caller's task, everything else through the
 //! pipe, one order for both.
 
-mod common;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix::{Addr, Recipient};
 use actorpipe::*;
-use common::*;
+
+use crate::common::*;
 
 /// The default pipe (shm and, in one process, xth; cma's small tensors inline) and tcp + basic.
 const CONFIGS: [Setup; 2] = [("default", Context::builder), ("tcp+basic", tcp_basic)];

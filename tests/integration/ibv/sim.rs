@@ -1,10 +1,7 @@
 //! The ibv transport and the ibv channel on the simulated device: negotiation, a queue pair that
 //! errors mid-transfer, peer death; the channel striped over several simulated devices. (The conformance suite runs them too: `ibv_sim`,
-//! `ibv_sim_sq1`, `ibv_rdma` and `ibv_rdma_sq1` in tests/conformance.rs.) Hardware runs are in
+//! `ibv_sim_sq1`, `ibv_rdma` and `ibv_rdma_sq1` in conformance.rs.) Hardware runs are in
 //! tests/ibv_hw.rs.
-#![cfg(feature = "ibv")]
-
-mod common;
 
 use std::sync::Arc;
 
@@ -13,10 +10,12 @@ use actorpipe::backend::ibv::sim;
 use actorpipe::backend::ibv::transport::Ibv;
 use actorpipe::transport::Transport;
 use actorpipe::*;
-use common::*;
 
-/// Fault injection touches every simulated queue pair of the process: one test at a time.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+use crate::common::*;
+
+// Fault injection touches every simulated queue pair of the process: one test at a time, and no
+// conformance case on the simulated fabric meanwhile.
+use super::SIMULATED_FABRIC as SERIAL;
 
 fn ibv_sim() -> ContextBuilder {
     Context::builder()
@@ -46,7 +45,7 @@ fn the_simulated_domain_never_matches_hardware() {
 
 #[actix::test]
 async fn two_simulated_contexts_negotiate_ibv_and_one_sided_falls_back_to_tcp() {
-    let _g = SERIAL.lock().await;
+    let _g = SERIAL.write().await;
     let (tx, rx, _s) = pair(ibv_sim(), ibv_sim()).await;
     for p in [&tx, &rx] {
         assert_eq!(p.send(GetInfo).await.unwrap().transport, "ibv");
@@ -81,7 +80,7 @@ async fn the_other_sides_queue_pair_errors_mid_transfer() {
 /// prefix of the messages whole, then an error. The other side learns it from the bootstrap
 /// socket.
 async fn qp_error_mid_transfer(which: usize) {
-    let _g = SERIAL.lock().await;
+    let _g = SERIAL.write().await;
     let before = sim::queue_pairs();
     let (tx, rx, _s) = pair(ibv_sim(), ibv_sim()).await;
     let ours: Vec<u32> = sim::queue_pairs()
@@ -132,7 +131,7 @@ async fn qp_error_mid_transfer(which: usize) {
 
 #[actix::test]
 async fn peer_death_fails_pending_reads_with_peer_closed() {
-    let _g = SERIAL.lock().await;
+    let _g = SERIAL.write().await;
     let (arbiter, tx) = doomed_peer(ibv_sim, ibv_sim()).await;
     assert_eq!(tx.send(GetInfo).await.unwrap().transport, "ibv");
     let (to, mut descs) = inbox::<DescriptorReady>();
@@ -163,7 +162,7 @@ fn ibv_rdma() -> ContextBuilder {
 
 #[actix::test]
 async fn the_channel_negotiates_between_simulated_contexts_and_not_with_tcp_only_peers() {
-    let _g = SERIAL.lock().await;
+    let _g = SERIAL.write().await;
     let (tx, rx, _s) = pair(ibv_rdma(), ibv_rdma()).await;
     for p in [&tx, &rx] {
         let info = p.send(GetInfo).await.unwrap();
@@ -215,7 +214,7 @@ async fn qp_error_mid_transfer_on(
     count: usize,
     which: usize,
 ) {
-    let _g = SERIAL.lock().await;
+    let _g = SERIAL.write().await;
     let before = qps();
     let (tx, rx, _s) = pair(builder(), builder()).await;
     let ours: Vec<u32> = qps().into_iter().filter(|q| !before.contains(q)).collect();
@@ -247,7 +246,7 @@ async fn qp_error_mid_transfer_on(
 
 #[actix::test]
 async fn peer_death_fails_writes_waiting_in_the_channel() {
-    let _g = SERIAL.lock().await;
+    let _g = SERIAL.write().await;
     // Nobody reads on the doomed side: the tensors wait in the writer's channel for requests.
     let (arbiter, tx) = doomed_peer(ibv_rdma, ibv_rdma()).await;
     let info = tx.send(GetInfo).await.unwrap();
@@ -335,7 +334,7 @@ async fn random_both_ways(tx: &actix::Addr<Pipe>, rx: &actix::Addr<Pipe>, n: u64
 
 #[actix::test]
 async fn simulated_devices_stripe_a_large_tensor_over_each() {
-    let _g = SERIAL.lock().await;
+    let _g = SERIAL.write().await;
     let further = [11, 12];
     let (tx, rx, _s) = pair(ibv_rdma_on(&further), ibv_rdma_on(&further)).await;
     assert_eq!(
@@ -361,7 +360,7 @@ async fn simulated_devices_stripe_a_large_tensor_over_each() {
 
 #[actix::test]
 async fn simulated_devices_the_peer_lacks_are_left_out() {
-    let _g = SERIAL.lock().await;
+    let _g = SERIAL.write().await;
     // The client has sim13 and sim14, the server only sim14: they pair sim13 (the client's
     // first further device) with sim14 (the server's first), which reach each other (one
     // simulated fabric); the client's sim14 finds no partner and moves nothing.
@@ -394,7 +393,7 @@ async fn a_further_simulated_devices_queue_pair_errors_mid_transfer() {
 
 #[actix::test]
 async fn peer_death_fails_striped_writes_in_order() {
-    let _g = SERIAL.lock().await;
+    let _g = SERIAL.write().await;
     let (arbiter, tx) = doomed_peer(|| ibv_rdma_on(&[17]), ibv_rdma_on(&[17])).await;
     let (done_to, mut done) = inbox::<WriteDone>();
     for i in 0..3u64 {

@@ -17,7 +17,7 @@ use actorpipe::wire::{
 use actorpipe::{Descriptor, Limits, Message, Payload, PayloadDescriptor, Tensor};
 use actorpipe::{Device, TensorDescriptor};
 
-const DOC: &str = include_str!("../docs/protocol.md");
+const DOC: &str = include_str!("../../docs/protocol.md");
 
 fn is_hex(s: &str) -> bool {
     s.len() == 2

@@ -2,8 +2,6 @@
 //! wrong-version frames, and garbage after a valid handshake. Each gets a clear error; the
 //! listener keeps serving other pipes; nothing panics or hangs.
 
-mod common;
-
 use std::time::Duration;
 
 use actorpipe::backend::tcp::into_stream;
@@ -11,9 +9,10 @@ use actorpipe::handshake;
 use actorpipe::negotiate::{Brochure, ChannelOffer, DevicePair, Offer};
 use actorpipe::wire::{self, encode_frame, FrameKind, Preamble, MAGIC};
 use actorpipe::*;
-use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+
+use crate::common::*;
 
 fn brochure() -> Brochure {
     Brochure {

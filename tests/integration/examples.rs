@@ -1,11 +1,10 @@
-//! Every example runs, so none can rot. (The echo_peer example is run by tests/processes.rs, and
+//! Every example runs, so none can rot. (The echo_peer example is run by processes.rs, and
 //! here by the connect_burst test.)
 
-mod common;
-
-use common::example;
 use std::process::Command;
 use std::time::Duration;
+
+use crate::common::example;
 
 /// Runs an example to completion (bounded) and returns its standard output.
 fn run(name: &str) -> String {
@@ -72,7 +71,7 @@ fn metrics_example_prints_a_scrape() {
 /// `connect_burst` against an `echo_peer`: every connect is accounted for and every pipe echoes.
 #[test]
 fn connect_burst_dials_at_once_and_checks_every_pipe() {
-    let mut peer = common::ChildProcess::spawn({
+    let mut peer = crate::common::ChildProcess::spawn({
         let mut c = Command::new(example("echo_peer"));
         c.arg("tcp://127.0.0.1:0");
         c

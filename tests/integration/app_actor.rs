@@ -1,12 +1,11 @@
 //! A pipe driven from inside an application actor: it connects, fires operations with itself as
 //! the recipient, and handles the completion messages.
 
-mod common;
-
 use actix::prelude::*;
 use actorpipe::*;
-use common::*;
 use tokio::sync::oneshot;
+
+use crate::common::*;
 
 /// Connects in `started`, sends three messages and reads three echoes; reports what it saw.
 struct App {

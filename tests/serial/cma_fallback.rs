@@ -3,16 +3,20 @@
 //! and the fallback is reported. The refusal is injected (`cma::simulate_refusal`), because this
 //! machine allows the read; everything after the refused system call is the real path.
 //!
-//! This file is its own test binary: the switch is process-wide.
-
-mod common;
+//! The switch is process-wide: the test holds the binary's lock (`crate::ONE_AT_A_TIME`), so that
+//! no other test's cma reads are refused meanwhile.
 
 use actorpipe::backend::cma;
 use actorpipe::*;
-use common::*;
+
+use crate::common::*;
 
 #[actix::test]
+#[allow(clippy::await_holding_lock)]
 async fn refused_reads_fall_back_and_are_reported() {
+    let _one = crate::ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
     let b = || {
         Context::builder()
             .without("shm")

@@ -1,12 +1,11 @@
 //! Two OS processes over loopback: the peer is the `echo_peer` example, started as a child.
 
-mod common;
-
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 
 use actorpipe::*;
-use common::*;
+
+use crate::common::*;
 
 struct Peer {
     child: Child,
