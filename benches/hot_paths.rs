@@ -13,10 +13,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
-use actorpipe::backend::{basic, cma, mpt};
-use actorpipe::negotiate::{self, Brochure, ChannelOffer, DevicePair, Offer};
+use actorpipe::internal::backend::{basic, cma, mpt};
+use actorpipe::internal::negotiate::{self, Brochure, ChannelOffer, DevicePair, Offer};
+use actorpipe::internal::wire::{self, ChunkHeader, FrameKind, Limits};
 use actorpipe::transport::stream::Sequencer;
-use actorpipe::wire::{self, ChunkHeader, FrameKind, Limits};
 use actorpipe::{Device, Message, Payload, Tensor};
 
 // ---------------------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ fn bench_negotiate(c: &mut Criterion) {
 
 #[cfg(target_os = "linux")]
 fn bench_ring(c: &mut Criterion) {
-    use actorpipe::backend::shm::ring;
+    use actorpipe::internal::backend::shm::ring;
 
     let mut g = c.benchmark_group("ring");
     for size in [64usize, 4 << 10, 1 << 20] {
@@ -357,7 +357,7 @@ fn audit_allocations(_: &mut Criterion) {
     );
     #[cfg(target_os = "linux")]
     {
-        use actorpipe::backend::shm::ring;
+        use actorpipe::internal::backend::shm::ring;
         let (mut p, mut r) = ring::in_memory(ring::DEFAULT_CAPACITY).unwrap();
         let (src, mut dst) = (vec![1u8; 4096], vec![0u8; 4096]);
         report(

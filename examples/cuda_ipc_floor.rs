@@ -19,8 +19,8 @@ use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::Instant;
 
-use actorpipe::backend::cuda_ipc::ipc;
 use actorpipe::cuda::{self, sys, CudaBuffer};
+use actorpipe::internal::backend::cuda_ipc::ipc;
 
 const ROUND_TRIPS: usize = 400;
 const LEN: usize = 4096;

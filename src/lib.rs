@@ -7,8 +7,11 @@
 //! answers with [`WriteDone`], [`DescriptorReady`], [`ReadDone`] and [`Closed`], either to an
 //! awaiting caller or to a recipient of your choice.
 //!
-//! The crate is layered: `message`, `wire`, `negotiate`, `handshake`, `transport` and `channel`
-//! are plain data and raw I/O, usable and testable without actors; [`actors`] drives them.
+//! The root and the [`prelude`] hold what an application uses. [`transport`] and [`channel`]
+//! hold the backends a [`ContextBuilder`] takes ([`transport::Shm`], [`channel::Mpt`], ...) and
+//! their traits; [`cuda`] (feature `cuda`) the GPU buffers a tensor can live in; [`efa`]
+//! (feature `efa`) the libfabric endpoint's settings; [`metrics`] the Prometheus exporter.
+//! docs/architecture.md shows how the crate is built.
 //!
 //! ```no_run
 //! use actorpipe::prelude::*;
@@ -29,30 +32,37 @@
 //! `actix::prelude` and `std::io::prelude`.
 #![warn(missing_docs)]
 
-pub mod auth;
-pub mod backend;
 pub mod channel;
-pub mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod error;
-pub mod fds;
-pub mod handshake;
-pub mod keymap;
-pub mod message;
 pub mod metrics;
-pub mod negotiate;
-pub mod topology;
 pub mod transport;
-pub mod wire;
 
 #[path = "../actors/mod.rs"]
-pub mod actors;
+mod actors;
+
+/// The `efa` backend's settings and counters (feature `efa`): [`efa::EndpointConfig`] for
+/// [`ContextBuilder::efa_config`], [`efa::FabricStats`], and the endpoint actor that every pipe
+/// of a context on one NIC shares.
+#[cfg(feature = "efa")]
+pub use actors::hardware::efa;
+
+/// The crate's internals, for its own tools and tests (see `src/internal/mod.rs`).
+#[doc(hidden)]
+pub mod internal;
+// Inside the crate the internal modules are named from the root (`crate::backend`); some serve
+// only features that may be off.
+#[allow(unused_imports)]
+pub(crate) use internal::{
+    auth, backend, copy, error, fds, handshake, keymap, message, negotiate, topology, wire,
+};
 
 pub use actors::*;
 /// Shared, read-only bytes, for [`Buffer::Shared`] (the `bytes` crate's type).
 pub use bytes::Bytes;
+pub use copy::{set_threads as set_copy_threads, threads as copy_threads};
 pub use error::{Error, ErrorClass, Origin, Result};
+pub use fds::{usage as fd_usage, Usage as FdUsage};
 pub use message::{
     Allocation, Buffer, Descriptor, Device, Message, Payload, PayloadDescriptor, Tensor,
     TensorDescriptor,

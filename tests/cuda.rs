@@ -15,8 +15,8 @@ use std::io::{BufRead, Write as _};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
-use actorpipe::backend::cuda_ipc::ipc;
 use actorpipe::cuda::{self, CudaBuffer, CudaCompletion};
+use actorpipe::internal::backend::cuda_ipc::ipc;
 use libtest_mimic::{Arguments, Failed, Trial};
 
 type Outcome = Result<(), Failed>;
@@ -470,8 +470,8 @@ fn peer_copy() -> Outcome {
 
 // ----- channel engines ---------------------------------------------------------------------
 
-use actorpipe::backend::cuda_ipc::{self, IpcTensor, Staging};
-use actorpipe::backend::cuda_xth::{self, End, Key, Sent, Wanted};
+use actorpipe::internal::backend::cuda_ipc::{self, IpcTensor, Staging};
+use actorpipe::internal::backend::cuda_xth::{self, End, Key, Sent, Wanted};
 use std::sync::mpsc;
 
 type XthResult = (
@@ -706,7 +706,7 @@ fn ipc_receiver() -> Outcome {
         .unwrap_or(0);
     let g = cuda::gpu(device).map_err(fail)?;
     let mut cache =
-        actorpipe::actors::hardware::cuda_ipc::IpcCache::new(device, 64).map_err(fail)?;
+        actorpipe::internal::hardware::cuda_ipc::IpcCache::new(device, 64).map_err(fail)?;
     let stream = g.lease_stream().map_err(fail)?;
     let stream = stream.arc().clone();
     let mut dsts: std::collections::HashMap<usize, CudaBuffer> = Default::default();
@@ -867,7 +867,7 @@ impl Drop for Receiver {
 }
 
 fn ipc_pairs() -> Outcome {
-    let mut cache = actorpipe::actors::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    let mut cache = actorpipe::internal::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
     let mut staging = Staging::default();
     let mut rx = Receiver::start()?;
     let mut seed = 100;
@@ -928,7 +928,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Prints the engine's figures next to the raw driver copy (nothing asserted on time).
 fn ipc_measure() -> Outcome {
     let g = gpu0()?;
-    let mut cache = actorpipe::actors::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    let mut cache = actorpipe::internal::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
     let mut staging = Staging::default();
     let mut rx = Receiver::start()?;
     let s = g.lease_stream().map_err(fail)?;
@@ -982,7 +982,7 @@ fn ipc_measure() -> Outcome {
 /// n + 1's device-to-host copy overlapping chunk n's host hop and host-to-device copy; data
 /// checked, then the pipeline's rate printed next to each leg alone.
 fn basic_pipeline() -> Outcome {
-    use actorpipe::backend::cuda_basic::{stage_in, stage_out, CHUNK, DEPTH};
+    use actorpipe::internal::backend::cuda_basic::{stage_in, stage_out, CHUNK, DEPTH};
     let g = gpu0()?;
     let len = 256 << 20;
     let (src, data) = filled(0, 55, len)?;
@@ -1122,7 +1122,7 @@ fn basic_pipeline() -> Outcome {
 /// The sending process of the kill case: exports four 256 MiB tensors, prints their channel
 /// data, then waits to be killed.
 fn ipc_sender() -> Outcome {
-    let mut cache = actorpipe::actors::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    let mut cache = actorpipe::internal::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
     let mut staging = Staging::default();
     let mut keep = Vec::new();
     let out = std::io::stdout();
@@ -1150,7 +1150,7 @@ fn ipc_peer_killed() -> Outcome {
         .collect::<Result<_, _>>()
         .map_err(fail)?;
     let stream = g.lease_stream().map_err(fail)?;
-    let mut cache = actorpipe::actors::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    let mut cache = actorpipe::internal::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
     g.synchronize().map_err(fail)?;
     let (free_before, _) = g.memory().map_err(fail)?;
     let mut child = Command::new(std::env::current_exe().map_err(fail)?)
@@ -1217,7 +1217,7 @@ fn ipc_peer_killed() -> Outcome {
 fn ipc_two_gpus() -> Outcome {
     let g0 = gpu0()?;
     let g1 = cuda::gpu(1).map_err(fail)?;
-    let mut cache = actorpipe::actors::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    let mut cache = actorpipe::internal::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
     let mut staging = Staging::default();
     let mut rx = Receiver::on(1)?;
     let (b, _) = filled(0, 61, (16 << 20) + 3)?;

@@ -13,12 +13,12 @@ mod support;
 mod efa {
     use std::time::Duration;
 
-    use actorpipe::actors::hardware::efa::{
+    use actorpipe::efa::{
         EndpointConfig, FabricDetach, FabricFaults, FabricPost, FabricStats, RegionOp,
     };
-    use actorpipe::backend::efa::engine::{Kind, Op, Region};
-    use actorpipe::backend::efa::faults::Faults;
-    use actorpipe::backend::efa::tag::{self, Stream};
+    use actorpipe::internal::backend::efa::engine::{Kind, Op, Region};
+    use actorpipe::internal::backend::efa::faults::Faults;
+    use actorpipe::internal::backend::efa::tag::{self, Stream};
 
     pub use super::support::*;
 
@@ -135,7 +135,7 @@ mod efa {
             };
             let (a, b) = endpoints(provider, config).await;
             let (mut tx, mut rx) = pipe(&a, &b).await;
-            const PART: usize = 2 * actorpipe::backend::efa::INJECT_WANTED;
+            const PART: usize = 2 * actorpipe::internal::backend::efa::INJECT_WANTED;
             let src: Vec<u8> = (0..4 * PART as u32).map(|i| (i * 7) as u8).collect();
             let mut dst = vec![0u8; 4 * PART];
             let to = rx.pipe;
@@ -399,9 +399,9 @@ mod pipes {
     use std::time::Duration;
 
     use actix::Addr;
-    use actorpipe::actors::hardware::efa::transport::Efa;
-    use actorpipe::actors::hardware::efa::{EndpointConfig, FabricDescribe, FabricStats};
-    use actorpipe::backend::efa::faults::Faults;
+    use actorpipe::efa::{EndpointConfig, FabricDescribe, FabricStats};
+    use actorpipe::internal::backend::efa::faults::Faults;
+    use actorpipe::transport::Efa;
     use actorpipe::*;
 
     use super::common::*;
@@ -415,7 +415,7 @@ mod pipes {
     /// The same, with (a clone of) its transport, whose endpoint the test can ask.
     pub fn with_transport(provider: &str, config: EndpointConfig) -> (ContextBuilder, Efa) {
         let t = Efa::new(provider).with_config(config);
-        let c = actorpipe::backend::efa::channel::Efa::over(&t).max_message(64 << 10);
+        let c = actorpipe::channel::Efa::over(&t).max_message(64 << 10);
         let b = Context::builder()
             .without("shm")
             .transport(Arc::new(t.clone()))
@@ -704,7 +704,7 @@ mod pipes {
         actix::System::new().block_on(async {
             let config = EndpointConfig::default();
             let (server, t) = with_transport(provider, config);
-            let in_place = actorpipe::backend::efa::channel::Efa::over(&t)
+            let in_place = actorpipe::channel::Efa::over(&t)
                 .max_message(64 << 10)
                 .inline_max(0);
             let server = server.channel(Arc::new(in_place));
@@ -1040,7 +1040,7 @@ mod pipes {
     /// send through an op: injected, but not directly). One that flows one way still does,
     /// every `WINDOW / 2` buffers, or its writer would stop after `WINDOW` messages.
     pub fn credits_ride_the_answers(provider: &str) {
-        use actorpipe::actors::hardware::efa::stream::WINDOW;
+        use actorpipe::efa::stream::WINDOW;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         actix::System::new().block_on(async {
             let (a, sa, sb) = stream_pair(provider, EndpointConfig::default()).await;
@@ -1124,7 +1124,7 @@ mod pipes {
     /// than a credit message's worth, answers once, and reads nothing more until the waiting
     /// write has gone through.
     pub fn credits_on_a_message_wake_a_waiting_writer(provider: &str) {
-        use actorpipe::actors::hardware::efa::stream::WINDOW;
+        use actorpipe::efa::stream::WINDOW;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         actix::System::new().block_on(async {
             let (_a, sa, sb) = stream_pair(provider, EndpointConfig::default()).await;

@@ -16,7 +16,9 @@ mod close {
     use std::sync::mpsc;
     use std::time::{Duration, Instant};
 
-    use actorpipe::backend::efa::{Completion, Domain, Endpoint, FiAddr, InfoList, PostError};
+    use actorpipe::internal::backend::efa::{
+        Completion, Domain, Endpoint, FiAddr, InfoList, PostError,
+    };
 
     /// Why a provider cannot be tested here, if it cannot.
     pub fn missing(provider: &str) -> Option<String> {

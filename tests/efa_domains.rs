@@ -16,8 +16,8 @@ mod domains {
     use std::sync::Arc;
 
     use actix::Addr;
-    use actorpipe::actors::hardware::efa::transport::Efa;
-    use actorpipe::actors::hardware::efa::FabricStats;
+    use actorpipe::efa::FabricStats;
+    use actorpipe::transport::Efa;
     use actorpipe::*;
 
     use super::common::*;
@@ -43,7 +43,7 @@ mod domains {
     /// the context's thread (the endpoints the test asks are this thread's).
     fn context(domains: Option<&[&str]>) -> (ContextBuilder, Efa) {
         let t = Efa::new(PROVIDER);
-        let c = actorpipe::backend::efa::channel::Efa::over(&t).max_message(256 << 10);
+        let c = actorpipe::channel::Efa::over(&t).max_message(256 << 10);
         let c = match domains {
             None => c,
             Some([]) => c.all_domains(),

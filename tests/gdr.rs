@@ -15,12 +15,12 @@ mod common;
 mod pipe;
 
 use actix::Addr;
-use actorpipe::backend::cuda_gdr::CudaGdr;
-use actorpipe::backend::ibv::channel::IbvChannel;
-use actorpipe::backend::ibv::sim;
-use actorpipe::backend::ibv::transport::Ibv;
+use actorpipe::channel::CudaGdr;
+use actorpipe::channel::IbvChannel;
 use actorpipe::cuda::{self, CudaBuffer};
-use actorpipe::topology::{pci_address, PciDevice, Topology, VENDOR_NVIDIA};
+use actorpipe::internal::backend::ibv::sim;
+use actorpipe::internal::topology::{pci_address, PciDevice, Topology, VENDOR_NVIDIA};
+use actorpipe::transport::Ibv;
 use actorpipe::{
     Close, Context, ContextBuilder, Device, GetInfo, Message, Pipe, Receive, Tensor, Write,
 };

@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
-use actorpipe::backend::ibv::transport::Ibv;
-use actorpipe::backend::ibv::{
+use actorpipe::internal::backend::ibv::{
     self as verbs, Access, Opcode, QpCaps, RecvWr, SendOp, SendWr, Sge, Status,
 };
+use actorpipe::transport::Ibv;
 use libtest_mimic::{Arguments, Failed, Trial};
 
 /// Why the hardware trials cannot run here, if they cannot.
@@ -101,7 +101,7 @@ fn channel_round_trip() -> Result<(), Failed> {
 fn round_trip(with_channel: bool) -> Result<(), Failed> {
     let system = actix::System::new();
     system.block_on(async {
-        use actorpipe::backend::ibv::channel::IbvChannel;
+        use actorpipe::channel::IbvChannel;
         use actorpipe::*;
         let b = || {
             let ibv = Ibv::hardware().auto_listen("ibv://127.0.0.1:0");

@@ -1,4 +1,4 @@
-//! Large copies shared among copy threads (`actorpipe::copy::threads`): the shm ring's large
+//! Large copies shared among copy threads (`actorpipe::internal::copy::threads`): the shm ring's large
 //! reads and writes and the xth channel's copies, with sharing on whatever the machine (every
 //! test here asks for 3 threads before the process's first large copy; the default on 2 cores,
 //! as in CI, is none, so the other test binaries cover the copies without sharing).
@@ -8,7 +8,7 @@ mod common;
 use std::io::IoSlice;
 use std::sync::Arc;
 
-use actorpipe::backend::shm::{ring, Shm};
+use actorpipe::internal::backend::shm::{ring, Shm};
 use actorpipe::*;
 use common::*;
 
@@ -16,9 +16,9 @@ const THREADS: usize = 3;
 
 /// Sharing on, for this process: every test asks before its first copy.
 fn shared() {
-    let _ = actorpipe::copy::set_threads(THREADS);
+    let _ = actorpipe::internal::copy::set_threads(THREADS);
     assert_eq!(
-        actorpipe::copy::threads(),
+        actorpipe::internal::copy::threads(),
         THREADS,
         "another test of this binary started the copy threads with another count"
     );

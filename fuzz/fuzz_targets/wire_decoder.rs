@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use actorpipe::transport::stream::read_frame;
-use actorpipe::wire::{check_frame_len, decode_frame, Limits, SERDE_RESERVE_PER_BYTE};
+use actorpipe::internal::wire::{check_frame_len, decode_frame, Limits, SERDE_RESERVE_PER_BYTE};
 use actorpipe::Origin;
 use libfuzzer_sys::fuzz_target;
 

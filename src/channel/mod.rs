@@ -9,7 +9,23 @@
 //! This module holds what is plain data and arithmetic (offers, chunk planning); the `Channel`
 //! actor in `actors/channel/` drives it.
 
-use crate::negotiate::{ChannelOffer, DevicePair};
+pub use crate::backend::basic::Basic;
+pub use crate::backend::cma::Cma;
+#[cfg(feature = "cuda")]
+pub use crate::backend::cuda_basic::CudaBasic;
+#[cfg(all(feature = "cuda", feature = "ibv"))]
+pub use crate::backend::cuda_gdr::CudaGdr;
+#[cfg(feature = "cuda")]
+pub use crate::backend::cuda_ipc::CudaIpc;
+#[cfg(feature = "cuda")]
+pub use crate::backend::cuda_xth::CudaXth;
+#[cfg(feature = "efa")]
+pub use crate::backend::efa::channel::{Domains as EfaDomains, Efa};
+#[cfg(feature = "ibv")]
+pub use crate::backend::ibv::channel::IbvChannel;
+pub use crate::backend::mpt::Mpt;
+pub use crate::backend::xth::Xth;
+pub use crate::negotiate::{ChannelOffer, DeviceKind, DevicePair};
 
 /// The device pairs a CUDA channel can serve: cuda->cuda, cpu->cuda, cuda->cpu.
 #[cfg(feature = "cuda")]

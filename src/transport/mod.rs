@@ -14,6 +14,13 @@ mod url;
 
 pub use url::{Host, Url};
 
+#[cfg(feature = "efa")]
+pub use crate::actors::hardware::efa::transport::Efa;
+#[cfg(feature = "ibv")]
+pub use crate::backend::ibv::transport::Ibv;
+pub use crate::backend::shm::Shm;
+pub use crate::backend::tcp::{Keepalive, Tcp};
+
 use std::future::Future;
 use std::pin::Pin;
 

@@ -4,20 +4,20 @@
 use std::time::{Duration, Instant};
 
 use actix::Addr;
-use actorpipe::actors::hardware::efa::{
+use actorpipe::efa::{
     EndpointConfig, FabricAttach, FabricDescribe, FabricEndpoint, FabricPost, FabricShare, Poster,
 };
-use actorpipe::backend::efa::engine::{Finished, Kind, Op};
+use actorpipe::internal::backend::efa::engine::{Finished, Kind, Op};
 #[cfg(feature = "faults")]
-use actorpipe::backend::efa::faults::Faults;
-use actorpipe::backend::efa::tag::{self, Stream};
+use actorpipe::internal::backend::efa::faults::Faults;
+use actorpipe::internal::backend::efa::tag::{self, Stream};
 use tokio::sync::mpsc;
 
 pub const PROVIDERS: [&str; 2] = ["tcp;ofi_rxm", "shm"];
 
 /// Why a provider cannot be tested here, if it cannot.
 pub fn missing(provider: &str) -> Option<String> {
-    actorpipe::backend::efa::InfoList::get(Some(provider))
+    actorpipe::internal::backend::efa::InfoList::get(Some(provider))
         .err()
         .map(|e| format!("skipped: libfabric has no {provider} provider here ({e})"))
 }

@@ -59,7 +59,7 @@ pub fn tcp_basic() -> ContextBuilder {
 /// spinning connection gives its thread a turn after each message it hands over.
 pub fn shm_spin() -> ContextBuilder {
     Context::builder().transport(std::sync::Arc::new(
-        actorpipe::backend::shm::Shm::new().with_spin(Duration::from_micros(20)),
+        actorpipe::transport::Shm::new().with_spin(Duration::from_micros(20)),
     ))
 }
 
@@ -287,7 +287,7 @@ pub fn rerun_under_passthru(args: &[&str], at_least: usize) -> Result<(), String
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let out = std::process::Command::new(exe)
         .args(args)
-        .env(actorpipe::backend::efa::PASSTHRU, "1")
+        .env(actorpipe::internal::backend::efa::PASSTHRU, "1")
         .output()
         .map_err(|e| e.to_string())?;
     let text =

@@ -121,8 +121,8 @@ async fn stats(
     s: &common::Server,
 ) -> Result<
     (
-        actorpipe::backend::cuda_ipc::cache::Stats,
-        actorpipe::backend::cuda_ipc::cache::Stats,
+        actorpipe::internal::backend::cuda_ipc::cache::Stats,
+        actorpipe::internal::backend::cuda_ipc::cache::Stats,
     ),
     Failed,
 > {
@@ -238,7 +238,7 @@ pub fn basic_round_trips() -> Outcome {
         .await?;
         mixed_round_trips(&pipe, 0xba5e).await?;
         // Sizes around the chunk boundaries, one at a time.
-        let chunk = actorpipe::backend::cuda_basic::CHUNK;
+        let chunk = actorpipe::internal::backend::cuda_basic::CHUNK;
         for (i, len) in [1, chunk - 1, chunk, chunk + 1, 5 * chunk + 3]
             .into_iter()
             .enumerate()

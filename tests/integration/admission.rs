@@ -6,9 +6,9 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use actorpipe::backend::tcp::Tcp;
-use actorpipe::handshake;
-use actorpipe::negotiate::{Brochure, ChannelOffer, DevicePair, Offer};
+use actorpipe::internal::handshake;
+use actorpipe::internal::negotiate::{Brochure, ChannelOffer, DevicePair, Offer};
+use actorpipe::transport::Tcp;
 use actorpipe::transport::Transport;
 use actorpipe::*;
 
@@ -288,7 +288,7 @@ fn shm_child() {
         .build()
         .expect("runtime");
     rt.block_on(async move {
-        let shm = actorpipe::backend::shm::Shm::new();
+        let shm = actorpipe::transport::Shm::new();
         let mut acceptor = shm.listen_name(Some(&name)).await.expect("listen");
         let r = libc::rlimit {
             rlim_cur: 64,
@@ -316,7 +316,7 @@ async fn shm_refuses_with_a_reason_at_the_descriptor_limit() {
     child
         .line("ready", Duration::from_secs(20))
         .expect("the child is ready");
-    let shm = actorpipe::backend::shm::Shm::new();
+    let shm = actorpipe::transport::Shm::new();
     match shm.connect_name(&name, Duration::from_secs(5)).await {
         Err(Error::Refused { reason, .. }) => {
             assert_eq!(reason, "listener out of file descriptors")

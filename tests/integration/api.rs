@@ -200,7 +200,7 @@ async fn info_says_how_tensors_travelled() {
     assert_eq!(info.channels[0].name, "xth");
     assert_eq!(
         info.channels[0].devices,
-        actorpipe::negotiate::DevicePair::CPU
+        actorpipe::internal::negotiate::DevicePair::CPU
     );
     assert_eq!((info.tensors_on_control, info.tensors_by_channel), (0, 3));
     // The receiving side counts what it sent: nothing.

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use actorpipe::wire::Preamble;
+use actorpipe::internal::wire::Preamble;
 use actorpipe::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -94,5 +94,5 @@ async fn an_unauthenticated_peer_cannot_make_the_listener_allocate() {
         .await
         .unwrap();
     assert!(back.is_empty(), "nothing said to a stranger");
-    assert_eq!(actorpipe::auth::HANDSHAKE_FRAME_LIMIT, 64 << 10);
+    assert_eq!(actorpipe::internal::auth::HANDSHAKE_FRAME_LIMIT, 64 << 10);
 }

@@ -4,10 +4,10 @@
 
 use std::time::Duration;
 
-use actorpipe::backend::tcp::into_stream;
-use actorpipe::handshake;
-use actorpipe::negotiate::{Brochure, ChannelOffer, DevicePair, Offer};
-use actorpipe::wire::{self, encode_frame, FrameKind, Preamble, MAGIC};
+use actorpipe::internal::backend::tcp::into_stream;
+use actorpipe::internal::handshake;
+use actorpipe::internal::negotiate::{Brochure, ChannelOffer, DevicePair, Offer};
+use actorpipe::internal::wire::{self, encode_frame, FrameKind, Preamble, MAGIC};
 use actorpipe::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -330,7 +330,7 @@ async fn mpt_channel_data_that_is_not_the_length_fails_the_read() {
     assert_eq!(hs.choice.channels[0].name, "mpt", "{:?}", hs.choice);
     // The one lane joins; then the listener confirms the pipe.
     let lane = into_stream(TcpStream::connect(&addr).await.unwrap()).unwrap();
-    let purpose = actorpipe::negotiate::Purpose::Channel {
+    let purpose = actorpipe::internal::negotiate::Purpose::Channel {
         channel: 0,
         lane: 0,
     };

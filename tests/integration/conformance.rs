@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use actix::Addr;
-use actorpipe::backend::shm::Shm;
+use actorpipe::transport::Shm;
 use actorpipe::*;
 
 use crate::common::*;
@@ -382,8 +382,8 @@ transport_suite!(efa_shm, "efa", || base()
 // lowered to 256 KiB so that tensors of the suite go as several fabric messages.
 #[cfg(feature = "efa")]
 fn efa_both(provider: &str) -> ContextBuilder {
-    let t = actorpipe::actors::hardware::efa::transport::Efa::new(provider);
-    let c = actorpipe::backend::efa::channel::Efa::over(&t).max_message(256 << 10);
+    let t = actorpipe::transport::Efa::new(provider);
+    let c = actorpipe::channel::Efa::over(&t).max_message(256 << 10);
     base()
         .without("shm")
         .transport(Arc::new(t))
@@ -420,8 +420,8 @@ pair_suite!(efa_shm_efa, "efa", "efa", || efa_both("shm"));
 // that each domain carries its share).
 #[cfg(feature = "efa")]
 rxm_pair_suite!(efa_tcp_efa_domains, || {
-    let t = actorpipe::actors::hardware::efa::transport::Efa::new("tcp;ofi_rxm");
-    let c = actorpipe::backend::efa::channel::Efa::over(&t)
+    let t = actorpipe::transport::Efa::new("tcp;ofi_rxm");
+    let c = actorpipe::channel::Efa::over(&t)
         .max_message(256 << 10)
         .all_domains();
     base()
@@ -508,7 +508,7 @@ macro_rules! ibv_suite {
 // depth 1, so that nearly every work request goes through the backlog.
 #[cfg(feature = "ibv")]
 fn ibv_sim(send_queue: u32) -> ContextBuilder {
-    use actorpipe::backend::ibv::transport::Ibv;
+    use actorpipe::transport::Ibv;
     base()
         .without("shm")
         .transport(Arc::new(
@@ -529,8 +529,8 @@ ibv_suite!(ibv_sim_sq1, "ibv", "basic", || ibv_sim(1));
 // chunk writes through the backlog too).
 #[cfg(feature = "ibv")]
 fn ibv_rdma(send_queue: u32) -> ContextBuilder {
-    use actorpipe::backend::ibv::channel::IbvChannel;
-    use actorpipe::backend::ibv::transport::Ibv;
+    use actorpipe::channel::IbvChannel;
+    use actorpipe::transport::Ibv;
     let ibv = Ibv::simulated()
         .with_capacity(RING)
         .with_queue_depths(send_queue, 256)
@@ -549,8 +549,8 @@ ibv_suite!(ibv_rdma_sq1, "ibv", "ibv", || ibv_rdma(1));
 // The channel on three simulated devices (sim0, sim1, sim2): large tensors striped over them.
 #[cfg(feature = "ibv")]
 ibv_suite!(ibv_rdma_devices, "ibv", "ibv", || {
-    use actorpipe::backend::ibv::channel::IbvChannel;
-    use actorpipe::backend::ibv::transport::Ibv;
+    use actorpipe::channel::IbvChannel;
+    use actorpipe::transport::Ibv;
     let ibv = Ibv::simulated()
         .with_capacity(RING)
         .auto_listen("ibv://127.0.0.1:0");

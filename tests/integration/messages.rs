@@ -364,7 +364,7 @@ async fn small_tensors_arrive_with_their_descriptor_while_reading_ahead() {
 /// count where each went.
 #[actix::test]
 async fn mpt_sends_small_tensors_inline_and_large_ones_over_its_lanes() {
-    let limit = actorpipe::backend::mpt::INLINE_MAX as usize;
+    let limit = actorpipe::internal::backend::mpt::INLINE_MAX as usize;
     let sizes = [0, 1, 4096, limit, limit + 1, 1 << 20];
     for (inline_max, on_control) in [(None, 3), (Some(0), 0), (Some(1 << 20), 5)] {
         let side = || {

@@ -7,10 +7,10 @@
 //! spaces, then the body as hex bytes and `"quoted"` ASCII strings (their bytes, without the
 //! quotes). Three spaces or more end the bytes; what follows is a comment.
 
-use actorpipe::negotiate::{
+use actorpipe::internal::negotiate::{
     Brochure, ChannelChoice, ChannelOffer, Choice, DevicePair, Hello, Join, Offer, Purpose,
 };
-use actorpipe::wire::{
+use actorpipe::internal::wire::{
     decode_frame, encode_ack, encode_chunk, encode_descriptor, encode_frame, encode_serde, Ack,
     ChunkHeader, Farewell, Frame, FrameKind, Preamble, WireDescriptor,
 };
@@ -302,7 +302,7 @@ fn the_preamble_example_is_ours() {
 
 #[test]
 fn the_documented_handshake_frame_limit_is_the_code_s() {
-    let limit = actorpipe::auth::HANDSHAKE_FRAME_LIMIT;
+    let limit = actorpipe::internal::auth::HANDSHAKE_FRAME_LIMIT;
     assert_eq!(limit, 64 << 10, "update docs/protocol.md's \"64 KiB\"");
     assert!(DOC.contains("64 KiB"));
 }

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use actorpipe::topology::{distance, materialize, Topology, CROSS_ROOT};
+use actorpipe::internal::topology::{distance, materialize, Topology, CROSS_ROOT};
 
 /// A sysfs tree written from a fixture, removed when dropped.
 struct Tree(PathBuf);
@@ -258,11 +258,11 @@ fn dgx_a100_gpu_n_starts_on_mlx5_n_and_never_on_a_storage_hca() {
 }
 
 /// Which links each GPU's tensors take once paired with a peer (feature `ibv`: the channel's
-/// table, [`actorpipe::backend::ibv::channel::placement::GpuLinks`]).
+/// table, [`actorpipe::internal::backend::ibv::channel::placement::GpuLinks`]).
 #[cfg(feature = "ibv")]
 #[test]
 fn a_gpus_tensors_take_the_links_of_its_nics_that_the_peer_reaches() {
-    use actorpipe::backend::ibv::channel::placement::GpuLinks;
+    use actorpipe::internal::backend::ibv::channel::placement::GpuLinks;
     let (_tree, t, gpus) = dgx1();
     let devices = names(&["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]);
     let table = GpuLinks::compute(&t, &devices, &gpus);

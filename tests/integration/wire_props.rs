@@ -21,17 +21,19 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
-use actorpipe::message::TensorDescriptor;
-use actorpipe::message::{Descriptor, Device, Message, Payload, PayloadDescriptor, Tensor};
-use actorpipe::negotiate::{
+use actorpipe::internal::message::TensorDescriptor;
+use actorpipe::internal::message::{
+    Descriptor, Device, Message, Payload, PayloadDescriptor, Tensor,
+};
+use actorpipe::internal::negotiate::{
     Brochure, ChannelChoice, ChannelOffer, Choice, DeviceKind, DevicePair, Hello, Join, Offer,
     Purpose,
 };
-use actorpipe::transport::stream::read_frame;
-use actorpipe::wire::{
+use actorpipe::internal::wire::{
     self, check_frame_len, decode_frame, encode_descriptor, encode_frame, encode_serde, Ack,
     ChunkHeader, Farewell, Frame, FrameKind, Limits, WireDescriptor, WireError,
 };
+use actorpipe::transport::stream::read_frame;
 use actorpipe::{Error, Origin};
 use proptest::collection::vec;
 use proptest::prelude::*;

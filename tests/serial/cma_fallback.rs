@@ -6,7 +6,7 @@
 //! The switch is process-wide: the test holds the binary's lock (`crate::ONE_AT_A_TIME`), so that
 //! no other test's cma reads are refused meanwhile.
 
-use actorpipe::backend::cma;
+use actorpipe::internal::backend::cma;
 use actorpipe::*;
 
 use crate::common::*;

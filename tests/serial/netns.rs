@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use actix::Addr;
-use actorpipe::backend::tcp::Keepalive;
+use actorpipe::transport::Keepalive;
 use actorpipe::*;
 
 use crate::common::*;

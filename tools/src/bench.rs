@@ -192,7 +192,7 @@ impl Client {
         self.info
             .channels
             .iter()
-            .find(|c| c.devices == actorpipe::negotiate::DevicePair::CPU)
+            .find(|c| c.devices == actorpipe::internal::negotiate::DevicePair::CPU)
             .or(self.info.channels.first())
             .map_or("basic", |c| c.name.as_str())
     }

@@ -68,7 +68,7 @@ pub enum BenchCommand {
     /// under tokio, then with one actor mailbox hop per message and side (both sides in this
     /// process, on two threads).
     Layers(LayersArgs),
-    /// Large copies on one thread and shared among the copy threads (`actorpipe::copy`), one
+    /// Large copies on one thread and shared among the copy threads (`actorpipe::internal::copy`), one
     /// process per thread count: the floor under same-host large messages.
     Copy(CopyArgs),
     /// libfabric tagged ping-pong through the endpoint actor next to a raw ping-pong written

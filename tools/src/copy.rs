@@ -1,5 +1,5 @@
 //! `actorpipe bench copy`: how fast this machine copies large buffers on one thread and shared
-//! among the process's copy threads (`actorpipe::copy`), the floor under every same-host large
+//! among the process's copy threads (`actorpipe::internal::copy`), the floor under every same-host large
 //! message (the shm ring's large reads and writes, the xth channel's copies).
 //!
 //! Each thread count runs in a process of its own (this program, with `--in-process --threads
@@ -82,12 +82,12 @@ fn child(args: &CopyArgs, threads: u32) -> Result<Value, Failure> {
 
 /// Times every way at every size in this process, with `threads` copy threads.
 fn one_process(args: &CopyArgs, threads: u32) -> Result<Value, Failure> {
-    if let Err(now) = actorpipe::copy::set_threads(threads as usize) {
+    if let Err(now) = actorpipe::internal::copy::set_threads(threads as usize) {
         return Err(Failure::Failed(format!(
             "the copy threads had started already ({now})"
         )));
     }
-    let in_force = actorpipe::copy::threads();
+    let in_force = actorpipe::internal::copy::threads();
     let mut rows = Vec::new();
     for &size in &args.sizes.0 {
         let len = size as usize;
@@ -102,8 +102,8 @@ fn one_process(args: &CopyArgs, threads: u32) -> Result<Value, Failure> {
                 let t = Instant::now();
                 match way {
                     "memcpy" => dst.copy_from_slice(&src),
-                    "non-temporal" => actorpipe::copy::copy_nt(&mut dst, &src),
-                    _ => actorpipe::copy::copy_large(&mut dst, &src),
+                    "non-temporal" => actorpipe::internal::copy::copy_nt(&mut dst, &src),
+                    _ => actorpipe::internal::copy::copy_large(&mut dst, &src),
                 }
                 let took = t.elapsed();
                 if i >= WARMUP {

@@ -11,12 +11,10 @@
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
-use actorpipe::actors::hardware::efa::{
-    EndpointConfig, FabricAttach, FabricDescribe, FabricEndpoint, FabricPost,
-};
-use actorpipe::backend::efa::engine::{Kind, Op};
-use actorpipe::backend::efa::tag::{self, Stream};
-use actorpipe::backend::efa::{Domain, Endpoint, InfoList, PostError};
+use actorpipe::efa::{EndpointConfig, FabricAttach, FabricDescribe, FabricEndpoint, FabricPost};
+use actorpipe::internal::backend::efa::engine::{Kind, Op};
+use actorpipe::internal::backend::efa::tag::{self, Stream};
+use actorpipe::internal::backend::efa::{Domain, Endpoint, InfoList, PostError};
 
 use crate::cli::EfaArgs;
 use crate::failure::Failure;
@@ -58,7 +56,7 @@ pub fn run(args: &EfaArgs) -> Result<(), Failure> {
         for &size in &args.sizes.0 {
             let counts = Counts::for_size(size, args.iters, None);
             // The striped row only where the provider lists several domains.
-            let domains = actorpipe::actors::hardware::efa::transport::Efa::new(provider)
+            let domains = actorpipe::transport::Efa::new(provider)
                 .domains()
                 .map_or(0, |d| d.len());
             let mut rows = vec![("raw".to_string(), Samples::new())];

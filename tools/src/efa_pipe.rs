@@ -15,8 +15,8 @@
 
 use std::sync::{mpsc as std_mpsc, Arc};
 
-use actorpipe::actors::hardware::efa::transport::Efa;
-use actorpipe::actors::hardware::efa::EndpointConfig;
+use actorpipe::efa::EndpointConfig;
+use actorpipe::transport::Efa;
 use actorpipe::ContextBuilder;
 
 use crate::bench::{Api, Client};
@@ -42,7 +42,7 @@ impl Row {
     fn builder(self, provider: &str, config: EndpointConfig) -> ContextBuilder {
         let b = crate::plan::base_builder().without("shm");
         let t = Efa::new(provider).with_config(config);
-        let c = actorpipe::backend::efa::channel::Efa::over(&t);
+        let c = actorpipe::channel::Efa::over(&t);
         match self {
             Row::Transport => b.transport(Arc::new(t)).only_channels(&["basic"]),
             Row::Channel => b

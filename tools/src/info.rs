@@ -2,7 +2,7 @@
 //! not, and the domain descriptor it advertises (two peers use a backend only if both offer it
 //! with equal descriptors).
 
-use actorpipe::backend::{report, BackendReport};
+use actorpipe::internal::backend::{report, BackendReport};
 
 /// Prints the report as a table, or as JSON with `json`. A closed stdout (`| head`) ends the
 /// output quietly.
@@ -39,7 +39,7 @@ pub fn run(json: bool) {
 /// The libfabric section: version, providers and domains, and whether `efa` can run.
 #[cfg(feature = "efa")]
 fn fabric() -> String {
-    let r = actorpipe::backend::efa::report();
+    let r = actorpipe::internal::backend::efa::report();
     let mut out = format!(
         "\nlibfabric {} (built against {})\n",
         r.version, r.built_against
@@ -63,13 +63,13 @@ fn fabric() -> String {
     providers.dedup();
     for p in providers
         .into_iter()
-        .filter(|p| actorpipe::backend::efa::passthru(p))
+        .filter(|p| actorpipe::internal::backend::efa::passthru(p))
     {
         out.push_str(&format!(
             "  {p}: rxm's passthru on ({}): the tcp provider's own RDM endpoint; peers \
              must have it on too (named {})\n",
-            actorpipe::backend::efa::PASSTHRU,
-            actorpipe::backend::efa::wire_name(p)
+            actorpipe::internal::backend::efa::PASSTHRU,
+            actorpipe::internal::backend::efa::wire_name(p)
         ));
     }
     match &r.efa {
@@ -138,7 +138,7 @@ fn gdr() -> String {
     {
         format!(
             "\n{}",
-            actorpipe::backend::cuda_gdr::status::GdrStatus::here().report()
+            actorpipe::internal::backend::cuda_gdr::status::GdrStatus::here().report()
         )
     }
     #[cfg(not(all(feature = "cuda", feature = "ibv")))]
@@ -149,7 +149,7 @@ fn gdr() -> String {
 
 /// The RDMA devices found (real HCAs; the simulated device is never listed), or why none.
 fn rdma_devices() -> String {
-    match actorpipe::backend::rdma_devices() {
+    match actorpipe::internal::backend::rdma_devices() {
         Err(why) => format!("\nRDMA devices: none ({why})\n"),
         Ok(devs) => {
             let mut s = String::from("\nRDMA devices:\n");

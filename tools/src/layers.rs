@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use std::sync::Arc;
 
-use actorpipe::backend::shm::Shm;
-use actorpipe::backend::tcp::Tcp;
+use actorpipe::transport::Shm;
+use actorpipe::transport::Tcp;
 use actorpipe::transport::Transport;
 use actorpipe::transport::{BoxWrite, Stream};
 use serde_json::json;
@@ -58,7 +58,7 @@ pub fn run(args: &LayersArgs) -> Result<(), Failure> {
         // Each side's thread opens its own endpoint actor (one per thread and transport).
         #[cfg(feature = "efa")]
         "efa" => {
-            use actorpipe::actors::hardware::efa::{transport::Efa, EndpointConfig};
+            use actorpipe::efa::{transport::Efa, EndpointConfig};
             let config = EndpointConfig {
                 busy_poll: spin,
                 ..EndpointConfig::default()

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use actorpipe::backend::shm::Shm;
 use actorpipe::channel::ChannelBackend;
+use actorpipe::transport::Shm;
 use actorpipe::{ContextBuilder, Message, Payload, Tensor};
 
 use crate::baseline::Baseline;
@@ -150,8 +150,8 @@ pub fn check_env() -> Result<(), crate::failure::Failure> {
 /// Adds the ibv transport and the ibv channel on the simulated device.
 #[cfg(feature = "ibv")]
 fn ibv_sim(b: ContextBuilder) -> ContextBuilder {
-    use actorpipe::backend::ibv::channel::IbvChannel;
-    use actorpipe::backend::ibv::transport::Ibv;
+    use actorpipe::channel::IbvChannel;
+    use actorpipe::transport::Ibv;
     let ibv = Ibv::simulated().auto_listen("ibv://127.0.0.1:0");
     b.transport(Arc::new(ibv.clone()))
         .channel(Arc::new(IbvChannel::new(ibv)))
@@ -238,7 +238,7 @@ pub struct Plan {
 pub fn check_url(url: &str) -> Result<(), Failure> {
     match actorpipe::transport::scheme(url)? {
         "tcp" => actorpipe::transport::Url::parse(url).map(drop)?,
-        "shm" => actorpipe::backend::shm::parse_url(url).map(drop)?,
+        "shm" => actorpipe::internal::backend::shm::parse_url(url).map(drop)?,
         other => {
             return Err(bad(format!(
                 "bad URL {url:?}: unknown scheme {other:?} (use tcp://host:port or shm://name)"
@@ -260,7 +260,7 @@ fn channel_name(name: &str) -> Result<&'static str, Failure> {
 
 /// Decides the run from the command line.
 pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
-    let default_lanes = actorpipe::backend::mpt::Mpt::default().lanes;
+    let default_lanes = actorpipe::channel::Mpt::default().lanes;
     let lanes = args.lanes().unwrap_or(default_lanes);
     let backend = args.backend.as_deref();
     if args.transport.is_some() && kind != Kind::Channel {
@@ -424,7 +424,7 @@ pub fn plan(kind: Kind, args: &RunArgs) -> Result<Plan, Failure> {
         setup.spin = Some(Duration::from_micros(us));
     }
     if setup.channel == Some("cma") {
-        if let Err(why) = actorpipe::backend::cma::Cma.viable() {
+        if let Err(why) = actorpipe::channel::Cma.viable() {
             return Err(Failure::Failed(format!(
                 "the cma channel cannot run here: {why}"
             )));
@@ -501,7 +501,7 @@ impl Plan {
             None => {
                 n.tcp = true;
                 n.shm = true;
-                n.cma = actorpipe::backend::cma::Cma.viable().is_ok();
+                n.cma = actorpipe::channel::Cma.viable().is_ok();
             }
         }
         n

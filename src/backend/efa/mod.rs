@@ -19,7 +19,6 @@ pub mod engine;
 #[cfg(feature = "faults")]
 pub mod faults;
 mod ffi;
-pub use crate::keymap;
 mod linger;
 pub mod regcache;
 pub mod tag;

@@ -5,9 +5,9 @@
 
 use std::sync::Arc;
 
-use actorpipe::backend::ibv::channel::IbvChannel;
-use actorpipe::backend::ibv::sim;
-use actorpipe::backend::ibv::transport::Ibv;
+use actorpipe::channel::IbvChannel;
+use actorpipe::internal::backend::ibv::sim;
+use actorpipe::transport::Ibv;
 use actorpipe::transport::Transport;
 use actorpipe::*;
 

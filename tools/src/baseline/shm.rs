@@ -19,7 +19,7 @@ use crate::measure::{pattern, Counts, Samples};
 use crate::report::Progress;
 
 /// Data bytes per ring: the shm transport's default, so both stream large messages alike.
-pub const CAPACITY: usize = actorpipe::backend::shm::ring::DEFAULT_CAPACITY;
+pub const CAPACITY: usize = actorpipe::internal::backend::shm::ring::DEFAULT_CAPACITY;
 const HEADER: usize = 4096;
 
 /// How long the client waits on a doorbell before it decides the server is gone (the server

@@ -5,10 +5,10 @@
 //! ordering) next to the driver's copy of the same path, not an HCA. A second pair of pipes
 //! stripes each tensor over two simulated devices (tensors over 64 KiB: one stripe per device).
 
-use actorpipe::backend::cuda_gdr::CudaGdr;
-use actorpipe::backend::ibv::channel::IbvChannel;
-use actorpipe::backend::ibv::transport::Ibv;
-use actorpipe::topology::Topology;
+use actorpipe::channel::CudaGdr;
+use actorpipe::channel::IbvChannel;
+use actorpipe::internal::topology::Topology;
+use actorpipe::transport::Ibv;
 use actorpipe::ContextBuilder;
 
 /// The simulated device of the one-device pipes.

@@ -29,8 +29,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::Addr;
-use actorpipe::backend::shm::Shm;
 use actorpipe::cuda::{self, CudaBuffer};
+use actorpipe::transport::Shm;
 use actorpipe::{
     Allocation, Buffer, Connect, Context, ContextBuilder, Descriptor, GetInfo, Listen, Message,
     Pipe, Read, ReadDescriptor, Receive, Tensor, Write,

@@ -14,8 +14,8 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use actorpipe::backend::cuda_ipc::ipc::{self, Opened, RemoteEvent, HANDLE_LEN};
 use actorpipe::cuda::{self, CudaBuffer, Event, Gpu, StreamLease};
+use actorpipe::internal::backend::cuda_ipc::ipc::{self, Opened, RemoteEvent, HANDLE_LEN};
 
 use crate::failure::Failure;
 
