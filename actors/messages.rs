@@ -733,12 +733,10 @@ pub struct PipeInfo {
     pub local: String,
     /// The transport of the control stream.
     pub transport: String,
-    /// The channel per device pair.
+    /// The channel per device pair: the one place a pipe's channels are given
+    /// ([`PipeInfo::channel_list`] prints them). Error origins and the `pipe` log span name the
+    /// same backend as `shm/cma`; metrics label it `transport="shm"`, `channel="cma"`.
     pub channels: Vec<ChannelInfo>,
-    /// The backend as one `transport/channel` string (`shm/cma`; channels of several device
-    /// pairs joined by `+`): the same string as in error origins and the `pipe` log span.
-    /// Metrics label the same names separately (`transport="shm"`, `channel="cma"`).
-    pub backend: String,
     /// Tensors this side sent through the control connection (the `basic` channel's, and the
     /// ones `cma`, `mpt`, `ibv` and `efa` send inline because they are small).
     pub tensors_on_control: u64,

@@ -63,7 +63,6 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                 devices: c.devices,
             })
             .collect(),
-        backend: origin.backend.clone(),
         tensors_on_control: 0,
         tensors_by_channel: 0,
         received_by_read_loop: 0,
