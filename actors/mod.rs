@@ -17,14 +17,18 @@ mod pipe;
 pub(crate) mod placement;
 mod pool;
 
-#[cfg(feature = "cuda")]
-pub use context::IpcCacheStats;
-pub use context::{Config, Context, ContextBuilder};
-pub use ext::{Call, ContextExt, PipeExt};
-pub use inbox::{inbox, Inbox};
-pub use listener::Listener;
-pub use messages::*;
-pub use pipe::{Pipe, PipeWriter};
+/// What the crate root re-exports: the actors an application talks to and their messages.
+pub mod api {
+    #[cfg(feature = "cuda")]
+    pub use super::context::IpcCacheStats;
+    pub use super::context::{Config, Context, ContextBuilder};
+    pub use super::ext::{Call, ContextExt, PipeExt};
+    pub use super::inbox::{inbox, Inbox};
+    pub use super::listener::Listener;
+    pub use super::messages::*;
+    pub use super::pipe::{Pipe, PipeWriter};
+}
+pub(crate) use api::*;
 
 impl From<actix::MailboxError> for crate::Error {
     /// The actor an awaited request went to stopped before answering (it never does while

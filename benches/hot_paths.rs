@@ -15,8 +15,8 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 
 use actorpipe::internal::backend::{basic, cma, mpt};
 use actorpipe::internal::negotiate::{self, Brochure, ChannelOffer, DevicePair, Offer};
+use actorpipe::internal::transport::stream::Sequencer;
 use actorpipe::internal::wire::{self, ChunkHeader, FrameKind, Limits};
-use actorpipe::transport::stream::Sequencer;
 use actorpipe::{Device, Message, Payload, Tensor};
 
 // ---------------------------------------------------------------------------------------------

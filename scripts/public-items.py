@@ -81,7 +81,7 @@ def main(path):
             if kind == "use":
                 target = item(inner["id"]) if inner.get("id") is not None else None
                 if target is None or target["crate_id"] != 0:
-                    names[f"{prefix}::{inner['name']}"] = "re-export (external)"
+                    names[f"{prefix}::{inner['name']}"] = "re-export"
                     continue
                 tkind = next(iter(target["inner"]))
                 if inner.get("is_glob"):

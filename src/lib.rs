@@ -42,10 +42,15 @@ pub mod transport;
 mod actors;
 
 /// The `efa` backend's settings and counters (feature `efa`): [`efa::EndpointConfig`] for
-/// [`ContextBuilder::efa_config`], [`efa::FabricStats`], and the endpoint actor that every pipe
-/// of a context on one NIC shares.
+/// [`ContextBuilder::efa_config`], and [`efa::FabricStats`], the counters of the endpoint that
+/// every pipe of a context on one NIC shares. The transport and the channel are
+/// [`transport::Efa`] and [`channel::Efa`].
 #[cfg(feature = "efa")]
-pub use actors::hardware::efa;
+pub mod efa {
+    #[cfg(feature = "faults")]
+    pub use crate::actors::hardware::efa::FabricFaults;
+    pub use crate::actors::hardware::efa::{EndpointConfig, FabricStats};
+}
 
 /// The crate's internals, for its own tools and tests (see `src/internal/mod.rs`).
 #[doc(hidden)]
@@ -57,7 +62,7 @@ pub(crate) use internal::{
     auth, backend, copy, error, fds, handshake, keymap, message, negotiate, topology, wire,
 };
 
-pub use actors::*;
+pub use actors::api::*;
 /// Shared, read-only bytes, for [`Buffer::Shared`] (the `bytes` crate's type).
 pub use bytes::Bytes;
 pub use copy::{set_threads as set_copy_threads, threads as copy_threads};
@@ -76,7 +81,7 @@ pub use wire::Limits;
 /// one-step calls of [`PipeExt`] and [`ContextExt`] (`pipe.write(m).await?`), most programs
 /// need none of them but the first two.
 pub mod prelude {
-    pub use crate::actors::{
+    pub use crate::actors::api::{
         inbox, Accepted, Call, ChannelInfo, Close, Closed, Connect, ContextBuilder, ContextExt,
         DescriptorReady, Endpoint, GetInfo, GetMetricsAddr, GetWriter, Inbox, LaneInfo, Listen,
         Listener, Listening, NotListening, Op, Pipe, PipeExt, PipeInfo, PipeWriter, ReadDescriptor,

@@ -240,7 +240,7 @@ pub fn render() -> Option<String> {
 
 /// Which operation a measurement belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OpKind {
+pub(crate) enum OpKind {
     /// `Write`.
     Write,
     /// `ReadDescriptor`.
@@ -260,7 +260,7 @@ impl OpKind {
 }
 
 /// One pipe's metric handles, resolved once so that recording costs atomic adds.
-pub struct PipeMetrics {
+pub(crate) struct PipeMetrics {
     messages_written: Counter,
     bytes_written: Counter,
     messages_read: Counter,
@@ -317,11 +317,6 @@ impl PipeMetrics {
         self.timed.then(Instant::now)
     }
 
-    /// An operation completed; `bytes` counts for successful writes and reads.
-    pub fn completed(&self, k: OpKind, since: Instant, result: Result<u64, &Error>) {
-        self.finished(k, Some(since), result);
-    }
-
     /// An operation that started at `since` (from [`PipeMetrics::start`]) completed; `bytes`
     /// counts for successful writes and reads.
     pub fn finished(&self, k: OpKind, since: Option<Instant>, result: Result<u64, &Error>) {
@@ -369,13 +364,13 @@ fn recording() -> bool {
 }
 
 /// A handshake failed (either side), with this error.
-pub fn negotiation_failed(e: &Error) {
+pub(crate) fn negotiation_failed(e: &Error) {
     counter!(NEGOTIATIONS, "outcome" => e.class()).increment(1);
 }
 
 /// Why a listener turned a pipe away (the `reason` label of [`REFUSALS`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Refusal {
+pub(crate) enum Refusal {
     /// As many pipes as `ContextBuilder::max_pending_pipes` are being set up already.
     PendingHandshakes,
     /// The listener's process lacks the file descriptors the pipe's connections need.
@@ -405,28 +400,31 @@ impl Refusal {
 }
 
 /// A listener turned a pipe away.
-pub fn refused(why: Refusal) {
+pub(crate) fn refused(why: Refusal) {
     counter!(REFUSALS, "reason" => why.label()).increment(1);
 }
 
 /// A tensor fell back from `channel`'s fast path.
-pub fn fallback(channel: &'static str) {
+pub(crate) fn fallback(channel: &'static str) {
     counter!(FALLBACKS, "channel" => channel).increment(1);
 }
 
 /// A CUDA resource of `kind` (`event`, `stream`, `pinned`) was created rather than reused.
-pub fn cuda_created(kind: &'static str) {
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_created(kind: &'static str) {
     counter!(CUDA_CREATED, "kind" => kind).increment(1);
 }
 
 /// A CUDA IPC handle cache lookup on `side` (`export`, `open`): a hit or a miss.
-pub fn cuda_ipc_lookup(side: &'static str, hit: bool) {
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_ipc_lookup(side: &'static str, hit: bool) {
     let outcome = if hit { "hit" } else { "miss" };
     counter!(CUDA_IPC_LOOKUPS, "side" => side, "outcome" => outcome).increment(1);
 }
 
 /// The number of CUDA IPC memory handles this process holds open changed by `delta`.
-pub fn cuda_ipc_open(delta: f64) {
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_ipc_open(delta: f64) {
     gauge!(CUDA_IPC_OPEN).increment(delta);
 }
 
@@ -451,8 +449,12 @@ mod tests {
     fn recording_without_a_recorder_is_harmless() {
         let m = PipeMetrics::open("tcp", "basic");
         m.issued(OpKind::Write);
-        m.completed(OpKind::Write, Instant::now(), Ok(10));
-        m.completed(OpKind::Read, Instant::now(), Err(&Error::invalid("x")));
+        m.finished(OpKind::Write, Some(Instant::now()), Ok(10));
+        m.finished(
+            OpKind::Read,
+            Some(Instant::now()),
+            Err(&Error::invalid("x")),
+        );
         m.closed(&Error::invalid("x"));
     }
 

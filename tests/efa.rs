@@ -13,12 +13,12 @@ mod support;
 mod efa {
     use std::time::Duration;
 
-    use actorpipe::efa::{
-        EndpointConfig, FabricDetach, FabricFaults, FabricPost, FabricStats, RegionOp,
-    };
     use actorpipe::internal::backend::efa::engine::{Kind, Op, Region};
     use actorpipe::internal::backend::efa::faults::Faults;
     use actorpipe::internal::backend::efa::tag::{self, Stream};
+    use actorpipe::internal::hardware::efa::{
+        EndpointConfig, FabricDetach, FabricFaults, FabricPost, FabricStats, RegionOp,
+    };
 
     pub use super::support::*;
 
@@ -399,8 +399,8 @@ mod pipes {
     use std::time::Duration;
 
     use actix::Addr;
-    use actorpipe::efa::{EndpointConfig, FabricDescribe, FabricStats};
     use actorpipe::internal::backend::efa::faults::Faults;
+    use actorpipe::internal::hardware::efa::{EndpointConfig, FabricDescribe, FabricStats};
     use actorpipe::transport::Efa;
     use actorpipe::*;
 
@@ -1040,7 +1040,7 @@ mod pipes {
     /// send through an op: injected, but not directly). One that flows one way still does,
     /// every `WINDOW / 2` buffers, or its writer would stop after `WINDOW` messages.
     pub fn credits_ride_the_answers(provider: &str) {
-        use actorpipe::efa::stream::WINDOW;
+        use actorpipe::internal::hardware::efa::stream::WINDOW;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         actix::System::new().block_on(async {
             let (a, sa, sb) = stream_pair(provider, EndpointConfig::default()).await;
@@ -1124,7 +1124,7 @@ mod pipes {
     /// than a credit message's worth, answers once, and reads nothing more until the waiting
     /// write has gone through.
     pub fn credits_on_a_message_wake_a_waiting_writer(provider: &str) {
-        use actorpipe::efa::stream::WINDOW;
+        use actorpipe::internal::hardware::efa::stream::WINDOW;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         actix::System::new().block_on(async {
             let (_a, sa, sb) = stream_pair(provider, EndpointConfig::default()).await;

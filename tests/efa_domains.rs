@@ -16,7 +16,7 @@ mod domains {
     use std::sync::Arc;
 
     use actix::Addr;
-    use actorpipe::efa::FabricStats;
+    use actorpipe::internal::hardware::efa::FabricStats;
     use actorpipe::transport::Efa;
     use actorpipe::*;
 

@@ -166,7 +166,7 @@ mod efa_support;
 #[cfg(feature = "efa")]
 #[test]
 fn efa_counters_equal_the_endpoints() {
-    use actorpipe::efa::FabricStats;
+    use actorpipe::internal::hardware::efa::FabricStats;
     use efa_support::*;
     let addr = actorpipe::metrics::serve("127.0.0.1:0".parse().unwrap()).unwrap();
     actix::System::new().block_on(async {

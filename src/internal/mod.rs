@@ -28,3 +28,19 @@ pub mod wire;
 /// The actors that own device resources (the CUDA IPC handle cache, the efa endpoint, the
 /// ibv queue pairs).
 pub use crate::actors::hardware;
+/// What every transport shares, with the loops every stream transport runs.
+pub mod transport {
+    pub use crate::transport::*;
+    /// The read and write loops of every stream transport.
+    pub mod stream {
+        pub use crate::transport::stream::*;
+    }
+    /// Keepalive: heartbeats and silence.
+    pub mod liveness {
+        pub use crate::transport::liveness::*;
+    }
+    /// Whose turn it is on a context's thread: the runtime's queue or the actors'.
+    pub mod turns {
+        pub use crate::transport::turns::*;
+    }
+}

@@ -7,9 +7,9 @@
 //! (epoll on sockets, eventfd through `AsyncFd` for shared memory); no transport runs a busy
 //! thread unless asked to.
 
-pub mod liveness;
-pub mod stream;
-pub mod turns;
+pub(crate) mod liveness;
+pub(crate) mod stream;
+pub(crate) mod turns;
 mod url;
 
 pub use url::{Host, Url};

@@ -4,13 +4,13 @@
 use std::time::{Duration, Instant};
 
 use actix::Addr;
-use actorpipe::efa::{
-    EndpointConfig, FabricAttach, FabricDescribe, FabricEndpoint, FabricPost, FabricShare, Poster,
-};
 use actorpipe::internal::backend::efa::engine::{Finished, Kind, Op};
 #[cfg(feature = "faults")]
 use actorpipe::internal::backend::efa::faults::Faults;
 use actorpipe::internal::backend::efa::tag::{self, Stream};
+use actorpipe::internal::hardware::efa::{
+    EndpointConfig, FabricAttach, FabricDescribe, FabricEndpoint, FabricPost, FabricShare, Poster,
+};
 use tokio::sync::mpsc;
 
 pub const PROVIDERS: [&str; 2] = ["tcp;ofi_rxm", "shm"];

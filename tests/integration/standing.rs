@@ -612,7 +612,7 @@ async fn echo_in_place(name: &str, tx: &Addr<Pipe>, rx: &Addr<Pipe>, on_runtime:
     let marked = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let marks = marked.clone();
     rx.receive_all_calling(move |d| {
-        if actorpipe::transport::turns::is_on_runtime_queue() {
+        if actorpipe::internal::transport::turns::is_on_runtime_queue() {
             marks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         if d.result.is_ok() {

@@ -29,11 +29,11 @@ use actorpipe::internal::negotiate::{
     Brochure, ChannelChoice, ChannelOffer, Choice, DeviceKind, DevicePair, Hello, Join, Offer,
     Purpose,
 };
+use actorpipe::internal::transport::stream::read_frame;
 use actorpipe::internal::wire::{
     self, check_frame_len, decode_frame, encode_descriptor, encode_frame, encode_serde, Ack,
     ChunkHeader, Farewell, Frame, FrameKind, Limits, WireDescriptor, WireError,
 };
-use actorpipe::transport::stream::read_frame;
 use actorpipe::{Error, Origin};
 use proptest::collection::vec;
 use proptest::prelude::*;

@@ -11,10 +11,12 @@
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
-use actorpipe::efa::{EndpointConfig, FabricAttach, FabricDescribe, FabricEndpoint, FabricPost};
 use actorpipe::internal::backend::efa::engine::{Kind, Op};
 use actorpipe::internal::backend::efa::tag::{self, Stream};
 use actorpipe::internal::backend::efa::{Domain, Endpoint, InfoList, PostError};
+use actorpipe::internal::hardware::efa::{
+    EndpointConfig, FabricAttach, FabricDescribe, FabricEndpoint, FabricPost,
+};
 
 use crate::cli::EfaArgs;
 use crate::failure::Failure;

@@ -15,7 +15,7 @@
 
 use std::sync::{mpsc as std_mpsc, Arc};
 
-use actorpipe::efa::EndpointConfig;
+use actorpipe::internal::hardware::efa::EndpointConfig;
 use actorpipe::transport::Efa;
 use actorpipe::ContextBuilder;
 

@@ -58,7 +58,7 @@ pub fn run(args: &LayersArgs) -> Result<(), Failure> {
         // Each side's thread opens its own endpoint actor (one per thread and transport).
         #[cfg(feature = "efa")]
         "efa" => {
-            use actorpipe::efa::{transport::Efa, EndpointConfig};
+            use actorpipe::internal::hardware::efa::{transport::Efa, EndpointConfig};
             let config = EndpointConfig {
                 busy_poll: spin,
                 ..EndpointConfig::default()
