@@ -438,7 +438,7 @@ impl ContextBuilder {
     ///   (capped at `timeout` / 3); a read that waits `timeout` without receiving a byte fails
     ///   with [`Error::Timeout`], and with it every pending operation of the pipe, in order.
     ///   This works with data in flight, and never kills a live peer whose application merely
-    ///   stops reading (see [`liveness`](crate::transport::liveness));
+    ///   stops reading (docs/architecture.md, "Closing, liveness and authentication");
     /// - **TCP keepalive** with the same figures (whole seconds, at least 1 s), which also
     ///   cleans up connections whose pipe is not reading: set on the `tcp` transport, a
     ///   [`Tcp`] of yours too, unless [`tcp_keepalive`](Self::tcp_keepalive) sets it.

@@ -45,7 +45,8 @@ pub const NEGOTIATIONS: &str = "actorpipe_negotiations_total";
 pub const BACKLOG: &str = "actorpipe_backlog_operations";
 /// Tensors that fell back from their channel's fast path, by channel (counter).
 pub const FALLBACKS: &str = "actorpipe_fallbacks_total";
-/// Pipes a listener turned away, by reason (counter): see [`Refusal`].
+/// Pipes a listener turned away, by reason (counter; `reason` is `pending_handshakes`,
+/// `descriptors` or `join_timeout`).
 pub const REFUSALS: &str = "actorpipe_listener_refusals_total";
 
 /// CUDA events, streams and pinned buffers created (not taken from a pool), by kind (counter).

@@ -95,7 +95,7 @@ pub trait ChannelBackend: sealed::Sealed + std::fmt::Debug + Send + Sync + 'stat
     /// The backend itself, for the pipe that needs its concrete type (the `ibv` channel's
     /// device and registration caches, the `mpt` and `efa` channels' inline limits) and for the
     /// context builder's changes to a known one ([`lanes`](crate::ContextBuilder::lanes) on
-    /// [`Mpt`](crate::backend::mpt::Mpt)). `None` by default.
+    /// [`Mpt`]). `None` by default.
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         None
     }

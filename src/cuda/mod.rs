@@ -14,7 +14,6 @@
 //!   sent) or consumed on (when received).
 //! - [`CudaCompletion`]: what a receive of CUDA tensors completes with, one event per device
 //!   touched, with a blocking and a non-blocking (stream-ordered) wait; see docs/cuda.md.
-//! - [`ipc`]: export and open of CUDA IPC handles for allocations and events.
 //! - [`devices`]: what `actorpipe info` lists.
 //! - [`set_watch_spin`]: how long each device's watcher thread (which runs the channels'
 //!   completion callbacks) polls before it naps; process-wide.

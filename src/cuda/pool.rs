@@ -47,7 +47,7 @@ impl Gpu {
     }
 
     /// An event from this device's pool (created if the pool is empty). `ipc` asks for an
-    /// interprocess event, whose handle another process can open ([`super::ipc::export_event`]).
+    /// interprocess event, whose handle another process can open (`export_event` of the `cuda_ipc` backend).
     pub fn event(self: &Arc<Self>, ipc: bool) -> crate::Result<Event> {
         let pool = if ipc { &self.ipc_events } else { &self.events };
         let reused = pool.lock().unwrap_or_else(|p| p.into_inner()).pop();

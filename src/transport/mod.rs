@@ -2,7 +2,7 @@
 //!
 //! A transport turns a URL into a connected byte stream (a [`Stream`]: a read half and a write
 //! half), and a listening URL into an [`Acceptor`] of such streams. Everything above it (framing,
-//! ordering, the handshake) is shared: [`stream`] holds the read and write loops that every
+//! ordering, the handshake) is shared: the crate's stream loops are the read and write loops that every
 //! stream transport runs, so a transport only has to provide bytes. Readiness comes from tokio
 //! (epoll on sockets, eventfd through `AsyncFd` for shared memory); no transport runs a busy
 //! thread unless asked to.

@@ -179,7 +179,7 @@ impl Core {
 /// registered: the reader had found the queue empty), and the end was sent and received: a few
 /// hundred instructions on the path from a message's arrival to its handler, and a poll of the
 /// reader's task for nothing afterwards. The reader takes the ends in `into` before any
-/// in `queue`, which keeps its order (see [`Core::progress_claiming`]).
+/// in `queue`, which keeps its order (see `Core::progress_claiming`).
 pub struct Claim<'a> {
     /// The reader's pipe.
     pub pipe: u32,

@@ -1,7 +1,7 @@
 //! libfabric, bound by hand (feature `efa`).
 //!
 //! The crates.io bindings don't fit (see docs/efa.md): `shim.c` compiles libfabric's
-//! `static inline` calls, [`ffi`] declares them, and this module wraps every object in an owner
+//! `static inline` calls, `ffi` declares them, and this module wraps every object in an owner
 //! that closes it on drop: [`InfoList`] (`fi_getinfo`), [`Domain`] (fabric and domain),
 //! [`Endpoint`] (an RDM endpoint with its completion queue [`Cq`] and address vector [`Av`]) and
 //! [`Mr`] (a memory registration). Nothing outside this module touches a raw `fid`.
@@ -10,7 +10,7 @@
 //! used from the one thread that opened it (the endpoint actor's arbiter, or a baseline thread).
 //! One exception: an `shm` endpoint that a peer of this process may still reach is not closed
 //! when dropped but parked, and closed later, from whichever thread drops its last such peer,
-//! under [`linger`]'s lock (libfabric 1.17's shm would otherwise crash that peer).
+//! under `linger`'s lock (libfabric 1.17's shm would otherwise crash that peer).
 //! Posting is `unsafe`: the memory and the context pointer must stay valid until the completion
 //! is read or the endpoint is closed, and the caller (the endpoint actor) guarantees it.
 

@@ -150,7 +150,7 @@ impl Parking {
     /// `i` at `ticket + 1 + i`, each in one chunk of message `seq`), without building their
     /// [`OutOp`]s: the same bytes in the same one write. The caller has checked that each
     /// tensor is in host memory, of 1 to [`DIRECT_TENSOR_MAX`] bytes within its chunk size, and
-    /// that the frame, the payloads and two slices a tensor fit [`IOV_BATCH`]. The answer is
+    /// that the frame, the payloads and two slices a tensor fit `IOV_BATCH`. The answer is
     /// `try_write`'s: on a torn write the caller builds the ops from the first not written
     /// whole on, for the loop.
     pub fn try_write_parts(

@@ -12,7 +12,7 @@
 //!    length) with an RDMA send from a registered control slot.
 //! 2. The sender matches the request with the oldest tensor it holds (same message and tensor,
 //!    same length, else a protocol error), leases its own buffer's registration (local access)
-//!    and RDMA-writes the bytes in [`chunks`] of at most 1 GiB and at least 32 bytes; the last
+//!    and RDMA-writes the bytes in `chunks` of at most 1 GiB and at least 32 bytes; the last
 //!    write carries an immediate, the tensor's number on this channel.
 //! 3. The receiver's receive completes with that immediate: the bytes have landed (RC delivers
 //!    in order). Its registration is released (deregistered, under the default invalidation

@@ -17,7 +17,7 @@
 //! **Several devices.** [`IbvChannel::with_devices`] adds further devices (NICs). The channel
 //! then creates one queue pair per device; after the first device's hellos, each side sends the
 //! count of its further devices and one hello each, and both pair their k-th further device
-//! with the peer's k-th where the two can reach each other ([`check_reach`], symmetric, so both
+//! with the peer's k-th where the two can reach each other (`check_reach`, symmetric, so both
 //! sides keep the same pairs). Each pair is a link with its own queue pair, registration caches
 //! and completion watch; a tensor is cut by mpt's plan ([`crate::backend::mpt::stripes`]: one stripe per
 //! link, none under 64 KiB) and each stripe moves on its link as a tensor of its own, in the
@@ -343,7 +343,7 @@ async fn exchange_further(
     Ok(theirs)
 }
 
-/// Which further devices pair: ours[k] with theirs[k] where they reach each other (the check
+/// Which further devices pair: `ours[k]` with `theirs[k]` where they reach each other (the check
 /// is symmetric, so the peer keeps the same `k`s).
 pub fn pair_further(ours: &[Hello], theirs: &[Hello]) -> Vec<usize> {
     ours.iter()

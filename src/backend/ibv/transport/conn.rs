@@ -1,6 +1,6 @@
 //! One ibv connection's state: the queue pair, its registered inbox and outbox rings, credits,
-//! and the send-queue backlog. Plain logic, no I/O readiness: the halves call [`Core::write`]
-//! and [`Core::read`], the queue-pair actor calls [`Core::progress`] when completions arrive.
+//! and the send-queue backlog. Plain logic, no I/O readiness: the halves call `Core::write`
+//! and `Core::read`, the queue-pair actor calls `Core::progress` when completions arrive.
 //!
 //! # Byte stream over RDMA writes with immediate
 //!
