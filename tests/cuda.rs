@@ -706,7 +706,7 @@ fn ipc_receiver() -> Outcome {
         .unwrap_or(0);
     let g = cuda::gpu(device).map_err(fail)?;
     let mut cache =
-        actorpipe::internal::hardware::cuda_ipc::IpcCache::new(device, 64).map_err(fail)?;
+        actorpipe::internal::backend::cuda_ipc::cache::IpcCache::new(device, 64).map_err(fail)?;
     let stream = g.lease_stream().map_err(fail)?;
     let stream = stream.arc().clone();
     let mut dsts: std::collections::HashMap<usize, CudaBuffer> = Default::default();
@@ -867,7 +867,8 @@ impl Drop for Receiver {
 }
 
 fn ipc_pairs() -> Outcome {
-    let mut cache = actorpipe::internal::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    let mut cache =
+        actorpipe::internal::backend::cuda_ipc::cache::IpcCache::new(0, 64).map_err(fail)?;
     let mut staging = Staging::default();
     let mut rx = Receiver::start()?;
     let mut seed = 100;
@@ -928,7 +929,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Prints the engine's figures next to the raw driver copy (nothing asserted on time).
 fn ipc_measure() -> Outcome {
     let g = gpu0()?;
-    let mut cache = actorpipe::internal::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    let mut cache =
+        actorpipe::internal::backend::cuda_ipc::cache::IpcCache::new(0, 64).map_err(fail)?;
     let mut staging = Staging::default();
     let mut rx = Receiver::start()?;
     let s = g.lease_stream().map_err(fail)?;
@@ -1122,7 +1124,8 @@ fn basic_pipeline() -> Outcome {
 /// The sending process of the kill case: exports four 256 MiB tensors, prints their channel
 /// data, then waits to be killed.
 fn ipc_sender() -> Outcome {
-    let mut cache = actorpipe::internal::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    let mut cache =
+        actorpipe::internal::backend::cuda_ipc::cache::IpcCache::new(0, 64).map_err(fail)?;
     let mut staging = Staging::default();
     let mut keep = Vec::new();
     let out = std::io::stdout();
@@ -1150,7 +1153,8 @@ fn ipc_peer_killed() -> Outcome {
         .collect::<Result<_, _>>()
         .map_err(fail)?;
     let stream = g.lease_stream().map_err(fail)?;
-    let mut cache = actorpipe::internal::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    let mut cache =
+        actorpipe::internal::backend::cuda_ipc::cache::IpcCache::new(0, 64).map_err(fail)?;
     g.synchronize().map_err(fail)?;
     let (free_before, _) = g.memory().map_err(fail)?;
     let mut child = Command::new(std::env::current_exe().map_err(fail)?)
@@ -1217,7 +1221,8 @@ fn ipc_peer_killed() -> Outcome {
 fn ipc_two_gpus() -> Outcome {
     let g0 = gpu0()?;
     let g1 = cuda::gpu(1).map_err(fail)?;
-    let mut cache = actorpipe::internal::hardware::cuda_ipc::IpcCache::new(0, 64).map_err(fail)?;
+    let mut cache =
+        actorpipe::internal::backend::cuda_ipc::cache::IpcCache::new(0, 64).map_err(fail)?;
     let mut staging = Staging::default();
     let mut rx = Receiver::on(1)?;
     let (b, _) = filled(0, 61, (16 << 20) + 3)?;

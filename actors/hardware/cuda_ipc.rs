@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use actix::prelude::*;
 
 use crate::backend::cuda_ipc::cache::Stats;
-pub use crate::backend::cuda_ipc::cache::{IpcCache, DEFAULT_BOUND};
+use crate::backend::cuda_ipc::cache::{IpcCache, DEFAULT_BOUND};
 use crate::backend::cuda_ipc::ipc::{Exported, NotExportable, Opened, RemoteEvent, HANDLE_LEN};
 use crate::cuda::sys;
 
