@@ -6,7 +6,7 @@ use std::time::Duration;
 use actix::prelude::*;
 
 use super::listener::Listener;
-use super::messages::{Connect, Endpoint, GetMetricsAddr, Listen, Listening, NotListening};
+use super::messages::{Connect, GetMetricsAddr, Listen, ListenEndpoint, Listening, NotListening};
 use super::pipe::{spawn_pipe, Pipe, PipeParts};
 use crate::backend::basic::{Basic, DEFAULT_CHUNK_SIZE};
 use crate::backend::cma::Cma;
@@ -30,7 +30,7 @@ mod env;
 mod tests;
 
 /// Settings shared by every pipe of a context.
-pub struct Config {
+pub(crate) struct Config {
     pub(crate) limits: Limits,
     pub(crate) chunk_size: usize,
     pub(crate) connect_timeout: Duration,
@@ -155,7 +155,7 @@ struct EfaSettings {
     /// The provider ([`ContextBuilder::efa`]); `None`: `efa`.
     provider: Option<String>,
     /// The channel's domains ([`ContextBuilder::efa_domains`]); `None`: the transport's one.
-    domains: Option<crate::backend::efa::channel::Domains>,
+    domains: Option<crate::actors::hardware::efa::channel::Domains>,
     /// The endpoints' settings ([`ContextBuilder::efa_config`]); `None`: the defaults.
     config: Option<crate::actors::hardware::efa::EndpointConfig>,
     /// Where its automatic bootstrap socket binds ([`ContextBuilder::efa_bootstrap_host`]).
@@ -512,7 +512,7 @@ impl ContextBuilder {
     /// shared endpoint per domain). See docs/efa.md, "Several domains".
     #[cfg(feature = "efa")]
     pub fn efa_domains(mut self, provider: &str, domains: &[&str]) -> Self {
-        use crate::backend::efa::channel::Domains;
+        use crate::actors::hardware::efa::channel::Domains;
         self.efa.provider = Some(provider.into());
         self.efa.domains = Some(if domains.is_empty() {
             Domains::All
@@ -753,15 +753,15 @@ impl ContextBuilder {
     /// The `efa` transport and channel the `efa_*` settings describe.
     #[cfg(feature = "efa")]
     fn efa_pair(&self) -> (Arc<dyn Transport>, Arc<dyn ChannelBackend>) {
+        use crate::actors::hardware::efa::channel::Domains;
         use crate::actors::hardware::efa::transport::{Efa, DEFAULT_PROVIDER};
-        use crate::backend::efa::channel::Domains;
         let s = &self.efa;
         let mut t = Efa::new(s.provider.as_deref().unwrap_or(DEFAULT_PROVIDER))
             .with_config(s.config.unwrap_or_default());
         if let Some(ip) = s.bootstrap_host {
             t = t.bootstrap_host(ip);
         }
-        let c = crate::backend::efa::channel::Efa::over(&t)
+        let c = crate::actors::hardware::efa::channel::Efa::over(&t)
             .with_domains(s.domains.clone().unwrap_or(Domains::One));
         (Arc::new(t), Arc::new(c))
     }
@@ -1064,11 +1064,11 @@ impl Handler<Listen> for Context {
                     }
                 }
             }
-            let endpoints: Vec<Endpoint> = acceptors
+            let endpoints: Vec<ListenEndpoint> = acceptors
                 .iter()
                 .filter(|(n, _)| msg.urls.iter().any(|u| scheme(u).ok() == Some(n.as_str())))
                 .flat_map(|(n, a)| {
-                    a.urls().into_iter().map(|url| Endpoint {
+                    a.urls().into_iter().map(|url| ListenEndpoint {
                         transport: n.clone(),
                         url,
                     })

@@ -128,7 +128,7 @@ pub struct Listening {
     /// Where peers can connect.
     pub urls: Vec<String>,
     /// The same endpoints, each with its transport.
-    pub endpoints: Vec<Endpoint>,
+    pub endpoints: Vec<ListenEndpoint>,
     /// The transports a pipe could move to after bootstrapping (`shm`, `efa`, `ibv`: those a
     /// listener opens an endpoint for by itself) whose listening failed, with why. Pipes to
     /// this listener are not offered them, so negotiation picks another transport: this says
@@ -149,7 +149,7 @@ pub struct NotListening {
 
 /// One endpoint a listener is reachable at, in [`Listening::endpoints`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Endpoint {
+pub struct ListenEndpoint {
     /// Its transport (`tcp`, `shm`).
     pub transport: String,
     /// Its URL, port or name resolved.

@@ -21,7 +21,7 @@ mod pool;
 pub mod api {
     #[cfg(feature = "cuda")]
     pub use super::context::IpcCacheStats;
-    pub use super::context::{Config, Context, ContextBuilder};
+    pub use super::context::{Context, ContextBuilder};
     pub use super::ext::{Call, ContextExt, PipeExt};
     pub use super::inbox::{inbox, Inbox};
     pub use super::listener::Listener;

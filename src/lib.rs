@@ -83,10 +83,9 @@ pub use wire::Limits;
 pub mod prelude {
     pub use crate::actors::api::{
         inbox, Accepted, Call, ChannelInfo, Close, Closed, Connect, ContextBuilder, ContextExt,
-        DescriptorReady, Endpoint, GetInfo, GetMetricsAddr, GetWriter, Inbox, LaneInfo, Listen,
-        Listener, Listening, NotListening, Op, Pipe, PipeExt, PipeInfo, PipeWriter, ReadDescriptor,
-        ReadDone, Receive, ReceiveAll, Recycle, Retry, StopListening, StopReceiving, Subscribe,
-        WriteDone,
+        DescriptorReady, GetInfo, GetMetricsAddr, GetWriter, Inbox, LaneInfo, Listen, Listener,
+        Listening, NotListening, Op, Pipe, PipeExt, PipeInfo, PipeWriter, ReadDescriptor, ReadDone,
+        Receive, ReceiveAll, Recycle, Retry, StopListening, StopReceiving, Subscribe, WriteDone,
     };
     pub use crate::error::{Error, ErrorClass, Origin};
     pub use crate::message::{

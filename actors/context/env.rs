@@ -134,7 +134,7 @@ impl ContextBuilder {
     /// The `ACTORPIPE_EFA_*` part of [`with_env`](Self::with_env).
     #[cfg(feature = "efa")]
     fn efa_env(mut self, get: Lookup<'_>) -> Result<ContextBuilder, Error> {
-        use crate::backend::efa::channel::Domains;
+        use crate::actors::hardware::efa::channel::Domains;
         if let Some(v) = get("ACTORPIPE_EFA_PROVIDER")? {
             self.efa.provider = Some(v);
         }
@@ -291,7 +291,7 @@ mod tests {
         let got = with(&[("ACTORPIPE_EFA_DOMAINS", "all")]).unwrap();
         assert_eq!(
             got.efa.domains,
-            Some(crate::backend::efa::channel::Domains::All)
+            Some(crate::actors::hardware::efa::channel::Domains::All)
         );
         // A setting made in code afterwards wins over the environment's.
         let got = with(&[("ACTORPIPE_EFA_SPIN", "50")])

@@ -108,7 +108,7 @@ fn efa_setters() -> Vec<Setter> {
         ("transport(efa)", |b| b.transport(Arc::new(Efa::new("shm")))),
         ("channel(efa)", |b| {
             b.channel(Arc::new(
-                crate::backend::efa::channel::Efa::new("shm").inline_max(0),
+                crate::actors::hardware::efa::channel::Efa::new("shm").inline_max(0),
             ))
         }),
         ("priority(efa)", |b| b.priority("efa", 77)),

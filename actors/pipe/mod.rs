@@ -29,7 +29,9 @@ use actix::dev::{MessageResponse, OneshotSender};
 use actix::prelude::*;
 use tokio::sync::mpsc;
 
-use super::channel::{Channel, ChannelKind, Queue, RecvTensor, SendTensor, StopChannel};
+use super::channel::{
+    Channel, ChannelAddr, ChannelKind, Queue, RecvTensor, SendTensor, StopChannel,
+};
 use super::connection::{Connection, Link, Queue as ConnQueue, Queues, Shutdown};
 use super::context::Config;
 use super::messages::*;
@@ -164,7 +166,7 @@ pub struct Pipe {
     #[cfg(feature = "cuda")]
     ipc_out: Vec<Option<crate::backend::cuda_ipc::Outgoing>>,
     conn: Option<(Addr<Connection>, Link)>,
-    channels: Vec<Addr<Channel>>,
+    channels: Vec<ChannelAddr>,
     fallbacks: Arc<AtomicU64>,
     metrics: Arc<PipeMetrics>,
     span: tracing::Span,

@@ -2,6 +2,20 @@
 //! from what the handshake negotiated.
 
 use super::*;
+#[cfg(feature = "cuda")]
+use crate::actors::hardware::cuda_ipc::driver::CudaIpcDriver;
+#[cfg(feature = "efa")]
+use crate::actors::hardware::efa::channel::driver::EfaDriver;
+use crate::backend::cma::driver::CmaDriver;
+#[cfg(feature = "cuda")]
+use crate::backend::cuda_basic::driver::CudaBasicDriver;
+#[cfg(feature = "cuda")]
+use crate::backend::cuda_xth::driver::CudaXthDriver;
+#[cfg(feature = "ibv")]
+use crate::backend::ibv::channel::driver::IbvDriver;
+use crate::backend::mpt::driver::MptDriver;
+use crate::backend::xth::driver::XthDriver;
+use crate::channel::driver::{Core, Idle};
 
 /// Everything a pipe is built from: its control connection, what was negotiated, and each
 /// channel's own connections.
@@ -15,12 +29,13 @@ pub(crate) struct PipeParts {
 
 /// The context's endpoint for a new pipe's `efa` channel.
 #[cfg(feature = "efa")]
-fn efa_port(config: &Config, origin: &Origin) -> crate::backend::efa::channel::ChannelPort {
-    config
-        .channels
-        .iter()
-        .find_map(|(c, _)| c.fabric_port())
-        .unwrap_or_else(|| crate::backend::efa::channel::ChannelPort {
+fn efa_port(
+    config: &Config,
+    origin: &Origin,
+) -> crate::actors::hardware::efa::channel::ChannelPort {
+    backend_of::<crate::actors::hardware::efa::channel::Efa>(config, "efa")
+        .and_then(|c| c.fabric_port())
+        .unwrap_or_else(|| crate::actors::hardware::efa::channel::ChannelPort {
             endpoint: Err(Error::protocol(
                 "internal: the efa channel was negotiated but this context has none",
                 origin,
@@ -129,71 +144,31 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         .iter()
         .zip(lanes)
         .map(|(c, lanes)| {
-            let kind = match c.name.as_str() {
-                "xth" => ChannelKind::Xth { pipe: id },
-                "cma" => ChannelKind::Cma {
-                    threads: config.cma_threads,
-                    chunk_size,
-                    inline_max: config
-                        .cma_inline_max
-                        .unwrap_or_else(|| crate::backend::cma::inline_max(&choice.transport)),
-                },
-                "mpt" => ChannelKind::Mpt {
-                    chunk_size,
-                    inline_max: backend_of::<crate::backend::mpt::Mpt>(config, "mpt")
-                        .map_or(crate::backend::mpt::INLINE_MAX, |b| b.inline_max),
-                },
-                #[cfg(feature = "cuda")]
-                "cuda_xth" => ChannelKind::CudaXth { pipe: id },
-                #[cfg(feature = "cuda")]
-                "cuda_ipc" => ChannelKind::CudaIpc { pipe: id },
-                #[cfg(feature = "cuda")]
-                "cuda_basic" => ChannelKind::CudaBasic,
-                #[cfg(all(feature = "cuda", feature = "ibv"))]
-                "cuda_gdr" => ChannelKind::CudaGdr,
-                #[cfg(feature = "ibv")]
-                "ibv" => ChannelKind::Ibv {
-                    chunk_size,
-                    inline_max: ibv_backend(config)
-                        .map_or(crate::backend::ibv::channel::MIN_INLINE, |b| b.inline_max()),
-                },
-                #[cfg(feature = "efa")]
-                "efa" => ChannelKind::Efa {
-                    chunk_size,
-                    inline_max: backend_of::<crate::backend::efa::channel::Efa>(config, "efa")
-                        .map_or(crate::backend::efa::channel::INLINE_MAX, |b| {
-                            b.inline_limit()
-                        }),
-                },
-                // Negotiation picks only names both contexts offer, and a context offers only
-                // this crate's backends (`ChannelBackend` is sealed): what is left is `basic`.
-                // (A CUDA channel of a build without `cuda` is never offered.)
-                name => {
-                    debug_assert_eq!(name, "basic", "a channel this build cannot run");
-                    ChannelKind::Basic { chunk_size }
-                }
-            };
+            let kind = channel_kind(&c.name, id, &choice.transport, config);
             kinds.push(kind);
+            let core = |lanes| {
+                Core::new(
+                    lanes,
+                    reply.clone(),
+                    origin.clone(),
+                    fallbacks.clone(),
+                    #[cfg(feature = "cuda")]
+                    kind.carries_cuda().then(|| cuda_reply.clone()),
+                )
+            };
             // The ibv and cuda_gdr channels bootstrap their queue pair over their lane
             // themselves.
             #[cfg(feature = "ibv")]
             if let Some((backend, gdr)) = queue_pair_backend(kind, config) {
-                let channel = Channel::new(
-                    kind,
-                    Vec::new(),
-                    reply.clone(),
-                    origin.clone(),
-                    fallbacks.clone(),
-                )
-                .with_ibv(&backend, lanes);
+                let driver = IbvDriver::new(&backend, lanes, &origin);
                 #[cfg(feature = "cuda")]
-                let channel = match gdr {
-                    true => channel.with_gdr().with_cuda(cuda_reply.clone()),
-                    false => channel,
+                let driver = match gdr {
+                    true => driver.with_gdr(),
+                    false => driver,
                 };
                 #[cfg(not(feature = "cuda"))]
                 let _ = gdr;
-                return channel.start();
+                return Channel::new(core(Vec::new()), driver, kind).launch();
             }
             let lanes = lanes
                 .into_iter()
@@ -207,39 +182,51 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                         config.heartbeat,
                         // Lanes that stripe tensors get cores of their own, but the first:
                         // the pipe's thread moves its share (every lane on the pool measured
-                        // no faster; git history's docs/performance-many-cores.md, "mpt's small tensors
-                        // inline"), and where small tensors are not inline it carries those
+                        // no faster), and where small tensors are not inline it carries those
                         // whole, which then cross no thread. cma's side connections
                         // (acknowledgements) stay with the pipe.
                         (i > 0 && matches!(kind, ChannelKind::Mpt { .. })).then_some(&config.io),
                     )
                 })
                 .collect();
-            let channel = Channel::new(
-                kind,
-                lanes,
-                reply.clone(),
-                origin.clone(),
-                fallbacks.clone(),
-            );
-            #[cfg(feature = "cuda")]
-            let channel = match kind {
-                ChannelKind::CudaIpc { .. } => channel
-                    .with_cuda(cuda_reply.clone())
-                    .with_ipc(config.ipc.clone()),
-                k if k.carries_cuda() => channel.with_cuda(cuda_reply.clone()),
-                _ => channel,
-            };
-            #[cfg(feature = "efa")]
-            let channel = match kind {
-                ChannelKind::Efa { .. } => {
-                    let (channel, path) = channel.with_fabric(efa_port(config, &origin));
-                    efa_path = Some((kinds.len() - 1, path));
-                    channel
+            let core = core(super::super::channel::lanes(lanes));
+            match kind {
+                ChannelKind::Basic { .. } => Channel::new(core, Idle, kind).launch(),
+                ChannelKind::Xth { pipe } => {
+                    Channel::new(core, XthDriver::new(pipe), kind).launch()
                 }
-                _ => channel,
-            };
-            channel.start()
+                ChannelKind::Cma { threads, .. } => {
+                    Channel::new(core, CmaDriver::new(threads, chunk_size), kind).launch()
+                }
+                ChannelKind::Mpt { chunk_size, .. } => {
+                    Channel::new(core, MptDriver::new(chunk_size), kind).launch()
+                }
+                #[cfg(feature = "cuda")]
+                ChannelKind::CudaXth { pipe } => {
+                    Channel::new(core, CudaXthDriver::new(pipe), kind).launch()
+                }
+                #[cfg(feature = "cuda")]
+                ChannelKind::CudaIpc { pipe } => {
+                    let driver = CudaIpcDriver::new(pipe, config.ipc.clone());
+                    Channel::new(core, driver, kind).launch()
+                }
+                #[cfg(feature = "cuda")]
+                ChannelKind::CudaBasic => {
+                    Channel::new(core, CudaBasicDriver::default(), kind).launch()
+                }
+                #[cfg(feature = "efa")]
+                ChannelKind::Efa { .. } => {
+                    let (driver, path) =
+                        EfaDriver::new(efa_port(config, &origin), reply.clone(), origin.clone());
+                    efa_path = Some((kinds.len() - 1, path));
+                    Channel::new(core, driver, kind).launch()
+                }
+                // Started above, on their queue pairs.
+                #[cfg(feature = "ibv")]
+                ChannelKind::Ibv { .. } => unreachable!("an ibv channel without its backend"),
+                #[cfg(all(feature = "cuda", feature = "ibv"))]
+                ChannelKind::CudaGdr => unreachable!("a cuda_gdr channel without its backend"),
+            }
         })
         .collect();
     let cpu_channel = choice.channel_for(DevicePair::CPU).unwrap_or(0);
@@ -330,6 +317,55 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         efa_out: Vec::new(),
     }
     .start()
+}
+
+/// What the channel negotiated as `name` runs as: the one place that maps a channel's name to
+/// its backend's driver (the backends are this crate's: `ChannelBackend` is sealed, and
+/// negotiation picks only names both contexts offer).
+fn channel_kind(name: &str, pipe: u64, transport: &str, config: &Config) -> ChannelKind {
+    let chunk_size = config.chunk_size;
+    match name {
+        "xth" => ChannelKind::Xth { pipe },
+        "cma" => ChannelKind::Cma {
+            threads: config.cma_threads,
+            chunk_size,
+            inline_max: config
+                .cma_inline_max
+                .unwrap_or_else(|| crate::backend::cma::inline_max(transport)),
+        },
+        "mpt" => ChannelKind::Mpt {
+            chunk_size,
+            inline_max: backend_of::<crate::backend::mpt::Mpt>(config, "mpt")
+                .map_or(crate::backend::mpt::INLINE_MAX, |b| b.inline_max),
+        },
+        #[cfg(feature = "cuda")]
+        "cuda_xth" => ChannelKind::CudaXth { pipe },
+        #[cfg(feature = "cuda")]
+        "cuda_ipc" => ChannelKind::CudaIpc { pipe },
+        #[cfg(feature = "cuda")]
+        "cuda_basic" => ChannelKind::CudaBasic,
+        #[cfg(all(feature = "cuda", feature = "ibv"))]
+        "cuda_gdr" => ChannelKind::CudaGdr,
+        #[cfg(feature = "ibv")]
+        "ibv" => ChannelKind::Ibv {
+            chunk_size,
+            inline_max: ibv_backend(config)
+                .map_or(crate::backend::ibv::channel::MIN_INLINE, |b| b.inline_max()),
+        },
+        #[cfg(feature = "efa")]
+        "efa" => ChannelKind::Efa {
+            chunk_size,
+            inline_max: backend_of::<crate::actors::hardware::efa::channel::Efa>(config, "efa")
+                .map_or(crate::actors::hardware::efa::channel::INLINE_MAX, |b| {
+                    b.inline_limit()
+                }),
+        },
+        // `basic`. (A CUDA channel of a build without `cuda` is never offered.)
+        name => {
+            debug_assert_eq!(name, "basic", "a channel this build cannot run");
+            ChannelKind::Basic { chunk_size }
+        }
+    }
 }
 
 /// The context's channel backend called `name`, as its concrete type.

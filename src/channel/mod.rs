@@ -6,9 +6,14 @@
 //! over the pipe's connection. Whatever the path, it preserves the pipe's order: the n-th tensor
 //! the receiver asks for is the n-th tensor the sender sent through that channel.
 //!
-//! This module holds what is plain data and arithmetic (offers, chunk planning); the `Channel`
-//! actor in `actors/channel/` drives it.
+//! This module holds the trait every channel backend implements, and (internal) the driver
+//! a backend's data path implements, which the generic `Channel` actor in `actors/channel/`
+//! runs.
 
+pub(crate) mod driver;
+
+#[cfg(feature = "efa")]
+pub use crate::actors::hardware::efa::channel::{Domains as EfaDomains, Efa};
 pub use crate::backend::basic::Basic;
 pub use crate::backend::cma::Cma;
 #[cfg(feature = "cuda")]
@@ -19,8 +24,6 @@ pub use crate::backend::cuda_gdr::CudaGdr;
 pub use crate::backend::cuda_ipc::CudaIpc;
 #[cfg(feature = "cuda")]
 pub use crate::backend::cuda_xth::CudaXth;
-#[cfg(feature = "efa")]
-pub use crate::backend::efa::channel::{Domains as EfaDomains, Efa};
 #[cfg(feature = "ibv")]
 pub use crate::backend::ibv::channel::IbvChannel;
 pub use crate::backend::mpt::Mpt;
@@ -57,9 +60,10 @@ pub(crate) mod sealed {
 /// A channel backend, as a context offers it. Its `Debug` output shows its settings (a
 /// [`ContextBuilder`](crate::ContextBuilder)'s `Debug` lists every backend so).
 ///
-/// The trait is sealed: the crate's backends are the only ones. Each needs a data path of its
-/// own in the pipe's channel actor, so a backend written elsewhere could be negotiated but not
-/// run. Pick, configure and prioritise the crate's backends with
+/// The trait is sealed: the crate's backends are the only ones. Each runs by a driver of its
+/// own in the pipe's channel actor (an internal trait, which gives the driver the channel's
+/// lanes, the pipe's completion queues and the actor's timers and tasks), so a backend written
+/// elsewhere could be negotiated but not run. Pick, configure and prioritise the crate's backends with
 /// [`crate::ContextBuilder::channel`] and [`crate::ContextBuilder::priority`].
 pub trait ChannelBackend: sealed::Sealed + std::fmt::Debug + Send + Sync + 'static {
     /// Name in brochures (`basic`).
@@ -97,13 +101,6 @@ pub trait ChannelBackend: sealed::Sealed + std::fmt::Debug + Send + Sync + 'stat
     /// context builder's changes to a known one ([`lanes`](crate::ContextBuilder::lanes) on
     /// [`Mpt`]). `None` by default.
     fn as_any(&self) -> Option<&dyn std::any::Any> {
-        None
-    }
-
-    /// What a new pipe's channel of this kind needs from the context's libfabric endpoint (the
-    /// `efa` channel); `None` for every other channel.
-    #[cfg(feature = "efa")]
-    fn fabric_port(&self) -> Option<crate::backend::efa::channel::ChannelPort> {
         None
     }
 

@@ -34,6 +34,7 @@
 //! hop back). The actor reads the CQ, and while it spins so may a waiting stream reader
 //! ([`Poster::spin_pass`]).
 
+pub mod channel;
 mod drive;
 mod metrics;
 mod poster;

@@ -15,6 +15,8 @@
 //! One call moves at most [`max_per_call`] bytes (the kernel's `MAX_RW_COUNT`) and may move fewer;
 //! [`plan`] splits a read into shares (one per thread) and each share into per-call pieces.
 
+pub(crate) mod driver;
+
 use std::io;
 use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

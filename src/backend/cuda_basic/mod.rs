@@ -10,6 +10,8 @@
 //!
 //! [`PinnedPool`]: crate::cuda::PinnedPool
 
+pub(crate) mod driver;
+
 use std::sync::Arc;
 
 use crate::channel::ChannelBackend;
@@ -62,7 +64,7 @@ impl ChannelBackend for CudaBasic {
     }
 
     fn viable(&self) -> Result<(), String> {
-        // Carried by the pipe (actors/channel/cuda_basic.rs).
+        // Carried by its driver (driver.rs).
         crate::cuda::available().map(drop)
     }
 }

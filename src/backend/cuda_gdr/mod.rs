@@ -12,7 +12,7 @@
 //! - **The registration cache** ([`crate::backend::ibv::regcache::RegCache::lease_gpu`]): entries keyed
 //!   by (GPU, allocation range) with the allocation's buffer id, so memory freed and reallocated
 //!   at the same address is a new registration (docs/ibv.md states the invalidation rule).
-//! - **Streams** (actors/channel/cuda_gdr.rs): writes are posted once the tensor's stream has
+//! - **Streams** (`driver.rs`): writes are posted once the tensor's stream has
 //!   run the work queued before the write; a read completes with an event, as the other CUDA
 //!   channels' reads do.
 //!
@@ -28,6 +28,8 @@
 //! `+gpu`, so it is chosen only between peers that reach each other over verbs and both offer
 //! GPU memory. [`status`] says whether this host can run it (`actorpipe info`).
 
+#[cfg(feature = "ibv")]
+pub(crate) mod driver;
 pub mod status;
 
 use std::os::fd::{FromRawFd, OwnedFd};

@@ -106,7 +106,7 @@ impl ChannelBackend for CudaIpc {
     }
 
     fn viable(&self) -> Result<(), String> {
-        // Carried by the pipe (actors/channel/cuda_ipc.rs), on a host whose boot id can be
+        // Carried by its driver (actors/hardware/cuda_ipc/driver.rs), on a host whose boot id can be
         // read.
         crate::cuda::available()?;
         if std::fs::metadata("/proc/sys/kernel/random/boot_id").is_err() {

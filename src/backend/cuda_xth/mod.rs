@@ -3,6 +3,8 @@
 //! to/from host memory for the mixed pairs) straight from the sender's buffer: one copy, enqueued
 //! without blocking either CPU.
 
+pub(crate) mod driver;
+
 use std::sync::Arc;
 
 use crate::channel::ChannelBackend;
@@ -46,7 +48,7 @@ impl ChannelBackend for CudaXth {
     }
 
     fn viable(&self) -> Result<(), String> {
-        // Carried by the pipe (actors/channel/cuda_xth.rs): offered wherever CUDA works.
+        // Carried by its driver (driver.rs): offered wherever CUDA works.
         crate::cuda::available().map(drop)
     }
 }
@@ -85,6 +87,16 @@ pub enum End {
         /// The address.
         ptr: usize,
     },
+}
+
+impl End {
+    /// The device memory of `b`.
+    pub fn of(b: &crate::cuda::CudaBuffer) -> End {
+        End::Device {
+            ptr: b.device_ptr(),
+            gpu: b.gpu().clone(),
+        }
+    }
 }
 
 /// What the sender parks.

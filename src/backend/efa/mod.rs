@@ -14,7 +14,6 @@
 //! Posting is `unsafe`: the memory and the context pointer must stay valid until the completion
 //! is read or the endpoint is closed, and the caller (the endpoint actor) guarantees it.
 
-pub mod channel;
 pub mod engine;
 #[cfg(feature = "faults")]
 pub mod faults;

@@ -12,6 +12,8 @@
 //! tensors do, with empty channel data. For them the lanes would cost each side more system
 //! calls and a completion from another thread than the striping saves.
 
+pub(crate) mod driver;
+
 use crate::channel::ChannelBackend;
 use crate::negotiate::DevicePair;
 

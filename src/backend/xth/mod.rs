@@ -6,6 +6,8 @@
 //! the same key. Whoever arrives second copies and completes both sides, so neither waits on the
 //! other's mailbox. Either side can withdraw what it parked when its pipe closes.
 
+pub(crate) mod driver;
+
 use crate::keymap::KeyMap;
 use std::sync::{Mutex, OnceLock};
 

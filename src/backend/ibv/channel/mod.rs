@@ -29,6 +29,7 @@
 
 mod buf;
 pub mod core;
+pub(crate) mod driver;
 pub mod placement;
 #[cfg(test)]
 mod tests;

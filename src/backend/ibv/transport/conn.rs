@@ -1,6 +1,6 @@
 //! One ibv connection's state: the queue pair, its registered inbox and outbox rings, credits,
 //! and the send-queue backlog. Plain logic, no I/O readiness: the halves call `Core::write`
-//! and `Core::read`, the queue-pair actor calls `Core::progress` when completions arrive.
+//! and `Core::read`, the queue pair's driver task calls `Core::progress` when completions arrive.
 //!
 //! # Byte stream over RDMA writes with immediate
 //!
@@ -65,7 +65,7 @@ pub(crate) struct RemoteRing {
     pub(crate) cap: usize,
 }
 
-/// Counters the queue-pair actor reports (the send queue's are in its
+/// Counters the queue pair's driver reports (the send queue's are in its
 /// [`SendStats`](crate::backend::ibv::sendq::SendStats)).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct QpStats {

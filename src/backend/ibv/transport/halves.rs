@@ -1,5 +1,5 @@
 //! The two halves of an ibv connection (tokio `AsyncRead` / `AsyncWrite` over the shared
-//! [`Core`]) and the driver future the queue-pair actor runs.
+//! [`Core`]) and the driver future that runs as a task of its own.
 
 use std::future::Future;
 use std::io;

@@ -3,7 +3,8 @@
 //!
 //! URLs are `ibv://host:port`: the TCP address of the bootstrap. A connection is one RC queue
 //! pair with one completion queue, an inbox the peer writes into and an outbox it writes from
-//! (`conn.rs`), driven by a queue-pair actor (`actors/hardware/queue_pair.rs`) that waits for
+//! (`conn.rs`), driven by a task of its own on the connecting thread (`halves.rs`'s `Drive`:
+//! one per connection, so each queue pair fails, drains and stops on its own) that waits for
 //! completions. The device is chosen when the transport is made: [`Ibv::hardware`] (the first
 //! active port of the first HCA, with the `ibv` feature), [`Ibv::device`], or
 //! [`Ibv::simulated`], the in-process simulation of [`crate::backend::ibv::sim`], which is never chosen
@@ -242,7 +243,9 @@ impl Ibv {
         let shared = Shared::new(core);
         let drive = Drive::new(shared.clone(), read, write)
             .map_err(|e| io("arming the completion queue", e))?;
-        crate::actors::hardware::queue_pair::start(drive);
+        // The queue pair's driver runs on this thread until both halves are gone and their
+        // last writes have completed, or the peer hung up.
+        drop(tokio::task::spawn_local(drive));
         Ok(Stream {
             read: Box::new(IbvRead(shared.clone())),
             write: Box::new(IbvWrite(shared)),

@@ -1,7 +1,7 @@
-//! The `efa` side of the channel actor (feature `efa`, see [`crate::backend::efa::channel`]): set-up
-//! over the channel's lane of the data path ([`Path`]: tagged sends and receives posted on the
+//! The `efa` channel's driver (feature `efa`, see [`super`]): set-up over the channel's lane of
+//! the data path ([`Path`]: tagged sends and receives posted on the
 //! context's endpoint actor straight from and into the held buffers, chunked at the agreed
-//! size), which the pipe then drives itself; this actor watches the lane, writes the
+//! size), which the pipe then drives itself; the driver watches the lane, writes the
 //! rendezvous's words on it, and fails the path.
 //!
 //! Set-up on the lane, both sides at once (neither waits for the other before writing):
@@ -30,22 +30,25 @@
 //! Ack{seq: receives posted on link k so far (wrapping at 2^32), tensor: k, ok}   ◄───
 //! ```
 
-use std::pin::Pin;
-use std::task::Poll;
+use actix::MailboxError;
+use tokio::sync::mpsc;
 
-use super::*;
+use super::pair_domains;
+use super::path::{gone, Link, Path, SharedPath, Step};
+use crate::actors::hardware::efa::Poster;
 use crate::actors::hardware::efa::{EndpointInfo, FabricAttach, FabricDescribe, FabricShare};
-use crate::backend::efa::channel::pair_domains;
 use crate::backend::efa::tag;
+use crate::channel::driver::{Cx, Driver, ACKS};
+use crate::error::{Error, Origin};
 use crate::message::Payload;
-use actix::fut::wrap_future;
+use crate::transport::stream::Done;
+use crate::wire::{Ack, Frame};
 
-mod path;
-use path::{gone, Link, Step};
-pub(crate) use path::{LinkEnd, Path, PathEnds, SharedPath};
+/// An efa channel's context.
+type Ctx<'a> = Cx<'a, EfaEvent>;
 
 /// The lane's index.
-const LANE: usize = 0;
+const LANE: usize = ACKS;
 
 /// The longest domain list accepted from a peer (bytes).
 const MAX_HELLO: u32 = 64 << 10;
@@ -53,32 +56,34 @@ const MAX_HELLO: u32 = 64 << 10;
 /// The most domains a list may name.
 const MAX_DOMAINS: usize = 64;
 
-/// The channel actor's side of an `efa` channel: the data path it shares with the pipe, and
-/// the queue of rendezvous grants the path leaves for the lane.
-pub(super) struct EfaSide {
+/// One pipe's `efa` channel: the data path it shares with the pipe, and the queue of
+/// rendezvous grants the path leaves for the lane.
+pub(crate) struct EfaDriver {
     path: SharedPath,
     grants: Option<mpsc::UnboundedReceiver<Ack>>,
 }
 
-impl EfaSide {
-    pub(super) fn new(path: SharedPath, grants: mpsc::UnboundedReceiver<Ack>) -> EfaSide {
-        EfaSide {
-            path,
-            grants: Some(grants),
-        }
-    }
-
-    /// Whether the actor must stay for the path's sake (see [`Path::busy`]).
-    pub(super) fn busy(&self) -> bool {
-        self.path.borrow().busy()
-    }
+/// What comes back to an efa channel.
+pub(crate) enum EfaEvent {
+    /// Endpoint `.0` described itself (or is gone).
+    Described(usize, Result<EndpointInfo, MailboxError>),
+    /// Link `.0`'s attach answered: its pipe number and poster, or why not.
+    Attached(usize, Result<Result<(u32, Poster), Error>, MailboxError>),
+    /// A rendezvous grant the path left for the lane.
+    Grant(Ack),
 }
 
-/// A rendezvous grant the path left for the lane.
-struct Grant(Ack);
+/// The path's rendezvous grants, as events.
+struct Grants(mpsc::UnboundedReceiver<Ack>);
 
-impl actix::Message for Grant {
-    type Result = ();
+impl futures_core::Stream for Grants {
+    type Item = EfaEvent;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<EfaEvent>> {
+        self.0.poll_recv(cx).map(|a| a.map(EfaEvent::Grant))
+    }
 }
 
 /// Our domains' list for the hello: per domain, its fabric and endpoint address.
@@ -113,50 +118,25 @@ fn decode_domains(mut b: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
     (!out.is_empty()).then_some(out)
 }
 
-impl Channel {
-    /// The data path (a handle: a borrow of it must end before the next call that borrows it).
-    fn path(&self) -> SharedPath {
-        self.fabric
-            .as_ref()
-            .expect("an efa channel has its fabric state")
-            .path
-            .clone()
-    }
-
-    /// Starts the set-up (from `started`): every endpoint describes itself.
-    pub(super) fn efa_start(&mut self, ctx: &mut Context<Self>) {
-        if let Some(grants) = self.fabric.as_mut().and_then(|s| s.grants.take()) {
-            ctx.add_stream(Grants(grants));
-        }
-        let path = self.path();
-        let eps = path.borrow().eps.clone();
-        path.borrow_mut().describing = eps.len();
-        for (i, ep) in eps.into_iter().enumerate() {
-            let ask = ep.send(FabricDescribe);
-            ctx.spawn(wrap_future::<_, Self>(ask).map(move |r, act, ctx| {
-                let path = act.path();
-                let mut f = path.borrow_mut();
-                f.describing -= 1;
-                match r {
-                    Ok(info) => f.infos[i] = Some(info),
-                    // The transport's own endpoint is needed; a further one is left out.
-                    Err(_) if i == 0 => {
-                        drop(f);
-                        return act.efa_fail(gone(&act.origin), ctx);
-                    }
-                    Err(_) => {}
-                }
-                if f.describing == 0 {
-                    drop(f);
-                    act.efa_described(ctx);
-                }
-            }));
-        }
+impl EfaDriver {
+    /// A channel over `port`, completing to `reply`; returns the data path the pipe shares
+    /// with it ([`Path`]: the pipe hands it tensors and reads their ends).
+    pub(crate) fn new(
+        port: super::ChannelPort,
+        reply: crate::transport::stream::Reply,
+        origin: Origin,
+    ) -> (EfaDriver, SharedPath) {
+        let (path, grants) = Path::new(port, reply, origin);
+        let d = EfaDriver {
+            path: path.clone(),
+            grants: Some(grants),
+        };
+        (d, path)
     }
 
     /// Every endpoint has answered: our hello goes out.
-    fn efa_described(&mut self, ctx: &mut Context<Self>) {
-        let path = self.path();
+    fn described(&mut self, cx: &mut Ctx<'_>) {
+        let path = self.path.clone();
         let mut f = path.borrow_mut();
         if f.failed.is_some() {
             return;
@@ -187,18 +167,14 @@ impl Channel {
             ok: true,
         };
         drop(f);
-        self.lane_write_ack(LANE, hello, vec![Payload::new(list)]);
-        self.lane_read_frame(LANE);
-        // The lane's ends come on the own queue, which the hello may have just made: poll it
-        // now. (Until 2026-11-27 this was left to the next handler that polls it, a tensor
-        // handed over by the pipe: a tensor handed over before the endpoints had described
-        // themselves came too early for that, and the set-up waited for ever.)
-        self.poll_own(ctx);
+        cx.core
+            .lane_write_ack(LANE, hello, vec![Payload::new(list)]);
+        cx.core.lane_read_frame(LANE);
     }
 
     /// A completion from the lane.
-    pub(super) fn efa_lane(&mut self, d: Done, ctx: &mut Context<Self>) {
-        let path = self.path();
+    fn lane(&mut self, d: Done, cx: &mut Ctx<'_>) {
+        let path = self.path.clone();
         let (failed, step, rendezvous) = {
             let f = path.borrow();
             (f.failed.is_some(), f.step, f.rendezvous)
@@ -210,7 +186,7 @@ impl Channel {
             Error::protocol(format!("efa channel set-up: {what}"), origin)
         };
         match (d, step) {
-            (Done::Wrote { result: Err(e), .. }, _) => self.efa_fail(e, ctx),
+            (Done::Wrote { result: Err(e), .. }, _) => self.fail(e),
             (Done::Wrote { .. }, _) => {}
             (
                 Done::Frame {
@@ -220,26 +196,15 @@ impl Channel {
                 Step::Hello,
             ) => {
                 if a.tensor == 0 || a.tensor > MAX_HELLO || a.seq == 0 {
-                    let e = bad("a malformed hello", &self.origin);
-                    return self.efa_fail(e, ctx);
+                    return self.fail(bad("a malformed hello", &cx.core.origin));
                 }
                 {
                     let mut f = path.borrow_mut();
                     f.chunk = f.chunk.min(usize::try_from(a.seq).unwrap_or(usize::MAX));
                     f.step = Step::Name;
                 }
-                let reply = self.own();
-                let l = &mut self.lanes[LANE];
-                let ticket = l.in_ticket;
-                l.in_ticket += 1;
-                l.link.read(
-                    InOp::Payloads {
-                        ticket,
-                        buffers: vec![vec![0; a.tensor as usize]],
-                        reply,
-                    },
-                    lane_gone,
-                );
+                cx.core
+                    .lane_read_payloads(LANE, vec![vec![0; a.tensor as usize]]);
             }
             (
                 Done::Payloads {
@@ -250,10 +215,9 @@ impl Channel {
                 Step::Name,
             ) => {
                 let Some(theirs) = decode_domains(&buffers.pop().unwrap_or_default()) else {
-                    let e = bad("a malformed domain list", &self.origin);
-                    return self.efa_fail(e, ctx);
+                    return self.fail(bad("a malformed domain list", &cx.core.origin));
                 };
-                self.efa_attach(theirs, ctx);
+                self.attach(theirs, cx);
             }
             (
                 Done::Frame {
@@ -266,24 +230,24 @@ impl Channel {
                 let pipe = u32::try_from(a.seq).ok().filter(|p| *p <= tag::MAX_PIPE);
                 let (Some(p), true) = (pipe, a.tensor as usize == f.next_peer) else {
                     drop(f);
-                    let e = bad("a pipe number out of range or order", &self.origin);
-                    return self.efa_fail(e, ctx);
+                    let e = bad("a pipe number out of range or order", &cx.core.origin);
+                    return self.fail(e);
                 };
                 let k = f.next_peer;
                 f.links[k].peer_pipe = p;
                 f.next_peer += 1;
                 if f.next_peer < f.links.len() {
                     drop(f);
-                    return self.lane_read_frame(LANE);
+                    return cx.core.lane_read_frame(LANE);
                 }
                 // Tensors handed over meanwhile move now, in order.
                 f.ready();
                 drop(f);
                 // The read that tells when the lane ends.
-                self.lane_read_frame(LANE);
+                cx.core.lane_read_frame(LANE);
             }
             (Done::Frame { result: Err(e), .. } | Done::Payloads { result: Err(e), .. }, _) => {
-                self.efa_fail(e, ctx)
+                self.fail(e)
             }
             (
                 Done::Frame {
@@ -313,30 +277,28 @@ impl Channel {
                     }
                 };
                 if let Err(what) = granted {
-                    let e = bad(what, &self.origin);
-                    return self.efa_fail(e, ctx);
+                    return self.fail(bad(what, &cx.core.origin));
                 }
-                self.lane_read_frame(LANE);
+                cx.core.lane_read_frame(LANE);
             }
             (Done::Frame { result: Ok(_), .. }, Step::Ready) => {
                 let e = Error::Closed {
                     reason: "the peer's efa channel connection ended".into(),
-                    origin: self.origin.clone(),
+                    origin: cx.core.origin.clone(),
                 };
-                self.efa_fail(e, ctx)
+                self.fail(e)
             }
             (other, _) => {
                 tracing::debug!(?other, "efa channel: unexpected lane completion");
-                let e = bad("an unexpected frame from the peer", &self.origin);
-                self.efa_fail(e, ctx)
+                self.fail(bad("an unexpected frame from the peer", &cx.core.origin))
             }
         }
     }
 
     /// Pairs our domains with the peer's (`theirs`: fabric and address each) and attaches a
     /// pipe on each pair's endpoint.
-    fn efa_attach(&mut self, theirs: Vec<(String, Vec<u8>)>, ctx: &mut Context<Self>) {
-        let path = self.path();
+    fn attach(&mut self, theirs: Vec<(String, Vec<u8>)>, cx: &mut Ctx<'_>) {
+        let path = self.path.clone();
         let mut f = path.borrow_mut();
         let ours: Vec<String> = f
             .infos
@@ -361,42 +323,50 @@ impl Channel {
                 sink,
             });
             let share = l.ep.send(FabricShare);
-            let ask = async move {
-                let pipe = attach.await?;
-                let poster = share.await?;
-                Ok::<_, MailboxError>(pipe.map(|p| (p, poster)))
-            };
-            ctx.spawn(wrap_future::<_, Self>(ask).map(move |r, act, ctx| {
-                let path = act.path();
-                path.borrow_mut().attaching -= 1;
-                match r {
-                    Ok(Ok((pipe, poster))) => {
-                        let l = &mut path.borrow_mut().links[k];
-                        l.pipe = Some(pipe);
-                        l.poster = Some(poster);
-                    }
-                    Ok(Err(e)) => act.efa_fail(e, ctx),
-                    Err(_) => act.efa_fail(gone(&act.origin), ctx),
-                }
-                if path.borrow().attaching == 0 {
-                    act.efa_attached(ctx);
-                }
-                act.maybe_stop(ctx);
+            cx.fx.spawn(Box::pin(async move {
+                let answer = async {
+                    let pipe = attach.await?;
+                    let poster = share.await?;
+                    Ok::<_, MailboxError>(pipe.map(|p| (p, poster)))
+                };
+                EfaEvent::Attached(k, answer.await)
             }));
+        }
+    }
+
+    /// Link `k`'s attach answered.
+    fn attached_one(
+        &mut self,
+        k: usize,
+        r: Result<Result<(u32, Poster), Error>, MailboxError>,
+        cx: &mut Ctx<'_>,
+    ) {
+        let path = self.path.clone();
+        path.borrow_mut().attaching -= 1;
+        match r {
+            Ok(Ok((pipe, poster))) => {
+                let l = &mut path.borrow_mut().links[k];
+                l.pipe = Some(pipe);
+                l.poster = Some(poster);
+            }
+            Ok(Err(e)) => self.fail(e),
+            Err(_) => self.fail(gone(&cx.core.origin)),
+        }
+        if path.borrow().attaching == 0 {
+            self.attached(cx);
         }
     }
 
     /// Every attach has answered: our pipe numbers go out (or, after a failure, the pipes are
     /// detached).
-    fn efa_attached(&mut self, ctx: &mut Context<Self>) {
-        let stop = self.stopping;
-        let path = self.path();
+    fn attached(&mut self, cx: &mut Ctx<'_>) {
+        let path = self.path.clone();
         let mut f = path.borrow_mut();
         f.step = Step::PeerPipe;
-        if stop || f.failed.is_some() {
-            let e = f.failed.clone().unwrap_or_else(|| stopping(&self.origin));
+        if cx.core.stopping || f.failed.is_some() {
+            let e = f.failed.clone().unwrap_or_else(|| cx.core.stopping_error());
             drop(f);
-            return self.efa_fail(e, ctx);
+            return self.fail(e);
         }
         let pipes: Vec<Option<u32>> = f.links.iter().map(|l| l.pipe).collect();
         drop(f);
@@ -406,49 +376,74 @@ impl Channel {
                 tensor: k as u32,
                 ok: true,
             };
-            self.lane_write_ack(LANE, ack, Vec::new());
+            cx.core.lane_write_ack(LANE, ack, Vec::new());
         }
-        self.lane_read_frame(LANE);
-        self.poll_own(ctx);
+        cx.core.lane_read_frame(LANE);
     }
 
     /// Fails the channel ([`Path::fail`]).
-    pub(super) fn efa_fail(&mut self, e: Error, ctx: &mut Context<Self>) {
-        self.path().borrow_mut().fail(e);
-        self.maybe_stop(ctx);
+    fn fail(&mut self, e: Error) {
+        self.path.borrow_mut().fail(e);
+    }
+}
+
+impl Driver for EfaDriver {
+    type Event = EfaEvent;
+
+    /// Starts the set-up: every endpoint describes itself.
+    fn start(&mut self, cx: &mut Ctx<'_>) {
+        if let Some(grants) = self.grants.take() {
+            cx.fx.watch(Box::pin(Grants(grants)));
+        }
+        let eps = self.path.borrow().eps.clone();
+        self.path.borrow_mut().describing = eps.len();
+        for (i, ep) in eps.into_iter().enumerate() {
+            let ask = ep.send(FabricDescribe);
+            cx.fx
+                .spawn(Box::pin(async move { EfaEvent::Described(i, ask.await) }));
+        }
     }
 
-    /// `StopChannel` for an efa channel: anything still out is failed through the endpoints.
-    pub(super) fn efa_stop(&mut self, ctx: &mut Context<Self>) {
-        self.shutdown_lanes();
-        let failed = self.path().borrow().failed.clone();
-        let e = failed.unwrap_or_else(|| stopping(&self.origin));
+    fn on_done(&mut self, d: Done, cx: &mut Ctx<'_>) {
+        self.lane(d, cx);
+    }
+
+    fn on_event(&mut self, e: EfaEvent, cx: &mut Ctx<'_>) {
+        match e {
+            EfaEvent::Described(i, r) => {
+                let path = self.path.clone();
+                let mut f = path.borrow_mut();
+                f.describing -= 1;
+                match r {
+                    Ok(info) => f.infos[i] = Some(info),
+                    // The transport's own endpoint is needed; a further one is left out.
+                    Err(_) if i == 0 => {
+                        drop(f);
+                        return self.fail(gone(&cx.core.origin));
+                    }
+                    Err(_) => {}
+                }
+                if f.describing == 0 {
+                    drop(f);
+                    self.described(cx);
+                }
+            }
+            EfaEvent::Attached(k, r) => self.attached_one(k, r, cx),
+            EfaEvent::Grant(ack) => cx.core.lane_write_ack(LANE, ack, Vec::new()),
+        }
+    }
+
+    /// Anything still out is failed through the endpoints.
+    fn stop(&mut self, _: Error, cx: &mut Ctx<'_>) {
+        cx.core.shutdown_lanes();
+        let failed = self.path.borrow().failed.clone();
+        let e = failed.unwrap_or_else(|| cx.core.stopping_error());
         // While attaches are under way, their answers see `failed` and detach the pipes.
-        self.efa_fail(e, ctx);
-    }
-}
-
-impl StreamHandler<Grant> for Channel {
-    fn handle(&mut self, Grant(ack): Grant, _: &mut Self::Context) {
-        self.lane_write_ack(LANE, ack, Vec::new());
+        self.fail(e);
     }
 
-    fn finished(&mut self, _: &mut Self::Context) {}
-}
-
-/// The path's rendezvous grants, as a stream of the channel actor's.
-struct Grants(mpsc::UnboundedReceiver<Ack>);
-
-impl futures_core::Stream for Grants {
-    type Item = Grant;
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Option<Grant>> {
-        self.0.poll_recv(cx).map(|a| a.map(Grant))
-    }
-}
-
-fn stopping(origin: &Origin) -> Error {
-    Error::Closed {
-        reason: "channel stopping".into(),
-        origin: origin.clone(),
+    /// The channel stays for the path's sake while it holds tensors (see [`Path::busy`]).
+    fn drained(&mut self, cx: &mut Ctx<'_>) -> bool {
+        !self.path.borrow().busy() && cx.core.held.is_empty()
     }
 }

@@ -1,10 +1,10 @@
-//! The `cuda_basic` side of the channel actor (feature `cuda`): CUDA tensors through pinned host
+//! The `cuda_basic` channel's driver (feature `cuda`): CUDA tensors through pinned host
 //! staging buffers over the channel's own connection (the pipe's transport: TCP between hosts),
-//! with the legs of [`crate::backend::cuda_basic`].
+//! with the legs of [`super`].
 //!
 //! - **Sending.** A device tensor is copied device-to-host in chunks of [`CHUNK`] bytes into
 //!   pinned buffers, on a stream of the channel's per device that first waits on the tensor's
-//!   ready event (no CPU wait); each landed chunk (a watcher callback tells this actor) is written
+//!   ready event (no CPU wait); each landed chunk (a watcher callback tells the channel) is written
 //!   on the connection, in tensor and chunk order whatever order they land in, while the next
 //!   chunks copy. A host tensor (cpu->cuda) is written as it is. At most [`DEPTH`] chunks are
 //!   staged or being written at once; a pinned buffer goes back to the pool when its write
@@ -20,10 +20,17 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::*;
-use crate::backend::cuda_basic::{self as engine, CHUNK, DEPTH};
+use std::sync::Arc;
+
+use super::{self as engine, CHUNK, DEPTH};
+use crate::channel::driver::{post_when_done, CudaDone, Cx, Driver, RecvCuda, SendCuda};
 use crate::cuda::{PinnedBuf, StreamLease};
+use crate::error::Error;
 use crate::message::Buffer;
+use crate::transport::stream::{Done, Memory, Region};
+
+/// A `cuda_basic` channel's context.
+type Ctx<'a> = Cx<'a, BasicEvent>;
 
 /// The lane the chunks travel on (both ways).
 const LANE: usize = 0;
@@ -64,9 +71,9 @@ struct In {
     error: Option<Error>,
 }
 
-/// The state of a `cuda_basic` channel.
+/// One pipe's `cuda_basic` channel.
 #[derive(Default)]
-pub(crate) struct BasicSide {
+pub(crate) struct CudaBasicDriver {
     out: VecDeque<Out>,
     /// Lane writes in flight, oldest first: (seq, index, pinned buffer of a staged chunk).
     writing: VecDeque<(u64, u32, Option<PinnedBuf>)>,
@@ -83,29 +90,17 @@ pub(crate) struct BasicSide {
     failed: Option<Error>,
 }
 
-impl BasicSide {
-    pub(super) fn busy(&self) -> bool {
-        !self.out.is_empty() || !self.inq.is_empty() || self.callbacks > 0
-    }
-}
-
-/// A staged chunk has landed in its pinned buffer.
-struct Landed {
-    seq: u64,
-    index: u32,
-    chunk: usize,
-    buf: PinnedBuf,
-}
-
-impl Message for Landed {
-    type Result = ();
-}
-
-/// A pinned buffer whose host-to-device copy has run.
-struct Freed(PinnedBuf);
-
-impl Message for Freed {
-    type Result = ();
+/// What the CUDA watcher's callbacks tell the channel.
+pub(crate) enum BasicEvent {
+    /// A staged chunk has landed in its pinned buffer.
+    Landed {
+        seq: u64,
+        index: u32,
+        chunk: usize,
+        buf: PinnedBuf,
+    },
+    /// A pinned buffer whose host-to-device copy has run.
+    Freed(PinnedBuf),
 }
 
 fn chunks(len: usize) -> usize {
@@ -116,32 +111,36 @@ fn chunk_len(len: usize, k: usize) -> usize {
     CHUNK.min(len - k * CHUNK)
 }
 
-impl Channel {
-    fn basic(&mut self) -> &mut BasicSide {
-        self.cuda_basic.get_or_insert_with(Default::default)
-    }
-
-    pub(super) fn send_cuda_basic(&mut self, m: SendCuda, ctx: &mut Context<Self>) {
+impl CudaBasicDriver {
+    fn send_cuda_basic(&mut self, m: SendCuda, cx: &mut Ctx<'_>) {
         let SendCuda {
             seq, index, buffer, ..
         } = m;
         let len = buffer.len() as usize;
-        if let Some(e) = self.basic().failed.clone() {
-            return self.cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Err(e)));
+        if let Some(e) = self.failed.clone() {
+            return cx
+                .core
+                .cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Err(e)));
         }
         if len == 0 {
-            return self.cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Ok(())));
+            return cx
+                .core
+                .cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Ok(())));
         }
         // The data-ready point on the tensor's stream, recorded now: the copies wait on it.
         let ready = match &buffer {
             Buffer::Cuda(b) => match b.gpu().recorded(b.stream()) {
                 Ok(e) => Some(e),
-                Err(e) => return self.cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Err(e))),
+                Err(e) => {
+                    return cx
+                        .core
+                        .cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Err(e)))
+                }
             },
             _ => None,
         };
         let chunks = if ready.is_some() { chunks(len) } else { 1 };
-        self.basic().out.push_back(Out {
+        self.out.push_back(Out {
             seq,
             index,
             buffer,
@@ -154,10 +153,10 @@ impl Channel {
             ready,
             error: None,
         });
-        self.basic_pump(ctx);
+        self.basic_pump(cx);
     }
 
-    pub(super) fn recv_cuda_basic(&mut self, m: RecvCuda, ctx: &mut Context<Self>) {
+    fn recv_cuda_basic(&mut self, m: RecvCuda, cx: &mut Ctx<'_>) {
         let RecvCuda {
             seq,
             index,
@@ -166,9 +165,9 @@ impl Channel {
             ..
         } = m;
         let len = buffer.len() as usize;
-        let failed = self.basic().failed.clone();
+        let failed = self.failed.clone();
         if len == 0 || failed.is_some() {
-            return self.cuda_to_pipe(CudaDone::landed(
+            return cx.core.cuda_to_pipe(CudaDone::landed(
                 seq,
                 index,
                 buffer,
@@ -179,7 +178,7 @@ impl Channel {
             Buffer::Cuda(_) => chunks(len),
             _ => 1,
         };
-        self.basic().inq.push_back(In {
+        self.inq.push_back(In {
             seq,
             index,
             buffer,
@@ -189,12 +188,12 @@ impl Channel {
             data_complete,
             error: None,
         });
-        self.basic_pump(ctx);
+        self.basic_pump(cx);
     }
 
     /// The channel's stream on `device` (leased once, kept).
     fn basic_stream(&mut self, device: u32) -> Result<Arc<crate::cuda::CudaStream>, Error> {
-        let side = self.basic();
+        let side = &mut *self;
         if let Some((_, s)) = side.streams.iter().find(|(d, _)| *d == device) {
             return Ok(s.arc().clone());
         }
@@ -205,28 +204,28 @@ impl Channel {
     }
 
     /// Issues what can be issued: copies out, writes of landed chunks in order, reads in.
-    fn basic_pump(&mut self, ctx: &mut Context<Self>) {
-        if self.lanes.is_empty() {
+    fn basic_pump(&mut self, cx: &mut Ctx<'_>) {
+        if cx.core.lanes.is_empty() {
             let e = Error::protocol(
                 "cuda_basic was negotiated without its connection",
-                &self.origin,
+                &cx.core.origin,
             );
-            self.basic_fail(e);
+            self.basic_fail(e, cx);
         }
-        if let Err(e) = self.basic_stage(ctx) {
-            self.basic_fail(e);
+        if let Err(e) = self.basic_stage(cx) {
+            self.basic_fail(e, cx);
         }
-        self.basic_write();
-        if let Err(e) = self.basic_read() {
-            self.basic_fail(e);
+        self.basic_write(cx);
+        if let Err(e) = self.basic_read(cx) {
+            self.basic_fail(e, cx);
         }
-        self.basic_finish();
+        self.basic_finish(cx);
     }
 
     /// Stages chunks device-to-host while fewer than [`DEPTH`] are out.
-    fn basic_stage(&mut self, ctx: &mut Context<Self>) -> Result<(), Error> {
+    fn basic_stage(&mut self, cx: &mut Ctx<'_>) -> Result<(), Error> {
         loop {
-            let side = self.basic();
+            let side = &mut *self;
             if side.failed.is_some() || side.out_chunks >= DEPTH {
                 return Ok(());
             }
@@ -253,24 +252,24 @@ impl Channel {
                 ev.wait_on(&stream)?;
             }
             let buf = engine::pool().take()?;
-            let me = ctx.address();
-            let side = self.basic();
+            let me = cx.fx.sender();
+            let side = &mut *self;
             side.callbacks += 1;
             side.out[i].in_flight += 1;
             // SAFETY: `src` is `n` bytes inside the tensor, which this channel holds until its
             // last chunk has been written (after this copy has landed).
             let queued = unsafe {
                 engine::stage_out(&gpu, src, n, buf, &stream, move |buf| {
-                    me.do_send(Landed {
+                    let _ = me.send(BasicEvent::Landed {
                         seq,
                         index,
                         chunk: k,
                         buf,
-                    })
+                    });
                 })
             };
             if let Err(e) = queued {
-                let side = self.basic();
+                let side = &mut *self;
                 side.callbacks -= 1;
                 side.out[i].in_flight -= 1;
                 return Err(e);
@@ -279,9 +278,9 @@ impl Channel {
     }
 
     /// Writes the landed chunks at the front of the order.
-    fn basic_write(&mut self) {
+    fn basic_write(&mut self, cx: &mut Ctx<'_>) {
         loop {
-            let side = self.basic();
+            let side = &mut *self;
             if side.failed.is_some() {
                 return;
             }
@@ -309,14 +308,15 @@ impl Channel {
             };
             o.written += 1;
             side.writing.push_back((seq, index, buf));
-            self.lane_tensor(LANE, true, seq, index, memory, offset, FRAME);
+            cx.core
+                .lane_tensor(LANE, true, seq, index, memory, offset, FRAME);
         }
     }
 
     /// Issues chunk reads in order while fewer than [`DEPTH`] pinned buffers are out.
-    fn basic_read(&mut self) -> Result<(), Error> {
+    fn basic_read(&mut self, cx: &mut Ctx<'_>) -> Result<(), Error> {
         loop {
-            let side = self.basic();
+            let side = &mut *self;
             if side.failed.is_some() {
                 return Ok(());
             }
@@ -348,15 +348,16 @@ impl Channel {
             };
             t.issued += 1;
             side.reading.push_back((seq, index, k, buf));
-            self.lane_tensor(LANE, false, seq, index, memory, offset, FRAME);
+            cx.core
+                .lane_tensor(LANE, false, seq, index, memory, offset, FRAME);
         }
     }
 
     /// A completion on the lane.
-    pub(super) fn basic_lane(&mut self, d: Done, ctx: &mut Context<Self>) {
+    fn basic_lane(&mut self, d: Done, cx: &mut Ctx<'_>) {
         match d {
             Done::WroteTensor { memory, result, .. } => {
-                let side = self.basic();
+                let side = &mut *self;
                 let Some((seq, index, buf)) = side.writing.pop_front() else {
                     return;
                 };
@@ -377,11 +378,11 @@ impl Channel {
                     }
                 }
                 if let Err(e) = result {
-                    self.basic_fail(e);
+                    self.basic_fail(e, cx);
                 }
             }
             Done::Tensor { memory, result, .. } => {
-                let side = self.basic();
+                let side = &mut *self;
                 let Some((seq, index, k, buf)) = side.reading.pop_front() else {
                     return;
                 };
@@ -403,19 +404,19 @@ impl Channel {
                         if buf.is_some() {
                             side.in_chunks -= 1;
                         }
-                        self.basic_fail(e);
+                        self.basic_fail(e, cx);
                     }
                     (Ok(()), None) => t.read += 1,
                     (Ok(()), Some(buf)) => {
-                        if let Err(e) = self.basic_land(pos, k, buf, ctx) {
-                            self.basic_fail(e);
+                        if let Err(e) = self.basic_land(pos, k, buf, cx) {
+                            self.basic_fail(e, cx);
                         }
                     }
                 }
             }
             other => tracing::debug!(?other, "cuda_basic lane completion"),
         }
-        self.basic_pump(ctx);
+        self.basic_pump(cx);
     }
 
     /// Copies a chunk read into `buf` to the device, and completes the tensor after its last.
@@ -424,10 +425,10 @@ impl Channel {
         pos: usize,
         k: usize,
         buf: PinnedBuf,
-        ctx: &mut Context<Self>,
+        cx: &mut Ctx<'_>,
     ) -> Result<(), Error> {
-        let me = ctx.address();
-        let side = self.basic();
+        let me = cx.fx.sender();
+        let side = &mut *self;
         let t = &mut side.inq[pos];
         t.read += 1;
         let Buffer::Cuda(b) = &t.buffer else {
@@ -446,11 +447,11 @@ impl Channel {
         // before the tensor completes (after this copy is queued, ordered by its event).
         let queued = unsafe {
             engine::stage_in(&gpu, dst, n, buf, &stream, move |buf| {
-                back.do_send(Freed(buf))
+                let _ = back.send(BasicEvent::Freed(buf));
             })
         };
         if let Err(e) = queued {
-            let side = self.basic();
+            let side = &mut *self;
             side.callbacks -= 1;
             side.in_chunks -= 1;
             return Err(e);
@@ -459,9 +460,9 @@ impl Channel {
     }
 
     /// Completes the tensors at the front of both queues that have nothing out any more.
-    fn basic_finish(&mut self) {
+    fn basic_finish(&mut self, cx: &mut Ctx<'_>) {
         loop {
-            let side = self.basic();
+            let side = &mut *self;
             let failed = side.failed.clone();
             let Some(o) = side.out.front() else { break };
             let idle = o.completed == o.written && o.in_flight == 0;
@@ -475,10 +476,11 @@ impl Channel {
                 (None, Some(e)) if o.completed < o.chunks => Err(e),
                 _ => Ok(()),
             };
-            self.cuda_to_pipe(CudaDone::wrote(o.seq, o.index, o.buffer, result));
+            cx.core
+                .cuda_to_pipe(CudaDone::wrote(o.seq, o.index, o.buffer, result));
         }
         loop {
-            let side = self.basic();
+            let side = &mut *self;
             let failed = side.failed.clone();
             let Some(t) = side.inq.front() else { break };
             let over = t.read == t.chunks || (failed.is_some() && t.read == t.issued);
@@ -487,7 +489,7 @@ impl Channel {
             }
             let t = side.inq.pop_front().expect("front exists");
             let error = t.error.or(if t.read < t.chunks { failed } else { None });
-            self.basic_complete(t.seq, t.index, t.buffer, t.data_complete, error);
+            self.basic_complete(t.seq, t.index, t.buffer, t.data_complete, error, cx);
         }
     }
 
@@ -500,31 +502,36 @@ impl Channel {
         buffer: Buffer,
         data_complete: bool,
         error: Option<Error>,
+        cx: &mut Ctx<'_>,
     ) {
         let done = |buffer, event, result| CudaDone::read(seq, index, buffer, event, result);
         let stream = match (&buffer, &error) {
             (Buffer::Cuda(b), None) => b.stream().clone(),
-            _ => return self.cuda_to_pipe(done(buffer, None, error.map_or(Ok(()), Err))),
+            _ => {
+                return cx
+                    .core
+                    .cuda_to_pipe(done(buffer, None, error.map_or(Ok(()), Err)))
+            }
         };
         let gpu = buffer.as_cuda().expect("matched").gpu().clone();
         if data_complete {
-            match &self.cuda_reply {
-                Some(tx) => {
-                    super::cuda_xth::post_when_done(&stream, tx, done(buffer, None, Ok(())))
-                }
+            match cx.core.cuda_reply() {
+                Some(tx) => post_when_done(&stream, tx, done(buffer, None, Ok(()))),
                 None => tracing::error!("a CUDA completion with no pipe queue to go to"),
             }
             return;
         }
         match gpu.recorded(&stream) {
-            Ok(e) => self.cuda_to_pipe(done(buffer, Some((e, stream)), Ok(()))),
-            Err(e) => self.cuda_to_pipe(done(buffer, None, Err(e))),
+            Ok(e) => cx
+                .core
+                .cuda_to_pipe(done(buffer, Some((e, stream)), Ok(()))),
+            Err(e) => cx.core.cuda_to_pipe(done(buffer, None, Err(e))),
         }
     }
 
     /// Stops issuing; the lane is shut, so everything in flight comes back with an error.
-    fn basic_fail(&mut self, e: Error) {
-        let side = self.basic();
+    fn basic_fail(&mut self, e: Error, cx: &mut Ctx<'_>) {
+        let side = &mut *self;
         if side.failed.is_some() {
             return;
         }
@@ -534,56 +541,71 @@ impl Channel {
             side.out_chunks -= o.landed.len();
             o.landed.clear();
         }
-        self.shutdown_lanes();
-    }
-
-    /// The pipe is closing: nothing new is issued and everything out fails.
-    pub(super) fn basic_stop(&mut self, e: Error, ctx: &mut Context<Self>) {
-        self.basic_fail(e);
-        self.basic_pump(ctx);
+        cx.core.shutdown_lanes();
     }
 }
 
-impl Handler<Landed> for Channel {
-    type Result = ();
+impl Driver for CudaBasicDriver {
+    type Event = BasicEvent;
 
-    fn handle(&mut self, m: Landed, ctx: &mut Self::Context) {
-        let side = self.basic();
-        side.callbacks -= 1;
-        let failed = side.failed.is_some();
-        let o = side
-            .out
-            .iter_mut()
-            .find(|o| (o.seq, o.index) == (m.seq, m.index));
-        if let Some(o) = o {
-            o.in_flight -= 1;
-            if !failed {
-                o.landed.insert(m.chunk, m.buf);
-                return self.after_callback(ctx);
+    fn send_cuda(&mut self, m: SendCuda, cx: &mut Ctx<'_>) {
+        self.send_cuda_basic(m, cx);
+    }
+
+    fn recv_cuda(&mut self, m: RecvCuda, cx: &mut Ctx<'_>) {
+        self.recv_cuda_basic(m, cx);
+    }
+
+    fn on_done(&mut self, d: Done, cx: &mut Ctx<'_>) {
+        self.basic_lane(d, cx);
+    }
+
+    fn on_event(&mut self, e: BasicEvent, cx: &mut Ctx<'_>) {
+        match e {
+            BasicEvent::Landed {
+                seq,
+                index,
+                chunk,
+                buf,
+            } => {
+                self.callbacks -= 1;
+                let failed = self.failed.is_some();
+                let o = self
+                    .out
+                    .iter_mut()
+                    .find(|o| (o.seq, o.index) == (seq, index));
+                match o {
+                    Some(o) if !failed => {
+                        o.in_flight -= 1;
+                        o.landed.insert(chunk, buf);
+                    }
+                    o => {
+                        if let Some(o) = o {
+                            o.in_flight -= 1;
+                        }
+                        // Never to be written.
+                        self.out_chunks -= 1;
+                    }
+                }
+            }
+            BasicEvent::Freed(buf) => {
+                drop(buf);
+                self.callbacks -= 1;
+                self.in_chunks -= 1;
             }
         }
-        // Never to be written.
-        side.out_chunks -= 1;
-        self.after_callback(ctx);
+        self.basic_pump(cx);
     }
-}
 
-impl Channel {
-    fn after_callback(&mut self, ctx: &mut Context<Self>) {
-        self.basic_pump(ctx);
-        self.maybe_stop(ctx);
-        self.poll_own(ctx);
+    /// Nothing new is issued and everything out fails.
+    fn stop(&mut self, e: Error, cx: &mut Ctx<'_>) {
+        self.basic_fail(e.clone(), cx);
+        self.basic_pump(cx);
+        cx.core.shutdown_lanes();
+        cx.core.fail_held(e);
     }
-}
 
-impl Handler<Freed> for Channel {
-    type Result = ();
-
-    fn handle(&mut self, m: Freed, ctx: &mut Self::Context) {
-        drop(m.0);
-        let side = self.basic();
-        side.callbacks -= 1;
-        side.in_chunks -= 1;
-        self.after_callback(ctx);
+    fn drained(&mut self, _: &mut Ctx<'_>) -> bool {
+        self.out.is_empty() && self.inq.is_empty() && self.callbacks == 0
     }
 }

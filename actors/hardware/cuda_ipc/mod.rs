@@ -21,6 +21,8 @@
 //! through a [`DeviceCache`] (an uncontended lock: no mailbox hop per tensor), while closing a
 //! pipe ([`ClosePeer`]) and reading the counters ([`GetStats`]) go through the actor's mailbox.
 
+pub(crate) mod driver;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 

@@ -5,7 +5,7 @@
 //! - **Set-up.** The channel has one connection of its own (a lane). When the pipe starts, each
 //!   side sends on it its endpoint's address and its largest message, then, once it has the
 //!   peer's address in its address vector, its pipe number on the endpoint (see
-//!   `actors/channel/efa.rs`). The lane then stays open, idle: its end (the peer closed or died)
+//!   `driver.rs`). The lane then stays open, idle: its end (the peer closed or died)
 //!   fails the channel's pending operations, in order.
 //! - **Data.** The sender posts tagged sends straight from its buffer; the receiver posts tagged
 //!   receives straight into its buffer when the pipe's `Read` reaches the channel. Tensors larger
@@ -35,6 +35,9 @@
 //! host's identity for `shm`), so two peers pick it only if they reach the same fabric.
 
 use actix::Addr;
+
+pub(crate) mod driver;
+pub(crate) mod path;
 
 use crate::actors::hardware::efa::transport::Efa as EfaTransport;
 use crate::actors::hardware::efa::FabricEndpoint;
@@ -201,8 +204,11 @@ impl ChannelBackend for Efa {
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
     }
+}
 
-    fn fabric_port(&self) -> Option<ChannelPort> {
+impl Efa {
+    /// The endpoints a new pipe's channel posts on, and its chunk limit.
+    pub(crate) fn fabric_port(&self) -> Option<ChannelPort> {
         let extra = self
             .extra_domains()
             .into_iter()

@@ -1,21 +1,52 @@
-//! The `ibv` side of the channel actor (feature `ibv`): the pipe's tensors by RDMA write into
-//! the receiver's registered buffer (`src/backend/ibv/channel/`). The actor owns the channel's queue
+//! The `ibv` channel's driver (feature `ibv`): the pipe's tensors by RDMA write into the
+//! receiver's registered buffer ([`super`]). The driver owns the channel's queue
 //! pairs (through [`Rdma`]: one per device, usually one), bootstraps them over its one lane,
 //! wakes on each completion queue's descriptor and on the lane's hang-up, and hands every
 //! finished tensor back to the pipe. With several devices (links), a large tensor is cut into
 //! mpt's stripes, one per link, held here until every stripe is back. `cuda_gdr`
-//! (cuda_gdr.rs) runs on the same queue pairs; its GPU tensors take the links of their GPU's
+//! (`src/backend/cuda_gdr/driver.rs`) runs on the same queue pairs; its GPU tensors take the links of their GPU's
 //! NICs ([`crate::backend::ibv::channel::placement`]), striped the same way.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use super::*;
-use crate::backend::ibv::channel::core::{Finished, Rdma, RdmaBuf};
-use crate::backend::ibv::channel::placement::GpuLinks;
-use crate::backend::ibv::channel::{self as chan, Event, IbvChannel};
+use super::core::{Finished, Rdma, RdmaBuf};
+use super::placement::GpuLinks;
+use super::{self as chan, Connected, Event, IbvChannel};
 use crate::backend::ibv::LinkLayer;
+use crate::channel::driver::{Cx, Driver, HeldKey, RecvTensor, SendTensor};
+use crate::error::{Error, Origin};
 use crate::handshake::Halves;
+use crate::transport::stream::{Done, Memory};
+
+/// An ibv (or cuda_gdr) channel's context.
+pub(crate) type Ctx<'a> = Cx<'a, IbvEvent>;
+
+/// What comes back to an ibv channel.
+pub(crate) enum IbvEvent {
+    /// The bootstrap has ended.
+    Connected(Result<Connected, Error>),
+    /// A queue pair's completion queue or the lane has something to say.
+    Watch(Event),
+    /// A sent CUDA tensor's stream has run the work queued before its write (`cuda_gdr`).
+    #[cfg(feature = "cuda")]
+    GdrReady { seq: u64, index: u32 },
+}
+
+/// A watch's events, as the driver's.
+struct Watched(chan::Watch);
+
+impl futures_core::Stream for Watched {
+    type Item = IbvEvent;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<IbvEvent>> {
+        std::pin::Pin::new(&mut self.0)
+            .poll_next(cx)
+            .map(|e| e.map(IbvEvent::Watch))
+    }
+}
 
 /// A tensor waiting for the bootstrap.
 struct Parked {
@@ -28,7 +59,7 @@ struct Parked {
 }
 
 /// The channel's queue pairs, or why there are none (every tensor then fails with it).
-pub(super) struct IbvSide {
+pub(crate) struct IbvDriver {
     pub(super) rdma: Result<Arc<Mutex<Rdma>>, Error>,
     /// Queue pairs on further devices, with their ports, until the bootstrap starts.
     further: Vec<chan::FurtherQp>,
@@ -50,19 +81,25 @@ pub(super) struct IbvSide {
     /// Whether tensors wait for the bootstrap (further devices: the number of links is known
     /// only then).
     hold_back: bool,
+    /// The further queue pairs handed to the bootstrap, until it ends.
+    paired: Vec<Arc<Mutex<Rdma>>>,
     /// Tensors waiting for it, in order.
     waiting: VecDeque<Parked>,
     /// The lane and the port's link layer and number, until the bootstrap starts.
     setup: Option<(Halves, (LinkLayer, u8))>,
-    /// The watches on the completion queues (and the lane), once bootstrapped. Cancelled once
-    /// every queue pair has failed: that closes the lane, which tells the peer at once.
-    watches: Vec<SpawnHandle>,
+    /// Whether the watches on the completion queues (and the lane) run: once bootstrapped,
+    /// until every queue pair has failed (cancelling them closes the lane, which tells the
+    /// peer at once).
+    watching: bool,
+    /// The `cuda_gdr` channel's CUDA state around the queue pairs.
+    #[cfg(feature = "cuda")]
+    pub(crate) gdr: Option<crate::backend::cuda_gdr::driver::GdrSide>,
 }
 
-impl IbvSide {
+impl IbvDriver {
     /// Creates the queue pairs now (tensors can queue on them at once); the bootstrap over
     /// `lanes` (exactly one) starts with the actor.
-    pub(crate) fn new(backend: &IbvChannel, mut lanes: Vec<Halves>, origin: &Origin) -> IbvSide {
+    pub(crate) fn new(backend: &IbvChannel, mut lanes: Vec<Halves>, origin: &Origin) -> IbvDriver {
         let port = backend
             .caches()
             .map(|(d, _)| (d.port().link_layer, d.port().port));
@@ -93,7 +130,7 @@ impl IbvSide {
             .into_iter()
             .map(|(r, port, _)| (Arc::new(Mutex::new(r)), port))
             .collect();
-        IbvSide {
+        IbvDriver {
             links: rdma.iter().cloned().collect(),
             kept: Vec::new(),
             #[cfg(feature = "cuda")]
@@ -105,16 +142,22 @@ impl IbvSide {
             hold_back: !further.is_empty(),
             rdma,
             further,
+            paired: Vec::new(),
             waiting: VecDeque::new(),
             setup,
-            watches: Vec::new(),
+            watching: false,
+            #[cfg(feature = "cuda")]
+            gdr: None,
         }
     }
 
-    /// Places this host's GPUs on the devices (`cuda_gdr`): each GPU's tensors take its NICs.
+    /// Makes the queue pairs carry CUDA tensors (`cuda_gdr`): this host's GPUs are placed on
+    /// the devices, each GPU's tensors taking its NICs.
     #[cfg(feature = "cuda")]
-    pub(super) fn place_gpus(&mut self) {
+    pub(crate) fn with_gdr(mut self) -> Self {
         self.gpus = crate::backend::cuda_gdr::gpu_links(&self.backend, &self.names);
+        self.gdr = Some(crate::backend::cuda_gdr::driver::GdrSide::new());
+        self
     }
 
     /// The links (indices into `links`) a tensor takes: those of its sender's GPU's NICs (by
@@ -135,97 +178,57 @@ impl IbvSide {
     }
 }
 
-impl Channel {
+impl IbvDriver {
     /// Starts the bootstrap of the channel's queue pairs (the actor is starting).
-    pub(super) fn ibv_start(&mut self, ctx: &mut Context<Self>) {
-        let Some(side) = self.ibv.as_mut() else {
+    fn bootstrap(&mut self, cx: &mut Ctx<'_>) {
+        let (Ok(rdma), Some((lane, port))) = (&self.rdma, self.setup.take()) else {
             return;
         };
-        let (Ok(rdma), Some((lane, port))) = (&side.rdma, side.setup.take()) else {
-            return;
-        };
-        let further = std::mem::take(&mut side.further);
-        let paired: Vec<Arc<Mutex<Rdma>>> = further.iter().map(|(r, _)| r.clone()).collect();
-        let gpus = side.gpus.clone();
-        let fut = chan::connect(rdma.clone(), further, gpus, lane, port, self.origin.clone());
-        ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
-            let Some(side) = act.ibv.as_mut() else {
-                return;
-            };
-            match result {
-                Ok(c) => {
-                    side.links.extend(c.kept.iter().map(|&k| paired[k].clone()));
-                    side.kept = c.kept;
-                    side.peer_gpus = c.peer_gpus;
-                    for w in c.watches {
-                        let handle = ctx.add_stream(w);
-                        if let Some(side) = act.ibv.as_mut() {
-                            side.watches.push(handle);
-                        }
-                    }
-                }
-                Err(e) => {
-                    if let Ok(rdma) = &side.rdma {
-                        chan::lock(rdma).fail(e);
-                    }
-                }
-            }
-            if let Some(side) = act.ibv.as_mut() {
-                side.hold_back = false;
-                let waiting = std::mem::take(&mut side.waiting);
-                for p in waiting {
-                    act.ibv_dispatch(p);
-                }
-            }
-            act.ibv_flush(ctx);
-        }));
+        let further = std::mem::take(&mut self.further);
+        self.paired = further.iter().map(|(r, _)| r.clone()).collect();
+        let gpus = self.gpus.clone();
+        let origin = cx.core.origin.clone();
+        let fut = chan::connect(rdma.clone(), further, gpus, lane, port, origin);
+        cx.fx
+            .spawn(Box::pin(async move { IbvEvent::Connected(fut.await) }));
     }
 
-    /// Sends one tensor (`SendTensor`); an empty one needs no transfer.
-    pub(super) fn send_ibv(&mut self, m: SendTensor) {
-        let result = if m.buffer.is_empty() {
-            Ok(())
-        } else {
-            match self.ibv.as_ref().map(|s| &s.rdma) {
-                Some(Ok(_)) => return self.ibv_tensor(true, m.seq, m.index, m.buffer.into(), None),
-                Some(Err(e)) => Err(e.clone()),
-                None => Err(self.misrouted()),
-            }
-        };
-        self.to_pipe(Done::WroteTensor {
-            seq: m.seq,
-            index: m.index,
-            memory: m.buffer,
-            result,
-        });
-    }
-
-    /// Receives one tensor (`RecvTensor`): its channel data is its length.
-    pub(super) fn recv_ibv(&mut self, m: RecvTensor) {
-        let result = match self.check_length(&m, "ibv") {
-            Err(e) => Err(e),
-            Ok(()) if m.buffer.is_empty() => Ok(()),
-            Ok(()) => match self.ibv.as_ref().map(|s| &s.rdma) {
-                Some(Ok(_)) => {
-                    let buffer = RdmaBuf::from(m.buffer);
-                    return self.ibv_tensor(false, m.seq, m.index, buffer, None);
+    /// The bootstrap has ended: the links are known, and the tensors waiting go out.
+    fn connected(&mut self, result: Result<Connected, Error>, cx: &mut Ctx<'_>) {
+        match result {
+            Ok(c) => {
+                let paired = std::mem::take(&mut self.paired);
+                self.links.extend(c.kept.iter().map(|&k| paired[k].clone()));
+                self.kept = c.kept;
+                self.peer_gpus = c.peer_gpus;
+                for w in c.watches {
+                    cx.fx.watch(Box::pin(Watched(w)));
                 }
-                Some(Err(e)) => Err(e.clone()),
-                None => Err(self.misrouted()),
-            },
-        };
-        self.hand_back(false, m.seq, m.index, Memory::Owned(m.buffer), result);
+                self.watching = true;
+            }
+            Err(e) => {
+                if let Ok(rdma) = &self.rdma {
+                    chan::lock(rdma).fail(e);
+                }
+            }
+        }
+        self.hold_back = false;
+        for p in std::mem::take(&mut self.waiting) {
+            self.dispatch(p, cx);
+        }
+        self.flush(cx);
     }
 
     /// A tensor for the queue pairs (`gpu`: the sender's GPU, `None` for host memory): now,
     /// or after the bootstrap if it decides the links.
-    pub(super) fn ibv_tensor(
+    pub(crate) fn tensor(
         &mut self,
         sending: bool,
         seq: u64,
         index: u32,
         buffer: RdmaBuf,
         gpu: Option<u32>,
+        cx: &mut Ctx<'_>,
     ) {
         let p = Parked {
             sending,
@@ -234,16 +237,16 @@ impl Channel {
             buffer,
             gpu,
         };
-        match self.ibv.as_mut().filter(|s| s.hold_back) {
-            Some(side) => side.waiting.push_back(p),
-            None => self.ibv_dispatch(p),
+        match self.hold_back {
+            true => self.waiting.push_back(p),
+            false => self.dispatch(p, cx),
         }
     }
 
-    /// Puts a tensor on its links (every link, or its sender's GPU's: [`IbvSide::choose`]):
+    /// Puts a tensor on its links (every link, or its sender's GPU's: [`Self::choose`]):
     /// whole on the first, or (large, several links) one stripe of mpt's plan per link, the
     /// tensor held here until every stripe is back.
-    fn ibv_dispatch(&mut self, p: Parked) {
+    fn dispatch(&mut self, p: Parked, cx: &mut Ctx<'_>) {
         let Parked {
             sending,
             seq,
@@ -251,19 +254,17 @@ impl Channel {
             mut buffer,
             gpu,
         } = p;
-        let (links, chosen) = match self.ibv.as_ref() {
-            Some(s) => (s.links.clone(), s.choose(sending, gpu)),
-            None => (Vec::new(), Vec::new()),
-        };
+        let chosen = self.choose(sending, gpu);
         let Some(&first) = chosen.first() else {
-            let result = Err(self.misrouted());
-            return self.ibv_finished(Finished {
+            let result = Err(cx.core.misrouted());
+            let f = Finished {
                 sending,
                 seq,
                 index,
                 buffer,
                 result,
-            });
+            };
+            return self.finished(f, cx);
         };
         let put = |link: &Mutex<Rdma>, b: RdmaBuf| {
             let mut r = chan::lock(link);
@@ -276,7 +277,7 @@ impl Channel {
         let stripes: Vec<(u32, u64, u64)> =
             crate::backend::mpt::stripes(buffer.len() as u64, chosen.len() as u32).collect();
         if stripes.len() <= 1 {
-            return put(&links[first], buffer);
+            return put(&self.links[first], buffer);
         }
         let regions: Vec<(usize, RdmaBuf)> = stripes
             .into_iter()
@@ -289,21 +290,21 @@ impl Channel {
                 (chosen[k as usize], unsafe { buffer.region(offset, n) })
             })
             .collect();
-        self.hold_stripes((sending, seq, index), buffer, regions.len());
+        self.hold_stripes((sending, seq, index), buffer, regions.len(), cx);
         for (l, region) in regions {
-            put(&links[l], region);
+            put(&self.links[l], region);
         }
     }
 
     /// Holds a striped tensor until its `n` stripes are back: a `cuda_gdr` one on the gdr
     /// side, a host one with the channel's held buffers.
-    fn hold_stripes(&mut self, key: HeldKey, buffer: RdmaBuf, n: usize) {
+    fn hold_stripes(&mut self, key: HeldKey, buffer: RdmaBuf, n: usize, cx: &mut Ctx<'_>) {
         #[cfg(feature = "cuda")]
         if let Some(g) = self.gdr.as_mut() {
             return g.hold(key, buffer, n);
         }
         match buffer.into_memory() {
-            Some(memory) => self.hold(key, memory, n),
+            Some(memory) => cx.core.hold(key, memory, n),
             // GPU memory reaches only cuda_gdr's side (above); never freed under its stripes.
             None => tracing::error!("ibv channel: GPU memory striped outside cuda_gdr"),
         }
@@ -311,48 +312,56 @@ impl Channel {
 
     /// A tensor, or a stripe of one, the queue pairs have finished with: to the gdr side
     /// (`cuda_gdr`), or counted against its held tensor (a stripe), or back to the pipe.
-    fn ibv_finished(&mut self, f: Finished) {
+    fn finished(&mut self, f: Finished, cx: &mut Ctx<'_>) {
         #[cfg(feature = "cuda")]
         if let Some(g) = self.gdr.as_mut() {
-            return g.finished(f, self.cuda_reply.as_ref());
+            return g.finished(f, cx.core.cuda_reply());
         }
         let key = (f.sending, f.seq, f.index);
-        if self.held.contains_key(&key) {
+        if cx.core.held.contains_key(&key) {
             // A stripe (a region of the held tensor): the tensor goes back with the last.
-            self.piece_done(key, f.result);
+            cx.core.piece_done(key, f.result);
         } else if let Some(memory) = f.buffer.into_memory() {
-            self.hand_back(f.sending, f.seq, f.index, memory, f.result);
+            cx.core
+                .hand_back(f.sending, f.seq, f.index, memory, f.result);
         }
     }
 
-    /// Fails the queue pairs (the channel is stopping): everything they hold comes back.
-    pub(super) fn stop_ibv(&mut self, e: Error) {
-        let Some(side) = self.ibv.as_mut() else {
-            return;
-        };
-        side.hold_back = false;
-        for l in &side.links {
+    /// Fails the queue pairs: everything they hold comes back.
+    pub(crate) fn fail_all(&mut self, e: Error, cx: &mut Ctx<'_>) {
+        self.hold_back = false;
+        for l in &self.links {
             chan::lock(l).fail(e.clone());
         }
-        let waiting = std::mem::take(&mut side.waiting);
-        for p in waiting {
-            self.ibv_finished(Finished {
+        for p in std::mem::take(&mut self.waiting) {
+            let f = Finished {
                 sending: p.sending,
                 seq: p.seq,
                 index: p.index,
                 buffer: p.buffer,
                 result: Err(e.clone()),
-            });
+            };
+            self.finished(f, cx);
         }
+    }
+
+    /// Fails the first queue pair with `e` (the tensors behind it would go wrong).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn fail_first(&self, e: Error) {
+        if let Ok(rdma) = &self.rdma {
+            chan::lock(rdma).fail(e);
+        }
+    }
+
+    /// Whether the channel has queue pairs (else every tensor fails with why not).
+    pub(crate) fn usable(&self) -> Result<(), Error> {
+        self.rdma.as_ref().map(|_| ()).map_err(Clone::clone)
     }
 
     /// Progresses the queue pairs and hands every finished tensor to the pipe. A failure on one
     /// link fails them all.
-    pub(super) fn ibv_flush(&mut self, ctx: &mut Context<Self>) {
-        let Some(side) = self.ibv.as_mut() else {
-            return self.maybe_stop(ctx);
-        };
-        let links = side.links.clone();
+    pub(crate) fn flush(&mut self, cx: &mut Ctx<'_>) {
+        let links = self.links.clone();
         let mut failure = None;
         for l in &links {
             let mut r = chan::lock(l);
@@ -373,56 +382,28 @@ impl Channel {
                 let r = chan::lock(l);
                 r.failure().is_some() && r.is_idle()
             });
-        if ended {
+        if ended && self.watching {
             // The queue pairs carry nothing more and their flush completions are all in: hang
             // up the lane so the peer knows.
-            for w in side.watches.drain(..) {
-                ctx.cancel_future(w);
-            }
+            self.watching = false;
+            cx.fx.cancel_watches();
         }
         let mut done = Vec::new();
         for l in &links {
             done.extend(chan::lock(l).take_done());
         }
         for f in done {
-            self.ibv_finished(f);
+            self.finished(f, cx);
         }
-        self.maybe_stop(ctx);
     }
 
     /// Whether the queue pairs hold no tensor (and none waits for them).
-    pub(super) fn ibv_idle(&self) -> bool {
-        match self.ibv.as_ref() {
-            Some(side) => {
-                side.waiting.is_empty() && side.links.iter().all(|l| chan::lock(l).is_idle())
-            }
-            None => true,
-        }
+    fn idle(&self) -> bool {
+        self.waiting.is_empty() && self.links.iter().all(|l| chan::lock(l).is_idle())
     }
 
-    /// The actor is going away with tensors still on the queue pairs (the system stopping):
-    /// leak them, queue pairs included, rather than free memory the HCA may still touch.
-    pub(super) fn ibv_forget(&mut self) {
-        if !self.ibv_idle() {
-            if let Some(side) = self.ibv.take() {
-                std::mem::forget(side);
-            }
-            // Striped GPU tensors whose stripes are still on those queue pairs.
-            #[cfg(feature = "cuda")]
-            if let Some(g) = self.gdr.as_mut() {
-                g.forget_striped();
-            }
-        }
-    }
-}
-
-impl StreamHandler<Event> for Channel {
-    fn handle(&mut self, ev: Event, ctx: &mut Self::Context) {
-        let links = self
-            .ibv
-            .as_ref()
-            .map(|s| s.links.clone())
-            .unwrap_or_default();
+    fn on_watch(&mut self, ev: Event, cx: &mut Ctx<'_>) {
+        let links = self.links.clone();
         match ev {
             Event::Completions(k) => {
                 if let Some(l) = links.get(k) {
@@ -433,7 +414,7 @@ impl StreamHandler<Event> for Channel {
                 let e = Error::PeerClosed {
                     reason: why,
                     graceful: false,
-                    origin: self.origin.clone(),
+                    origin: cx.core.origin.clone(),
                 };
                 for l in &links {
                     let mut r = chan::lock(l);
@@ -443,14 +424,114 @@ impl StreamHandler<Event> for Channel {
                 }
             }
             Event::Broken(why) => {
-                let e = Error::io("ibv channel", std::io::Error::other(why), &self.origin);
+                let e = Error::io("ibv channel", std::io::Error::other(why), &cx.core.origin);
                 for l in &links {
                     chan::lock(l).fail(e.clone());
                 }
             }
         }
-        self.ibv_flush(ctx);
+        self.flush(cx);
+    }
+}
+
+impl Driver for IbvDriver {
+    type Event = IbvEvent;
+
+    fn start(&mut self, cx: &mut Ctx<'_>) {
+        self.bootstrap(cx);
     }
 
-    fn finished(&mut self, _: &mut Self::Context) {}
+    /// Sends one tensor; an empty one needs no transfer.
+    fn send(&mut self, m: SendTensor, cx: &mut Ctx<'_>) {
+        let result = match self.usable() {
+            _ if m.buffer.is_empty() => Ok(()),
+            Ok(()) => {
+                self.tensor(true, m.seq, m.index, m.buffer.into(), None, cx);
+                return self.flush(cx);
+            }
+            Err(e) => Err(e),
+        };
+        cx.core.hand_back(true, m.seq, m.index, m.buffer, result);
+    }
+
+    /// Receives one tensor: its channel data is its length.
+    fn recv(&mut self, m: RecvTensor, cx: &mut Ctx<'_>) {
+        let result = match cx.core.check_length(&m, "ibv") {
+            Err(e) => Err(e),
+            Ok(()) if m.buffer.is_empty() => Ok(()),
+            Ok(()) => match self.usable() {
+                Ok(()) => {
+                    let buffer = RdmaBuf::from(m.buffer);
+                    self.tensor(false, m.seq, m.index, buffer, None, cx);
+                    return self.flush(cx);
+                }
+                Err(e) => Err(e),
+            },
+        };
+        cx.core
+            .hand_back(false, m.seq, m.index, Memory::Owned(m.buffer), result);
+    }
+
+    #[cfg(feature = "cuda")]
+    fn send_cuda(&mut self, m: crate::channel::driver::SendCuda, cx: &mut Ctx<'_>) {
+        self.send_gdr(m, cx);
+    }
+
+    #[cfg(feature = "cuda")]
+    fn recv_cuda(&mut self, m: crate::channel::driver::RecvCuda, cx: &mut Ctx<'_>) {
+        self.recv_gdr(m, cx);
+    }
+
+    fn on_done(&mut self, d: Done, _: &mut Ctx<'_>) {
+        tracing::error!(
+            ?d,
+            "a lane completion on an ibv channel, which has no lanes of that kind"
+        );
+    }
+
+    fn on_event(&mut self, e: IbvEvent, cx: &mut Ctx<'_>) {
+        match e {
+            IbvEvent::Connected(r) => self.connected(r, cx),
+            IbvEvent::Watch(ev) => self.on_watch(ev, cx),
+            #[cfg(feature = "cuda")]
+            IbvEvent::GdrReady { seq, index } => self.gdr_ready(seq, index, cx),
+        }
+    }
+
+    fn stop(&mut self, e: Error, cx: &mut Ctx<'_>) {
+        cx.core.shutdown_lanes();
+        self.fail_all(e.clone(), cx);
+        cx.core.fail_held(e);
+        self.flush(cx);
+    }
+
+    fn drained(&mut self, cx: &mut Ctx<'_>) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.gdr.as_ref().is_some_and(|g| !g.idle()) {
+            return false;
+        }
+        self.idle() && cx.core.held.is_empty()
+    }
+
+    /// The actor is going away with tensors still on the queue pairs (the system stopping):
+    /// leak them, queue pairs included, rather than free memory the HCA may still touch.
+    fn forget(&mut self, _: &mut crate::channel::driver::Core) {
+        if self.idle() {
+            return;
+        }
+        for l in self.links.drain(..) {
+            std::mem::forget(l);
+        }
+        if let Ok(r) = std::mem::replace(&mut self.rdma, Err(Error::invalid("forgotten"))) {
+            std::mem::forget(r);
+        }
+        for p in self.waiting.drain(..) {
+            std::mem::forget(p);
+        }
+        // Striped GPU tensors whose stripes are still on those queue pairs.
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.gdr.as_mut() {
+            g.forget_striped();
+        }
+    }
 }

@@ -20,13 +20,13 @@ use std::task::{Poll, Waker};
 use actix::Addr;
 use tokio::sync::mpsc;
 
-use super::super::{check_length, piece_ended, released, tensor_done, Held, HeldKey};
+use super::ChannelPort;
 use crate::actors::hardware::efa::{
     FabricDetach, FabricEndpoint, FabricQuarantine, Poster, RegionOp,
 };
-use crate::backend::efa::channel::ChannelPort;
 use crate::backend::efa::engine::{Finished, Kind, Region};
 use crate::backend::efa::tag::{self, Stream as TagStream};
+use crate::channel::driver::{check_length, piece_ended, released, tensor_done, Held, HeldKey};
 use crate::error::{Error, Origin};
 use crate::keymap::KeyMap;
 use crate::transport::stream::{Done, Memory, Reply};
@@ -280,7 +280,8 @@ impl Path {
         for (k, start, n) in stripes {
             let l = &mut self.links[k as usize];
             let start = start as usize;
-            for (offset, n) in crate::backend::efa::channel::chunks(n as usize, self.chunk) {
+            for (offset, n) in crate::actors::hardware::efa::channel::chunks(n as usize, self.chunk)
+            {
                 let (kind, t) = if sending {
                     let t = tag::make(TagStream::Tensor, l.peer_pipe, l.send_seq);
                     l.send_seq = l.send_seq.wrapping_add(1);

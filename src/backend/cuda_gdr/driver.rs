@@ -1,7 +1,7 @@
-//! The `cuda_gdr` side of the channel actor (features `cuda` and `ibv`): CUDA tensors by RDMA
-//! write between registered buffers (`src/backend/cuda_gdr/mod.rs`). The queue pair, its bootstrap,
-//! its watch and the protocol are the `ibv` channel's ([`super::ibv`], `src/backend/ibv/channel/`);
-//! this file adds what CUDA memory needs around them:
+//! The `cuda_gdr` channel's driver (features `cuda` and `ibv`): CUDA tensors by RDMA write
+//! between registered buffers ([`super`]). The queue pairs, their bootstrap, their watch and the
+//! protocol are the `ibv` channel's ([`IbvDriver`], `src/backend/ibv/channel/`); this file adds
+//! what CUDA memory needs around them:
 //!
 //! - **Sending.** A tensor in GPU memory goes to the queue pair only once its stream has run the
 //!   work queued before the write (a watcher callback, [`crate::cuda::on_stream_done`]); tensors
@@ -14,25 +14,19 @@
 //!   buffer, with a blocking copy on the tensor's stream (at most 31 bytes).
 //! - **Links.** A tensor takes the links of its sender's GPU's NICs (the receiver learns the
 //!   GPU from the descriptor's channel data), striped over them when large, as the ibv
-//!   channel's host tensors are over every link (`ibv.rs`); a striped tensor is held here
+//!   channel's host tensors are over every link; a striped tensor is held here
 //!   until every stripe is back.
 
 use std::collections::{HashMap, VecDeque};
 
-use super::cuda_xth::{post, post_when_done};
-use super::*;
 use crate::backend::ibv::channel::core::{Finished, RdmaBuf};
+use crate::backend::ibv::channel::driver::{Ctx, IbvDriver, IbvEvent};
 use crate::backend::ibv::channel::placement::sender_gpu;
-use crate::backend::ibv::channel::{self as chan};
 use crate::backend::ibv::MIN_OP_BYTES;
+use crate::channel::driver::{post, post_when_done, CudaDone, CudaReply, RecvCuda, SendCuda};
+use crate::error::Error;
 use crate::message::Buffer;
-
-/// A sent tensor's stream has run the work queued before its write.
-#[derive(Debug)]
-pub(crate) struct GdrReady {
-    seq: u64,
-    index: u32,
-}
+use crate::transport::stream::Memory;
 
 /// A sent tensor waiting for its stream, in pipe order.
 struct Gated {
@@ -50,10 +44,8 @@ struct Landing {
 }
 
 /// The channel's CUDA state around the ibv queue pair.
-pub(super) struct GdrSide {
+pub(crate) struct GdrSide {
     gate: VecDeque<Gated>,
-    ready_tx: mpsc::UnboundedSender<GdrReady>,
-    ready_rx: Option<mpsc::UnboundedReceiver<GdrReady>>,
     landing: HashMap<(u64, u32), Landing>,
     /// Sent tensors under 32 bytes: the user's buffer, while a 32-byte copy travels.
     staged_out: HashMap<(u64, u32), Buffer>,
@@ -69,12 +61,9 @@ struct Striped {
 }
 
 impl GdrSide {
-    pub(super) fn new() -> GdrSide {
-        let (ready_tx, rx) = mpsc::unbounded_channel();
+    pub(crate) fn new() -> GdrSide {
         GdrSide {
             gate: VecDeque::new(),
-            ready_tx,
-            ready_rx: Some(rx),
             landing: HashMap::new(),
             staged_out: HashMap::new(),
             striped: HashMap::new(),
@@ -82,12 +71,12 @@ impl GdrSide {
     }
 
     /// Whether no sent tensor waits for its stream and none is striped.
-    pub(super) fn idle(&self) -> bool {
+    pub(crate) fn idle(&self) -> bool {
         self.gate.is_empty() && self.striped.is_empty()
     }
 
     /// Holds a tensor cut into `n` stripes until they are all back.
-    pub(super) fn hold(&mut self, key: (bool, u64, u32), buffer: RdmaBuf, n: usize) {
+    pub(crate) fn hold(&mut self, key: (bool, u64, u32), buffer: RdmaBuf, n: usize) {
         let s = Striped {
             buffer,
             out: n,
@@ -98,7 +87,7 @@ impl GdrSide {
 
     /// The actor is going away with stripes on the queue pairs (leaked with them): never free
     /// their tensors.
-    pub(super) fn forget_striped(&mut self) {
+    pub(crate) fn forget_striped(&mut self) {
         for (_, s) in self.striped.drain() {
             std::mem::forget(s.buffer);
         }
@@ -106,7 +95,7 @@ impl GdrSide {
 
     /// A finished tensor (or stripe: the tensor finishes with its last), for the pipe's CUDA
     /// queue.
-    pub(super) fn finished(&mut self, mut f: Finished, reply: Option<&CudaReply>) {
+    pub(crate) fn finished(&mut self, mut f: Finished, reply: Option<&CudaReply>) {
         let striped = (f.sending, f.seq, f.index);
         if let Some(s) = self.striped.get_mut(&striped) {
             s.out -= 1;
@@ -206,36 +195,34 @@ fn landed(f: Finished, landing: Option<Landing>, reply: Option<&CudaReply>) {
     }
 }
 
-impl Channel {
-    /// Starts watching the ready callbacks of sent tensors (the actor is starting).
-    pub(super) fn gdr_start(&mut self, ctx: &mut Context<Self>) {
-        if let Some(rx) = self.gdr.as_mut().and_then(|g| g.ready_rx.take()) {
-            ctx.add_stream(Queue(rx));
-        }
-    }
-
+impl IbvDriver {
     /// Sends one CUDA-routed tensor: once its stream is done with what came before the write.
-    pub(super) fn send_cuda_gdr(&mut self, m: SendCuda, ctx: &mut Context<Self>) {
+    pub(crate) fn send_gdr(&mut self, m: SendCuda, cx: &mut Ctx<'_>) {
         let SendCuda {
             seq, index, buffer, ..
         } = m;
-        let Some(g) = self.gdr.as_mut() else {
-            let e = self.not_cuda();
-            return self.cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Err(e)));
-        };
+        if self.gdr.is_none() {
+            let e = cx.core.not_cuda();
+            return cx
+                .core
+                .cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Err(e)));
+        }
         if buffer.is_empty() {
-            return self.cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Ok(())));
+            return cx
+                .core
+                .cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Ok(())));
         }
         let wait = match &buffer {
             Buffer::Cuda(c) => {
-                let tx = g.ready_tx.clone();
+                let tx = cx.fx.sender();
                 crate::cuda::on_stream_done(c.stream(), move || {
-                    let _ = tx.send(GdrReady { seq, index });
+                    let _ = tx.send(IbvEvent::GdrReady { seq, index });
                 })
                 .map(|_| true)
             }
             _ => Ok(false),
         };
+        let g = self.gdr.as_mut().expect("checked above");
         match wait {
             Ok(waits) => g.gate.push_back(Gated {
                 seq,
@@ -243,20 +230,36 @@ impl Channel {
                 buffer,
                 ready: !waits,
             }),
-            Err(e) => return self.cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Err(e))),
+            Err(e) => {
+                return cx
+                    .core
+                    .cuda_to_pipe(CudaDone::wrote(seq, index, buffer, Err(e)))
+            }
         }
-        self.gdr_pump(ctx);
+        self.gdr_pump(cx);
+    }
+
+    /// A sent tensor's stream has run the work queued before its write.
+    pub(crate) fn gdr_ready(&mut self, seq: u64, index: u32, cx: &mut Ctx<'_>) {
+        if let Some(g) = self.gdr.as_mut() {
+            if let Some(t) = g.gate.iter_mut().find(|t| (t.seq, t.index) == (seq, index)) {
+                t.ready = true;
+            }
+        }
+        self.gdr_pump(cx);
     }
 
     /// Hands the ready tensors at the front of the gate to the queue pairs, in order, each
     /// with its GPU (which picks its links).
-    fn gdr_pump(&mut self, ctx: &mut Context<Self>) {
-        let (Some(g), Some(Ok(rdma))) = (self.gdr.as_mut(), self.ibv.as_ref().map(|s| &s.rdma))
-        else {
+    fn gdr_pump(&mut self, cx: &mut Ctx<'_>) {
+        if self.usable().is_err() {
+            return;
+        }
+        let Some(g) = self.gdr.as_mut() else {
             return;
         };
-        let rdma = rdma.clone();
         let mut ready = Vec::new();
+        let mut failed = None;
         while g.gate.front().is_some_and(|t| t.ready) {
             let t = g.gate.pop_front().expect("present");
             let gpu = t.buffer.as_cuda().map(|c| c.device());
@@ -268,7 +271,7 @@ impl Channel {
                     Err(e) => {
                         // The queue pairs' protocol has this tensor next: fail the channel (the
                         // empty buffer below then finishes with the error, in order).
-                        chan::lock(&rdma).fail(e);
+                        failed.get_or_insert(e);
                         RdmaBuf::from(Vec::new())
                     }
                 }
@@ -280,14 +283,17 @@ impl Channel {
             };
             ready.push((t.seq, t.index, buffer, gpu));
         }
-        for (seq, index, buffer, gpu) in ready {
-            self.ibv_tensor(true, seq, index, buffer, gpu);
+        if let Some(e) = failed {
+            self.fail_first(e);
         }
-        self.ibv_flush(ctx);
+        for (seq, index, buffer, gpu) in ready {
+            self.tensor(true, seq, index, buffer, gpu, cx);
+        }
+        self.flush(cx);
     }
 
     /// Receives one CUDA-routed tensor into the buffer the user allocated.
-    pub(super) fn recv_cuda_gdr(&mut self, m: RecvCuda, ctx: &mut Context<Self>) {
+    pub(crate) fn recv_gdr(&mut self, m: RecvCuda, cx: &mut Ctx<'_>) {
         let RecvCuda {
             seq,
             index,
@@ -296,22 +302,21 @@ impl Channel {
             data_complete,
         } = m;
         let refuse = |buffer, result| CudaDone::landed(seq, index, buffer, result);
-        let (Some(g), Some(Ok(rdma))) = (self.gdr.as_mut(), self.ibv.as_ref().map(|s| &s.rdma))
-        else {
-            let e = self.not_cuda();
-            return self.cuda_to_pipe(refuse(buffer, Err(e)));
-        };
+        if self.gdr.is_none() || self.usable().is_err() {
+            let e = cx.core.not_cuda();
+            return cx.core.cuda_to_pipe(refuse(buffer, Err(e)));
+        }
         if buffer.is_empty() {
-            return self.cuda_to_pipe(refuse(buffer, Ok(())));
+            return cx.core.cuda_to_pipe(refuse(buffer, Ok(())));
         }
         let gpu = match sender_gpu(&data) {
             Ok(g) => g,
             Err(why) => {
                 // The tensors behind this one would take the wrong links: fail the channel.
-                let e = Error::protocol(why, &self.origin);
-                chan::lock(rdma).fail(e.clone());
-                self.cuda_to_pipe(refuse(buffer, Err(e)));
-                return self.ibv_flush(ctx);
+                let e = Error::protocol(why, &cx.core.origin);
+                self.fail_first(e.clone());
+                cx.core.cuda_to_pipe(refuse(buffer, Err(e)));
+                return self.flush(cx);
             }
         };
         let (into, staged) = if buffer.len() < MIN_OP_BYTES {
@@ -326,10 +331,11 @@ impl Channel {
                 // `Allocation::check` refuses read-only buffers before a read starts.
                 shared => {
                     let e = Error::invalid("cuda_gdr: a read into read-only (shared) memory");
-                    return self.cuda_to_pipe(refuse(shared, Err(e)));
+                    return cx.core.cuda_to_pipe(refuse(shared, Err(e)));
                 }
             }
         };
+        let g = self.gdr.as_mut().expect("checked above");
         g.landing.insert(
             (seq, index),
             Landing {
@@ -337,24 +343,7 @@ impl Channel {
                 staged,
             },
         );
-        self.ibv_tensor(false, seq, index, into, gpu);
-        self.ibv_flush(ctx);
+        self.tensor(false, seq, index, into, gpu, cx);
+        self.flush(cx);
     }
-}
-
-impl StreamHandler<GdrReady> for Channel {
-    fn handle(&mut self, r: GdrReady, ctx: &mut Self::Context) {
-        if let Some(g) = self.gdr.as_mut() {
-            if let Some(t) = g
-                .gate
-                .iter_mut()
-                .find(|t| (t.seq, t.index) == (r.seq, r.index))
-            {
-                t.ready = true;
-            }
-        }
-        self.gdr_pump(ctx);
-    }
-
-    fn finished(&mut self, _: &mut Self::Context) {}
 }
