@@ -29,8 +29,7 @@ use crate::transport::stream::{Done, InOp, Memory, OutOp};
 #[cfg(feature = "cuda")]
 pub(crate) use crate::channel::driver::{CudaDone, RecvCuda, SendCuda};
 
-mod kind;
-pub(crate) use kind::ChannelKind;
+pub(crate) use crate::channel::kind::ChannelKind;
 
 /// A queue of events, as a stream an actor polls.
 pub(crate) struct Queue<T>(pub mpsc::UnboundedReceiver<T>);

@@ -12,7 +12,7 @@ use crate::backend::cuda_basic::driver::CudaBasicDriver;
 #[cfg(feature = "cuda")]
 use crate::backend::cuda_xth::driver::CudaXthDriver;
 #[cfg(feature = "ibv")]
-use crate::backend::ibv::channel::driver::IbvDriver;
+use crate::backend::ibv::channel::{driver::IbvDriver, IbvChannel};
 use crate::backend::mpt::driver::MptDriver;
 use crate::backend::xth::driver::XthDriver;
 use crate::channel::driver::{Core, Idle};
@@ -156,76 +156,80 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                     kind.carries_cuda().then(|| cuda_reply.clone()),
                 )
             };
-            // The ibv and cuda_gdr channels bootstrap their queue pair over their lane
-            // themselves.
-            #[cfg(feature = "ibv")]
-            if let Some((backend, gdr)) = queue_pair_backend(kind, config) {
-                let driver = IbvDriver::new(&backend, lanes, &origin);
-                #[cfg(feature = "cuda")]
-                let driver = match gdr {
-                    true => driver.with_gdr(),
-                    false => driver,
-                };
-                #[cfg(not(feature = "cuda"))]
-                let _ = gdr;
-                return Channel::new(core(Vec::new()), driver, kind).launch();
-            }
-            let lanes = lanes
-                .into_iter()
-                .enumerate()
-                .map(|(i, h)| {
-                    Connection::start_lane(
-                        h.read,
-                        h.write,
-                        config.limits,
-                        origin.clone(),
-                        config.heartbeat,
-                        // Lanes that stripe tensors get cores of their own, but the first:
-                        // the pipe's thread moves its share (every lane on the pool measured
-                        // no faster), and where small tensors are not inline it carries those
-                        // whole, which then cross no thread. cma's side connections
-                        // (acknowledgements) stay with the pipe.
-                        (i > 0 && matches!(kind, ChannelKind::Mpt { .. })).then_some(&config.io),
-                    )
-                })
-                .collect();
-            let core = core(super::super::channel::lanes(lanes));
+            // The channel's own connections, each with its loops (the ibv and cuda_gdr
+            // channels bootstrap their queue pairs over theirs themselves, as raw halves).
+            let start_lanes = |lanes: Vec<Halves>| {
+                let lanes = lanes
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, h)| {
+                        Connection::start_lane(
+                            h.read,
+                            h.write,
+                            config.limits,
+                            origin.clone(),
+                            config.heartbeat,
+                            // Lanes that stripe tensors get cores of their own, but the first:
+                            // the pipe's thread moves its share (every lane on the pool
+                            // measured no faster), and where small tensors are not inline it
+                            // carries those whole, which then cross no thread. cma's side
+                            // connections (acknowledgements) stay with the pipe.
+                            (i > 0 && matches!(kind, ChannelKind::Mpt { .. }))
+                                .then_some(&config.io),
+                        )
+                    })
+                    .collect();
+                super::super::channel::lanes(lanes)
+            };
+            // The one place a channel's kind picks its driver.
             match kind {
-                ChannelKind::Basic { .. } => Channel::new(core, Idle, kind).launch(),
+                ChannelKind::Basic { .. } => {
+                    Channel::new(core(start_lanes(lanes)), Idle, kind).launch()
+                }
                 ChannelKind::Xth { pipe } => {
-                    Channel::new(core, XthDriver::new(pipe), kind).launch()
+                    Channel::new(core(start_lanes(lanes)), XthDriver::new(pipe), kind).launch()
                 }
                 ChannelKind::Cma { threads, .. } => {
-                    Channel::new(core, CmaDriver::new(threads, chunk_size), kind).launch()
+                    let driver = CmaDriver::new(threads, chunk_size);
+                    Channel::new(core(start_lanes(lanes)), driver, kind).launch()
                 }
                 ChannelKind::Mpt { chunk_size, .. } => {
-                    Channel::new(core, MptDriver::new(chunk_size), kind).launch()
+                    let driver = MptDriver::new(chunk_size);
+                    Channel::new(core(start_lanes(lanes)), driver, kind).launch()
                 }
                 #[cfg(feature = "cuda")]
                 ChannelKind::CudaXth { pipe } => {
-                    Channel::new(core, CudaXthDriver::new(pipe), kind).launch()
+                    let driver = CudaXthDriver::new(pipe);
+                    Channel::new(core(start_lanes(lanes)), driver, kind).launch()
                 }
                 #[cfg(feature = "cuda")]
                 ChannelKind::CudaIpc { pipe } => {
                     let driver = CudaIpcDriver::new(pipe, config.ipc.clone());
-                    Channel::new(core, driver, kind).launch()
+                    Channel::new(core(start_lanes(lanes)), driver, kind).launch()
                 }
                 #[cfg(feature = "cuda")]
                 ChannelKind::CudaBasic => {
-                    Channel::new(core, CudaBasicDriver::default(), kind).launch()
+                    let driver = CudaBasicDriver::default();
+                    Channel::new(core(start_lanes(lanes)), driver, kind).launch()
                 }
                 #[cfg(feature = "efa")]
                 ChannelKind::Efa { .. } => {
-                    let (driver, path) =
-                        EfaDriver::new(efa_port(config, &origin), reply.clone(), origin.clone());
+                    let port = efa_port(config, &origin);
+                    let (driver, path) = EfaDriver::new(port, reply.clone(), origin.clone());
                     efa_path = Some((kinds.len() - 1, path));
-                    Channel::new(core, driver, kind).launch()
+                    Channel::new(core(start_lanes(lanes)), driver, kind).launch()
                 }
-                // Started above, on their queue pairs.
                 #[cfg(feature = "ibv")]
-                ChannelKind::Ibv { .. } => unreachable!("an ibv channel without its backend"),
+                ChannelKind::Ibv { .. } => {
+                    let backend = backend_of::<IbvChannel>(config, "ibv");
+                    ibv_channel(backend, lanes, &origin, core(Vec::new()), kind, false)
+                }
                 #[cfg(all(feature = "cuda", feature = "ibv"))]
-                ChannelKind::CudaGdr => unreachable!("a cuda_gdr channel without its backend"),
+                ChannelKind::CudaGdr => {
+                    let gdr = backend_of::<crate::backend::cuda_gdr::CudaGdr>(config, "cuda_gdr");
+                    let backend = gdr.map(|g| g.ibv().clone());
+                    ibv_channel(backend, lanes, &origin, core(Vec::new()), kind, true)
+                }
             }
         })
         .collect();
@@ -319,56 +323,33 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
     .start()
 }
 
-/// What the channel negotiated as `name` runs as: the one place that maps a channel's name to
-/// its backend's driver (the backends are this crate's: `ChannelBackend` is sealed, and
-/// negotiation picks only names both contexts offer).
+/// What the channel negotiated as `name` runs as, as its backend plans it (negotiation picks
+/// only names both contexts offer, so the context has the backend; `basic` if it somehow has
+/// not).
 fn channel_kind(name: &str, pipe: u64, transport: &str, config: &Config) -> ChannelKind {
-    let chunk_size = config.chunk_size;
-    match name {
-        "xth" => ChannelKind::Xth { pipe },
-        "cma" => ChannelKind::Cma {
-            threads: config.cma_threads,
-            chunk_size,
-            inline_max: config
-                .cma_inline_max
-                .unwrap_or_else(|| crate::backend::cma::inline_max(transport)),
-        },
-        "mpt" => ChannelKind::Mpt {
-            chunk_size,
-            inline_max: backend_of::<crate::backend::mpt::Mpt>(config, "mpt")
-                .map_or(crate::backend::mpt::INLINE_MAX, |b| b.inline_max),
-        },
-        #[cfg(feature = "cuda")]
-        "cuda_xth" => ChannelKind::CudaXth { pipe },
-        #[cfg(feature = "cuda")]
-        "cuda_ipc" => ChannelKind::CudaIpc { pipe },
-        #[cfg(feature = "cuda")]
-        "cuda_basic" => ChannelKind::CudaBasic,
-        #[cfg(all(feature = "cuda", feature = "ibv"))]
-        "cuda_gdr" => ChannelKind::CudaGdr,
-        #[cfg(feature = "ibv")]
-        "ibv" => ChannelKind::Ibv {
-            chunk_size,
-            inline_max: ibv_backend(config)
-                .map_or(crate::backend::ibv::channel::MIN_INLINE, |b| b.inline_max()),
-        },
-        #[cfg(feature = "efa")]
-        "efa" => ChannelKind::Efa {
-            chunk_size,
-            inline_max: backend_of::<crate::actors::hardware::efa::channel::Efa>(config, "efa")
-                .map_or(crate::actors::hardware::efa::channel::INLINE_MAX, |b| {
-                    b.inline_limit()
-                }),
-        },
-        // `basic`. (A CUDA channel of a build without `cuda` is never offered.)
-        name => {
-            debug_assert_eq!(name, "basic", "a channel this build cannot run");
-            ChannelKind::Basic { chunk_size }
+    let at = crate::channel::sealed::Plan {
+        pipe,
+        transport,
+        chunk_size: config.chunk_size,
+        cma_threads: config.cma_threads,
+        cma_inline_max: config.cma_inline_max,
+    };
+    match config.channels.iter().find(|(c, _)| c.name() == name) {
+        Some((c, _)) => c.plan(&at),
+        None => {
+            debug_assert!(
+                name == "basic",
+                "a channel this context does not offer: {name}"
+            );
+            ChannelKind::Basic {
+                chunk_size: config.chunk_size,
+            }
         }
     }
 }
 
 /// The context's channel backend called `name`, as its concrete type.
+#[cfg(any(feature = "efa", feature = "ibv"))]
 fn backend_of<T: Clone + 'static>(config: &Config, name: &str) -> Option<T> {
     config
         .channels
@@ -377,24 +358,27 @@ fn backend_of<T: Clone + 'static>(config: &Config, name: &str) -> Option<T> {
         .and_then(|(c, _)| c.as_any()?.downcast_ref::<T>().cloned())
 }
 
-/// The context's `ibv` channel backend.
+/// An ibv channel (or, `gdr`, a cuda_gdr one) on `backend`'s device, its queue pairs
+/// bootstrapped over `lanes`; without the backend (never negotiated so), every tensor fails.
 #[cfg(feature = "ibv")]
-fn ibv_backend(config: &Config) -> Option<crate::backend::ibv::channel::IbvChannel> {
-    backend_of(config, "ibv")
-}
-
-/// For a channel of `kind` that runs on an ibv queue pair: the ibv channel backend whose device
-/// it uses, and whether it carries CUDA tensors (`cuda_gdr`, whose instances share one).
-#[cfg(feature = "ibv")]
-fn queue_pair_backend(
+fn ibv_channel(
+    backend: Option<IbvChannel>,
+    lanes: Vec<Halves>,
+    origin: &Origin,
+    core: Core,
     kind: ChannelKind,
-    config: &Config,
-) -> Option<(crate::backend::ibv::channel::IbvChannel, bool)> {
-    match kind {
-        ChannelKind::Ibv { .. } => ibv_backend(config).map(|b| (b, false)),
-        #[cfg(feature = "cuda")]
-        ChannelKind::CudaGdr => backend_of::<crate::backend::cuda_gdr::CudaGdr>(config, "cuda_gdr")
-            .map(|g| (g.ibv().clone(), true)),
-        _ => None,
-    }
+    gdr: bool,
+) -> super::super::channel::ChannelAddr {
+    let Some(backend) = backend else {
+        return Channel::new(core, Idle, kind).launch();
+    };
+    let driver = IbvDriver::new(&backend, lanes, origin);
+    #[cfg(feature = "cuda")]
+    let driver = match gdr {
+        true => driver.with_gdr(),
+        false => driver,
+    };
+    #[cfg(not(feature = "cuda"))]
+    let _ = gdr;
+    Channel::new(core, driver, kind).launch()
 }

@@ -11,6 +11,7 @@
 //! runs.
 
 pub(crate) mod driver;
+pub(crate) mod kind;
 
 #[cfg(feature = "efa")]
 pub use crate::actors::hardware::efa::channel::{Domains as EfaDomains, Efa};
@@ -51,10 +52,30 @@ pub fn cuda_pairs() -> [DevicePair; 3] {
 }
 
 /// Keeps [`ChannelBackend`] implemented only here: the pipe runs each channel by a driver of its
-/// own, which a backend defined outside the crate would not have.
+/// own, which a backend defined outside the crate would not have. Each backend plans what a new
+/// pipe's channel of it runs as ([`sealed::Sealed::plan`]).
 pub(crate) mod sealed {
+    use super::kind::ChannelKind;
+
     /// Implemented by every channel backend of this crate, and by nothing else.
-    pub trait Sealed {}
+    pub trait Sealed {
+        /// What a new pipe's channel of this backend runs as.
+        fn plan(&self, at: &Plan) -> ChannelKind;
+    }
+
+    /// What a backend's [`Sealed::plan`] is told of the new pipe and its context.
+    pub struct Plan<'a> {
+        /// The pipe's id.
+        pub pipe: u64,
+        /// The pipe's transport (`tcp`, `shm`, ...).
+        pub transport: &'a str,
+        /// The chunk size of tensors on the pipe's connection.
+        pub chunk_size: usize,
+        /// Threads per cma read.
+        pub cma_threads: usize,
+        /// The context's cma inline limit, if it set one.
+        pub cma_inline_max: Option<u64>,
+    }
 }
 
 /// A channel backend, as a context offers it. Its `Debug` output shows its settings (a

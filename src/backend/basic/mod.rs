@@ -15,7 +15,14 @@ pub const DEFAULT_CHUNK_SIZE: usize = 4 << 20;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Basic;
 
-impl crate::channel::sealed::Sealed for Basic {}
+impl crate::channel::sealed::Sealed for Basic {
+    fn plan(&self, at: &crate::channel::sealed::Plan) -> crate::channel::kind::ChannelKind {
+        use crate::channel::kind::ChannelKind;
+        ChannelKind::Basic {
+            chunk_size: at.chunk_size,
+        }
+    }
+}
 
 impl ChannelBackend for Basic {
     fn name(&self) -> &'static str {

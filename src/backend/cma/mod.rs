@@ -88,7 +88,18 @@ pub const REMOTE_BUFFER_LEN: usize = 20;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Cma;
 
-impl crate::channel::sealed::Sealed for Cma {}
+impl crate::channel::sealed::Sealed for Cma {
+    fn plan(&self, at: &crate::channel::sealed::Plan) -> crate::channel::kind::ChannelKind {
+        use crate::channel::kind::ChannelKind;
+        ChannelKind::Cma {
+            threads: at.cma_threads,
+            chunk_size: at.chunk_size,
+            inline_max: at
+                .cma_inline_max
+                .unwrap_or_else(|| inline_max(at.transport)),
+        }
+    }
+}
 
 impl ChannelBackend for Cma {
     fn name(&self) -> &'static str {

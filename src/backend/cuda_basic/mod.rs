@@ -39,7 +39,15 @@ impl CudaBasic {
     }
 }
 
-impl crate::channel::sealed::Sealed for CudaBasic {}
+impl crate::channel::sealed::Sealed for CudaBasic {
+    fn plan(&self, at: &crate::channel::sealed::Plan) -> crate::channel::kind::ChannelKind {
+        use crate::channel::kind::ChannelKind;
+        {
+            let _ = at;
+            ChannelKind::CudaBasic
+        }
+    }
+}
 
 impl ChannelBackend for CudaBasic {
     fn name(&self) -> &'static str {

@@ -71,7 +71,15 @@ impl CudaGdr {
     }
 }
 
-impl crate::channel::sealed::Sealed for CudaGdr {}
+impl crate::channel::sealed::Sealed for CudaGdr {
+    fn plan(&self, at: &crate::channel::sealed::Plan) -> crate::channel::kind::ChannelKind {
+        use crate::channel::kind::ChannelKind;
+        {
+            let _ = at;
+            ChannelKind::CudaGdr
+        }
+    }
+}
 
 impl ChannelBackend for CudaGdr {
     fn name(&self) -> &'static str {

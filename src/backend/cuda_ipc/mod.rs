@@ -76,7 +76,12 @@ pub fn domain() -> String {
         .clone()
 }
 
-impl crate::channel::sealed::Sealed for CudaIpc {}
+impl crate::channel::sealed::Sealed for CudaIpc {
+    fn plan(&self, at: &crate::channel::sealed::Plan) -> crate::channel::kind::ChannelKind {
+        use crate::channel::kind::ChannelKind;
+        ChannelKind::CudaIpc { pipe: at.pipe }
+    }
+}
 
 impl ChannelBackend for CudaIpc {
     fn name(&self) -> &'static str {

@@ -27,7 +27,12 @@ impl CudaXth {
     }
 }
 
-impl crate::channel::sealed::Sealed for CudaXth {}
+impl crate::channel::sealed::Sealed for CudaXth {
+    fn plan(&self, at: &crate::channel::sealed::Plan) -> crate::channel::kind::ChannelKind {
+        use crate::channel::kind::ChannelKind;
+        ChannelKind::CudaXth { pipe: at.pipe }
+    }
+}
 
 impl ChannelBackend for CudaXth {
     fn name(&self) -> &'static str {

@@ -42,7 +42,15 @@ impl Default for Mpt {
     }
 }
 
-impl crate::channel::sealed::Sealed for Mpt {}
+impl crate::channel::sealed::Sealed for Mpt {
+    fn plan(&self, at: &crate::channel::sealed::Plan) -> crate::channel::kind::ChannelKind {
+        use crate::channel::kind::ChannelKind;
+        ChannelKind::Mpt {
+            chunk_size: at.chunk_size,
+            inline_max: self.inline_max,
+        }
+    }
+}
 
 impl ChannelBackend for Mpt {
     fn name(&self) -> &'static str {

@@ -37,7 +37,12 @@ pub fn process_token() -> &'static str {
     })
 }
 
-impl crate::channel::sealed::Sealed for Xth {}
+impl crate::channel::sealed::Sealed for Xth {
+    fn plan(&self, at: &crate::channel::sealed::Plan) -> crate::channel::kind::ChannelKind {
+        use crate::channel::kind::ChannelKind;
+        ChannelKind::Xth { pipe: at.pipe }
+    }
+}
 
 impl ChannelBackend for Xth {
     fn name(&self) -> &'static str {

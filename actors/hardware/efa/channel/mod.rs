@@ -168,7 +168,15 @@ impl Efa {
     }
 }
 
-impl crate::channel::sealed::Sealed for Efa {}
+impl crate::channel::sealed::Sealed for Efa {
+    fn plan(&self, at: &crate::channel::sealed::Plan) -> crate::channel::kind::ChannelKind {
+        use crate::channel::kind::ChannelKind;
+        ChannelKind::Efa {
+            chunk_size: at.chunk_size,
+            inline_max: self.inline_limit(),
+        }
+    }
+}
 
 impl ChannelBackend for Efa {
     fn name(&self) -> &'static str {

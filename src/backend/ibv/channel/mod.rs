@@ -224,7 +224,15 @@ impl IbvChannel {
     }
 }
 
-impl crate::channel::sealed::Sealed for IbvChannel {}
+impl crate::channel::sealed::Sealed for IbvChannel {
+    fn plan(&self, at: &crate::channel::sealed::Plan) -> crate::channel::kind::ChannelKind {
+        use crate::channel::kind::ChannelKind;
+        ChannelKind::Ibv {
+            chunk_size: at.chunk_size,
+            inline_max: self.inline_max(),
+        }
+    }
+}
 
 impl ChannelBackend for IbvChannel {
     fn name(&self) -> &'static str {

@@ -1,10 +1,11 @@
-//! [`ChannelKind`]: which backend a channel actor runs, and what the pipe asks of it.
+//! [`ChannelKind`]: which backend a negotiated channel runs (what its backend plans for a new
+//! pipe: [`super::sealed::Sealed::plan`]), and what the pipe routes to it.
 
 use crate::transport::stream::Carried;
 
 /// Which channel backend this actor runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ChannelKind {
+pub enum ChannelKind {
     /// Tensor bytes in chunks over the pipe's connection.
     Basic { chunk_size: usize },
     /// In-process copy.
@@ -104,7 +105,7 @@ impl ChannelKind {
     }
 
     /// The chunk size of tensors on the pipe's connection.
-    pub(crate) fn control_chunk(&self) -> usize {
+    pub fn control_chunk(&self) -> usize {
         match *self {
             ChannelKind::Basic { chunk_size }
             | ChannelKind::Cma { chunk_size, .. }
@@ -125,7 +126,7 @@ impl ChannelKind {
 
     /// Whether this kind moves CUDA-routed tensors (those of a device pair other than
     /// cpu->cpu), with [`SendCuda`] and [`RecvCuda`].
-    pub(crate) fn carries_cuda(&self) -> bool {
+    pub fn carries_cuda(&self) -> bool {
         match self {
             #[cfg(feature = "cuda")]
             ChannelKind::CudaXth { .. } | ChannelKind::CudaIpc { .. } | ChannelKind::CudaBasic => {
