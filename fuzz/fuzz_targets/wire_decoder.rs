@@ -16,9 +16,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-use actorpipe::transport::stream::read_frame;
-use actorpipe::internal::wire::{check_frame_len, decode_frame, Limits, SERDE_RESERVE_PER_BYTE};
-use actorpipe::Origin;
+use actorpipe::internal::fuzz::{wire_frame, wire_limits, wire_stream};
+use actorpipe::internal::wire::{Limits, SERDE_RESERVE_PER_BYTE};
 use libfuzzer_sys::fuzz_target;
 
 /// What decoding may allocate beyond the frame size (error messages, small vectors).
@@ -78,17 +77,7 @@ fn setup() -> &'static Setup {
         runtime: tokio::runtime::Builder::new_current_thread()
             .build()
             .expect("a current-thread runtime"),
-        limit_sets: [
-            Limits::default(),
-            Limits {
-                max_frame_size: 4096,
-                max_payloads: 4,
-                max_tensors: 4,
-                max_metadata_size: 256,
-                max_payload_size: 1 << 20,
-                max_tensor_size: 1 << 20,
-            },
-        ],
+        limit_sets: wire_limits(),
     })
 }
 
@@ -116,19 +105,10 @@ fuzz_target!(|data: &[u8]| {
 
         // One frame: its announced length is the input's length (saturated: a longer input
         // is over any u32 limit anyway).
-        let len = u32::try_from(data.len()).unwrap_or(u32::MAX);
-        if check_frame_len(len, limits).is_ok() {
-            let _ = within("decode_frame", limits, bound, || decode_frame(data, limits));
-        }
-
+        within("decode_frame", limits, bound, || wire_frame(data, limits));
         // A stream: frames until the bytes run out or one is refused.
         within("read_frame", limits, bound, || {
-            s.runtime.block_on(async {
-                let mut r = data;
-                let mut buf = Vec::new();
-                let origin = Origin::default();
-                while read_frame(&mut r, &mut buf, limits, &origin).await.is_ok() {}
-            })
+            s.runtime.block_on(wire_stream(data, limits))
         });
     }
 });

@@ -13,6 +13,8 @@ pub mod copy;
 pub mod error;
 #[path = "../fds.rs"]
 pub mod fds;
+/// The fuzz targets' checks (`fuzz/`), replayed over the kept seeds by the test suite.
+pub mod fuzz;
 #[path = "../handshake.rs"]
 pub mod handshake;
 #[path = "../keymap.rs"]

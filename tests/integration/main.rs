@@ -22,6 +22,7 @@ mod bad_input;
 mod close;
 mod conformance;
 mod examples;
+mod fuzz_seeds;
 #[cfg(feature = "ibv")]
 mod ibv;
 mod liveness;

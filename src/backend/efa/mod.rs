@@ -18,6 +18,7 @@ pub mod engine;
 #[cfg(feature = "faults")]
 pub mod faults;
 mod ffi;
+pub mod hello;
 mod linger;
 pub mod regcache;
 pub mod tag;

@@ -657,6 +657,88 @@ impl Consumer {
     }
 }
 
+/// A ring driven by `ops` with a hostile peer, for the fuzz target `shm_ring` and its seeds'
+/// replay: each op byte (mod 6) is our write, our read, or the peer storing an arbitrary value
+/// into a header field (its position, the other side's position, a flag). Nothing may panic, no
+/// call may report more bytes than it was given room for, and while the peer has stored nothing
+/// the bytes read are the bytes written, in order.
+pub(crate) fn hostile_peer(ops: &[u8]) {
+    let (mut p, mut c) = in_memory(MIN_CAPACITY).expect("a ring of the minimum size");
+    let shared = p.s.clone();
+    let h: &Header = shared.header();
+    let capacity = shared.capacity;
+    let mut it = ops.iter().copied();
+    let word = |it: &mut dyn Iterator<Item = u8>| {
+        let mut b = [0u8; 8];
+        for x in &mut b {
+            *x = it.next().unwrap_or(0);
+        }
+        u64::from_le_bytes(b)
+    };
+    let (mut written, mut read) = (Vec::new(), Vec::new());
+    let mut tampered = false;
+    let mut counter = 0u8;
+    while let Some(op) = it.next() {
+        let n = usize::from(it.next().unwrap_or(0)) * 37;
+        match op % 6 {
+            0 => {
+                let src: Vec<u8> = (0..n)
+                    .map(|_| {
+                        counter = counter.wrapping_add(1);
+                        counter
+                    })
+                    .collect();
+                if let Ok(k) = p.write(&[io::IoSlice::new(&src)]) {
+                    assert!(k <= n, "wrote {k} of {n} bytes");
+                    written.extend_from_slice(&src[..k]);
+                }
+            }
+            1 => {
+                let mut dst = vec![0u8; n];
+                if let Ok(k) = c.read(&mut dst) {
+                    assert!(k <= n, "read {k} bytes into {n}");
+                    read.extend_from_slice(&dst[..k]);
+                }
+            }
+            2 => {
+                tampered = true;
+                h.head.0.store(word(&mut it), Ordering::Release);
+            }
+            3 => {
+                tampered = true;
+                h.tail.0.store(word(&mut it), Ordering::Release);
+            }
+            4 => {
+                tampered = true;
+                let v = word(&mut it);
+                h.writer_closed.0.store(v as u32, Ordering::Release);
+                h.reader_closed.store((v >> 32) as u32, Ordering::Release);
+            }
+            _ => {
+                if let Ok(k) = c.available() {
+                    assert!(
+                        k as u64 <= capacity,
+                        "{k} bytes available in a ring of {capacity}"
+                    );
+                }
+                if let Ok(k) = p.space() {
+                    assert!(
+                        k as u64 <= capacity,
+                        "{k} bytes free in a ring of {capacity}"
+                    );
+                }
+            }
+        }
+        if !tampered {
+            assert_eq!(
+                read[..],
+                written[..read.len()],
+                "bytes read differ from those written"
+            );
+        }
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

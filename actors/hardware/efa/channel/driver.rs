@@ -37,6 +37,7 @@ use super::pair_domains;
 use super::path::{gone, Link, Path, SharedPath, Step};
 use crate::actors::hardware::efa::Poster;
 use crate::actors::hardware::efa::{EndpointInfo, FabricAttach, FabricDescribe, FabricShare};
+use crate::backend::efa::hello::{decode_domains, encode_domains, MAX_HELLO};
 use crate::backend::efa::tag;
 use crate::channel::driver::{Cx, Driver, ACKS};
 use crate::error::{Error, Origin};
@@ -49,12 +50,6 @@ type Ctx<'a> = Cx<'a, EfaEvent>;
 
 /// The lane's index.
 const LANE: usize = ACKS;
-
-/// The longest domain list accepted from a peer (bytes).
-const MAX_HELLO: u32 = 64 << 10;
-
-/// The most domains a list may name.
-const MAX_DOMAINS: usize = 64;
 
 /// One pipe's `efa` channel: the data path it shares with the pipe, and the queue of
 /// rendezvous grants the path leaves for the lane.
@@ -84,38 +79,6 @@ impl futures_core::Stream for Grants {
     ) -> std::task::Poll<Option<EfaEvent>> {
         self.0.poll_recv(cx).map(|a| a.map(EfaEvent::Grant))
     }
-}
-
-/// Our domains' list for the hello: per domain, its fabric and endpoint address.
-fn encode_domains(infos: &[&EndpointInfo]) -> Vec<u8> {
-    let mut b = Vec::new();
-    for i in infos {
-        for part in [i.attributes.fabric.as_bytes(), &i.name] {
-            b.extend_from_slice(&(part.len() as u16).to_le_bytes());
-            b.extend_from_slice(part);
-        }
-    }
-    b
-}
-
-/// The peer's list: (fabric, endpoint address) per domain; `None` if malformed.
-fn decode_domains(mut b: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
-    let take = |b: &mut &[u8]| -> Option<Vec<u8>> {
-        let n = u16::from_le_bytes(b.get(..2)?.try_into().ok()?) as usize;
-        let v = b.get(2..2 + n)?.to_vec();
-        *b = &b[2 + n..];
-        Some(v)
-    };
-    let mut out = Vec::new();
-    while !b.is_empty() {
-        let fabric = String::from_utf8(take(&mut b)?).ok()?;
-        let name = take(&mut b)?;
-        if name.is_empty() || out.len() == MAX_DOMAINS {
-            return None;
-        }
-        out.push((fabric, name));
-    }
-    (!out.is_empty()).then_some(out)
 }
 
 impl EfaDriver {
@@ -160,7 +123,10 @@ impl EfaDriver {
             !crate::backend::efa::keeps_unexpected(provider)
         });
         f.step = Step::Hello;
-        let list = encode_domains(&f.infos.iter().flatten().collect::<Vec<_>>());
+        let ours: Vec<(&str, &[u8])> = (f.infos.iter().flatten())
+            .map(|i| (i.attributes.fabric.as_str(), &i.name[..]))
+            .collect();
+        let list = encode_domains(&ours);
         let hello = Ack {
             seq: f.chunk as u64,
             tensor: list.len() as u32,

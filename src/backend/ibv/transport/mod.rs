@@ -265,7 +265,7 @@ fn ring(device: &dyn Device, cap: usize, access: Access) -> Result<Ring, verbs::
 }
 
 /// Whether the two sides can talk: they can reach each other ([`check_reach`]), and a sane ring.
-fn check_peer(ours: &Hello, theirs: &Hello) -> Result<(), String> {
+pub(crate) fn check_peer(ours: &Hello, theirs: &Hello) -> Result<(), String> {
     check_reach(ours, theirs)?;
     let cap = theirs.inbox_cap;
     if !cap.is_power_of_two() || !(MIN_CAPACITY as u64..=MAX_CAPACITY as u64).contains(&cap) {
