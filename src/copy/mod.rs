@@ -18,7 +18,6 @@
 mod pool;
 mod shared;
 
-#[cfg(test)]
 pub(crate) use pool::check_in_forked_child;
 pub(crate) use pool::{Pool, Work};
 pub(crate) use shared::copy_one;

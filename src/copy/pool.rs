@@ -111,20 +111,17 @@ impl Pool {
     }
 
     /// Shares this pool's threads have done so far.
-    #[cfg(test)]
     pub(crate) fn helped(&self) -> usize {
         self.helped.load(Ordering::Relaxed)
     }
 
     /// Jobs queued and not yet taken by a thread.
-    #[cfg(test)]
     pub(crate) fn queued(&self) -> Option<usize> {
         self.queue.lock().ok().map(|q| q.len())
     }
 
     /// Whether the queue's lock is free (`None` where it is held), and if so how many jobs it
     /// holds: for a forked child, which must not wait on a lock a vanished thread held.
-    #[cfg(test)]
     pub(crate) fn try_queued(&self) -> Option<usize> {
         self.queue.try_lock().ok().map(|q| q.len())
     }
@@ -146,8 +143,8 @@ impl Pool {
 /// Runs `work` in a child forked from this process once `pool`'s threads have taken every job
 /// (and sleep): panics unless the child's `work` says its result is right and the child queued
 /// no job for the threads it does not have. The tests of the pool's users call it after a job
-/// of theirs has started the threads.
-#[cfg(test)]
+/// of theirs has started the threads (and tests/host.rs's cma trials, through
+/// `backend::cma::testing`).
 pub(crate) fn check_in_forked_child(pool: &Pool, work: impl FnOnce() -> bool) {
     while pool.queued().unwrap_or(1) > 0 {
         std::thread::yield_now();

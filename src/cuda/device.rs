@@ -91,10 +91,33 @@ mod tests {
     }
 
     #[test]
-    fn listing_says_why_not() {
-        match devices() {
-            Ok(list) => assert!(!list.is_empty()),
-            Err(why) => assert!(!why.is_empty()),
+    fn listing_agrees_with_the_host() {
+        let listed = devices();
+        match crate::cuda::host_has() {
+            (false, _) => assert_eq!(
+                listed,
+                Err(crate::cuda::tests::NO_LIBRARY.to_string()),
+                "no driver library loads here"
+            ),
+            (true, 0) => {
+                let why = listed.expect_err("no GPU is listed, yet devices are");
+                assert!(why.starts_with("the CUDA driver "), "{why}");
+            }
+            (true, gpus) => {
+                let list = listed.unwrap_or_else(|why| panic!("{gpus} GPUs listed: {why}"));
+                assert_eq!(list.len() as u32, available().unwrap());
+                for (i, gpu) in list.iter().enumerate() {
+                    assert_eq!(gpu.ordinal, i as u32);
+                    assert!(!gpu.name.is_empty() && gpu.memory > 0, "{gpu:?}");
+                    // A PCI address: domain:bus:device.function, in hexadecimal.
+                    let parts: Vec<&str> = gpu.pci_bus_id.split([':', '.']).collect();
+                    assert_eq!(parts.len(), 4, "{gpu:?}");
+                    assert!(
+                        parts.iter().all(|p| u32::from_str_radix(p, 16).is_ok()),
+                        "{gpu:?}"
+                    );
+                }
+            }
         }
     }
 }

@@ -259,18 +259,57 @@ pub fn on_stream_done(stream: &CudaStream, f: impl FnOnce() + Send + 'static) ->
     watch::after(&gpu(ordinal)?, stream, f)
 }
 
+/// Whether this host's CUDA driver library can be loaded and it lists a GPU, found without
+/// cudarc: `dlopen` of the names the driver installs (`libcuda.so.1`, and the development link
+/// `libcuda.so`), and the NVIDIA kernel driver's list of GPUs. The tests hold [`available`] and
+/// [`device::devices`] to it.
+#[cfg(test)]
+pub(crate) fn host_has() -> (bool, usize) {
+    let loads = [c"libcuda.so.1", c"libcuda.so"].iter().any(|name| {
+        // SAFETY: dlopen with a NUL-terminated name; loading the driver runs its initialisers,
+        // as cudarc's loading does. The handle is closed at once.
+        let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
+        if handle.is_null() {
+            return false;
+        }
+        // SAFETY: the handle dlopen just returned, closed once.
+        unsafe { libc::dlclose(handle) };
+        true
+    });
+    let gpus = std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count());
+    (loads, gpus)
+}
+
 #[cfg(test)]
 mod tests {
+    /// `available`'s answer where no driver library loads: CI, which has no GPU and no libcuda.
+    pub(crate) const NO_LIBRARY: &str = "no CUDA driver library (libcuda.so) on this host";
+
     #[test]
-    fn availability_is_a_clear_answer() {
-        // Either a device count or a reason; on the CI machine (no GPU) the reason.
-        match super::available() {
-            Ok(n) => assert!(n > 0),
-            Err(why) => assert!(!why.is_empty()),
-        }
-        if super::available().is_err() {
-            let e = super::gpu(0).unwrap_err();
-            assert_eq!(e.class(), "unavailable", "{e}");
+    fn availability_agrees_with_the_host() {
+        let available = super::available();
+        match super::host_has() {
+            (false, _) => {
+                assert_eq!(available, Err(NO_LIBRARY.to_string()));
+                assert_eq!(super::device_count(), 0);
+                let e = super::gpu(0).unwrap_err();
+                assert_eq!(e.class(), "unavailable", "{e}");
+                assert!(e.to_string().contains(NO_LIBRARY), "{e}");
+            }
+            (true, 0) => {
+                // The library is there but the kernel driver lists no GPU: the driver says so.
+                let why = available.expect_err("no GPU is listed, yet CUDA is available");
+                assert!(why.starts_with("the CUDA driver "), "{why}");
+                assert!(super::gpu(0).is_err());
+            }
+            (true, gpus) => {
+                // CUDA_VISIBLE_DEVICES may hide some; MIG may show an instance per slice.
+                let n = available.unwrap_or_else(|why| panic!("{gpus} GPUs listed: {why}"));
+                assert!(n > 0);
+                assert_eq!(super::device_count(), n);
+                assert!(super::gpu(0).is_ok());
+                assert!(super::gpu(n).is_err(), "cuda:{n} is past the last device");
+            }
         }
     }
 }

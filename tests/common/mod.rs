@@ -254,7 +254,7 @@ pub fn draw_size(rng: &mut Rng) -> usize {
     }
 }
 
-// ----- child processes (peer_death.rs, netns.rs) ---------------------------------------------
+// ----- child processes (peer_death.rs, host/netns.rs, host/shm.rs) ----------------------------
 
 /// A command that re-runs this test binary as a child, running only the ignored test `name`
 /// (a child mode selected by the environment the caller adds). `name` is the test's full path in

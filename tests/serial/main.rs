@@ -6,20 +6,19 @@
 //! - `io_pool` counts the process's `actix-rt` threads: another test's arbiters or I/O pool
 //!   would be counted as its own;
 //! - `cma_fallback` switches cma's refusal on for the whole process (`cma::simulate_refusal`):
-//!   another test's cma reads would be refused too;
-//! - `netns` bounds how long keepalive takes to find a cut link, and its child processes must
-//!   not share the machine's two cores with another test's load.
+//!   another test's cma reads would be refused too.
 //!
 //! In the binary of every other suite (tests/integration/) tests run side by side. A suite that
 //! re-runs this binary as a child names the child's trial by its full path here
-//! (`peer_death::child_process`, `netns::netns_child`); the child runs that trial alone.
+//! (`peer_death::child_process`); the child runs that trial alone. The trials that need
+//! something of the host (root, cma's ptrace rights) are in tests/host/, whose binary reports
+//! them skipped where they cannot run.
 
 #[path = "../common/mod.rs"]
 mod common;
 
 mod cma_fallback;
 mod io_pool;
-mod netns;
 mod peer_death;
 mod soak;
 

@@ -662,5 +662,72 @@ pub fn probe() -> Result<(), CmaError> {
     Ok(())
 }
 
+/// What the trials that read real memory (tests/host/cma.rs) need beyond the functions above:
+/// a read with a chosen call size, a read on the caller alone, and reader threads of the trial's
+/// own. Those trials need the kernel to allow `process_vm_readv`, which a unit test cannot
+/// report as skipped where it does not; the unit tests (`tests.rs`) hold what runs everywhere.
+/// Not part of the API.
+#[doc(hidden)]
+pub mod testing {
+    use super::{max_per_call, plan, CmaError, Pool, RemoteBuffer, Share};
+
+    /// [`super::read_remote`] with at most `max_per_call` bytes a call, so that a small read
+    /// takes many calls.
+    pub fn read_remote_with(
+        src: &RemoteBuffer,
+        dst: &mut [u8],
+        threads: usize,
+        max_per_call: u64,
+    ) -> Result<(), CmaError> {
+        super::read_remote_with(src, dst, threads, max_per_call)
+    }
+
+    /// Reads `shares` of `src` into `dst` on the calling thread alone, in order.
+    pub fn read_alone(
+        src: &RemoteBuffer,
+        dst: &mut [u8],
+        shares: Vec<Share>,
+    ) -> Result<(), CmaError> {
+        super::read_shared(None, src, dst, shares)
+    }
+
+    /// A pool of reader threads of a trial's own (the process's one is shared by every read),
+    /// leaked as the process's is.
+    pub struct Readers(&'static Pool);
+
+    impl Readers {
+        /// A pool with no thread yet; its threads are called `name`-N.
+        pub fn new(name: &'static str) -> Readers {
+            Readers(Box::leak(Box::new(Pool::new(name))))
+        }
+
+        /// [`super::read_remote`] on this pool, `threads` threads.
+        pub fn read(
+            &self,
+            src: &RemoteBuffer,
+            dst: &mut [u8],
+            threads: usize,
+        ) -> Result<(), CmaError> {
+            super::read_shared(
+                Some(self.0),
+                src,
+                dst,
+                plan(src.len, max_per_call(), threads).collect(),
+            )
+        }
+
+        /// Shares this pool's threads have read so far.
+        pub fn helped(&self) -> usize {
+            self.0.helped()
+        }
+
+        /// Runs `work` in a child forked once this pool's threads are idle: panics unless the
+        /// child says its result is right and queued nothing for the threads it does not have.
+        pub fn check_in_forked_child(&self, work: impl FnOnce() -> bool) {
+            crate::copy::check_in_forked_child(self.0, work)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests;

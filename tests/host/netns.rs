@@ -1,29 +1,31 @@
 //! Two hosts made of network namespaces: `A` (the server) and `B` (the client), joined by a veth
 //! pair with addresses in 10.199.0.0/24 that exist only inside those namespaces. Each side is
-//! this test binary run again in a child mode under `ip netns exec` (`netns_child`, selected by
-//! `ACTORPIPE_NETNS_CHILD`), over TCP only with the basic and mpt channels. The link is impaired
-//! with `tc netem` (delay, loss, reordering) where the kernel has it; where it does not, with a
-//! `tbf` rate limit whose short queue drops packets, and the test says so.
+//! this test binary run again in a child role under `ip netns exec` ([`child`], role `netns`),
+//! over TCP only with the basic and mpt channels. The link is impaired with `tc netem` (delay,
+//! loss, reordering) where the kernel has it; where it does not, with a `tbf` rate limit whose
+//! short queue drops packets, and the trial says so.
 //!
-//! - `netns_random_sizes_arrive_intact_and_in_order_or_skip`: messages of random sizes, echoed
-//!   over a basic pipe and an mpt pipe at once, come back intact (checksums) and in order.
-//! - `netns_link_cut_is_detected_by_keepalive_or_skip`: the link is cut (`ip link set down` in
-//!   A) while the client has reads pending and writes in flight. Two busy pipes (basic, mpt)
-//!   also set the kernel's unacknowledged-data timeout (`TCP_USER_TIMEOUT`, 6 s, a backstop),
-//!   a third busy one and an idle one only the plain `keepalive(1 s, 3 s)`; the heartbeats must
-//!   find the cut on all four, with data in flight too; every pending operation of the four must fail, in order, with a
-//!   timeout or peer-lost error, within the 3 s timeout plus [`DETECTION_SLACK`]. Detection
-//!   times are printed.
-//! - `netns_mpt_lanes_use_both_nics_or_skip`: a second veth pair joins the hosts (two NICs a
-//!   side, policy routing in B by source address); an mpt pipe with `lane_addresses` set to B's
-//!   two addresses sends a lane through each link (the second link's byte counter shows it),
-//!   and the rates of mpt over both links and basic over one are printed.
+//! - `netns::random_sizes_arrive_intact_and_in_order`: messages of random sizes, echoed over a
+//!   basic pipe and an mpt pipe at once, come back intact (checksums) and in order.
+//! - `netns::link_cut_is_detected_by_keepalive`: the link is cut (`ip link set down` in A)
+//!   while the client has reads pending and writes in flight. Two busy pipes (basic, mpt) also
+//!   set the kernel's unacknowledged-data timeout (`TCP_USER_TIMEOUT`, 6 s, a backstop), a third
+//!   busy one and an idle one only the plain `keepalive(1 s, 3 s)`; the heartbeats must find the
+//!   cut on all four, with data in flight too; every pending operation of the four must fail, in
+//!   order, with a timeout or peer-lost error, within the 3 s timeout plus [`DETECTION_SLACK`].
+//!   Detection times are printed.
+//! - `netns::mpt_lanes_use_both_nics`: a second veth pair joins the hosts (two NICs a side,
+//!   policy routing in B by source address); an mpt pipe with `lane_addresses` set to B's two
+//!   addresses sends a lane through each link (the second link's byte counter shows it), and the
+//!   rates of mpt over both links and basic over one are printed.
 //!
-//! Namespaces need root (CAP_SYS_ADMIN) and iproute2. Where they cannot be made, each test
-//! prints `skipped: <test>: <reason>` straight to stderr (past the harness's capture, so CI logs
-//! show it) and passes; hence the `_or_skip` in the names. Namespaces are named after this
-//! process and deleted by a guard however the test ends. Nothing outside the two namespaces is
-//! ever contacted.
+//! Namespaces need root (CAP_SYS_ADMIN), iproute2 and veth. Before any trial runs, [`trials`]
+//! builds the hosts once (both links) and removes them: where that fails, the trials report
+//! themselves skipped with the reason, and where it worked a trial that cannot build them fails.
+//! The trials run one at a time, nothing alongside (the binary's rule): they bound how long
+//! keepalive takes to find a cut link, and their child processes must not share the machine's
+//! two cores with another trial's load. Namespaces are named after this process and deleted by a
+//! guard however the trial ends. Nothing outside the two namespaces is ever contacted.
 
 use std::cell::Cell;
 use std::process::Command;
@@ -34,10 +36,11 @@ use actix::Addr;
 use actorpipe::transport::Keepalive;
 use actorpipe::*;
 
-use crate::common::*;
+use libtest_mimic::{Arguments, Trial};
 
-/// Selects the child mode: `server`, `deliver <url>` or `cut <url>`.
-const CHILD_ENV: &str = "ACTORPIPE_NETNS_CHILD";
+use crate::common::*;
+use crate::{may_run, trial, CHILD_ENV};
+
 /// Starts the children's lines on stdout.
 const CHILD_TAG: &str = "netns-child:";
 const SERVER_IP: &str = "10.199.0.1";
@@ -53,10 +56,6 @@ const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long after the keepalive timeout every pending operation must have failed.
 const DETECTION_SLACK: Duration = Duration::from_secs(2);
-
-// The tests don't overlap, with each other or any other test, so the timings of one are not
-// skewed by another's load.
-use crate::ONE_AT_A_TIME;
 
 /// Both sides: TCP only, channels basic and mpt, the plain keepalive.
 fn builder() -> ContextBuilder {
@@ -112,7 +111,7 @@ struct Hosts {
 }
 
 impl Hosts {
-    /// Sets the hosts up, or says why it cannot (the test then skips).
+    /// Sets the hosts up, or says why it cannot (the trials then skip).
     fn create() -> Result<Hosts, String> {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         match Command::new("ip").arg("-V").output() {
@@ -227,14 +226,13 @@ impl Hosts {
             .expect("a byte count")
     }
 
-    /// `ip netns exec <ns>` this test binary as the child `netns_child`, in mode `mode`.
+    /// `ip netns exec <ns>` this test binary as a child of role `netns`, in mode `mode`.
     fn child(&self, ns: &str, mode: &str) -> ChildProcess {
         let exe = std::env::current_exe().expect("test binary path");
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", ns])
             .arg(exe)
-            .args(reexec_args("netns::netns_child"))
-            .env(CHILD_ENV, mode);
+            .env(CHILD_ENV, format!("netns {mode}"));
         ChildProcess::spawn(cmd)
     }
 
@@ -301,15 +299,63 @@ fn impair(ns: &str, dev: &str) -> String {
     }
 }
 
-/// The hosts, or `None` after printing why the test skips.
-fn hosts_or_skip(test: &str) -> Option<Hosts> {
-    match Hosts::create() {
-        Ok(h) => Some(h),
-        Err(why) => {
-            tell_ci(&format!("skipped: {test}: {why}"));
-            None
-        }
+/// Why the trials cannot run here, for all three and for the two-link one: the hosts are built
+/// once, with both links, and removed.
+fn unavailable() -> (Option<String>, Option<String>) {
+    // SAFETY: geteuid cannot fail and touches no memory of ours.
+    let euid = unsafe { libc::geteuid() };
+    if euid != 0 {
+        let why = format!(
+            "skipped: network namespaces need root (CAP_SYS_ADMIN); this runs as uid {euid}"
+        );
+        return (Some(why), None);
     }
+    match Hosts::create() {
+        Err(why) => (Some(format!("skipped: {why}")), None),
+        Ok(mut hosts) => (
+            None,
+            hosts
+                .add_second_link()
+                .err()
+                .map(|why| format!("skipped: cannot add a second link: {why}")),
+        ),
+    }
+}
+
+/// The trials, skipped with the reason where the hosts cannot be built (which is tried only if
+/// one of them is to run).
+pub fn trials(args: &Arguments) -> Vec<Trial> {
+    let cases: [(&str, fn()); 3] = [
+        (
+            "netns::random_sizes_arrive_intact_and_in_order",
+            random_sizes_arrive_intact_and_in_order,
+        ),
+        ("netns::mpt_lanes_use_both_nics", mpt_lanes_use_both_nics),
+        (
+            "netns::link_cut_is_detected_by_keepalive",
+            link_cut_is_detected_by_keepalive,
+        ),
+    ];
+    let (all, second) = if cases.iter().any(|(name, _)| may_run(args, name)) {
+        unavailable()
+    } else {
+        (None, None)
+    };
+    cases
+        .into_iter()
+        .map(|(name, f)| {
+            let skip = match name {
+                "netns::mpt_lanes_use_both_nics" => all.as_deref().or(second.as_deref()),
+                _ => all.as_deref(),
+            };
+            trial(name, skip, f)
+        })
+        .collect()
+}
+
+/// The hosts; they could be built before the trials started.
+fn hosts() -> Hosts {
+    Hosts::create().unwrap_or_else(|why| panic!("the hosts were built at the start: {why}"))
 }
 
 /// Starts the server in `A` and returns it with its URL.
@@ -329,15 +375,10 @@ fn server(hosts: &Hosts) -> (ChildProcess, String) {
 
 // ----- the children ----------------------------------------------------------------------------
 
-/// The processes inside the namespaces. Run alone, it does nothing.
-#[test]
-#[ignore = "helper: the server and client processes of the netns tests"]
-fn netns_child() {
-    let Ok(spec) = std::env::var(CHILD_ENV) else {
-        return;
-    };
+/// The processes inside the namespaces (role `netns`): `server`, `deliver <url>`, `cut <url>`
+/// or `nics <url>`.
+pub fn child(words: &[String]) {
     die_with_parent();
-    let words: Vec<String> = spec.split_whitespace().map(String::from).collect();
     actix::System::new().block_on(async move {
         match words[0].as_str() {
             "server" => serve().await,
@@ -706,13 +747,9 @@ fn finish(
     summary
 }
 
-#[test]
-fn netns_random_sizes_arrive_intact_and_in_order_or_skip() {
-    const NAME: &str = "netns_random_sizes_arrive_intact_and_in_order_or_skip";
-    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(hosts) = hosts_or_skip(NAME) else {
-        return;
-    };
+fn random_sizes_arrive_intact_and_in_order() {
+    const NAME: &str = "netns::random_sizes_arrive_intact_and_in_order";
+    let hosts = hosts();
     let (mut server, url) = server(&hosts);
     let client = hosts.child(&hosts.b, &format!("deliver {url}"));
     let summary = finish(client, &mut server, CHILD_TAG, Duration::from_secs(100));
@@ -727,20 +764,12 @@ fn netns_random_sizes_arrive_intact_and_in_order_or_skip() {
 /// leave through both links (the second link's byte counter shows a lane's share of the
 /// stripes), and the data arrives intact. The rates are printed, not asserted: with links
 /// limited per interface (the `tbf` fallback), mpt over both is about twice basic over one.
-#[test]
-fn netns_mpt_lanes_use_both_nics_or_skip() {
-    const NAME: &str = "netns_mpt_lanes_use_both_nics_or_skip";
-    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(mut hosts) = hosts_or_skip(NAME) else {
-        return;
-    };
-    let second = match hosts.add_second_link() {
-        Ok(dev) => dev,
-        Err(why) => {
-            tell_ci(&format!("skipped: {NAME}: cannot add a second link: {why}"));
-            return;
-        }
-    };
+fn mpt_lanes_use_both_nics() {
+    const NAME: &str = "netns::mpt_lanes_use_both_nics";
+    let mut hosts = hosts();
+    let second = hosts
+        .add_second_link()
+        .unwrap_or_else(|why| panic!("the second link was added at the start: {why}"));
     let (mut server, url) = server(&hosts);
     let (b, first) = (hosts.b.clone(), hosts.veth_b.clone());
     let before = (hosts.tx_bytes(&b, &first), hosts.tx_bytes(&b, &second));
@@ -771,13 +800,9 @@ fn netns_mpt_lanes_use_both_nics_or_skip() {
     ));
 }
 
-#[test]
-fn netns_link_cut_is_detected_by_keepalive_or_skip() {
-    const NAME: &str = "netns_link_cut_is_detected_by_keepalive_or_skip";
-    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(hosts) = hosts_or_skip(NAME) else {
-        return;
-    };
+fn link_cut_is_detected_by_keepalive() {
+    const NAME: &str = "netns::link_cut_is_detected_by_keepalive";
+    let hosts = hosts();
     let (mut server, url) = server(&hosts);
     let mut client = hosts.child(&hosts.b, &format!("cut {url}"));
     let mut busy = Vec::new();
