@@ -14,7 +14,9 @@
 //! that every buffer it handed in came back: the same allocation, and for a write the same bytes.
 //! The efa backends run on each provider of `ACTORPIPE_EFA_PROVIDERS` (tests/common/efa.rs); a
 //! provider libfabric lacks here is reported skipped. `cma_buffers_of_a_frozen_reader_*` checks
-//! the cma sender's grace period: the buffers a frozen reader may still be reading stay held.
+//! the cma sender's grace period: the buffers a frozen reader may still be reading stay held
+//! (when the writer closes; an ignored trial shows they do not when the keepalive fails the
+//! pipe).
 //!
 //! The tests of this file hold the binary's lock ([`ONE_AT_A_TIME`]): descriptor counts are per
 //! process, so no other test may run alongside them.
@@ -49,7 +51,9 @@ const FROZEN_TIMEOUT: Duration = Duration::from_secs(2);
 /// Every pending operation fails within 1 s after the keepalive timeout...
 const FROZEN_BOUND: Duration = Duration::from_secs(3);
 /// ...except a cma write: a sending cma channel keeps the buffers a frozen peer may still be
-/// reading for its grace period (`backend::cma::driver::GRACE`, 5 s) after the pipe failed.
+/// reading for its grace period (`backend::cma::driver::GRACE`, 5 s) after the pipe failed. (At
+/// a keepalive timeout it does not yet: they come back at once, see
+/// `cma_buffers_of_a_reader_frozen_until_the_keepalive_come_back_after_the_grace`.)
 const CMA_GRACE: Duration = Duration::from_secs(5);
 /// Trials per backend with a frozen peer: each waits out the timeout.
 const FROZEN_TRIALS: u32 = 2;
@@ -811,12 +815,17 @@ const GRACE_TRIES: u32 = 5;
 #[test]
 #[ignore = "helper: the reader that the cma grace test freezes"]
 fn cma_grace_child() {
-    if std::env::var_os(GRACE_CHILD_ENV).is_none() {
+    let Ok(end) = std::env::var(GRACE_CHILD_ENV) else {
         return;
-    }
+    };
     die_with_parent();
-    actix::System::new().block_on(async {
-        let mut server = Server::start(Context::builder(), "tcp://127.0.0.1:0").await;
+    let end = if end == "keepalive" {
+        GraceEnd::Keepalive
+    } else {
+        GraceEnd::Close
+    };
+    actix::System::new().block_on(async move {
+        let mut server = Server::start(end.builder(), "tcp://127.0.0.1:0").await;
         tell_parent(&format!("{GRACE_TAG} url {}", server.url));
         let pipe = server.next().await;
         while let Ok(d) = pipe.send(ReadDescriptor).await.unwrap().descriptor {
@@ -830,8 +839,44 @@ fn cma_grace_child() {
     });
 }
 
-/// What one try of the grace trial found: the write's end after the close, or that the reader
-/// finished before it was frozen.
+/// How the writer's pipe to the frozen reader ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GraceEnd {
+    /// The writer closes it.
+    Close,
+    /// The keepalive finds the reader silent ([`FROZEN_TIMEOUT`]) and fails it.
+    Keepalive,
+}
+
+impl GraceEnd {
+    /// Both sides' context: the default one (shm + cma), with the short keepalive for
+    /// [`GraceEnd::Keepalive`].
+    fn builder(self) -> ContextBuilder {
+        match self {
+            GraceEnd::Close => Context::builder(),
+            GraceEnd::Keepalive => Context::builder().keepalive(FROZEN_INTERVAL, FROZEN_TIMEOUT),
+        }
+    }
+
+    /// From the freeze to the pipe's failure, at least.
+    fn failing_after(self) -> Duration {
+        match self {
+            GraceEnd::Close => Duration::ZERO,
+            GraceEnd::Keepalive => FROZEN_TIMEOUT,
+        }
+    }
+
+    /// The class of the pipe's error.
+    fn class(self) -> &'static str {
+        match self {
+            GraceEnd::Close => "closed",
+            GraceEnd::Keepalive => "timeout",
+        }
+    }
+}
+
+/// What one try of the grace trial found: the write's end after the pipe failed, or that the
+/// reader finished before it was frozen.
 enum GraceTry {
     Held {
         back_after: Duration,
@@ -848,15 +893,31 @@ enum GraceTry {
 /// close and `Closed` resolve too, and no descriptor is left behind.
 #[test]
 fn cma_buffers_of_a_frozen_reader_come_back_after_the_grace() {
+    frozen_reader_grace(GraceEnd::Close)
+}
+
+/// The same when nobody closes the pipe, and the keepalive finds the frozen reader (no byte for
+/// 2 s) and fails it: the reader is just as likely to be reading still, so the buffer should
+/// stay held for the grace after the failure. It does not: it comes back at the timeout (the
+/// failed acknowledgement connection releases every tensor waiting for an ack at once), so the
+/// frozen reader can resume reading memory the user has taken back.
+#[test]
+#[ignore = "known bug: at a keepalive timeout a cma sender hands back the buffers a frozen reader \
+            may still be reading, without the grace"]
+fn cma_buffers_of_a_reader_frozen_until_the_keepalive_come_back_after_the_grace() {
+    frozen_reader_grace(GraceEnd::Keepalive)
+}
+
+fn frozen_reader_grace(end: GraceEnd) {
     let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     actix::System::new().block_on(async {
-        drop(Context::builder().start());
+        drop(end.builder().start());
         tokio::time::sleep(Duration::from_millis(200)).await;
         let baseline = fd_count();
         let mut tries = 0;
         let (back_after, class) = loop {
             tries += 1;
-            match grace_try().await {
+            match grace_try(end).await {
                 GraceTry::Held { back_after, class } => break (back_after, class),
                 GraceTry::ReadBeforeFreeze if tries < GRACE_TRIES => {}
                 GraceTry::ReadBeforeFreeze => panic!(
@@ -865,35 +926,43 @@ fn cma_buffers_of_a_frozen_reader_come_back_after_the_grace() {
                 ),
             }
         };
+        // `back_after` counts from the freeze, or from the close; the grace from the failure.
+        let at_least = end.failing_after() + CMA_GRACE;
         assert!(
-            back_after >= CMA_GRACE,
-            "the buffer came back {back_after:?} after the close, before the grace \
-             ({CMA_GRACE:?}): the frozen reader may still be reading it"
+            back_after >= at_least,
+            "{end:?}: the buffer came back {back_after:?} after the freeze or close, before the \
+             grace ({at_least:?}): the frozen reader may still be reading it"
         );
         // Generous for a loaded 2-core machine; a buffer kept for good would hang the trial.
         assert!(
-            back_after <= CMA_GRACE + Duration::from_secs(10),
-            "the buffer came back only {back_after:?} after the close"
+            back_after <= at_least + Duration::from_secs(10),
+            "{end:?}: the buffer came back only {back_after:?} after the freeze or close"
         );
         if let Err(now) = fds_back_to(&baseline, Duration::from_secs(6)).await {
             panic!("descriptors leaked: before {baseline:?}, after {now:?}");
         }
         eprintln!(
-            "cma grace: the held buffer came back {back_after:?} after the close ({class}), \
-             try {tries}"
+            "cma grace, {end:?}: the held buffer came back {back_after:?} after the freeze or \
+             close ({class}), try {tries}"
         );
     });
 }
 
-async fn grace_try() -> GraceTry {
+async fn grace_try(end: GraceEnd) -> GraceTry {
     let mut cmd = reexec("peer_death::cma_grace_child");
-    cmd.env(GRACE_CHILD_ENV, "1");
+    cmd.env(
+        GRACE_CHILD_ENV,
+        match end {
+            GraceEnd::Close => "close",
+            GraceEnd::Keepalive => "keepalive",
+        },
+    );
     let mut child = ChildProcess::spawn(cmd);
     let url = match child.line(GRACE_TAG, Duration::from_secs(10)) {
         Some((_, l)) => l.strip_prefix("url ").expect("url line").to_string(),
         None => panic!("the reader printed no URL; its output:\n{}", child.tail()),
     };
-    let ctx = Context::builder().start();
+    let ctx = end.builder().start();
     let pipe = within(10, "connect", ctx.send(Connect::new(&url)))
         .await
         .unwrap()
@@ -925,6 +994,7 @@ async fn grace_try() -> GraceTry {
     // SAFETY: kill(2) with a pid of our own child process, which has not been reaped.
     let r = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGSTOP) };
     assert_eq!(r, 0, "SIGSTOP: {}", std::io::Error::last_os_error());
+    let frozen = Instant::now();
     let info = pipe.send(GetInfo).await.unwrap();
     assert_eq!(
         (info.tensors_by_channel, info.tensors_on_control),
@@ -938,8 +1008,13 @@ async fn grace_try() -> GraceTry {
     if read_first || writes.try_recv().is_ok() {
         return GraceTry::ReadBeforeFreeze;
     }
-    let closing = Instant::now();
-    let close = actix::spawn(pipe.send(Close::because("the reader froze")));
+    let (from, close) = match end {
+        GraceEnd::Close => (
+            Instant::now(),
+            Some(actix::spawn(pipe.send(Close::because("the reader froze")))),
+        ),
+        GraceEnd::Keepalive => (frozen, None),
+    };
     let d = within(
         (CMA_GRACE + Duration::from_secs(20)).as_secs(),
         "the held buffer",
@@ -947,16 +1022,17 @@ async fn grace_try() -> GraceTry {
     )
     .await
     .expect("the write's end");
-    let back_after = closing.elapsed();
+    let back_after = from.elapsed();
     receipt.check_write(&d.message, "the write the frozen reader held");
     let e = d
         .result
         .expect_err("a write the reader never acknowledged fails");
-    assert!(matches!(e.class(), "closed" | "peer_closed"), "{e}");
+    assert_eq!(e.class(), end.class(), "{e}");
+    let close = close.unwrap_or_else(|| actix::spawn(pipe.send(Close::because("done"))));
     let closed_as = within(10, "the close", close).await.unwrap().unwrap();
-    assert_eq!(closed_as.error.class(), "closed", "{}", closed_as.error);
+    assert_eq!(closed_as.error.class(), end.class(), "{}", closed_as.error);
     let c = within(10, "Closed", closed.recv()).await.unwrap();
-    assert_eq!(c.error.class(), "closed", "{}", c.error);
+    assert_eq!(c.error.class(), end.class(), "{}", c.error);
     child.kill();
     drop(child);
     GraceTry::Held {
