@@ -1,7 +1,9 @@
-//! The libfabric endpoint actor on real providers (`tcp;ofi_rxm`, `shm`): the EAGAIN storm,
-//! many pipes on one endpoint, a failing pipe that spares the others. The suite injects faults:
-//! each trial reports itself skipped, with the reason, where the build has no `faults` feature
-//! (which brings `efa`) or libfabric lacks the provider.
+//! The libfabric endpoint actor on real providers (those `ACTORPIPE_EFA_PROVIDERS` names,
+//! `tcp;ofi_rxm` and `shm` by default: tests/common/efa.rs), a trial per provider: the EAGAIN
+//! storm, many pipes on one endpoint, a failing pipe that spares the others. The suite injects
+//! faults: each trial reports itself skipped, with the reason, where the build has no `faults`
+//! feature (which brings `efa`) or libfabric lacks the provider ("skipped: no efa provider
+//! here").
 
 use libtest_mimic::{Arguments, Trial};
 
@@ -1339,8 +1341,11 @@ fn main() {
             pipes::without_a_wait_fd_spinning,
         ),
     ]);
+    // The providers of `ACTORPIPE_EFA_PROVIDERS` (tests/common/efa.rs, `providers`).
     #[cfg(feature = "faults")]
-    for provider in efa::PROVIDERS {
+    let providers = efa::providers();
+    #[cfg(feature = "faults")]
+    for provider in &providers {
         // Run only by `endpoints_close_after_spinning`, in a process of its own.
         let p = provider.to_string();
         trials.push(
@@ -1357,7 +1362,7 @@ fn main() {
     }
     #[cfg(feature = "faults")]
     for (name, case) in cases {
-        for provider in efa::PROVIDERS {
+        for provider in &providers {
             let skip = efa::missing(provider);
             let p = provider.to_string();
             let t = Trial::test(format!("{name}::{provider}"), move || {
@@ -1376,7 +1381,15 @@ fn main() {
         let t = Trial::test("rxm_passthru_runs_the_trials_again", || {
             common::rerun_under_passthru(&["::tcp;ofi_rxm"], 25).map_err(Into::into)
         });
-        trials.push(match efa::missing("tcp;ofi_rxm") {
+        let skip = if efa::listed("tcp;ofi_rxm") {
+            efa::missing("tcp;ofi_rxm")
+        } else {
+            Some(format!(
+                "skipped: tcp;ofi_rxm is not in {}",
+                efa::PROVIDERS_VAR
+            ))
+        };
+        trials.push(match skip {
             Some(why) => t.with_ignored_flag(true).with_kind(why),
             None => t,
         });

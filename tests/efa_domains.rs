@@ -2,8 +2,8 @@
 //! host's network interfaces as domains): tensors striped over the domains both peers have, the
 //! bytes counted per domain, peers whose domain sets differ. Each trial reports itself skipped,
 //! with the reason, where the build has no `efa` feature or the provider lists fewer than two
-//! domains here. (The conformance suite `efa_tcp_efa_domains` and the peer-death backend
-//! `efa_tcp_efa_domains` run the same configuration.)
+//! domains here. (The conformance suite `efa_efa_domains` and the peer-death backend
+//! `efa_efa_domains` run the same configuration, on each provider of `ACTORPIPE_EFA_PROVIDERS`.)
 
 use libtest_mimic::{Arguments, Trial};
 

@@ -13,13 +13,42 @@ use actorpipe::internal::hardware::efa::{
 };
 use tokio::sync::mpsc;
 
-pub const PROVIDERS: [&str; 2] = ["tcp;ofi_rxm", "shm"];
+/// Names the libfabric providers the efa suites run on, comma-separated (a provider's own name
+/// may hold `;`, as `tcp;ofi_rxm` does, never `,`): `ACTORPIPE_EFA_PROVIDERS=efa` on a machine
+/// with the device runs the same trials on it. Every suite that runs on providers takes them
+/// from [`providers`] (the library's unit tests read the same variable,
+/// `backend::efa::tests::providers`).
+pub const PROVIDERS_VAR: &str = "ACTORPIPE_EFA_PROVIDERS";
 
-/// Why a provider cannot be tested here, if it cannot.
+/// The providers when [`PROVIDERS_VAR`] is unset or empty: the two every libfabric build has.
+pub const DEFAULT_PROVIDERS: &str = "tcp;ofi_rxm,shm";
+
+/// The providers the efa suites run on, in the order [`PROVIDERS_VAR`] lists them.
+pub fn providers() -> Vec<String> {
+    let var = std::env::var(PROVIDERS_VAR).unwrap_or_default();
+    let list = if var.trim().is_empty() {
+        DEFAULT_PROVIDERS
+    } else {
+        &var
+    };
+    list.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+/// Whether `provider` is one the suites run on (trials about one provider's own behaviour run
+/// only where it is listed).
+pub fn listed(provider: &str) -> bool {
+    providers().iter().any(|p| p == provider)
+}
+
+/// Why a provider cannot be tested here, if it cannot: the line a trial on it reports.
 pub fn missing(provider: &str) -> Option<String> {
     actorpipe::internal::backend::efa::InfoList::get(Some(provider))
         .err()
-        .map(|e| format!("skipped: libfabric has no {provider} provider here ({e})"))
+        .map(|e| format!("skipped: no {provider} provider here ({e})"))
 }
 
 /// One end of a pipe between two endpoints.

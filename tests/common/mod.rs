@@ -228,6 +228,141 @@ pub fn verify(m: &Message) -> u64 {
     index.parse().expect("index")
 }
 
+/// Where a host buffer's bytes live, how many there are, and their checksum: what a buffer was
+/// when it was handed in, to check that what comes back is that same buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BufferPrint {
+    pub ptr: usize,
+    pub len: usize,
+    pub sum: u64,
+}
+
+impl BufferPrint {
+    /// `buffer`'s print (host memory only: the suites that check buffers move no other).
+    pub fn of(buffer: &Buffer) -> BufferPrint {
+        BufferPrint::of_bytes(buffer.as_cpu().expect("a host buffer"))
+    }
+
+    /// The print of host bytes (a `Vec`'s or a `Bytes`'s).
+    pub fn of_bytes(bytes: &[u8]) -> BufferPrint {
+        BufferPrint {
+            ptr: bytes.as_ptr() as usize,
+            len: bytes.len(),
+            sum: checksum(bytes),
+        }
+    }
+}
+
+/// The buffers of a message handed to a `Write` or a `Read`, recorded before it goes: "every
+/// buffer you hand in comes back" means the same allocations, and for a write the same bytes,
+/// whether the operation succeeds or fails. A length alone would pass for a fresh buffer of the
+/// same size.
+#[derive(Debug, Clone)]
+pub struct Receipt {
+    pub tensors: Vec<BufferPrint>,
+    pub payloads: Vec<BufferPrint>,
+}
+
+impl Receipt {
+    /// The receipt of a message about to be written.
+    pub fn of(m: &Message) -> Receipt {
+        Receipt {
+            tensors: m
+                .tensors
+                .iter()
+                .map(|t| BufferPrint::of(&t.buffer))
+                .collect(),
+            payloads: m
+                .payloads
+                .iter()
+                .map(|p| BufferPrint::of_bytes(&p.data))
+                .collect(),
+        }
+    }
+
+    /// The receipt of an allocation about to be read into.
+    pub fn of_allocation(a: &Allocation) -> Receipt {
+        Receipt {
+            tensors: a.tensors.iter().map(BufferPrint::of).collect(),
+            payloads: a
+                .payloads
+                .iter()
+                .map(|p| BufferPrint::of_bytes(p))
+                .collect(),
+        }
+    }
+
+    /// A written message came back: the same allocations with the same bytes, succeeded or not.
+    pub fn check_write(&self, back: &Message, what: &str) {
+        self.check(back, what, true, true)
+    }
+
+    /// A read's buffers came back: the same allocations (their bytes are the read's, whole only
+    /// if it succeeded).
+    pub fn check_read(&self, back: &Message, what: &str) {
+        self.check(back, what, true, false)
+    }
+
+    /// What a failed operation hands back on a channel that returns stand-ins: the `efa`
+    /// channel, whose provider may still touch a held tensor after a failure, hands back a copy
+    /// (a send's bytes, a receive's zeros) and leaves the original with the endpoint
+    /// (docs/efa.md, "Failure"). The same lengths, and for a write (`same_bytes`) the same bytes,
+    /// in any allocation.
+    pub fn check_stand_in(&self, back: &Message, what: &str, same_bytes: bool) {
+        self.check(back, what, false, same_bytes)
+    }
+
+    fn check(&self, back: &Message, what: &str, same_allocation: bool, same_bytes: bool) {
+        let tensors: Vec<BufferPrint> = back
+            .tensors
+            .iter()
+            .map(|t| BufferPrint::of(&t.buffer))
+            .collect();
+        let payloads: Vec<BufferPrint> = back
+            .payloads
+            .iter()
+            .map(|p| BufferPrint::of_bytes(&p.data))
+            .collect();
+        for (kind, sent, got) in [
+            ("tensor", &self.tensors, &tensors),
+            ("payload", &self.payloads, &payloads),
+        ] {
+            assert_eq!(sent.len(), got.len(), "{what}: {kind}s back");
+            for (j, (s, g)) in sent.iter().zip(got).enumerate() {
+                assert_eq!(g.len, s.len, "{what}: {kind} {j} back with another length");
+                // An empty buffer has no allocation to compare (a dangling pointer).
+                if same_allocation && s.len > 0 {
+                    assert_eq!(
+                        g.ptr, s.ptr,
+                        "{what}: {kind} {j} back is not the buffer handed in"
+                    );
+                }
+                if same_bytes {
+                    assert_eq!(g.sum, s.sum, "{what}: {kind} {j} came back changed");
+                }
+            }
+        }
+    }
+}
+
+/// Writes `checked_message(i, &[], &[size])` for each `i` of `0..n` on `pipe`, each to `done`:
+/// the messages' receipts, in order.
+pub fn write_checked_messages(
+    pipe: &Addr<Pipe>,
+    n: u64,
+    size: usize,
+    done: &actix::Recipient<WriteDone>,
+) -> Vec<Receipt> {
+    (0..n)
+        .map(|i| {
+            let m = checked_message(i, &[], &[size]);
+            let receipt = Receipt::of(&m);
+            pipe.do_send(Write::new(m).notify(done.clone()));
+            receipt
+        })
+        .collect()
+}
+
 /// A small seeded generator for test plans.
 pub struct Rng(pub u64);
 
@@ -279,8 +414,9 @@ pub fn reexec_args(name: &str) -> [&str; 6] {
 
 /// Runs this test binary again with `args` (a filter first), with rxm's passthru on
 /// (`FI_OFI_RXM_ENABLE_PASSTHRU=1`: rxm reads it once, as libfabric loads, so it takes a
-/// process of its own). `Err` with the child's output unless it passed, and ran at least
-/// `at_least` tests (so a filter that matches nothing does not pass).
+/// process of its own) and `tcp;ofi_rxm` its only provider (`ACTORPIPE_EFA_PROVIDERS`, the
+/// variable tests/common/efa.rs reads). `Err` with the child's output unless it passed, and ran
+/// at least `at_least` tests (so a filter that matches nothing does not pass).
 #[cfg(feature = "efa")]
 #[allow(dead_code)] // not every test binary that includes this module calls it
 pub fn rerun_under_passthru(args: &[&str], at_least: usize) -> Result<(), String> {
@@ -288,6 +424,7 @@ pub fn rerun_under_passthru(args: &[&str], at_least: usize) -> Result<(), String
     let out = std::process::Command::new(exe)
         .args(args)
         .env(actorpipe::internal::backend::efa::PASSTHRU, "1")
+        .env("ACTORPIPE_EFA_PROVIDERS", "tcp;ofi_rxm")
         .output()
         .map_err(|e| e.to_string())?;
     let text =

@@ -9,10 +9,15 @@
 //! `efa`, `efa_close`, `efa_domains`, `ibv_hw`).
 //!
 //! A suite that re-runs this binary as a child names the child's trial by its full path here
-//! (`admission::shm_child`, `conformance::efa_tcp`).
+//! (`admission::shm_child`, `conformance::efa`).
 
 #[path = "../common/mod.rs"]
 mod common;
+/// The efa providers under test (`ACTORPIPE_EFA_PROVIDERS`), for the efa conformance suites.
+#[cfg(feature = "efa")]
+#[path = "../common/efa.rs"]
+#[allow(dead_code)]
+mod efa_support;
 
 mod admission;
 mod api;

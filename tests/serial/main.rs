@@ -16,6 +16,11 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+/// The efa providers under test (`ACTORPIPE_EFA_PROVIDERS`), for `peer_death`'s efa backends.
+#[cfg(feature = "efa")]
+#[path = "../common/efa.rs"]
+#[allow(dead_code)]
+mod efa_support;
 
 mod cma_fallback;
 mod io_pool;

@@ -1,10 +1,48 @@
-//! The binding against the real providers of this host (`tcp;ofi_rxm` and `shm`, both part of
-//! every libfabric build, so `--features efa` can rely on them).
+//! The binding against the real providers of this host: those `ACTORPIPE_EFA_PROVIDERS` names
+//! ([`providers`]; by default `tcp;ofi_rxm` and `shm`, both part of every libfabric build, so
+//! `--features efa` can rely on them).
+
+use std::sync::OnceLock;
 
 use super::*;
 
-/// The providers every test here runs on.
-pub const PROVIDERS: [&str; 2] = ["tcp;ofi_rxm", "shm"];
+/// The variable naming the providers the tests run on, comma-separated: the one the integration
+/// suites read too (tests/common/efa.rs, `PROVIDERS_VAR`).
+pub const PROVIDERS_VAR: &str = "ACTORPIPE_EFA_PROVIDERS";
+
+/// The providers when [`PROVIDERS_VAR`] is unset or empty.
+pub const DEFAULT_PROVIDERS: &str = "tcp;ofi_rxm,shm";
+
+/// The providers of [`PROVIDERS_VAR`] that libfabric has here, in its order: what every test
+/// that runs "on each provider" runs on. A listed provider that is absent is reported, by each
+/// test that asks, on stderr past the harness's capture: `skipped: no efa provider here (..)`.
+pub fn providers() -> Vec<&'static str> {
+    static VAR: OnceLock<String> = OnceLock::new();
+    let var = VAR.get_or_init(|| {
+        let v = std::env::var(PROVIDERS_VAR).unwrap_or_default();
+        if v.trim().is_empty() {
+            DEFAULT_PROVIDERS.to_string()
+        } else {
+            v
+        }
+    });
+    var.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .filter(|p| match InfoList::get(Some(p)) {
+            Ok(_) => true,
+            Err(e) => {
+                use std::io::Write as _;
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "{}: skipped: no {p} provider here ({e})",
+                    std::thread::current().name().unwrap_or("a test")
+                );
+                false
+            }
+        })
+        .collect()
+}
 
 /// An endpoint of `provider`, on loopback for tcp.
 pub fn open(provider: &str) -> Endpoint {
@@ -14,13 +52,12 @@ pub fn open(provider: &str) -> Endpoint {
 /// [`open`], its CQ with a wait fd only if `wait_fd` (and the provider offers one).
 fn open_with(provider: &str, wait_fd: bool) -> Endpoint {
     let list = InfoList::get(Some(provider)).expect("provider present");
+    // tcp's loopback domain; a provider without one (`shm`, `efa`) its first.
     let info = list
         .iter()
-        .find(|i| {
-            let a = i.attributes();
-            a.domain == "lo" || a.provider == "shm"
-        })
-        .expect("a loopback domain");
+        .find(|i| i.attributes().domain == "lo")
+        .or_else(|| list.iter().next())
+        .expect("a domain");
     let domain = Domain::open(info).expect("domain");
     Endpoint::open_with(&domain, info, wait_fd).expect("endpoint")
 }
@@ -130,7 +167,7 @@ fn tagged_message(provider: &str, mut a: Endpoint, mut b: Endpoint) {
 
 #[test]
 fn tagged_ping_pong_on_each_provider() {
-    for provider in PROVIDERS {
+    for provider in providers() {
         let a = open(provider);
         assert_eq!(a.provider(), provider);
         tagged_message(provider, a, open(provider));
@@ -146,7 +183,7 @@ fn endpoints_open_without_a_wait_fd_on_request() {
         open("tcp;ofi_rxm").wait_fd().is_some(),
         "tcp;ofi_rxm offers a wait fd"
     );
-    for provider in PROVIDERS {
+    for provider in providers() {
         let (a, b) = (open_with(provider, false), open_with(provider, false));
         assert_eq!((a.wait_fd(), b.wait_fd()), (None, None), "{provider}");
         tagged_message(provider, a, b);
@@ -162,7 +199,7 @@ fn short_or_foreign_addresses_are_refused() {
 
 #[test]
 fn cancelled_receive_completes_with_ecanceled() {
-    for provider in PROVIDERS {
+    for provider in providers() {
         let mut a = open(provider);
         let mut b = open(provider);
         let mut ctx = [0u64; 8];
@@ -223,7 +260,7 @@ pub fn run_alone(name: &str, env: &[(&str, &str)]) {
 #[test]
 #[ignore = "run alone by closing_releases_every_descriptor, in a process of its own"]
 fn descriptors_alone() {
-    for provider in PROVIDERS {
+    for provider in providers() {
         // The first open loads the provider (its own lasting descriptors, if any).
         drop(open(provider));
         let before = fds();
@@ -279,7 +316,7 @@ fn descriptors_alone() {
 
 #[test]
 fn registration_cache_shares_one_registration_per_buffer_and_releases_it() {
-    for provider in PROVIDERS {
+    for provider in providers() {
         let ep = open(provider);
         let domain = ep.domain().clone();
         let mut cache = regcache::RegCache::default();
@@ -305,7 +342,7 @@ fn registration_cache_shares_one_registration_per_buffer_and_releases_it() {
 
 #[test]
 fn an_inject_arrives_without_a_send_completion() {
-    for provider in PROVIDERS {
+    for provider in providers() {
         let mut a = open(provider);
         let mut b = open(provider);
         // What the endpoint was granted: `tcp;ofi_rxm` offers 64 B unless asked for more.
@@ -352,7 +389,7 @@ fn passthru_applies_to_rxm_over_tcp_only() {
         assert!(!rides_tcp(other), "{other}");
     }
     if std::env::var_os(PASSTHRU).is_none() {
-        for p in PROVIDERS {
+        for p in providers() {
             assert!(!passthru(p) && keeps_unexpected(p), "{p}");
             assert_eq!(wire_name(p), p);
         }

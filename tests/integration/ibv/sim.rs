@@ -90,9 +90,7 @@ async fn qp_error_mid_transfer(which: usize) {
     assert_eq!(ours.len(), 2, "one queue pair per side");
     let (done_to, mut done) = inbox::<WriteDone>();
     // Far more than the 64 KiB rings hold: most of it waits in the writer while we break it.
-    for i in 0..6u64 {
-        tx.do_send(Write::new(checked_message(i, &[], &[4 << 20])).notify(done_to.clone()));
-    }
+    let receipts = write_checked_messages(&tx, 6, 4 << 20, &done_to);
     // The reader reads everything it can, in order, until its first error.
     let reader = actix::spawn(async move {
         let mut got = Vec::new();
@@ -109,7 +107,7 @@ async fn qp_error_mid_transfer(which: usize) {
     for i in 0..6 {
         let d = within(20, "write completion", done.recv()).await.unwrap();
         assert_eq!(d.id, i, "in order");
-        assert_eq!(d.message.tensors[0].buffer.len(), 4 << 20, "buffer back");
+        receipts[i as usize].check_write(&d.message, &format!("write {i}"));
         match d.result {
             Ok(()) => assert!(!failed, "no success after a failure"),
             Err(e) => {
@@ -220,9 +218,7 @@ async fn qp_error_mid_transfer_on(
     let ours: Vec<u32> = qps().into_iter().filter(|q| !before.contains(q)).collect();
     assert_eq!(ours.len(), count, "new queue pairs");
     let (done_to, mut done) = inbox::<WriteDone>();
-    for i in 0..6u64 {
-        tx.do_send(Write::new(checked_message(i, &[], &[4 << 20])).notify(done_to.clone()));
-    }
+    let receipts = write_checked_messages(&tx, 6, 4 << 20, &done_to);
     for i in 0..2 {
         assert_eq!(verify(&within(20, "read", read_one(&rx)).await.unwrap()), i);
     }
@@ -230,7 +226,7 @@ async fn qp_error_mid_transfer_on(
     for i in 0..6 {
         let d = within(20, "write completion", done.recv()).await.unwrap();
         assert_eq!(d.id, i, "in order");
-        assert_eq!(d.message.tensors[0].buffer.len(), 4 << 20, "buffer back");
+        receipts[i as usize].check_write(&d.message, &format!("write {i}"));
         if i < 2 {
             d.result.expect("read before the error");
         } else {
@@ -252,15 +248,13 @@ async fn peer_death_fails_writes_waiting_in_the_channel() {
     let info = tx.send(GetInfo).await.unwrap();
     assert_eq!(info.channel_list(), "ibv (cpu->cpu)");
     let (done_to, mut done) = inbox::<WriteDone>();
-    for i in 0..3u64 {
-        tx.do_send(Write::new(checked_message(i, &[], &[1 << 20])).notify(done_to.clone()));
-    }
+    let receipts = write_checked_messages(&tx, 3, 1 << 20, &done_to);
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     arbiter.stop();
     for i in 0..3 {
         let d = within(20, "write completion", done.recv()).await.unwrap();
         assert_eq!(d.id, i, "in order");
-        assert_eq!(d.message.tensors[0].buffer.len(), 1 << 20, "buffer back");
+        receipts[i as usize].check_write(&d.message, &format!("write {i}"));
         let e = d.result.unwrap_err();
         assert!(matches!(e.class(), "peer_closed" | "io"), "{e}");
     }
@@ -396,15 +390,13 @@ async fn peer_death_fails_striped_writes_in_order() {
     let _g = SERIAL.write().await;
     let (arbiter, tx) = doomed_peer(|| ibv_rdma_on(&[17]), ibv_rdma_on(&[17])).await;
     let (done_to, mut done) = inbox::<WriteDone>();
-    for i in 0..3u64 {
-        tx.do_send(Write::new(checked_message(i, &[], &[4 << 20])).notify(done_to.clone()));
-    }
+    let receipts = write_checked_messages(&tx, 3, 4 << 20, &done_to);
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     arbiter.stop();
     for i in 0..3 {
         let d = within(20, "write completion", done.recv()).await.unwrap();
         assert_eq!(d.id, i, "in order");
-        assert_eq!(d.message.tensors[0].buffer.len(), 4 << 20, "buffer back");
+        receipts[i as usize].check_write(&d.message, &format!("write {i}"));
         let e = d.result.unwrap_err();
         assert!(matches!(e.class(), "peer_closed" | "io"), "{e}");
     }

@@ -1,12 +1,12 @@
-//! A reader's own pass on the real `tcp;ofi_rxm` and `shm` providers: what it claims, and what
-//! it must leave to its pipe's queue.
+//! A reader's own pass on the real providers of `ACTORPIPE_EFA_PROVIDERS` (`tcp;ofi_rxm` and
+//! `shm` by default): what it claims, and what it must leave to its pipe's queue.
 
 use std::time::{Duration, Instant};
 
 use super::*;
 use crate::backend::efa::engine::Kind;
 use crate::backend::efa::tag::{self, Stream};
-use crate::backend::efa::tests::{open, PROVIDERS};
+use crate::backend::efa::tests::{open, providers};
 
 fn receive(pipe: u32, seq: u32) -> Op {
     Op {
@@ -59,7 +59,7 @@ fn deliver_one(
 /// other pipes always go to their own queues.
 #[test]
 fn a_readers_pass_claims_its_ends_only_behind_an_empty_queue() {
-    for provider in PROVIDERS {
+    for provider in providers() {
         let mut a = Engine::new(open(provider));
         let mut b = Engine::new(open(provider));
         let (pa, other) = (

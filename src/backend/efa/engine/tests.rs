@@ -1,11 +1,12 @@
-//! The engine on the real `tcp;ofi_rxm` and `shm` providers: the EAGAIN storm, error order,
-//! pipes that fail alone.
+//! The engine on the real providers of `ACTORPIPE_EFA_PROVIDERS` (`tcp;ofi_rxm` and `shm` by
+//! default; `backend::efa::tests::providers`): the EAGAIN storm, error order, pipes that fail
+//! alone.
 
 use super::*;
 #[cfg(feature = "faults")]
 use crate::backend::efa::faults::Dice;
 use crate::backend::efa::tag::{self, Stream};
-use crate::backend::efa::tests::{open, run_alone, PROVIDERS};
+use crate::backend::efa::tests::{open, providers, run_alone};
 
 fn pair(provider: &str) -> (Engine, u32, Engine, u32) {
     let mut a = Engine::new(open(provider));
@@ -138,7 +139,7 @@ fn eagain_storm_delivers_everything_in_order_on_each_provider() {
         cq_error: 0.0,
         seed: 1,
     };
-    for provider in PROVIDERS {
+    for provider in providers() {
         for inject in [true, false] {
             let (sa, sb) = storm(provider, faults, 10_000, inject);
             // 90 % of posts refused: about nine refusals per accepted post, on both sides.
@@ -167,7 +168,7 @@ fn eagain_storm_delivers_everything_in_order_on_each_provider() {
 #[cfg(feature = "faults")]
 #[test]
 fn a_completion_error_fails_its_pipe_in_order_and_spares_the_others() {
-    for provider in PROVIDERS {
+    for provider in providers() {
         let (mut a, pa, mut b, pb) = pair(provider);
         // A second pipe between the same endpoints.
         let pa2 = a.attach(b.endpoint().name()).expect("attach");
@@ -261,7 +262,7 @@ fn a_completion_error_fails_its_pipe_in_order_and_spares_the_others() {
 #[cfg(feature = "faults")]
 #[test]
 fn an_injected_send_that_fails_fails_its_pipe_in_order() {
-    for provider in PROVIDERS {
+    for provider in providers() {
         let (mut a, pa, mut b, pb) = pair(provider);
         // One exchange first: rxm refuses posts (-FI_EAGAIN) while it connects, and the
         // faults below must meet the posts themselves, not their retries.
@@ -357,7 +358,7 @@ fn an_injected_send_that_fails_fails_its_pipe_in_order() {
 
 #[test]
 fn detach_fails_pending_receives_in_order_then_forgets_the_pipe() {
-    for provider in PROVIDERS {
+    for provider in providers() {
         let (_a, _pa, mut b, pb) = pair(provider);
         let mut got = Vec::new();
         for i in 0..5u64 {
@@ -408,7 +409,7 @@ fn detach_fails_pending_receives_in_order_then_forgets_the_pipe() {
 #[cfg(feature = "faults")]
 #[test]
 fn refused_sends_end_in_order_and_spare_receives_and_other_pipes() {
-    for provider in PROVIDERS {
+    for provider in providers() {
         let (mut a, pa, mut b, pb) = pair(provider);
         // A second pipe between the same endpoints.
         let qa = a.attach(b.endpoint().name()).expect("attach");
@@ -538,7 +539,7 @@ fn refused_sends_end_in_order_and_spare_receives_and_other_pipes() {
 #[cfg(feature = "faults")]
 #[test]
 fn direct_injects_go_at_once_but_never_ahead_of_the_backlog() {
-    for provider in PROVIDERS {
+    for provider in providers() {
         let (mut a, pa, mut b, pb) = pair(provider);
         let mut got: Vec<Finished> = Vec::new();
         for id in 0..3 {
@@ -674,7 +675,7 @@ fn credits_arrive(provider: &str) {
 
 #[test]
 fn receives_end_with_the_credits_their_message_carried() {
-    for provider in PROVIDERS {
+    for provider in providers() {
         credits_arrive(provider);
     }
 }
@@ -689,7 +690,7 @@ fn credits_survive_unreported_tags_alone() {
         "run with {}=1",
         super::super::PASSTHRU
     );
-    for provider in PROVIDERS {
+    for provider in providers() {
         credits_arrive(provider);
     }
     // The efa transport offers rxm here under another name (an end without passthru does not
