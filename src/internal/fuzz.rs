@@ -6,7 +6,8 @@
 use crate::error::Origin;
 use crate::wire::{check_frame_len, decode_frame, Limits};
 
-/// The limit sets the wire target decodes under: the defaults, and tight ones.
+/// The limit sets the wire target decodes under: the defaults, and the tight ones a cautious
+/// deployment might set (4 KiB frames, 4 payloads, 4 tensors, 256 bytes of metadata).
 pub fn wire_limits() -> [Limits; 2] {
     [
         Limits::default(),

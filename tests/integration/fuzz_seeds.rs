@@ -8,8 +8,11 @@ use std::path::{Path, PathBuf};
 use actorpipe::internal::fuzz;
 use actorpipe::internal::wire::{self, Ack, ChunkHeader, FrameKind};
 
-/// Every fuzz target, with the check it runs on one input.
-fn targets() -> Vec<(&'static str, fn(&[u8]))> {
+/// A fuzz target's check of one input.
+type Check = fn(&[u8]);
+
+/// Every fuzz target, with its check.
+fn targets() -> Vec<(&'static str, Check)> {
     vec![
         ("wire_decoder", wire_decoder),
         ("shm_ring", fuzz::shm_ring),

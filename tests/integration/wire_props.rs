@@ -121,16 +121,10 @@ fn measure<T>(f: impl FnOnce() -> T) -> (T, Usage) {
 // ---------------------------------------------------------------------------------------------
 // Limits and bounds.
 
-/// The limits a cautious deployment might set.
+/// The limits a cautious deployment might set (those the wire fuzz target decodes under too).
 fn tight() -> Limits {
-    Limits {
-        max_frame_size: 4096,
-        max_payloads: 4,
-        max_tensors: 4,
-        max_metadata_size: 256,
-        max_payload_size: 1 << 20,
-        max_tensor_size: 1 << 20,
-    }
+    let [_, tight] = actorpipe::internal::fuzz::wire_limits();
+    tight
 }
 
 /// Both limit sets every decoding property runs under.

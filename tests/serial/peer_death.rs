@@ -14,9 +14,8 @@
 //! that every buffer it handed in came back: the same allocation, and for a write the same bytes.
 //! The efa backends run on each provider of `ACTORPIPE_EFA_PROVIDERS` (tests/common/efa.rs); a
 //! provider libfabric lacks here is reported skipped. `cma_buffers_of_a_frozen_reader_*` checks
-//! the cma sender's grace period: the buffers a frozen reader may still be reading stay held
-//! (when the writer closes; an ignored trial shows they do not when the keepalive fails the
-//! pipe).
+//! the cma sender's grace period: the buffers a frozen reader may still be reading stay held,
+//! whether the writer closes or the keepalive fails the pipe.
 //!
 //! The tests of this file hold the binary's lock ([`ONE_AT_A_TIME`]): descriptor counts are per
 //! process, so no other test may run alongside them.
@@ -51,9 +50,9 @@ const FROZEN_TIMEOUT: Duration = Duration::from_secs(2);
 /// Every pending operation fails within 1 s after the keepalive timeout...
 const FROZEN_BOUND: Duration = Duration::from_secs(3);
 /// ...except a cma write: a sending cma channel keeps the buffers a frozen peer may still be
-/// reading for its grace period (`backend::cma::driver::GRACE`, 5 s) after the pipe failed. (At
-/// a keepalive timeout it does not yet: they come back at once, see
-/// `cma_buffers_of_a_reader_frozen_until_the_keepalive_come_back_after_the_grace`.)
+/// reading for its grace period (`backend::cma::driver::GRACE`, 5 s) after the pipe failed, or
+/// after its acknowledgement connection fell silent
+/// (`cma_buffers_of_a_reader_frozen_until_the_keepalive_come_back_after_the_grace`).
 const CMA_GRACE: Duration = Duration::from_secs(5);
 /// Trials per backend with a frozen peer: each waits out the timeout.
 const FROZEN_TRIALS: u32 = 2;
@@ -897,13 +896,9 @@ fn cma_buffers_of_a_frozen_reader_come_back_after_the_grace() {
 }
 
 /// The same when nobody closes the pipe, and the keepalive finds the frozen reader (no byte for
-/// 2 s) and fails it: the reader is just as likely to be reading still, so the buffer should
-/// stay held for the grace after the failure. It does not: it comes back at the timeout (the
-/// failed acknowledgement connection releases every tensor waiting for an ack at once), so the
-/// frozen reader can resume reading memory the user has taken back.
+/// 2 s) and fails it: the reader is just as likely to be reading still, so the buffer stays held
+/// for the grace after the failure (the acknowledgement connection's silence starts it).
 #[test]
-#[ignore = "known bug: at a keepalive timeout a cma sender hands back the buffers a frozen reader \
-            may still be reading, without the grace"]
 fn cma_buffers_of_a_reader_frozen_until_the_keepalive_come_back_after_the_grace() {
     frozen_reader_grace(GraceEnd::Keepalive)
 }

@@ -42,6 +42,9 @@ pub(crate) enum CmaEvent {
     },
     /// A stopping channel's grace period is over: its side connections go.
     Grace,
+    /// The grace after the acknowledgement connection fell silent is over: the tensors still
+    /// waiting for an acknowledgement fail with its error.
+    Silent(Error),
 }
 
 impl CmaDriver {
@@ -208,15 +211,21 @@ impl Driver for CmaDriver {
     fn on_done(&mut self, d: Done, cx: &mut Cx<'_, CmaEvent>) {
         // Fallback transfers of held buffers are counted against them.
         match cx.core.count_piece(d) {
-            Some(Done::Frame { result, .. }) => {
-                match cx.core.ack_of(result, "cma") {
-                    Ok(a) => self.on_ack(a, cx),
-                    Err(e) => cx.core.fail_held(e),
+            Some(Done::Frame { result, .. }) => match cx.core.ack_of(result, "cma") {
+                Ok(a) => {
+                    self.on_ack(a, cx);
+                    if cx.core.held.values().any(|h| h.awaiting_ack) {
+                        cx.core.arm_ack();
+                    }
                 }
-                if cx.core.held.values().any(|h| h.awaiting_ack) {
-                    cx.core.arm_ack();
+                // A silent peer (no heartbeat: frozen, or its host unreachable) may still be
+                // reading our buffers, and may go on once it runs again: they go back only
+                // after the grace. A peer that hung up or died reads nothing more.
+                Err(e) if e.kind() == crate::ErrorClass::Timeout => {
+                    cx.fx.later(GRACE, CmaEvent::Silent(e));
                 }
-            }
+                Err(e) => cx.core.fail_held(e),
+            },
             Some(Done::Wrote { result: Err(e), .. }) => {
                 tracing::debug!(error = %e, "channel acknowledgement not sent")
             }
@@ -233,6 +242,7 @@ impl Driver for CmaDriver {
                 result,
             } => self.on_read(seq, index, dst, result, cx),
             CmaEvent::Grace => cx.core.shutdown_lanes(),
+            CmaEvent::Silent(e) => cx.core.fail_held(e),
         }
     }
 
