@@ -12,8 +12,8 @@ use std::time::Instant;
 
 use actorpipe::internal::backend::cma::testing::{read_alone, read_remote_with, Readers};
 use actorpipe::internal::backend::cma::{
-    max_per_call, plan, probe, read_remote, CmaError, RemoteBuffer, Share, MAX_RW_COUNT_4K,
-    MIN_SHARE,
+    max_per_call, plan, probe, read_remote, CmaError, Refusal, RemoteBuffer, Share,
+    MAX_RW_COUNT_4K, MIN_SHARE,
 };
 use libtest_mimic::Trial;
 
@@ -29,7 +29,7 @@ pub fn trials() -> Vec<Trial> {
         // Run them: they fail with the same error, and `probe_works_here` shows it.
         Err(_) => None,
     };
-    let cases: [(&str, fn()); 11] = [
+    let cases: [(&str, fn()); 12] = [
         ("probe_works_here", probe_works_here),
         (
             "reads_odd_sizes_at_odd_offsets_from_this_process",
@@ -56,6 +56,10 @@ pub fn trials() -> Vec<Trial> {
         (
             "a_failed_share_fails_the_read_and_skips_the_rest",
             a_failed_share_fails_the_read_and_skips_the_rest,
+        ),
+        (
+            "a_refusal_in_a_reader_threads_share_fails_the_read",
+            a_refusal_in_a_reader_threads_share_fails_the_read,
         ),
         ("a_forked_child_reads_alone", a_forked_child_reads_alone),
         (
@@ -396,6 +400,46 @@ fn reader_threads_take_shares_and_every_byte_lands() {
             });
         }
     });
+}
+
+/// A refusal raised inside the pool (fault injection, `Refusal::InReaderShares`: each share a
+/// reader thread claims fails with EPERM) fails the read as `NotPermitted`, the error the
+/// channel falls back on, exactly when a reader thread took a share; a read the caller did
+/// alone lands whole. Either way the call returns.
+fn a_refusal_in_a_reader_threads_share_fails_the_read() {
+    let pool = Readers::new("test-cma-refuse");
+    let len = 8 * MIN_SHARE as usize + 999;
+    let src = patterned(len);
+    let remote = RemoteBuffer::local(&src);
+    let (mut refused, mut whole) = (0, 0);
+    for k in 0..200 {
+        let before = pool.helped();
+        let mut dst = vec![0u8; len];
+        let r = pool.read_with(&remote, &mut dst, 4, Refusal::InReaderShares);
+        if pool.helped() > before {
+            let err = r.expect_err("a reader thread's share was refused");
+            assert!(
+                matches!(err, CmaError::NotPermitted { .. }),
+                "read {k}: {err}"
+            );
+            refused += 1;
+        } else {
+            r.unwrap_or_else(|e| panic!("read {k}, the caller's alone: {e}"));
+            assert!(dst == src, "read {k}");
+            whole += 1;
+        }
+        if refused >= 3 {
+            break;
+        }
+    }
+    assert!(
+        refused > 0,
+        "no reader thread took a share in 200 reads of 8 MiB ({whole} whole)"
+    );
+    // Off again: the same pool reads everything.
+    let mut dst = vec![0u8; len];
+    pool.read_with(&remote, &mut dst, 4, Refusal::Off).unwrap();
+    assert!(dst == src);
 }
 
 fn a_failed_share_fails_the_read_and_skips_the_rest() {

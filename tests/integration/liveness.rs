@@ -108,9 +108,14 @@ async fn a_met_deadline_is_harmless() {
     assert!(!tx.send(GetInfo).await.unwrap().closed);
 }
 
-/// Short heartbeats, so that the test below runs several timeouts' worth of silence quickly.
+/// The heartbeat timeout of the test below: short, so that it waits out more than a timeout of
+/// silence quickly, and long enough that a loaded 2-core machine holding a thread off the CPU
+/// (hundreds of milliseconds at worst seen) does not pass for it.
+const BEAT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Short heartbeats, so that the test below runs more than a timeout's worth of silence quickly.
 fn beating(b: ContextBuilder) -> ContextBuilder {
-    b.keepalive(Duration::from_millis(200), Duration::from_millis(800))
+    b.keepalive(Duration::from_millis(250), BEAT_TIMEOUT)
 }
 
 /// Every transport and channel two contexts of one process can pick.
@@ -133,36 +138,51 @@ fn heartbeat_backends() -> [Named; 5] {
     ]
 }
 
-/// An idle pipe stays open through several heartbeat timeouts (the pings keep it alive), and a
+/// An idle pipe stays open through more than a heartbeat timeout (the pings keep it alive), and a
 /// receiver whose application stops reading, with megabytes stuck in flight, is not declared
-/// dead either: only a wait for bytes counts as silence.
+/// dead either: only a wait for bytes counts as silence. The backends run at once, each with
+/// its own pair.
 #[actix::test]
 async fn heartbeats_keep_idle_and_stalled_pipes_alive() {
     const SIZE: usize = 16 << 20;
-    for (name, b) in heartbeat_backends() {
-        let (tx, rx, _s) = pair(beating(b()), beating(b())).await;
-        // Idle: 2 timeouts without a message either way.
-        tokio::time::sleep(Duration::from_millis(1600)).await;
-        assert!(!tx.send(GetInfo).await.unwrap().closed, "{name}: idle pipe");
-        assert!(!rx.send(GetInfo).await.unwrap().closed, "{name}: idle pipe");
-        // Stalled: more than the socket buffers can hold, and nobody reads for 2 timeouts.
-        let (done_to, mut done) = inbox::<WriteDone>();
-        for i in 0..4 {
-            tx.do_send(Write::new(checked_message(i, &[16], &[SIZE])).notify(done_to.clone()));
+    let quiet = BEAT_TIMEOUT * 3 / 2;
+    let trials: Vec<_> = heartbeat_backends()
+        .into_iter()
+        .map(|(name, b)| {
+            tokio::task::spawn_local(async move {
+                let (tx, rx, _s) = pair(beating(b()), beating(b())).await;
+                // Idle: longer than a timeout without a message either way.
+                tokio::time::sleep(quiet).await;
+                assert!(!tx.send(GetInfo).await.unwrap().closed, "{name}: idle pipe");
+                assert!(!rx.send(GetInfo).await.unwrap().closed, "{name}: idle pipe");
+                // Stalled: more than the socket buffers can hold, and nobody reads for longer
+                // than a timeout.
+                let (done_to, mut done) = inbox::<WriteDone>();
+                for i in 0..4 {
+                    tx.do_send(
+                        Write::new(checked_message(i, &[16], &[SIZE])).notify(done_to.clone()),
+                    );
+                }
+                tokio::time::sleep(quiet).await;
+                for i in 0..4 {
+                    let m = within(20, "read after the stall", read_one(&rx))
+                        .await
+                        .unwrap_or_else(|e| panic!("{name}: read {i} after the stall: {e}"));
+                    assert_eq!(verify(&m), i, "{name}");
+                }
+                for i in 0..4 {
+                    let d = within(20, "write", done.recv()).await.unwrap();
+                    assert_eq!(d.id, i);
+                    d.result
+                        .unwrap_or_else(|e| panic!("{name}: write {i} after the stall: {e}"));
+                }
+                assert!(!tx.send(GetInfo).await.unwrap().closed, "{name}");
+            })
+        })
+        .collect();
+    for t in trials {
+        if let Err(e) = t.await {
+            std::panic::resume_unwind(e.into_panic());
         }
-        tokio::time::sleep(Duration::from_millis(1600)).await;
-        for i in 0..4 {
-            let m = within(20, "read after the stall", read_one(&rx))
-                .await
-                .unwrap_or_else(|e| panic!("{name}: read {i} after the stall: {e}"));
-            assert_eq!(verify(&m), i, "{name}");
-        }
-        for i in 0..4 {
-            let d = within(20, "write", done.recv()).await.unwrap();
-            assert_eq!(d.id, i);
-            d.result
-                .unwrap_or_else(|e| panic!("{name}: write {i} after the stall: {e}"));
-        }
-        assert!(!tx.send(GetInfo).await.unwrap().closed, "{name}");
     }
 }

@@ -1,7 +1,8 @@
 //! The cma channel when the kernel refuses the read at run time (EPERM, as under ptrace rules or
 //! seccomp): the pipe does not die, the bytes come over the channel's side connection instead,
-//! and the fallback is reported. The refusal is injected (`cma::simulate_refusal`), because this
-//! machine allows the read; everything after the refused system call is the real path.
+//! and the fallback is reported, whether the read was refused at its entry or part-way, in a
+//! reader thread's share. The refusal is injected (`cma::simulate`), because this machine allows
+//! the read; everything after the refused system call is the real path.
 //!
 //! The switch is process-wide: the test holds the binary's lock (`crate::ONE_AT_A_TIME`), so that
 //! no other test's cma reads are refused meanwhile.
@@ -61,10 +62,32 @@ async fn refused_reads_fall_back_and_are_reported() {
     .await;
     assert_eq!(rx.send(GetInfo).await.unwrap().fallbacks, 24);
     assert_eq!(tx.send(GetInfo).await.unwrap().fallbacks, 4);
+    // Refused part-way, inside a reader thread's share (the read's first shares may have
+    // landed): the whole tensor comes over the side connection all the same. Whether a reader
+    // thread takes a share of a given read is up to the scheduler, so write until one has.
+    cma::simulate(cma::Refusal::InReaderShares);
+    let before = rx.send(GetInfo).await.unwrap().fallbacks;
+    let mut sent = 0;
+    while rx.send(GetInfo).await.unwrap().fallbacks == before {
+        assert!(sent < 200, "no read was refused in a reader thread's share");
+        let w = tx.send(Write::new(checked_message(
+            300 + sent,
+            &[],
+            &[(8 << 20) + 3],
+        )));
+        assert_eq!(
+            verify(&within(20, "read", read_one(&rx)).await.unwrap()),
+            300 + sent
+        );
+        within(20, "write", w).await.unwrap().result.unwrap();
+        sent += 1;
+    }
+    let fallbacks = rx.send(GetInfo).await.unwrap().fallbacks;
+    assert!(!rx.send(GetInfo).await.unwrap().closed, "the pipe survives");
     // The refusal lifts: the fast path is back, no more fallbacks.
     cma::simulate_refusal(false);
     let w = tx.send(Write::new(checked_message(99, &[], &[4096])));
     assert_eq!(verify(&read_one(&rx).await.unwrap()), 99);
     w.await.unwrap().result.unwrap();
-    assert_eq!(rx.send(GetInfo).await.unwrap().fallbacks, 24);
+    assert_eq!(rx.send(GetInfo).await.unwrap().fallbacks, fallbacks);
 }

@@ -382,24 +382,62 @@ pub fn plan(len: u64, max_per_call: u64, threads: usize) -> impl Iterator<Item =
 /// after a failure); after a failure `dst` holds an unspecified mix of old and new bytes.
 /// Blocks: an actor runs it off its event loop.
 pub fn read_remote(src: &RemoteBuffer, dst: &mut [u8], threads: usize) -> Result<(), CmaError> {
-    if REFUSE.load(std::sync::atomic::Ordering::Relaxed) && !dst.is_empty() {
-        return Err(CmaError::NotPermitted {
-            pid: src.pid,
-            source: io::Error::from_raw_os_error(libc::EPERM),
-        });
+    let refusal = simulated();
+    if refusal == Refusal::AtEntry && !dst.is_empty() {
+        return Err(refused(src));
     }
-    read_remote_with(src, dst, threads, max_per_call())
+    read_remote_with(src, dst, threads, max_per_call(), refusal)
 }
 
-static REFUSE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Where fault injection raises a refusal (see [`simulate`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// None: every read goes to the kernel.
+    Off,
+    /// Every non-empty [`read_remote`] fails at its entry, before any byte is read.
+    AtEntry,
+    /// Each share a reader thread claims fails instead of being read, after the caller's own
+    /// shares may have landed: the read fails part-way, from inside the pool. A read of one
+    /// share (the caller's alone) is not refused.
+    InReaderShares,
+}
 
-/// Fault injection: while on, every non-empty [`read_remote`] in this process fails with
-/// [`CmaError::NotPermitted`] (EPERM), as it would under ptrace restrictions or seccomp.
+static REFUSE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Fault injection: while not [`Refusal::Off`], the reads of this process fail with
+/// [`CmaError::NotPermitted`] (EPERM) where `refusal` says, as they would under ptrace
+/// restrictions or seccomp.
 ///
 /// This is how the fallback path (the bytes streamed over the channel's side connection
 /// instead) is exercised on machines where cma is allowed; it has no other use.
+pub fn simulate(refusal: Refusal) {
+    let code = match refusal {
+        Refusal::Off => 0,
+        Refusal::AtEntry => 1,
+        Refusal::InReaderShares => 2,
+    };
+    REFUSE.store(code, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// [`simulate`]: `true` is [`Refusal::AtEntry`], `false` [`Refusal::Off`].
 pub fn simulate_refusal(on: bool) {
-    REFUSE.store(on, std::sync::atomic::Ordering::Relaxed);
+    simulate(if on { Refusal::AtEntry } else { Refusal::Off });
+}
+
+fn simulated() -> Refusal {
+    match REFUSE.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => Refusal::Off,
+        1 => Refusal::AtEntry,
+        _ => Refusal::InReaderShares,
+    }
+}
+
+/// The error a simulated refusal gives.
+fn refused(src: &RemoteBuffer) -> CmaError {
+    CmaError::NotPermitted {
+        pid: src.pid,
+        source: io::Error::from_raw_os_error(libc::EPERM),
+    }
 }
 
 fn read_remote_with(
@@ -407,6 +445,7 @@ fn read_remote_with(
     dst: &mut [u8],
     threads: usize,
     max_per_call: u64,
+    refusal: Refusal,
 ) -> Result<(), CmaError> {
     if dst.len() as u64 != src.len {
         return Err(CmaError::LengthMismatch {
@@ -431,7 +470,7 @@ fn read_remote_with(
             .first()
             .map_or(Ok(()), |&share| read_share(src, share, dst));
     }
-    read_shared(Some(&READERS), src, dst, shares)
+    read_shared(Some(&READERS), src, dst, shares, refusal)
 }
 
 /// The cma reader threads: a read's shares other than the caller's go to them.
@@ -441,12 +480,13 @@ static READERS: Pool = Pool::new("actorpipe-cma");
 /// calling thread and on `pool`'s threads at once: up to one thread per share, started on the
 /// first read that asks for them and kept (see [`crate::copy`]'s pool). Each share is claimed by
 /// whoever comes first, so the caller reads alone whatever no thread takes (everything, without
-/// a pool).
+/// a pool). With [`Refusal::InReaderShares`], each share a pool thread claims fails as refused.
 fn read_shared(
     pool: Option<&'static Pool>,
     src: &RemoteBuffer,
     dst: &mut [u8],
     shares: Vec<Share>,
+    refusal: Refusal,
 ) -> Result<(), CmaError> {
     let n = shares.len();
     let helpers = pool.map_or(0, |p| p.helpers(n - 1));
@@ -456,6 +496,7 @@ fn read_shared(
         shares,
         next: AtomicUsize::new(0),
         failed: AtomicBool::new(false),
+        refuse_readers: refusal == Refusal::InReaderShares,
         state: Mutex::new(ReadState {
             done: 0,
             errors: Vec::new(),
@@ -466,7 +507,7 @@ fn read_shared(
     if let Some(pool) = pool {
         pool.offer(&work, (n - 1).min(helpers));
     }
-    job.work();
+    job.claim(false);
     // What is left was claimed by reader threads, which are reading it now.
     let mut state = job.state.lock().unwrap_or_else(|p| p.into_inner());
     while state.done < n {
@@ -489,6 +530,8 @@ struct ReadJob {
     next: AtomicUsize,
     /// A share failed: the shares claimed after it are skipped (the read fails anyway).
     failed: AtomicBool,
+    /// Fault injection ([`Refusal::InReaderShares`]): the pool threads' shares fail as refused.
+    refuse_readers: bool,
     state: Mutex<ReadState>,
     /// Signalled when the last share is done.
     finished: Condvar,
@@ -510,7 +553,16 @@ unsafe impl Send for ReadJob {}
 unsafe impl Sync for ReadJob {}
 
 impl Work for ReadJob {
+    /// A pool thread's turn.
     fn work(&self) -> usize {
+        self.claim(true)
+    }
+}
+
+impl ReadJob {
+    /// Claims and reads shares until none is left, as a pool thread (`reader`) or the caller;
+    /// returns how many this call did.
+    fn claim(&self, reader: bool) -> usize {
         let mut did = 0;
         loop {
             let i = self.next.fetch_add(1, Ordering::Relaxed);
@@ -519,6 +571,8 @@ impl Work for ReadJob {
             };
             let result = if self.failed.load(Ordering::Relaxed) {
                 Ok(())
+            } else if reader && self.refuse_readers {
+                Err(refused(&self.src))
             } else {
                 // SAFETY: share `i` is ours alone (claimed above), inside the caller's buffer
                 // (the shares cover `src.len` bytes exactly, checked against the buffer), which
@@ -669,7 +723,7 @@ pub fn probe() -> Result<(), CmaError> {
 /// Not part of the API.
 #[doc(hidden)]
 pub mod testing {
-    use super::{max_per_call, plan, CmaError, Pool, RemoteBuffer, Share};
+    use super::{max_per_call, plan, CmaError, Pool, Refusal, RemoteBuffer, Share};
 
     /// [`super::read_remote`] with at most `max_per_call` bytes a call, so that a small read
     /// takes many calls.
@@ -679,7 +733,7 @@ pub mod testing {
         threads: usize,
         max_per_call: u64,
     ) -> Result<(), CmaError> {
-        super::read_remote_with(src, dst, threads, max_per_call)
+        super::read_remote_with(src, dst, threads, max_per_call, Refusal::Off)
     }
 
     /// Reads `shares` of `src` into `dst` on the calling thread alone, in order.
@@ -688,7 +742,7 @@ pub mod testing {
         dst: &mut [u8],
         shares: Vec<Share>,
     ) -> Result<(), CmaError> {
-        super::read_shared(None, src, dst, shares)
+        super::read_shared(None, src, dst, shares, Refusal::Off)
     }
 
     /// A pool of reader threads of a trial's own (the process's one is shared by every read),
@@ -708,11 +762,24 @@ pub mod testing {
             dst: &mut [u8],
             threads: usize,
         ) -> Result<(), CmaError> {
+            self.read_with(src, dst, threads, Refusal::Off)
+        }
+
+        /// [`Readers::read`], with refusals simulated where `refusal` says (not process-wide:
+        /// this read alone).
+        pub fn read_with(
+            &self,
+            src: &RemoteBuffer,
+            dst: &mut [u8],
+            threads: usize,
+            refusal: Refusal,
+        ) -> Result<(), CmaError> {
             super::read_shared(
                 Some(self.0),
                 src,
                 dst,
                 plan(src.len, max_per_call(), threads).collect(),
+                refusal,
             )
         }
 

@@ -413,8 +413,7 @@ impl Engine {
     /// send ([`Engine::post`]) as usual, which keeps every order rule:
     ///
     /// - not for an empty send, one over the inject limit, a pipe not attached, one that has
-    ///   failed, refuses its sends or has ops in the backlog (they go first), nor while
-    ///   completion errors are injected (they need an end to land on);
+    ///   failed, refuses its sends or has ops in the backlog (they go first);
     /// - nor on `-FI_EAGAIN`, real or injected (counted as any other);
     /// - a post error other than `-FI_EAGAIN` fails the pipe as a posted op's would (its ends
     ///   through `out`) and says no: the caller's post then ends with that error, in order.
@@ -430,7 +429,7 @@ impl Engine {
         out: &mut impl FnMut(Finished),
     ) -> bool {
         let len = bytes.len();
-        if len == 0 || len > self.inject_limit || self.injects_cq_errors() {
+        if len == 0 || len > self.inject_limit {
             return false;
         }
         let Some(p) = self.pipes.get(&pipe) else {
@@ -446,6 +445,14 @@ impl Engine {
         match counted_inject(&self.ep, &mut self.stats, bytes, peer, tag) {
             Ok(()) => {
                 self.stats.direct += 1;
+                if let Some(e) = self.injected_error() {
+                    // The message went out, but its "completion" failed: as a posted send's
+                    // error would, it fails the pipe, and the caller's post ends with it.
+                    self.stats.errors += 1;
+                    self.fail_pipe(pipe, e);
+                    self.drain_dirty(out);
+                    return false;
+                }
                 self.stats.bytes += len as u64;
                 true
             }
@@ -631,18 +638,26 @@ impl Engine {
         false
     }
 
-    /// Whether fault injection turns completions into errors (injects, which have none, are
-    /// then not used).
+    /// The error fault injection turns this op's successful end into, if its dice say so: a
+    /// posted op's completion, an inject's post, or a direct inject (which then fails its pipe,
+    /// and the caller's post ends with the error). Injects stay on with errors injected, so the
+    /// faults meet the production send path.
     #[cfg(feature = "faults")]
-    fn injects_cq_errors(&self) -> bool {
-        self.faults.cq_error > 0.0
+    fn injected_error(&mut self) -> Option<FabricError> {
+        let hit = self.faults.cq_error > 0.0 && self.dice.roll(self.faults.cq_error);
+        hit.then(|| FabricError {
+            op: "completion",
+            provider: self.ep.provider().to_string(),
+            code: eio(),
+            text: "injected completion error (fault injection)".into(),
+        })
     }
 
-    /// Without the `faults` feature no completion is turned into an error.
+    /// Without the `faults` feature no end is turned into an error.
     #[cfg(not(feature = "faults"))]
     #[inline(always)]
-    fn injects_cq_errors(&self) -> bool {
-        false
+    fn injected_error(&mut self) -> Option<FabricError> {
+        None
     }
 
     /// Hands the op at `index` to the provider (or to fault injection).
@@ -784,18 +799,10 @@ impl Engine {
         pipe: u32,
         result: Result<usize, FabricError>,
     ) -> Result<usize, FabricError> {
-        #[cfg(feature = "faults")]
-        let result =
-            if self.injects_cq_errors() && self.dice.roll(self.faults.cq_error) && result.is_ok() {
-                Err(FabricError {
-                    op: "completion",
-                    provider: self.ep.provider().to_string(),
-                    code: eio(),
-                    text: "injected completion error (fault injection)".into(),
-                })
-            } else {
-                result
-            };
+        let result = match result {
+            Ok(n) => self.injected_error().map_or(Ok(n), Err),
+            e => e,
+        };
         match (result, self.pipes.get(&pipe).and_then(|p| p.error.clone())) {
             (Err(e), None) => {
                 self.stats.errors += 1;

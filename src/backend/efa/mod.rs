@@ -169,6 +169,12 @@ pub fn ecanceled() -> i32 {
     constant(6) as i32
 }
 
+/// `FI_ETRUNC`: a message longer than the receive posted for it (the provider's own error
+/// completion, read with `fi_cq_readerr`).
+pub fn etrunc() -> i32 {
+    constant(8) as i32
+}
+
 /// `FI_EIO`, the code fault injection reports completions with.
 pub fn eio() -> i32 {
     constant(9) as i32

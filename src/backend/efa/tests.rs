@@ -366,6 +366,83 @@ fn an_inject_arrives_without_a_send_completion() {
     }
 }
 
+/// A message longer than the receive posted for it: the provider's own error completion
+/// (`fi_cq_readerr`), with `FI_ETRUNC`, its text and the receive's context, and the endpoint
+/// still serves another peer. (Not the same peer on `tcp;ofi_rxm`: libfabric 1.17's tcp
+/// provider disables the connection after a truncation, ofiwg/libfabric#8274.)
+#[test]
+fn a_receive_posted_too_small_completes_with_the_providers_truncation_error() {
+    for provider in providers() {
+        let mut a = open(provider);
+        let mut b = open(provider);
+        let mut c = open(provider);
+        let b_at_a = a.insert(b.name()).expect("insert");
+        let a_at_b = b.insert(a.name()).expect("insert");
+        let b_at_c = c.insert(b.name()).expect("insert");
+        let c_at_b = b.insert(c.name()).expect("insert");
+        let (mut ctx_a, mut ctx_b) = ([0u64; 8], [0u64; 8]);
+        let mut small = vec![0u8; 16];
+        let msg = vec![7u8; 4096];
+        // SAFETY: the buffers and contexts outlive the completions waited for below.
+        unsafe { post_recv(&b, &mut small, a_at_b, 5, &mut ctx_b) };
+        // SAFETY: as above.
+        send_retrying(&mut a, &mut b, |a| unsafe {
+            a.tsend(
+                msg.as_ptr(),
+                msg.len(),
+                std::ptr::null_mut(),
+                b_at_a,
+                5,
+                0,
+                ctx_a.as_mut_ptr().cast(),
+            )
+        });
+        // The receiver's error; the sender may or may not see its send complete (each
+        // provider decides whether a truncated delivery is the sender's error too).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut got = Vec::new();
+        while got.is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{provider}: no completion"
+            );
+            a.poll(|_| {}).expect("cq");
+            b.poll(|c| got.push(c)).expect("cq");
+        }
+        let done = &got[0];
+        assert_eq!(
+            done.context,
+            ctx_b.as_ptr() as u64,
+            "{provider}: the receive's context"
+        );
+        let e = done.result.as_ref().expect_err("a truncation error");
+        assert_eq!((e.op, e.code), ("completion", etrunc()), "{provider}: {e}");
+        assert!(
+            e.to_string().contains(provider),
+            "{provider}: names it: {e}"
+        );
+        // The endpoint goes on: a receive large enough gets another peer's message whole.
+        let mut ctx_c = [0u64; 8];
+        let mut inbox = vec![0u8; 64];
+        let next: Vec<u8> = (0..64).collect();
+        // SAFETY: as above.
+        unsafe { post_recv(&b, &mut inbox, c_at_b, 6, &mut ctx_c) };
+        send_retrying(&mut c, &mut b, |c| c.tinject(&next, b_at_c, 6, 0));
+        let mut ok = None;
+        while ok.is_none() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{provider}: no second completion"
+            );
+            a.poll(|_| {}).expect("cq");
+            c.poll(|_| {}).expect("cq");
+            b.poll(|c| ok = Some(c.result.is_ok())).expect("cq");
+        }
+        assert_eq!(ok, Some(true), "{provider}");
+        assert_eq!(inbox, next, "{provider}");
+    }
+}
+
 /// rxm's passthru switch is read as libfabric reads a boolean, and applies to rxm over tcp
 /// only; this process runs without it, so every provider keeps its own name and its unexpected
 /// messages.

@@ -259,6 +259,88 @@ fn a_completion_error_fails_its_pipe_in_order_and_spares_the_others() {
     }
 }
 
+/// A real provider error, not an injected one: a message longer than the receive posted for
+/// it ends that receive with the provider's `FI_ETRUNC` completion (read with
+/// `fi_cq_readerr`). The pipe fails with it, its later receives end with the same error in
+/// post order, each with its own buffer back, and the endpoint's pipe to another peer is
+/// untouched. (A second pipe to the same peer is not: on `tcp;ofi_rxm`, libfabric 1.17's tcp
+/// provider disables the connection after a truncation, ofiwg/libfabric#8274.)
+#[test]
+fn a_truncated_receive_fails_its_pipe_in_order_and_spares_the_others() {
+    for provider in providers() {
+        let (mut a, pa, mut b, pb) = pair(provider);
+        let mut c = Engine::new(open(provider));
+        let pc = c.attach(b.endpoint().name()).expect("attach");
+        let pb2 = b.attach(c.endpoint().name()).expect("attach");
+        let mut got: Vec<(u32, u64, usize, Result<usize, FabricError>)> = Vec::new();
+        let record = |got: &mut Vec<_>, f: Finished| {
+            got.push((f.pipe, f.id, f.mem.as_ptr() as usize, f.result));
+        };
+        let mut buffers = Vec::new();
+        for i in 0..4u64 {
+            for pipe in [pb, pb2] {
+                // The first pipe's first receive is too small for what comes.
+                let len = if pipe == pb && i == 0 { 16 } else { 8192 };
+                let mem = vec![0; len];
+                buffers.push((pipe, i, mem.as_ptr() as usize));
+                let op = Op {
+                    kind: Kind::Recv,
+                    tag: tag::make(Stream::Raw, pipe, i as u32),
+                    mem,
+                    id: i,
+                };
+                b.post(pipe, op, &mut |f| record(&mut got, f));
+            }
+        }
+        for (sender, pipe, to) in [(&mut a, pa, pb), (&mut c, pc, pb2)] {
+            for i in 0..4u32 {
+                let op = Op {
+                    kind: Kind::Send,
+                    tag: tag::make(Stream::Raw, to, i),
+                    mem: vec![1; 4096],
+                    id: u64::from(i),
+                };
+                sender.post(pipe, op, &mut |_| {});
+            }
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while got.len() < 8 && std::time::Instant::now() < deadline {
+            a.progress(&mut |_| {}).expect("cq");
+            c.progress(&mut |_| {}).expect("cq");
+            b.progress(&mut |f| record(&mut got, f)).expect("cq");
+        }
+        assert_eq!(got.len(), 8, "{provider}: every receive ended: {got:?}");
+        let first = got
+            .iter()
+            .find(|g| g.0 == pb)
+            .and_then(|g| g.3.as_ref().err().cloned())
+            .expect("the first pipe's first receive failed");
+        assert_eq!(
+            (first.op, first.code),
+            ("completion", crate::backend::efa::etrunc()),
+            "{provider}: the provider's own error: {first}"
+        );
+        for pipe in [pb, pb2] {
+            let ends: Vec<_> = got.iter().filter(|g| g.0 == pipe).collect();
+            assert_eq!(ends.len(), 4, "{provider}: {got:?}");
+            for (i, g) in ends.iter().enumerate() {
+                assert_eq!(g.1, i as u64, "{provider}: in post order");
+                let mine = buffers.iter().find(|b| b.0 == pipe && b.1 == g.1);
+                assert_eq!(Some(g.2), mine.map(|b| b.2), "{provider}: its own buffer");
+                if pipe == pb {
+                    assert_eq!(
+                        g.3.as_ref().err(),
+                        Some(&first),
+                        "{provider}: the pipe's error"
+                    );
+                } else {
+                    assert_eq!(g.3.as_ref().ok(), Some(&4096), "{provider}: untouched");
+                }
+            }
+        }
+    }
+}
+
 #[cfg(feature = "faults")]
 #[test]
 fn an_injected_send_that_fails_fails_its_pipe_in_order() {
@@ -620,6 +702,73 @@ fn direct_injects_go_at_once_but_never_ahead_of_the_backlog() {
             "{provider}"
         );
         assert_eq!(a.stats().direct, 2, "{provider}");
+    }
+}
+
+/// Completion errors injected while injects stay on: a direct inject goes to the provider (the
+/// production send path, its message arrives), then meets the injected error, which fails its
+/// pipe; the caller's post of the same send then ends with that error.
+#[cfg(feature = "faults")]
+#[test]
+fn an_injected_error_meets_a_direct_inject_on_the_production_path() {
+    for provider in providers() {
+        let (mut a, pa, mut b, pb) = pair(provider);
+        let mut got: Vec<Finished> = Vec::new();
+        let op = Op {
+            kind: Kind::Recv,
+            tag: tag::make(Stream::Raw, pb, 0),
+            mem: vec![0; 16],
+            id: 0,
+        };
+        b.post(pb, op, &mut |f| got.push(f));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        a.set_faults(Faults {
+            cq_error: 1.0,
+            ..Faults::NONE
+        });
+        let sent = tag::make(Stream::Raw, pb, 0);
+        let mut ends: Vec<Finished> = Vec::new();
+        // rxm refuses posts (-FI_EAGAIN) while it connects: retry until the inject reaches the
+        // provider.
+        while a.stats().direct == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{provider}: never went"
+            );
+            assert!(
+                !a.inject(pa, sent, &[6; 16], &mut |f| ends.push(f)),
+                "{provider}: an inject that meets an error says no"
+            );
+            a.progress(&mut |f| ends.push(f)).expect("cq");
+            b.progress(&mut |f| got.push(f)).expect("cq");
+        }
+        let s = a.stats();
+        assert_eq!((s.direct, s.errors), (1, 1), "{provider}: {s:?}");
+        // The caller posts it, as after any "no": it ends with the pipe's error.
+        let op = Op {
+            kind: Kind::Send,
+            tag: sent,
+            mem: vec![6; 16],
+            id: 7,
+        };
+        a.post(pa, op, &mut |f| ends.push(f));
+        a.set_faults(Faults::NONE);
+        while got.is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{provider}: not delivered"
+            );
+            a.progress(&mut |f| ends.push(f)).expect("cq");
+            b.progress(&mut |f| got.push(f)).expect("cq");
+        }
+        assert_eq!(got[0].mem, vec![6; 16], "{provider}: the inject went out");
+        assert_eq!(ends.len(), 1, "{provider}: {ends:?}");
+        assert_eq!(ends[0].id, 7);
+        let e = ends[0].result.as_ref().expect_err("the pipe's error");
+        assert!(
+            e.text.contains("injected completion error"),
+            "{provider}: {e}"
+        );
     }
 }
 
