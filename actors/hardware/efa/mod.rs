@@ -104,7 +104,24 @@ pub struct EndpointConfig {
     /// `stream::READER_HOT` (25 µs); `Duration::MAX` makes every wait but a stream's first
     /// burst, zero none.
     pub quick_exchange: Duration,
+    /// Shared receives for the control streams of every pipe on the endpoint (the inbox,
+    /// docs/efa.md "Many pipes on one endpoint"): the receives an endpoint holds for its streams
+    /// are these, whatever the number of pipes, instead of `stream::WINDOW` + 2 per pipe. At
+    /// most half the provider's `rx_size`. Only where the provider takes such shared receives
+    /// ([`crate::backend::efa::shares_receives`]: rxm over tcp, not its passthru, not libfabric
+    /// 1.17's `shm`); elsewhere every stream keeps its own. 0: no inbox anywhere. Default
+    /// [`stream::INBOX`].
+    pub inbox: usize,
+    /// The most pipes the endpoint serves at once (each direction of an efa pipe's control
+    /// stream is one, and of each link of its efa channel): an attach beyond it is refused
+    /// ([`Error::Refused`], retryable), and a `Connect` that needs it fails so, the other
+    /// pipes untouched. Without an inbox the provider's `rx_size` bounds it too (each stream
+    /// keeps `stream::WINDOW` + 2 receives). Default [`MAX_PIPES`].
+    pub max_pipes: usize,
 }
+
+/// The default of [`EndpointConfig::max_pipes`]: 8,192 efa pipes on the `basic` channel.
+pub const MAX_PIPES: usize = 1 << 14;
 
 impl Default for EndpointConfig {
     fn default() -> Self {
@@ -118,6 +135,8 @@ impl Default for EndpointConfig {
             register_all: false,
             busy_poll: Duration::ZERO,
             quick_exchange: stream::READER_HOT,
+            inbox: stream::INBOX,
+            max_pipes: MAX_PIPES,
         }
     }
 }
@@ -227,10 +246,15 @@ impl FabricEndpoint {
         let lazily = wait.is_some() && config.busy_poll.is_zero();
         let a = ep.domain().attributes();
         let metrics = metrics::EndpointMetrics::open(&a.provider, &a.domain);
+        let inbox = crate::backend::efa::shares_receives(&a.provider)
+            .then(|| stream::BOUNCE.min(a.max_msg_size.max(1) as usize));
         let mut engine = Engine::new(ep);
         #[cfg(feature = "faults")]
         engine.set_faults(config.faults);
         engine.set_register_all(config.register_all);
+        if let Some(size) = inbox {
+            engine.set_inbox(config.inbox, size);
+        }
         let core = Arc::new(Mutex::new(Core::new(engine)));
         let progress = Progress {
             core: core.clone(),
@@ -523,6 +547,21 @@ impl Handler<FabricAttach> for FabricEndpoint {
     type Result = Result<u32, Error>;
     fn handle(&mut self, m: FabricAttach, _: &mut Context<Self>) -> Self::Result {
         let mut c = self.core();
+        let mut limit = self.config.max_pipes;
+        if !c.engine.has_inbox() {
+            // Each stream's halves keep WINDOW + 2 receives between them.
+            let per_pair = stream::WINDOW as usize + 2;
+            limit = limit.min(c.engine.rx_limit().saturating_mul(2) / per_pair);
+        }
+        if c.engine.live_pipes() >= limit {
+            return Err(Error::Refused {
+                reason: format!(
+                    "the {} endpoint serves its most pipes ({limit})",
+                    c.engine.attributes().provider
+                ),
+                origin: self.origin.clone(),
+            });
+        }
         let pipe = c
             .engine
             .attach(&m.peer)

@@ -254,6 +254,46 @@ impl Poster {
         }
     }
 
+    /// Whether the endpoint's control streams share its inbox (`Engine::set_inbox`) instead of
+    /// keeping receives of their own.
+    pub fn has_inbox(&self) -> bool {
+        lock(&self.core).engine.has_inbox()
+    }
+
+    /// `pipe`'s control-stream messages come through the endpoint's inbox from now on
+    /// (`Engine::use_inbox`); says whether they do.
+    pub fn use_inbox(&self, pipe: u32) -> bool {
+        let (used, kick) = {
+            let mut c = lock(&self.core);
+            if c.closed {
+                return false;
+            }
+            let used = c.engine.use_inbox(pipe);
+            (used, c.after_post())
+        };
+        if kick {
+            self.signal.raise();
+        }
+        used
+    }
+
+    /// Gives the inbox back a buffer one of its ends carried (`Engine::recycle_inbox`), then
+    /// posts `ops` for `pipe` as [`Poster::post`] does: one lock for both.
+    pub fn recycle_inbox(&self, mem: Vec<u8>, pipe: u32, ops: impl IntoIterator<Item = Op>) {
+        let kick = {
+            let mut c = lock(&self.core);
+            if c.closed {
+                return;
+            }
+            c.engine.recycle_inbox(mem);
+            c.post(pipe, ops);
+            c.after_post()
+        };
+        if kick {
+            self.signal.raise();
+        }
+    }
+
     /// Sends `bytes` for `pipe` with one `fi_tinject` from the caller's own bytes, with no op
     /// and no end ([`Engine::inject`]); says whether it went. If not (too large, a backlog
     /// ahead, an `-FI_EAGAIN`, the actor stopped), the caller posts the send as usual.

@@ -2,19 +2,26 @@
 //! read and write loops (`transport::stream`), as any other transport's halves.
 //!
 //! Each direction is a pipe of its own on the endpoint actor (so each half gets its own ordered
-//! queue of ends). The receiving half keeps `WINDOW` receives of `bounce` bytes posted, tagged
-//! with consecutive sequence numbers (TensorPipe's ibv inbox, over tagged messages); the writing
-//! half may have at most `WINDOW` messages unconsumed at the receiver (its credits). Each
+//! queue of ends). The writing half may have at most `WINDOW` messages unconsumed at the
+//! receiver (its credits). Where the endpoint has an inbox (its shared receives: every provider
+//! but rxm's passthru, `Engine::set_inbox`) a message lands in one of the inbox's `bounce`-byte
+//! receives, whichever pipe it is for, and the engine hands it to the pipe its tag names; the
+//! reader puts the messages back in sequence (a small one, injected, may overtake a larger one
+//! still on its way) and hands each buffer back to the inbox once read. So a pipe holds none of
+//! the provider's receives, and an endpoint serves as many pipes as its memory allows, not
+//! `rx_size / WINDOW`. Otherwise the reader keeps `WINDOW` receives of its own posted, tagged
+//! with consecutive sequence numbers (TensorPipe's ibv inbox, over tagged messages), and
+//! reposts each once read. Each
 //! message is one write's bytes (a vectored write gathers its slices). One that fits the
 //! provider's inject size goes out with `fi_tinject` straight from the writer's bytes
 //! ([`Poster::inject`]: the provider copies them, and no op or end is made for it); a larger
 //! one is copied into a pooled bounce buffer and posted. One copy in, one copy out, as the shm
-//! rings cost. The reader reposts each buffer once its bytes are read, which frees a credit of
-//! the peer's writer. Freed credits ride the next message the same side's writer sends, in its
+//! rings cost. A message read frees a credit of the peer's writer. Freed credits ride the next message the same side's writer sends, in its
 //! tag's credits field ([`tag::with_credits`]: the engine sends them as the message's remote CQ
 //! data and hands them back with the receive's end, and the peer's reader gives them to its
 //! writer); only when `WINDOW / 2` are owed and no message has taken them (a
-//! stream that flows one way) does the reader send them in a small message of their own. A
+//! stream that flows one way) does the reader send them in a small message of their own, a
+//! control-stream message to the peer's writing half. A
 //! zero-length message is the end of the stream (`shutdown`). Both halves post
 //! through the endpoint's [`Poster`], straight into its engine from the half's own poll (no
 //! mailbox hop); the actor reads the CQ and hands the ends to the halves' queues, and while it
@@ -42,10 +49,14 @@ use super::{Claim, FabricDetach, Poster};
 use crate::backend::efa::engine::{Finished, Kind, Op};
 use crate::backend::efa::tag::{self, Stream as TagStream};
 
-/// Receives kept posted, and so the writer's credits.
+/// The writer's credits: messages it may have unconsumed at the reader (and the receives a
+/// reader keeps posted where the endpoint has no inbox).
 pub const WINDOW: u32 = 16;
 /// Largest message (before the provider's maximum).
 pub const BOUNCE: usize = 64 << 10;
+/// The shared receives of an endpoint's inbox, by default (`EndpointConfig::inbox`): 16 MiB of
+/// `BOUNCE`-byte buffers, enough for sixteen streams sending their whole window at once.
+pub const INBOX: usize = 256;
 
 /// How long a reader waiting in spin mode keeps reading the CQ within one poll, on each poll of
 /// a wait but the first ([`FabricRead`]'s `look`). What a task made ready meanwhile waits for, at
@@ -99,11 +110,12 @@ impl Shared {
 /// send completion, and its receiver a completion, a repost and its writer's turn to take them
 /// (measured in git history's docs/efa-measurements.md, "Credits on the reverse stream's tags").
 ///
-/// A credit is owed once its buffer's receive has been handed to the engine. Where that receive
-/// waits in the engine's backlog (`-FI_EAGAIN`), a message of the writer's, on another pipe, can
-/// take the credit out first, and the peer's next message may then reach the provider before
-/// the receive: the provider keeps it as an unexpected message until the receive is posted.
-/// The window still bounds what the peer has unconsumed here, posted or not: `WINDOW`.
+/// A credit is owed once its message has been read (its buffer back to the inbox, or its
+/// receive handed to the engine again). Where that receive waits in the engine's backlog
+/// (`-FI_EAGAIN`), a message of the writer's, on another pipe, can take the credit out first,
+/// and the peer's next message may then reach the provider before the receive: the provider
+/// keeps it as an unexpected message until the receive is posted. The window still bounds what
+/// the peer has unconsumed here, posted or not: `WINDOW`.
 #[derive(Default)]
 struct Credits {
     /// Freed by our reader (its buffer reposted), not yet returned to the peer's writer.
@@ -168,6 +180,12 @@ pub struct FabricRead {
     emptied: Option<Vec<u8>>,
     next_seq: u32,
     credit_seq: u32,
+    /// Messages come through the endpoint's inbox (see the module docs), in any order.
+    inbox: bool,
+    /// Inbox: the sequence number of the next message to read, and the messages that came
+    /// before it (slot `i` holds `expect + i`; at most `2 * WINDOW` ahead).
+    expect: u32,
+    early: VecDeque<Option<Finished>>,
     spare: Vec<Vec<u8>>,
     eof: bool,
     error: Option<io::Error>,
@@ -192,7 +210,8 @@ fn post_receives(ep: &Poster, stream: TagStream, pipe: u32, n: u32, size: usize)
 }
 
 impl FabricRead {
-    /// The half, with its `WINDOW` receives posted.
+    /// The half, its messages through the endpoint's inbox, or with its `WINDOW` receives
+    /// posted where it has none.
     pub fn new(
         ep: Poster,
         wiring: Wiring,
@@ -200,8 +219,14 @@ impl FabricRead {
         bounce: usize,
         shared: Arc<Shared>,
     ) -> FabricRead {
-        post_receives(&ep, TagStream::Control, wiring.read, WINDOW, bounce);
+        let inbox = ep.use_inbox(wiring.read);
+        if !inbox {
+            post_receives(&ep, TagStream::Control, wiring.read, WINDOW, bounce);
+        }
         FabricRead {
+            inbox,
+            expect: 0,
+            early: VecDeque::new(),
             ep,
             wiring,
             done,
@@ -275,17 +300,57 @@ impl FabricRead {
         }
     }
 
-    /// Reposts a consumed buffer, which frees a credit; sends what is owed in a message of its
-    /// own once `WINDOW / 2` are (the writer has sent nothing that took them).
+    /// Inbox: `f` (a message) if it is the next in sequence; otherwise keeps it for its turn
+    /// and says `None` (a sequence number outside the window is the peer's protocol error).
+    fn in_sequence(&mut self, f: Finished) -> Option<Finished> {
+        let ahead = (f.id as u32).wrapping_sub(self.expect) as usize;
+        if ahead == 0 {
+            self.expect = self.expect.wrapping_add(1);
+            self.early.pop_front();
+            return Some(f);
+        }
+        if ahead >= 2 * WINDOW as usize {
+            self.error = Some(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "efa stream: message {} arrived while {} was next, outside the window of {WINDOW}",
+                    f.id, self.expect
+                ),
+            ));
+            return None;
+        }
+        if self.early.len() <= ahead {
+            self.early.resize_with(ahead + 1, || None);
+        }
+        self.early[ahead] = Some(f);
+        None
+    }
+
+    /// Inbox: the next message in sequence, if it came early.
+    fn take_early(&mut self) -> Option<Finished> {
+        if !matches!(self.early.front(), Some(Some(_))) {
+            return None;
+        }
+        self.expect = self.expect.wrapping_add(1);
+        self.early.pop_front().flatten()
+    }
+
+    /// Gives a read buffer back (to the inbox, or as a receive posted again), which frees a
+    /// credit; sends what is owed in a message of its own once `WINDOW / 2` are (the writer has
+    /// sent nothing that took them).
     fn recycle(&mut self, mut mem: Vec<u8>) {
-        mem.resize(self.bounce, 0);
-        let seq = self.next_seq;
-        self.next_seq = self.next_seq.wrapping_add(1);
-        let recv = Op {
-            kind: Kind::Recv,
-            tag: tag::make(TagStream::Control, self.wiring.read, seq),
-            mem,
-            id: seq as u64,
+        let recv = if self.inbox {
+            None
+        } else {
+            mem.resize(self.bounce, 0);
+            let seq = self.next_seq;
+            self.next_seq = self.next_seq.wrapping_add(1);
+            Some(Op {
+                kind: Kind::Recv,
+                tag: tag::make(TagStream::Control, self.wiring.read, seq),
+                mem: std::mem::take(&mut mem),
+                id: seq as u64,
+            })
         };
         let owed = &self.shared.credits.owed;
         let mut credit = None;
@@ -300,14 +365,18 @@ impl FabricRead {
             m.extend_from_slice(&n.to_le_bytes());
             credit = Some(Op {
                 kind: Kind::Send,
-                tag: tag::make(TagStream::Credit, self.wiring.peer_write, self.credit_seq),
+                tag: tag::make(TagStream::Control, self.wiring.peer_write, self.credit_seq),
                 mem: m,
                 id: self.credit_seq as u64,
             });
             self.credit_seq = self.credit_seq.wrapping_add(1);
         }
-        self.ep
-            .post(self.wiring.read, std::iter::once(recv).chain(credit));
+        if self.inbox {
+            self.ep.recycle_inbox(mem, self.wiring.read, credit);
+        } else {
+            self.ep
+                .post(self.wiring.read, recv.into_iter().chain(credit));
+        }
     }
 }
 
@@ -343,9 +412,11 @@ impl AsyncRead for FabricRead {
             if let Some(e) = &this.error {
                 return Poll::Ready(Err(io::Error::new(e.kind(), e.to_string())));
             }
-            // Claimed ends first (they came before any in `done`). The waker stays registered
-            // either way, for an end another pass hands out.
-            let f = match this.claimed.pop_front() {
+            // A message that came early, now in sequence; then claimed ends (they came before
+            // any in `done`). The waker stays registered either way, for an end another pass
+            // hands out.
+            let early = if this.inbox { this.take_early() } else { None };
+            let f = match early.or_else(|| this.claimed.pop_front()) {
                 Some(f) => Some(f),
                 None => match this.done.poll_recv(cx) {
                     Poll::Ready(f) => f,
@@ -363,6 +434,13 @@ impl AsyncRead for FabricRead {
             let Some(f) = f else {
                 this.error = Some(stopped());
                 continue;
+            };
+            let f = match (this.inbox, f.kind, &f.result) {
+                (true, Kind::Recv, Ok(_)) => match this.in_sequence(f) {
+                    Some(f) => f,
+                    None => continue,
+                },
+                _ => f,
             };
             if let (Kind::Recv, Ok(_)) = (f.kind, &f.result) {
                 let n = tag::credits(f.tag);
@@ -408,14 +486,17 @@ pub struct FabricWrite {
     in_flight: u32,
     shut: bool,
     error: Option<io::Error>,
+    /// Credit messages come through the endpoint's inbox (no receives of its own).
+    inbox: bool,
     shared: Arc<Shared>,
 }
 
-/// Credit receives kept posted by a writer.
+/// Credit receives kept posted by a writer where the endpoint has no inbox.
 const CREDIT_RECVS: u32 = 2;
 
 impl FabricWrite {
-    /// The half, with its credit receives posted.
+    /// The half, its credit messages through the endpoint's inbox, or with its credit
+    /// receives posted where it has none.
     pub fn new(
         ep: Poster,
         wiring: Wiring,
@@ -423,9 +504,13 @@ impl FabricWrite {
         bounce: usize,
         shared: Arc<Shared>,
     ) -> FabricWrite {
-        post_receives(&ep, TagStream::Credit, wiring.write, CREDIT_RECVS, 4);
+        let inbox = ep.use_inbox(wiring.write);
+        if !inbox {
+            post_receives(&ep, TagStream::Control, wiring.write, CREDIT_RECVS, 4);
+        }
         let inject_limit = ep.inject_limit().min(bounce);
         FabricWrite {
+            inbox,
             inject_limit,
             gather: Vec::new(),
             ep,
@@ -490,16 +575,26 @@ impl FabricWrite {
                     self.pool.push(f.mem);
                 }
                 Kind::Recv => {
-                    let mut n = [0u8; 4];
-                    n.copy_from_slice(&f.mem[..4]);
-                    self.credits += u32::from_le_bytes(n);
+                    let (Ok(4), Some(n)) = (&f.result, f.mem.first_chunk::<4>()) else {
+                        let e = io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            "efa stream: a credit message that is not 4 bytes",
+                        );
+                        self.error = Some(io::Error::new(e.kind(), e.to_string()));
+                        return Err(e);
+                    };
+                    self.credits += u32::from_le_bytes(*n);
+                    if self.inbox {
+                        self.ep.recycle_inbox(f.mem, self.wiring.write, None);
+                        continue;
+                    }
                     let seq = self.credit_recv_seq;
                     self.credit_recv_seq = seq.wrapping_add(1);
                     self.ep.post(
                         self.wiring.write,
                         [Op {
                             kind: Kind::Recv,
-                            tag: tag::make(TagStream::Credit, self.wiring.write, seq),
+                            tag: tag::make(TagStream::Control, self.wiring.write, seq),
                             mem: f.mem,
                             id: seq as u64,
                         }],

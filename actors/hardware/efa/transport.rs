@@ -272,8 +272,35 @@ impl Efa {
             peer: peer_name.clone(),
             sink,
         };
-        let r = ep.send(attach(rs)).await.map_err(|_| gone(&origin))??;
-        let w = ep.send(attach(ws)).await.map_err(|_| gone(&origin))??;
+        // Kept for the first word's wait, which hands back what came before it.
+        let (rs_early, ws_early) = (rs.clone(), ws.clone());
+        // An endpoint that serves its most pipes refuses the attach: the peer hears it (pipe
+        // numbers `REFUSED`) and both sides fail the connect with `Refused`.
+        let r = ep.send(attach(rs)).await.map_err(|_| gone(&origin))?;
+        let w = match &r {
+            Ok(_) => ep.send(attach(ws)).await.map_err(|_| gone(&origin))?,
+            Err(e) => Err(e.clone()),
+        };
+        let (r, w) = match (r, w) {
+            (Ok(r), Ok(w)) => (r, w),
+            (r, w) => {
+                if let Ok(pipe) = r {
+                    ep.do_send(FabricDetach {
+                        pipe,
+                        reason: "refused".into(),
+                    });
+                }
+                let e = w.err().unwrap_or_else(|| gone(&origin));
+                let _ = write.write_all(&REFUSED).await;
+                return Err(e);
+            }
+        };
+        // The halves post straight into the endpoint's engine (no mailbox hop per op). Where
+        // the endpoint has an inbox, both pipes take their messages from it before the peer
+        // learns their numbers: nothing it sends can land there unclaimed.
+        let poster = ep.send(FabricShare).await.map_err(|_| gone(&origin))?;
+        poster.use_inbox(r);
+        poster.use_inbox(w);
         let mut numbers = [0u8; 8];
         numbers[..4].copy_from_slice(&r.to_le_bytes());
         numbers[4..].copy_from_slice(&w.to_le_bytes());
@@ -285,6 +312,18 @@ impl Efa {
         }
         .await;
         let theirs = match exchanged {
+            Ok(t) if t == REFUSED => {
+                for pipe in [r, w] {
+                    ep.do_send(FabricDetach {
+                        pipe,
+                        reason: "refused by the peer".into(),
+                    });
+                }
+                return Err(Error::Refused {
+                    reason: "the peer's efa endpoint serves its most pipes".into(),
+                    origin: origin.clone(),
+                });
+            }
             Ok(t) => t,
             Err(e) => {
                 for pipe in [r, w] {
@@ -302,13 +341,15 @@ impl Efa {
             peer_read: u32::from_le_bytes(theirs[..4].try_into().unwrap_or_default()),
             peer_write: u32::from_le_bytes(theirs[4..].try_into().unwrap_or_default()),
         };
-        // The halves post straight into the endpoint's engine (no mailbox hop per op).
-        let poster = ep.send(FabricShare).await.map_err(|_| gone(&origin))?;
         if connection_based(&self.provider) {
             let lead = info.name < peer_name;
             // The first word's end comes on the queue of the pipe it was posted for.
-            let queue = if lead { &mut wd } else { &mut rd };
-            if let Err(e) = first_word(&poster, wiring, lead, queue, &origin).await {
+            let (queue, again) = if lead {
+                (&mut wd, &ws_early)
+            } else {
+                (&mut rd, &rs_early)
+            };
+            if let Err(e) = first_word(&poster, wiring, lead, queue, again, &origin).await {
                 for pipe in [r, w] {
                     ep.do_send(FabricDetach {
                         pipe,
@@ -372,6 +413,10 @@ impl Efa {
     }
 }
 
+/// The pipe numbers a side sends instead of its own when its endpoint refused the pipes (no
+/// pipe number has every bit set: they fit in `tag::PIPE_BITS`).
+const REFUSED: [u8; 8] = [0xff; 8];
+
 /// Whether `provider` opens connections under its reliable datagrams (`ofi_rxm` over `tcp` or
 /// `verbs`): then the two sides of a pipe must not both send first (see [`first_word`]).
 fn connection_based(provider: &str) -> bool {
@@ -392,11 +437,17 @@ fn connection_based(provider: &str) -> bool {
 /// 540 when one side waited for the other's first message (docs/efa.md, "The efa transport").
 /// The order is the same for every pipe between two endpoints, so pipes set up at once in both
 /// directions (A dials B while B dials A) agree on it too.
+///
+/// Where the endpoint has an inbox, the peer's first messages after its first word may be
+/// handed out before the first word's own end (they land in the inbox at once, the first word
+/// in its receive once that is posted): they go back on the queue (`again`) for the stream's
+/// half, which puts them in sequence.
 async fn first_word(
     poster: &super::Poster,
     wiring: Wiring,
     lead: bool,
     queue: &mut tokio::sync::mpsc::UnboundedReceiver<crate::backend::efa::engine::Finished>,
+    again: &tokio::sync::mpsc::UnboundedSender<crate::backend::efa::engine::Finished>,
     origin: &Origin,
 ) -> Result<(), Error> {
     use crate::backend::efa::engine::{Kind, Op};
@@ -431,23 +482,40 @@ async fn first_word(
         true => "sending the first word on the fabric",
         false => "waiting for the peer's first word on the fabric",
     };
-    let end = tokio::time::timeout(HELLO_TIMEOUT, queue.recv()).await;
-    match end {
-        Ok(Some(f)) if f.id == ID => f.result.map(drop).map_err(|e| fabric_error(e, origin)),
-        Ok(Some(f)) => Err(Error::protocol(
-            format!("{what}: an unexpected end (op {}) came first", f.id),
-            origin,
-        )),
-        Ok(None) => Err(gone(origin)),
-        Err(_) => Err(Error::io(
-            what,
-            std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("nothing within {} s", HELLO_TIMEOUT.as_secs()),
-            ),
-            origin,
-        )),
+    let deadline = tokio::time::Instant::now() + HELLO_TIMEOUT;
+    let mut early = Vec::new();
+    let result = loop {
+        let end = tokio::time::timeout_at(deadline, queue.recv()).await;
+        match end {
+            Ok(Some(f)) if f.id == ID => {
+                break f.result.map(drop).map_err(|e| fabric_error(e, origin))
+            }
+            Ok(Some(f)) if f.kind == Kind::Recv && f.result.is_ok() && poster.has_inbox() => {
+                early.push(f)
+            }
+            Ok(Some(f)) => {
+                break Err(Error::protocol(
+                    format!("{what}: an unexpected end (op {}) came first", f.id),
+                    origin,
+                ))
+            }
+            Ok(None) => break Err(gone(origin)),
+            Err(_) => {
+                break Err(Error::io(
+                    what,
+                    std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("nothing within {} s", HELLO_TIMEOUT.as_secs()),
+                    ),
+                    origin,
+                ))
+            }
+        }
+    };
+    for f in early {
+        let _ = again.send(f);
     }
+    result
 }
 
 /// The host's first IPv4 address that is up and not loopback; 127.0.0.1 if none.

@@ -3,9 +3,9 @@
 //! code: the endpoint actor (`actors/hardware/efa/mod.rs`) decides *when* to call [`Engine::progress`];
 //! tests drive it in a loop.
 //!
-//! **Posting.** [`Engine::post`] tries the provider at once unless the pipe already has an op in
-//! the backlog (then it queues behind it: a pipe's ops reach the provider in the order they were
-//! posted). `-FI_EAGAIN` puts the op at the back of the FIFO backlog. [`Engine::progress`] reads
+//! **Posting.** [`Engine::post`] tries the provider at once unless the pipe already has an op of
+//! the same kind in the backlog (then it queues behind it: a pipe's sends reach the provider in
+//! the order they were posted, and so do its receives; neither waits for the other). `-FI_EAGAIN` puts the op at the back of the FIFO backlog. [`Engine::progress`] reads
 //! the completion queue, then retries the backlog front to back; a pipe whose retry is refused
 //! again is skipped for the rest of that pass, so none of its later ops overtakes it, while other
 //! pipes' ops still go. A send of 1 byte up to the provider's inject size goes out with
@@ -24,6 +24,26 @@
 //! handed out ([`Finished`]) only when every earlier op of the same queue has been, so a pipe
 //! sees its completions in the order it posted, errors included, whatever order the provider
 //! completes them in.
+//!
+//! **Receive limits.** The provider takes at most `rx_size` receives at once (`shm`: 1,024;
+//! past that `fi_trecv` fails with `-FI_ENOMEM`). The engine counts the receives it has posted
+//! and keeps any beyond the limit in the backlog, as it does a post refused with `-FI_EAGAIN`
+//! (an `-FI_ENOMEM` from `fi_trecv` is taken the same way): a full receive queue delays a
+//! receive, it never fails a pipe.
+//!
+//! **Shared receives (the inbox).** Where the provider keeps unexpected messages of any size
+//! ([`super::keeps_unexpected`]) the efa stream's messages do not need receives of their own
+//! per pipe: [`Engine::set_inbox`] gives the endpoint a pool of receives that match any
+//! control-stream message from any peer (the tag's pipe and sequence bits ignored), posted
+//! once the first pipe asks for it ([`Engine::use_inbox`]). A message that lands in one is
+//! handed to the pipe its tag names, as a receive's [`Finished`] whose `id` is the message's
+//! sequence number, in the order the messages complete (the stream puts them in sequence),
+//! and the receive goes back to the provider at once with a spare buffer
+//! ([`Engine::recycle_inbox`] returns the ones the readers are done with). So the receives an
+//! endpoint holds for its streams are the inbox's, whatever the number of pipes: what a
+//! verbs shared receive queue does. A message for no such pipe is dropped (`Stats::stray`). A
+//! pipe of the inbox that fails gets one receive end with the error (`id` `u64::MAX`), since
+//! it has no receive of its own to carry it.
 //!
 //! **Memory.** Each op owns its buffer (`Vec<u8>`) from post to [`Finished`]; the provider may
 //! touch it only in between. Context pointers point into boxed slots that are recycled, so
@@ -139,6 +159,12 @@ pub struct Stats {
     /// Sends ended without reaching the provider because their pipe's peer was gone
     /// ([`Engine::refuse_sends`]).
     pub refused: u64,
+    /// Receives of pipes (not the inbox's) posted to the provider now.
+    pub receives_posted: usize,
+    /// The inbox's receives posted now ([`Engine::set_inbox`]).
+    pub inbox_posted: usize,
+    /// Messages the inbox received for no pipe of its own (dropped).
+    pub stray: u64,
 }
 
 /// Room the provider may use in an op's context (`FI_CONTEXT2`: 8 pointers), then our index.
@@ -164,6 +190,8 @@ struct Live {
     region: Option<Region>,
     /// Whether the op holds a use of its region's registration in the cache.
     cached: bool,
+    /// One of the inbox's receives (its `pipe` is [`INBOX`]).
+    inbox: bool,
     id: u64,
     state: State,
     // Dropped when the op ends, after the provider is done with the memory.
@@ -180,11 +208,37 @@ struct PipeState {
     peer_name: Vec<u8>,
     sends: VecDeque<usize>,
     recvs: VecDeque<usize>,
-    backlogged: usize,
+    /// Its sends and its receives in the backlog ([`side`]): each kind keeps its own post
+    /// order, and neither waits for the other (a receive held back by the receive limit must
+    /// not hold back the sends that the peer's receives wait for).
+    backlogged: [usize; 2],
     error: Option<FabricError>,
     /// Sends end with this at once ([`Engine::refuse_sends`]).
     refused: Option<FabricError>,
     detached: bool,
+    /// Its messages come through the inbox ([`Engine::use_inbox`]).
+    inbox: bool,
+}
+
+/// The `pipe` of the inbox's receives: no pipe has it (pipe numbers fit in `tag::PIPE_BITS`).
+const INBOX: u32 = u32::MAX;
+
+/// The endpoint's shared receives for the efa stream (see the module docs).
+struct Inbox {
+    /// Receives to keep posted.
+    count: usize,
+    /// Each receive's buffer.
+    size: usize,
+    /// Whether its receives have been made (on the first [`Engine::use_inbox`]).
+    started: bool,
+    /// Its slots not posted now (refused by the provider: retried with the backlog).
+    idle: Vec<usize>,
+    /// Buffers back from the pipes (or never handed out), for the next reposts.
+    spare: Vec<Vec<u8>>,
+    /// Ends for pipes, handed out at the next drain.
+    routed: Vec<Finished>,
+    /// Pipes that use it, not yet forgotten.
+    users: usize,
 }
 
 /// One endpoint and everything in flight on it. See the module docs.
@@ -209,13 +263,25 @@ pub struct Engine {
     // Reused between calls: no allocation per completion.
     batch: Vec<Completion>,
     dirty: Vec<u32>,
+    /// Receives the provider takes at once (`rx_size`; `usize::MAX` where it reports none).
+    rx_limit: usize,
+    /// Pipes' receives posted now (not the inbox's).
+    receives_posted: usize,
+    inbox: Option<Inbox>,
 }
 
 impl Engine {
     /// An engine over `ep`.
     pub fn new(ep: Endpoint) -> Engine {
         let inject_limit = ep.domain().attributes().inject_size as usize;
+        let rx_limit = match ep.domain().attributes().rx_size {
+            0 => usize::MAX,
+            n => usize::try_from(n).unwrap_or(usize::MAX),
+        };
         Engine {
+            rx_limit,
+            receives_posted: 0,
+            inbox: None,
             inject_limit,
             ep,
             regs: RegCache::default(),
@@ -279,13 +345,136 @@ impl Engine {
             pipes: self.pipes.len(),
             registrations: self.regs.registrations(),
             registered: self.regs.live(),
+            receives_posted: self.receives_posted,
+            inbox_posted: self.inbox_posted(),
             ..self.stats.clone()
         }
     }
 
-    /// Whether anything is posted or backlogged (the CQ then needs progress).
+    /// Whether anything is posted or backlogged (the CQ then needs progress). The inbox's
+    /// receives count only while a pipe uses it.
     pub fn busy(&self) -> bool {
-        self.stats.in_flight > 0 || !self.backlog.is_empty()
+        let idle_inbox = match &self.inbox {
+            Some(i) if i.users == 0 => self.inbox_posted(),
+            _ => 0,
+        };
+        self.stats.in_flight > idle_inbox
+            || !self.backlog.is_empty()
+            || self.inbox.as_ref().is_some_and(|i| !i.idle.is_empty())
+    }
+
+    fn inbox_posted(&self) -> usize {
+        self.inbox
+            .as_ref()
+            .filter(|i| i.started)
+            .map_or(0, |i| i.count - i.idle.len())
+    }
+
+    /// Receives the provider takes at once, as this engine counts them (its `rx_size`).
+    pub fn rx_limit(&self) -> usize {
+        self.rx_limit
+    }
+
+    /// Lowers the receive limit (tests: a small limit is met with few pipes). Above the
+    /// provider's own, it changes nothing.
+    pub fn set_rx_limit(&mut self, limit: usize) {
+        let own = match self.attributes().rx_size {
+            0 => usize::MAX,
+            n => usize::try_from(n).unwrap_or(usize::MAX),
+        };
+        self.rx_limit = limit.min(own);
+    }
+
+    /// Gives the endpoint an inbox of `count` shared receives of `size` bytes each (see the
+    /// module docs), made when the first pipe asks for it ([`Engine::use_inbox`]); at most
+    /// half the receive limit. Once made, it stays as it is. `count` 0: no inbox.
+    pub fn set_inbox(&mut self, count: usize, size: usize) {
+        if self.inbox.as_ref().is_some_and(|i| i.started) {
+            return;
+        }
+        let count = count.min(self.rx_limit / 2);
+        self.inbox = (count > 0 && size > 0).then(|| Inbox {
+            count,
+            size,
+            started: false,
+            idle: Vec::new(),
+            spare: Vec::new(),
+            routed: Vec::new(),
+            users: 0,
+        });
+    }
+
+    /// Whether the endpoint has an inbox ([`Engine::set_inbox`]).
+    pub fn has_inbox(&self) -> bool {
+        self.inbox.is_some()
+    }
+
+    /// `pipe`'s messages of the control stream come through the inbox from now on (posting its
+    /// receives the first time); says whether they do (not without an inbox, nor for a pipe
+    /// not attached).
+    pub fn use_inbox(&mut self, pipe: u32) -> bool {
+        let Some(p) = self.pipes.get_mut(&pipe) else {
+            return false;
+        };
+        let Some(inbox) = self.inbox.as_mut() else {
+            return false;
+        };
+        if !p.inbox {
+            p.inbox = true;
+            inbox.users += 1;
+        }
+        if !inbox.started {
+            inbox.started = true;
+            let (count, size) = (inbox.count, inbox.size);
+            for _ in 0..count {
+                let index = self.slot();
+                self.slots[index].live = Some(Live {
+                    pipe: INBOX,
+                    kind: Kind::Recv,
+                    tag: tag::make(tag::Stream::Control, 0, 0),
+                    mem: vec![0; size],
+                    region: None,
+                    cached: false,
+                    inbox: true,
+                    id: 0,
+                    state: State::Backlog,
+                    _mr: None,
+                });
+                if let Some(i) = self.inbox.as_mut() {
+                    i.idle.push(index);
+                }
+            }
+            self.post_inbox();
+        }
+        true
+    }
+
+    /// Hands back a buffer an inbox end carried, for a later receive (dropped if the inbox
+    /// has spares enough, or it is not the inbox's size).
+    pub fn recycle_inbox(&mut self, mem: Vec<u8>) {
+        if let Some(i) = self.inbox.as_mut() {
+            if mem.len() == i.size && i.spare.len() < i.count {
+                i.spare.push(mem);
+            }
+        }
+    }
+
+    /// Posts the inbox's idle receives, until the provider refuses one.
+    fn post_inbox(&mut self) {
+        while let Some(index) = self.inbox.as_mut().and_then(|i| i.idle.pop()) {
+            match self.try_post(index) {
+                Ok(()) => {}
+                Err(e) => {
+                    if let PostError::Failed(e) = e {
+                        tracing::warn!("efa inbox receive: {e}");
+                    }
+                    if let Some(i) = self.inbox.as_mut() {
+                        i.idle.push(index);
+                    }
+                    return;
+                }
+            }
+        }
     }
 
     /// Whether `pipe` is attached (a detached pipe stays until its ops have come back).
@@ -330,10 +519,11 @@ impl Engine {
                 peer_name: peer_name.to_vec(),
                 sends: VecDeque::new(),
                 recvs: VecDeque::new(),
-                backlogged: 0,
+                backlogged: [0; 2],
                 error: None,
                 refused: None,
                 detached: false,
+                inbox: false,
             },
         );
         Ok(pipe)
@@ -377,7 +567,7 @@ impl Engine {
             }
         }
         if ended > 0 {
-            p.backlogged = p.backlogged.saturating_sub(ended);
+            p.backlogged[side(Kind::Send)] = p.backlogged[side(Kind::Send)].saturating_sub(ended);
             self.stats.refused += ended as u64;
             let slots = &self.slots;
             self.backlog.retain(|&i| {
@@ -400,6 +590,7 @@ impl Engine {
             mem: op.mem,
             region: None,
             cached: false,
+            inbox: false,
             id: op.id,
             state: State::Posted,
             _mr: None,
@@ -435,7 +626,7 @@ impl Engine {
         let Some(p) = self.pipes.get(&pipe) else {
             return false;
         };
-        if p.error.is_some() || p.refused.is_some() || p.backlogged > 0 {
+        if p.error.is_some() || p.refused.is_some() || p.backlogged[side(Kind::Send)] > 0 {
             return false;
         }
         let peer = p.peer;
@@ -489,6 +680,7 @@ impl Engine {
             mem: Vec::new(),
             region: Some(region),
             cached: false,
+            inbox: false,
             id,
             state: State::Posted,
             _mr: None,
@@ -525,7 +717,7 @@ impl Engine {
         } else if let (Kind::Send, Some(e)) = (live.kind, &p.refused) {
             self.stats.refused += 1;
             State::Done(Err(e.clone()))
-        } else if p.backlogged > 0 {
+        } else if p.backlogged[side(live.kind)] > 0 {
             State::Backlog
         } else {
             State::Posted
@@ -585,6 +777,11 @@ impl Engine {
     }
 
     fn drain_dirty(&mut self, out: &mut impl FnMut(Finished)) {
+        if let Some(i) = self.inbox.as_mut() {
+            for f in i.routed.drain(..) {
+                out(f);
+            }
+        }
         while let Some(pipe) = self.dirty.pop() {
             self.drain(pipe, out);
         }
@@ -617,7 +814,7 @@ impl Engine {
         };
         l.state = State::Backlog;
         if let Some(p) = self.pipes.get_mut(&l.pipe) {
-            p.backlogged += 1;
+            p.backlogged[side(l.kind)] += 1;
         }
         self.backlog.push_back(index);
         self.stats.backlog_max = self.stats.backlog_max.max(self.backlog.len());
@@ -671,9 +868,23 @@ impl Engine {
         let Some(l) = slot.live.as_mut() else {
             return Ok(());
         };
-        let Some(peer) = self.pipes.get(&l.pipe).map(|p| p.peer) else {
-            return Ok(());
+        let peer = if l.inbox {
+            Endpoint::any_source()
+        } else {
+            let Some(peer) = self.pipes.get(&l.pipe).map(|p| p.peer) else {
+                return Ok(());
+            };
+            peer
         };
+        // The provider's receive queue: the inbox's share is kept for it.
+        let inbox_share = self.inbox.as_ref().map_or(0, |i| i.count);
+        if l.kind == Kind::Recv
+            && !l.inbox
+            && self.receives_posted >= self.rx_limit.saturating_sub(inbox_share)
+        {
+            self.stats.eagain += 1;
+            return Err(PostError::Again);
+        }
         let len = l.region.map_or(l.mem.len(), |r| r.len);
         if l.kind == Kind::Send && len > 0 && len <= self.inject_limit {
             let bytes = match l.region {
@@ -735,14 +946,33 @@ impl Engine {
                     let (wire, data) = tag::on_the_wire(l.tag);
                     self.ep.tsend(ptr, len, desc, peer, wire, data, ctx)
                 }
-                Kind::Recv => self.ep.trecv(ptr, len, desc, peer, l.tag, 0, ctx),
+                Kind::Recv => {
+                    // The inbox's receives match any message of the stream: pipe and sequence
+                    // ignored.
+                    let ignore = if l.inbox {
+                        ((tag::MAX_PIPE as u64) << 32) | u64::from(u32::MAX)
+                    } else {
+                        0
+                    };
+                    self.ep.trecv(ptr, len, desc, peer, l.tag, ignore, ctx)
+                }
             }
+        };
+        // A full receive queue (`shm`: -FI_ENOMEM past its `rx_size`) waits as -FI_EAGAIN does.
+        let r = match r {
+            Err(PostError::Failed(e)) if l.kind == Kind::Recv && e.code == libc::ENOMEM => {
+                Err(PostError::Again)
+            }
+            r => r,
         };
         match &r {
             Ok(()) => {
                 l.state = State::Posted;
                 self.stats.posted += 1;
                 self.stats.in_flight += 1;
+                if l.kind == Kind::Recv && !l.inbox {
+                    self.receives_posted += 1;
+                }
             }
             Err(PostError::Again) => self.stats.eagain += 1,
             Err(PostError::Failed(_)) => self.stats.errors += 1,
@@ -761,6 +991,12 @@ impl Engine {
             return None;
         }
         self.stats.in_flight -= 1;
+        if l.inbox {
+            return self.inbox_completed(index, c);
+        }
+        if l.kind == Kind::Recv {
+            self.receives_posted -= 1;
+        }
         let pipe = l.pipe;
         let result = c.result.map(|()| match l.kind {
             Kind::Recv => {
@@ -774,6 +1010,63 @@ impl Engine {
         let result = self.finish(pipe, result);
         self.end_op(index, pipe, result);
         Some(pipe)
+    }
+
+    /// One of the inbox's receives completed: its message goes to the pipe its tag names (or
+    /// its error, where the provider says which message failed), and the receive goes back to
+    /// the provider with a spare buffer. Returns the pipe it went to.
+    fn inbox_completed(&mut self, index: usize, c: Completion) -> Option<u32> {
+        let (stream, pipe, seq) = tag::split(c.tag);
+        let ours = stream == tag::Stream::Control as u8
+            && self
+                .pipes
+                .get(&pipe)
+                .is_some_and(|p| p.inbox && p.error.is_none());
+        let inbox = self.inbox.as_mut()?;
+        let l = self.slots[index].live.as_mut()?;
+        l.state = State::Backlog;
+        let to = match c.result {
+            Ok(()) if ours => {
+                let fresh = inbox.spare.pop().unwrap_or_else(|| vec![0; inbox.size]);
+                let mem = std::mem::replace(&mut l.mem, fresh);
+                self.stats.bytes += c.len;
+                inbox.routed.push(Finished {
+                    pipe,
+                    id: u64::from(seq),
+                    kind: Kind::Recv,
+                    tag: tag::received(c.tag & !tag::IGNORE, c.data),
+                    mem,
+                    result: Ok(c.len as usize),
+                });
+                Some(pipe)
+            }
+            Ok(()) => {
+                self.stats.stray += 1;
+                None
+            }
+            // Closing: the endpoint cancels what it holds; nothing to post again.
+            Err(e) if e.code == super::ecanceled() => return None,
+            Err(e) => {
+                // A message the inbox could not take (longer than its buffers: a peer that
+                // breaks the protocol): its pipe fails, where the provider names it.
+                self.stats.errors += 1;
+                tracing::warn!("efa inbox receive: {e}");
+                if ours {
+                    self.fail_pipe(pipe, e);
+                    Some(pipe)
+                } else {
+                    None
+                }
+            }
+        };
+        if let Some(i) = self.inbox.as_mut() {
+            i.idle.push(index);
+        }
+        self.post_inbox();
+        if let Some(pipe) = to {
+            self.mark(pipe);
+        }
+        to
     }
 
     /// Records `result` as the op's end, fails its pipe if that is the pipe's first error,
@@ -831,7 +1124,19 @@ impl Engine {
             return;
         }
         p.error = Some(e.clone());
-        p.backlogged = 0;
+        p.backlogged = [0; 2];
+        if p.inbox {
+            if let Some(i) = self.inbox.as_mut() {
+                i.routed.push(Finished {
+                    pipe,
+                    id: u64::MAX,
+                    kind: Kind::Recv,
+                    tag: 0,
+                    mem: Vec::new(),
+                    result: Err(e.clone()),
+                });
+            }
+        }
         if !self.dirty.contains(&pipe) {
             self.dirty.push(pipe);
         }
@@ -852,11 +1157,12 @@ impl Engine {
     }
 
     fn retry_backlog(&mut self) {
+        self.post_inbox();
         if self.backlog.is_empty() {
             return;
         }
         let old = std::mem::take(&mut self.backlog);
-        let mut blocked: Vec<u32> = Vec::new();
+        let mut blocked: Vec<(u32, Kind)> = Vec::new();
         let mut keep = VecDeque::with_capacity(old.len());
         for index in old {
             let Some(l) = self.slots[index].live.as_ref() else {
@@ -865,19 +1171,19 @@ impl Engine {
             if !matches!(l.state, State::Backlog) {
                 continue; // failed with its pipe meanwhile
             }
-            let pipe = l.pipe;
-            if blocked.contains(&pipe) {
+            let (pipe, kind) = (l.pipe, l.kind);
+            if blocked.contains(&(pipe, kind)) {
                 keep.push_back(index);
                 continue;
             }
             match self.try_post(index) {
                 Ok(()) => {
                     if let Some(p) = self.pipes.get_mut(&pipe) {
-                        p.backlogged = p.backlogged.saturating_sub(1);
+                        p.backlogged[side(kind)] = p.backlogged[side(kind)].saturating_sub(1);
                     }
                 }
                 Err(PostError::Again) => {
-                    blocked.push(pipe);
+                    blocked.push((pipe, kind));
                     keep.push_back(index);
                 }
                 Err(PostError::Failed(e)) => {
@@ -934,6 +1240,11 @@ impl Engine {
         }
         if p.detached && p.sends.is_empty() && p.recvs.is_empty() {
             let name = std::mem::take(&mut p.peer_name);
+            if p.inbox {
+                if let Some(i) = self.inbox.as_mut() {
+                    i.users -= 1;
+                }
+            }
             self.pipes.remove(&pipe);
             if let Some((addr, n)) = self.peers.get_mut(&name) {
                 *n -= 1;
@@ -946,6 +1257,14 @@ impl Engine {
                 }
             }
         }
+    }
+}
+
+/// Where an op of `kind` counts in [`PipeState::backlogged`].
+fn side(kind: Kind) -> usize {
+    match kind {
+        Kind::Send => 0,
+        Kind::Recv => 1,
     }
 }
 

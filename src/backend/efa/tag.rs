@@ -31,10 +31,9 @@ pub const MAX_PIPE: u32 = (1 << PIPE_BITS) - 1;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Stream {
-    /// The pipe's control stream (the `efa` transport).
+    /// The pipe's control stream (the `efa` transport): its messages, and the credits its
+    /// reader returns (to the peer's writing half's pipe).
     Control = 1,
-    /// Credits returned by a control stream's receiver.
-    Credit = 2,
     /// Tensor bytes (the `efa` channel).
     Tensor = 3,
     /// Raw test and benchmark traffic.
@@ -98,7 +97,7 @@ mod tests {
         for (s, p, q) in [
             (Stream::Control, 0, 0),
             (Stream::Tensor, MAX_PIPE, u32::MAX),
-            (Stream::Credit, 12345, 7),
+            (Stream::Raw, 12345, 7),
         ] {
             let t = make(s, p, q);
             assert_eq!(split(t), (s as u8, p, q));
@@ -132,7 +131,6 @@ mod tests {
         // Every stream's byte fits below the field.
         for s in [
             Stream::Control,
-            Stream::Credit,
             Stream::Tensor,
             Stream::Raw,
             Stream::FirstWord,
