@@ -908,6 +908,101 @@ impl Handler<IpcCacheStats> for Context {
     }
 }
 
+/// Asks a context for the counters of its `efa` endpoints (feature `efa`): one
+/// [`EfaEndpointStats`] per endpoint open now, that is per domain its `efa` transport and
+/// channel use (the transport's domain first, then the channel's further ones by name). An
+/// endpoint opens with the first pipe on its domain and closes once no pipe uses it: a context
+/// with no efa pipe has none to list (an empty list). A context without an `efa` transport or
+/// channel answers [`Error::Unavailable`].
+#[cfg(feature = "efa")]
+#[derive(Debug, Clone, Copy)]
+pub struct GetEfaStats;
+
+#[cfg(feature = "efa")]
+impl actix::Message for GetEfaStats {
+    type Result = Result<Vec<EfaEndpointStats>, Error>;
+}
+
+/// The counters of one of a context's `efa` endpoints ([`GetEfaStats`]).
+#[cfg(feature = "efa")]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EfaEndpointStats {
+    /// The libfabric provider (`efa`, `tcp;ofi_rxm`, `shm`).
+    pub provider: String,
+    /// The domain (NIC) the endpoint is on.
+    pub domain: String,
+    /// The `efa` transport instance it serves ([`Efa::instance`]): the `endpoint` label of its
+    /// `actorpipe_efa_backlog_operations` gauge.
+    ///
+    /// [`Efa::instance`]: crate::transport::Efa::instance
+    pub endpoint: u64,
+    /// Its counters, as [`FabricStats`](crate::efa::FabricStats) answers them.
+    pub stats: crate::backend::efa::engine::Stats,
+}
+
+#[cfg(feature = "efa")]
+impl Context {
+    /// The context's `efa` transports: its `efa` transport's, and its `efa` channel's where
+    /// that runs over another instance (each once), or why there is none.
+    fn efa_transports(&self) -> Result<Vec<crate::actors::hardware::efa::transport::Efa>, Error> {
+        use crate::actors::hardware::efa::{channel, transport};
+        let from_transport = (self.config.transports.iter())
+            .filter(|(t, _)| t.name() == "efa")
+            .filter_map(|(t, _)| t.as_any()?.downcast_ref::<transport::Efa>().cloned());
+        let from_channel = (self.config.channels.iter())
+            .filter(|(c, _)| c.name() == "efa")
+            .filter_map(|(c, _)| c.as_any()?.downcast_ref::<channel::Efa>())
+            .map(|c| c.transport().clone());
+        let mut found: Vec<transport::Efa> = Vec::new();
+        for t in from_transport.chain(from_channel) {
+            if !found.iter().any(|f| f.instance() == t.instance()) {
+                found.push(t);
+            }
+        }
+        if found.is_empty() {
+            return Err(Error::Unavailable {
+                backend: "efa".into(),
+                reason: "this context has no efa transport or channel".into(),
+            });
+        }
+        Ok(found)
+    }
+}
+
+#[cfg(feature = "efa")]
+impl Handler<GetEfaStats> for Context {
+    type Result = ResponseFuture<Result<Vec<EfaEndpointStats>, Error>>;
+
+    fn handle(&mut self, _: GetEfaStats, _: &mut Self::Context) -> Self::Result {
+        use crate::actors::hardware::efa::FabricStats;
+        // The endpoints live on the thread of the pipes that use them: this context's.
+        let endpoints = self.efa_transports().map(|ts| {
+            ts.iter()
+                .flat_map(|t| {
+                    let (provider, endpoint) = (t.provider().to_string(), t.instance());
+                    (t.open_endpoints().into_iter())
+                        .map(move |(d, a)| (provider.clone(), d, endpoint, a))
+                })
+                .collect::<Vec<_>>()
+        });
+        Box::pin(async move {
+            let mut out = Vec::new();
+            for (provider, domain, endpoint, a) in endpoints? {
+                // One that stopped meanwhile is no longer open: left out.
+                if let Ok(stats) = a.send(FabricStats).await {
+                    out.push(EfaEndpointStats {
+                        provider,
+                        domain,
+                        endpoint,
+                        stats,
+                    });
+                }
+            }
+            Ok(out)
+        })
+    }
+}
+
 impl Handler<GetMetricsAddr> for Context {
     type Result = Result<std::net::SocketAddr, Error>;
 
@@ -1005,7 +1100,11 @@ impl Handler<Connect> for Context {
             let mut wait = msg.retry.map(|r| r.backoff).unwrap_or_default();
             loop {
                 match dial(config.clone(), msg.url.clone()).await {
-                    Ok(parts) => return Ok(spawn_pipe(parts, &config)),
+                    Ok(parts) => {
+                        let (pipe, attached) = spawn_pipe(parts, &config);
+                        attached.wait(config.handshake_timeout).await;
+                        return Ok(pipe);
+                    }
                     Err(e) => {
                         crate::metrics::negotiation_failed(&e);
                         match msg.retry {

@@ -196,6 +196,10 @@ pub trait ContextExt {
     fn listen_with(&self, listen: Listen) -> Call<Context, Listen, Listening>;
     /// Where the context serves metrics (see [`GetMetricsAddr`]).
     fn metrics_addr(&self) -> Call<Context, GetMetricsAddr, std::net::SocketAddr>;
+    /// The counters of the context's `efa` endpoints, one per domain (see
+    /// [`GetEfaStats`](super::GetEfaStats); feature `efa`).
+    #[cfg(feature = "efa")]
+    fn efa_stats(&self) -> Call<Context, super::GetEfaStats, Vec<super::EfaEndpointStats>>;
 }
 
 impl ContextExt for Addr<Context> {
@@ -217,5 +221,10 @@ impl ContextExt for Addr<Context> {
 
     fn metrics_addr(&self) -> Call<Context, GetMetricsAddr, std::net::SocketAddr> {
         call(self, GetMetricsAddr, |r| r)
+    }
+
+    #[cfg(feature = "efa")]
+    fn efa_stats(&self) -> Call<Context, super::GetEfaStats, Vec<super::EfaEndpointStats>> {
+        call(self, super::GetEfaStats, |r| r)
     }
 }

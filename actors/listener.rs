@@ -240,10 +240,20 @@ impl Listener {
         }));
     }
 
+    /// Starts the pipe and hands it to the subscriber once it is attached (see `spawn_pipe`),
+    /// whether the listener still runs then or not.
     fn hand_out(&mut self, parts: PipeParts) {
         let peer = parts.peer.clone();
-        let pipe = spawn_pipe(parts, &self.config);
-        self.subscriber.do_send(Accepted { pipe, peer });
+        let (pipe, attached) = spawn_pipe(parts, &self.config);
+        if !attached.pending() {
+            return self.subscriber.do_send(Accepted { pipe, peer });
+        }
+        let subscriber = self.subscriber.clone();
+        let limit = self.config.handshake_timeout;
+        actix::spawn(async move {
+            attached.wait(limit).await;
+            subscriber.do_send(Accepted { pipe, peer });
+        });
     }
 
     fn on_hello(

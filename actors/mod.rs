@@ -22,6 +22,8 @@ pub mod api {
     #[cfg(feature = "cuda")]
     pub use super::context::IpcCacheStats;
     pub use super::context::{Context, ContextBuilder};
+    #[cfg(feature = "efa")]
+    pub use super::context::{EfaEndpointStats, GetEfaStats};
     pub use super::ext::{Call, ContextExt, PipeExt};
     pub use super::inbox::{inbox, Inbox};
     pub use super::listener::Listener;

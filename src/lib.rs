@@ -42,14 +42,16 @@ pub mod transport;
 mod actors;
 
 /// The `efa` backend's settings and counters (feature `efa`): [`efa::EndpointConfig`] for
-/// [`ContextBuilder::efa_config`], and [`efa::FabricStats`], the counters of the endpoint that
-/// every pipe of a context on one NIC shares. The transport and the channel are
+/// [`ContextBuilder::efa_config`], and [`efa::FabricStats`], the counters ([`efa::Stats`]) of
+/// the endpoint that every pipe of a context on one NIC shares, which a context gives per
+/// domain ([`GetEfaStats`], [`ContextExt::efa_stats`]). The transport and the channel are
 /// [`transport::Efa`] and [`channel::Efa`].
 #[cfg(feature = "efa")]
 pub mod efa {
     #[cfg(feature = "faults")]
     pub use crate::actors::hardware::efa::FabricFaults;
     pub use crate::actors::hardware::efa::{EndpointConfig, FabricStats};
+    pub use crate::backend::efa::engine::Stats;
 }
 
 /// The crate's internals, for its own tools and tests (see `src/internal/mod.rs`).

@@ -70,7 +70,8 @@ pub const EFA_INJECTS: &str = "actorpipe_efa_injects_total";
 pub const EFA_COMPLETIONS: &str = "actorpipe_efa_completions_total";
 /// Failed libfabric posts and error completions, by provider (counter; feature `efa`).
 pub const EFA_ERRORS: &str = "actorpipe_efa_errors_total";
-/// Operations waiting in an endpoint's `-FI_EAGAIN` backlog, by provider (gauge; feature `efa`).
+/// Operations waiting in an endpoint's `-FI_EAGAIN` backlog, by provider, domain and endpoint
+/// (the `efa` transport instance it serves) (gauge; feature `efa`).
 pub const EFA_BACKLOG: &str = "actorpipe_efa_backlog_operations";
 /// Bytes moved by successful libfabric operations (sends and receives), by provider and domain
 /// (counter; feature `efa`): a channel striped over domains shows on each.

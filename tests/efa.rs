@@ -542,6 +542,109 @@ mod pipes {
         });
     }
 
+    /// A context of the builder's own efa pair over `provider` (`ContextBuilder::efa`), with
+    /// `config` (`efa_config`), whose pipes take the efa transport and channel.
+    fn builder_efa(provider: &str, config: EndpointConfig) -> ContextBuilder {
+        Context::builder()
+            .efa(provider)
+            .efa_config(config)
+            .without("shm")
+            .only_channels(&["efa", "basic"])
+    }
+
+    /// A context gives the counters of its efa endpoint, per domain (`GetEfaStats`,
+    /// `ContextExt::efa_stats`): none before its first pipe, then, after an exchange, the
+    /// endpoint's posts, completions and bytes on both sides, its three pipes (the stream's two
+    /// and the channel's), and the registrations `efa_config`'s `register_all` asked for
+    /// (`ContextBuilder::efa` takes no `EndpointConfig`: `efa_config` reaches its endpoints). A
+    /// context without efa answers `Unavailable`.
+    pub fn context_gives_its_endpoint_stats(provider: &str) {
+        actix::System::new().block_on(async {
+            let none = Context::builder().without("efa").start();
+            let e = none.efa_stats().await.expect_err("no efa here");
+            assert!(matches!(e, Error::Unavailable { .. }), "{e}");
+            let config = EndpointConfig {
+                register_all: true,
+                ..EndpointConfig::default()
+            };
+            let mut server =
+                Server::start(builder_efa(provider, config), "tcp://127.0.0.1:0").await;
+            let client = builder_efa(provider, config).start();
+            assert_eq!(client.efa_stats().await.unwrap(), Vec::new());
+            let (tx, rx) = server.dial(&client).await;
+            check_backends(&tx, "efa", "efa").await;
+            within(60, "messages", stream(&tx, &rx, 60, 4, 3)).await;
+            let domain = Efa::new(provider).domain_name().expect("a domain");
+            for (side, ctx) in [("client", &client), ("server", &server.ctx)] {
+                let all = ctx.efa_stats().await.unwrap();
+                assert_eq!(all.len(), 1, "{side}: one domain: {all:?}");
+                let s = &all[0];
+                assert_eq!(
+                    (s.provider.as_str(), &s.domain),
+                    (provider, &domain),
+                    "{side}"
+                );
+                assert_eq!(s.stats.pipes, 3, "{side}: {s:?}");
+                assert!(
+                    s.stats.posted > 0 && s.stats.completions > 0,
+                    "{side}: {s:?}"
+                );
+                assert!(
+                    s.stats.bytes > 0 && s.stats.registrations > 0,
+                    "{side}: {s:?}"
+                );
+                assert_eq!(s.stats.errors, 0, "{side}: {s:?}");
+            }
+            // The counters grow with the traffic.
+            let before = client.efa_stats().await.unwrap()[0].stats.clone();
+            within(60, "messages", stream(&tx, &rx, 20, 4, 4)).await;
+            let after = client.efa_stats().await.unwrap()[0].stats.clone();
+            assert!(after.posted > before.posted, "{before:?} then {after:?}");
+            assert!(after.bytes > before.bytes, "{before:?} then {after:?}");
+        });
+    }
+
+    /// `Connect` resolves, and the listener hands out its side, only once the pipe's efa
+    /// channel has attached to the endpoint: as soon as each does (one message to the endpoint
+    /// after it), the endpoint counts the stream's two pipes and the channel's one for every pipe
+    /// so far. Eight pipes one after the other; the listener's side is looked at while the
+    /// dialer's `Connect` is still under way.
+    pub fn connect_resolves_once_the_channel_is_attached(provider: &str) {
+        actix::System::new().block_on(async {
+            let config = EndpointConfig::default();
+            let (server, ts) = with_transport(provider, config);
+            let (client, tc) = with_transport(provider, config);
+            let mut server = Server::start(server, "tcp://127.0.0.1:0").await;
+            let client = client.start();
+            // Held, so the pipes use these very endpoints (a transport's endpoint lives while
+            // anyone holds it).
+            let (es, ec) = (ts.endpoint_actor().unwrap(), tc.endpoint_actor().unwrap());
+            let mut seen = Vec::new();
+            let mut pipes = Vec::new();
+            for n in 1..=8 {
+                let connect = client.connect(server.url.as_str());
+                let connect = actix::spawn(connect);
+                let rx = server.next().await;
+                let at_server = es.send(FabricStats).await.unwrap().pipes;
+                let tx = connect.await.unwrap().expect("connect");
+                let at_client = ec.send(FabricStats).await.unwrap().pipes;
+                seen.push((3 * n, at_client, at_server));
+                pipes.push((tx, rx));
+            }
+            let short: Vec<_> = seen.iter().filter(|(n, c, s)| c != n || s != n).collect();
+            assert!(short.is_empty(), "(expected, dialer, listener): {short:?}");
+            // The context counts the same.
+            for ctx in [&client, &server.ctx] {
+                let s = ctx.efa_stats().await.unwrap();
+                assert_eq!(s.iter().map(|e| e.stats.pipes).sum::<usize>(), 24, "{s:?}");
+            }
+            for (tx, rx) in &pipes {
+                check_backends(tx, "efa", "efa").await;
+                within(60, "messages", stream(tx, rx, 10, 4, 9)).await;
+            }
+        });
+    }
+
     /// A listener whose efa transport cannot listen (its bootstrap address, 192.0.2.1 of
     /// TEST-NET-1, is not this machine's) says so in `Listening::not_listening`, and a pipe to
     /// it is set up on `tcp`, which both sides offer, instead of failing.
@@ -1443,6 +1546,14 @@ fn main() {
         (
             "pipes_without_a_wait_fd_spinning",
             pipes::without_a_wait_fd_spinning,
+        ),
+        (
+            "context_gives_its_endpoint_stats",
+            pipes::context_gives_its_endpoint_stats,
+        ),
+        (
+            "connect_resolves_once_the_channel_is_attached",
+            pipes::connect_resolves_once_the_channel_is_attached,
         ),
     ]);
     // The providers of `ACTORPIPE_EFA_PROVIDERS` (tests/common/efa.rs, `providers`).

@@ -198,3 +198,89 @@ fn efa_counters_equal_the_endpoints() {
         }
     });
 }
+
+/// The backlog gauge of two endpoints at once, each with every post refused (fault injection):
+/// one series each (labelled with the endpoint's transport instance, `endpoint`), each equal to
+/// its own backlog as soon as a pass has seen it (no `FabricStats` asked: that publishes too),
+/// back to 0 once the backlog drains, and at 0 once its pipe is detached. On `tcp;ofi_rxm`, so
+/// that the shm counters of the test above count its endpoints alone.
+#[cfg(feature = "faults")]
+#[test]
+fn efa_backlog_gauge_is_per_endpoint() {
+    use actorpipe::internal::backend::efa::engine::{Kind, Op};
+    use actorpipe::internal::backend::efa::faults::Faults;
+    use actorpipe::internal::backend::efa::tag::{self, Stream};
+    use actorpipe::internal::hardware::efa::{
+        FabricDescribe, FabricDetach, FabricFaults, FabricPost,
+    };
+    use efa_support::*;
+    const PROVIDER: &str = "tcp;ofi_rxm";
+    if let Some(why) = missing(PROVIDER) {
+        eprintln!("{why}");
+        return;
+    }
+    let addr = actorpipe::metrics::serve("127.0.0.1:0".parse().unwrap()).unwrap();
+    actix::System::new().block_on(async {
+        let refuse = Faults {
+            eagain: 1.0,
+            cq_error: 0.0,
+            seed: 5,
+        };
+        let (a, b) = endpoints(PROVIDER, config(refuse, false)).await;
+        let (sa, sb) = pipe(&a, &b).await;
+        let ia = a.send(FabricDescribe).await.unwrap().instance.to_string();
+        let ib = b.send(FabricDescribe).await.unwrap().instance.to_string();
+        assert_ne!(ia, ib);
+        let gauges = || {
+            let text = scrape(addr);
+            let of = |i: &str| {
+                let labels = [("provider", PROVIDER), ("endpoint", i)];
+                value(&text, "actorpipe_efa_backlog_operations", &labels)
+            };
+            (of(&ia), of(&ib))
+        };
+        let wait_for = |want: (Option<f64>, Option<f64>), what: &'static str| {
+            let gauges = &gauges;
+            async move {
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+                loop {
+                    let now = gauges();
+                    if now == want {
+                        return;
+                    }
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "{what}: {now:?}, not {want:?}"
+                    );
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+            }
+        };
+        // Receives, every one refused: `a` backlogs 3, `b` 7.
+        let recvs = |side: &Side, n: u64| FabricPost {
+            pipe: side.pipe,
+            ops: (0..n)
+                .map(|i| Op {
+                    kind: Kind::Recv,
+                    tag: tag::make(Stream::Raw, side.pipe, i as u32),
+                    mem: vec![0; 64],
+                    id: i,
+                })
+                .collect(),
+        };
+        a.send(recvs(&sa, 3)).await.unwrap();
+        b.send(recvs(&sb, 7)).await.unwrap();
+        wait_for((Some(3.0), Some(7.0)), "both backlogs").await;
+        // `a`'s retries go through: its gauge follows, `b`'s stays.
+        a.send(FabricFaults(Faults::NONE)).await.unwrap();
+        wait_for((Some(0.0), Some(7.0)), "a drained").await;
+        // Detaching `b`'s pipe ends its backlogged receives.
+        b.send(FabricDetach {
+            pipe: sb.pipe,
+            reason: "done".into(),
+        })
+        .await
+        .unwrap();
+        wait_for((Some(0.0), Some(0.0)), "b detached").await;
+    });
+}

@@ -45,8 +45,31 @@ fn efa_port(
         })
 }
 
-/// Builds the actors of a pipe and starts them.
-pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
+/// What a new pipe is handed out after (the dialer's `Connect` answers it, the listener's
+/// `Accepted` carries it): its `efa` channel's links attached to their endpoints, so that the
+/// endpoint counts every pipe handed out (`FabricStats::pipes`); nothing for other channels.
+/// See the efa channel's `Path::when_attached`.
+#[must_use = "the pipe is handed out once this is over"]
+pub(crate) struct Attached(Option<tokio::sync::oneshot::Receiver<()>>);
+
+impl Attached {
+    /// Whether there is anything to wait for.
+    pub(crate) fn pending(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// Waits for it, at most `limit` (a set-up that hangs fails the pipe on its own: the
+    /// lane's keepalive).
+    pub(crate) async fn wait(self, limit: std::time::Duration) {
+        if let Some(rx) = self.0 {
+            let _ = tokio::time::timeout(limit, rx).await;
+        }
+    }
+}
+
+/// Builds the actors of a pipe and starts them; the pipe is to be handed out once [`Attached`]
+/// is over.
+pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> (Addr<Pipe>, Attached) {
     let PipeParts {
         peer,
         control,
@@ -139,6 +162,8 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
     // The efa channel's data path, which the pipe shares (its index among the channels).
     #[cfg(feature = "efa")]
     let mut efa_path = None;
+    #[allow(unused_mut)] // Set by the efa channel alone.
+    let mut attached = None;
     let channels = choice
         .channels
         .iter()
@@ -216,6 +241,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
                 ChannelKind::Efa { .. } => {
                     let port = efa_port(config, &origin);
                     let (driver, path) = EfaDriver::new(port, reply.clone(), origin.clone());
+                    attached = path.borrow_mut().when_attached();
                     efa_path = Some((kinds.len() - 1, path));
                     Channel::new(core(start_lanes(lanes)), driver, kind).launch()
                 }
@@ -261,7 +287,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
             reply: reply.clone(),
         },
     ));
-    Pipe {
+    let pipe = Pipe {
         metrics,
         span,
         id,
@@ -320,7 +346,8 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> Addr<Pipe> {
         #[cfg(feature = "efa")]
         efa_out: Vec::new(),
     }
-    .start()
+    .start();
+    (pipe, Attached(attached))
 }
 
 /// What the channel negotiated as `name` runs as, as its backend plans it (negotiation picks

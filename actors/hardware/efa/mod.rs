@@ -46,6 +46,7 @@ pub mod transport;
 use std::cell::RefCell;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -177,6 +178,8 @@ pub struct FabricEndpoint {
     // What passes keep between them, shared with the spin task.
     progress: Rc<RefCell<Progress>>,
     origin: Origin,
+    /// The transport instance it serves ([`EndpointInfo::instance`]).
+    instance: u64,
 }
 
 /// What an endpoint is: its address and its domain's attributes.
@@ -188,6 +191,9 @@ pub struct EndpointInfo {
     pub attributes: Attributes,
     /// Whether the CQ has a wait fd (else the actor polls).
     pub wait_fd: bool,
+    /// The `efa` transport instance it serves (or its own number, opened on its own): the
+    /// `endpoint` label of its `actorpipe_efa_backlog_operations` gauge.
+    pub instance: u64,
 }
 
 /// Converts a libfabric failure into the crate's error (class `io`), naming the provider and
@@ -210,10 +216,30 @@ fn duplicate(fd: RawFd) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(d) })
 }
 
+/// A number no other `efa` transport instance (nor endpoint opened on its own) of this process
+/// has: which endpoint actors a transport shares with its clones, and the `endpoint` label of
+/// their backlog gauge.
+pub(crate) fn next_instance() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
 impl FabricEndpoint {
     /// Opens an endpoint of `provider` (`efa`, `tcp;ofi_rxm`, `shm`) on its domain named
     /// `domain` (`None`: the provider's first), and starts its actor on the current arbiter.
+    /// Its backlog gauge's `endpoint` label is a number of its own.
     pub fn open(
+        provider: &str,
+        domain: Option<&str>,
+        config: EndpointConfig,
+    ) -> Result<Addr<FabricEndpoint>, Error> {
+        FabricEndpoint::open_for(next_instance(), provider, domain, config)
+    }
+
+    /// [`FabricEndpoint::open`] for the `efa` transport instance numbered `instance`: the
+    /// `endpoint` label of its backlog gauge.
+    pub(crate) fn open_for(
+        instance: u64,
         provider: &str,
         domain: Option<&str>,
         config: EndpointConfig,
@@ -245,7 +271,7 @@ impl FabricEndpoint {
         };
         let lazily = wait.is_some() && config.busy_poll.is_zero();
         let a = ep.domain().attributes();
-        let metrics = metrics::EndpointMetrics::open(&a.provider, &a.domain);
+        let metrics = metrics::EndpointMetrics::open(&a.provider, &a.domain, instance);
         let inbox = crate::backend::efa::shares_receives(&a.provider)
             .then(|| stream::BOUNCE.min(a.max_msg_size.max(1) as usize));
         let mut engine = Engine::new(ep);
@@ -278,6 +304,7 @@ impl FabricEndpoint {
             deadline: None,
             progress: Rc::new(RefCell::new(progress)),
             origin,
+            instance,
         }
         .start())
     }
@@ -597,6 +624,10 @@ impl Handler<FabricDetach> for FabricEndpoint {
             let Core { engine, sinks, .. } = &mut *c;
             engine.detach(m.pipe, e, &mut |f| deliver(sinks, f));
             c.forget();
+            // Its backlogged ops ended: the backlog gauge follows at once.
+            let stats = c.engine.stats();
+            drop(c);
+            self.progress.borrow_mut().metrics.publish(stats);
         }
         self.schedule();
         self.maybe_stop(ctx, false);
@@ -631,6 +662,7 @@ impl Handler<FabricDescribe> for FabricEndpoint {
             name: c.engine.endpoint().name().to_vec(),
             attributes: c.engine.attributes().clone(),
             wait_fd: self.wait.is_some(),
+            instance: self.instance,
         })
     }
 }

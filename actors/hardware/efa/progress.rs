@@ -96,8 +96,12 @@ impl Progress {
         }
     }
 
-    /// Ends the spin task (the actor has stopped).
+    /// Ends the spin task (the actor has stopped), and publishes the endpoint's last counters,
+    /// taking its backlog out of the gauge.
     pub(super) fn close(&mut self) {
+        let stats = lock(&self.core).engine.stats();
+        self.metrics.publish(stats);
+        self.metrics.close();
         self.spin = None;
         self.closed = true;
         if let Some(w) = self.spinner.take() {
@@ -133,6 +137,8 @@ impl Progress {
         // What stream readers' own passes handed out since the last look counts as activity
         // (those passes have forgotten the pipes they finished, as any pass does).
         let found = std::mem::take(&mut c.reader_found);
+        // A pass retries the backlog: it may shrink it without any completion.
+        let backlogged = c.engine.backlogged();
         let (r, delivered) = if skip_after_readers && readers_passed {
             (Ok(0), false)
         } else {
@@ -141,9 +147,11 @@ impl Progress {
         };
         let any = found || delivered;
         let posted = std::mem::take(&mut c.posted);
-        // Counters move only with posts and completions (a spin's empty passes publish
-        // nothing: building the engine's `Stats` is most of what publishing costs).
-        if any || posted || !matches!(r, Ok(0)) {
+        // Counters move only with posts, completions and retries of the backlog (a spin's
+        // empty passes publish nothing: building the engine's `Stats` is most of what
+        // publishing costs). So the backlog gauge follows every pass that changes the backlog:
+        // a post refused, a retry taken, found at the next pass whoever posted.
+        if any || posted || backlogged || c.engine.backlogged() || !matches!(r, Ok(0)) {
             self.metrics.publish(c.engine.stats());
         }
         drop(c);

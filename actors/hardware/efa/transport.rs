@@ -13,7 +13,6 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -51,6 +50,13 @@ type Probe = Result<Vec<(String, String)>, String>;
 /// Which endpoint actor serves a transport: (transport instance, provider, domain).
 type EndpointKey = (u64, String, Option<String>);
 
+thread_local! {
+    // Each thread's endpoint actors, by transport instance, provider and domain. Weak: an
+    // endpoint lives as long as pipes use it (and stops by itself after).
+    static ENDPOINTS: RefCell<HashMap<EndpointKey, WeakAddr<FabricEndpoint>>> =
+        RefCell::new(HashMap::new());
+}
+
 /// The `efa` transport. See the module docs. A clone shares the original's endpoint actors.
 #[derive(Clone)]
 pub struct Efa {
@@ -76,12 +82,11 @@ impl std::fmt::Debug for Efa {
 impl Efa {
     /// The transport over `provider` (`efa`, `tcp;ofi_rxm`, `shm`), on its first domain.
     pub fn new(provider: &str) -> Efa {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
         Efa {
             provider: provider.into(),
             domain: None,
             config: EndpointConfig::default(),
-            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            id: super::next_instance(),
             bootstrap_host: None,
         }
     }
@@ -153,11 +158,6 @@ impl Efa {
     /// This thread's endpoint actor for this transport (and its clones: the `efa` channel),
     /// opened on first use.
     pub(crate) fn endpoint(&self) -> Result<Addr<FabricEndpoint>, Error> {
-        thread_local! {
-            // Weak: an endpoint lives as long as pipes use it (and stops by itself after).
-            static ENDPOINTS: RefCell<HashMap<EndpointKey, WeakAddr<FabricEndpoint>>> =
-                RefCell::new(HashMap::new());
-        }
         let key = (self.id, self.provider.clone(), self.domain.clone());
         ENDPOINTS.with(|m| {
             let mut m = m.borrow_mut();
@@ -169,10 +169,42 @@ impl Efa {
                 return Ok(a);
             }
             m.retain(|_, a| a.upgrade().is_some());
-            let a = FabricEndpoint::open(&self.provider, self.domain.as_deref(), self.config)?;
+            let a = FabricEndpoint::open_for(
+                self.id,
+                &self.provider,
+                self.domain.as_deref(),
+                self.config,
+            )?;
             m.insert(key, a.downgrade());
             Ok(a)
         })
+    }
+
+    /// This thread's endpoint actors of this transport (and its clones) that are open now, one
+    /// per domain, each with its domain's name: the transport's own domain first, then the
+    /// further ones by name. None is opened.
+    pub(crate) fn open_endpoints(&self) -> Vec<(String, Addr<FabricEndpoint>)> {
+        let own = self.domain_name().ok();
+        let mut found: Vec<(bool, String, Addr<FabricEndpoint>)> = ENDPOINTS.with(|m| {
+            m.borrow()
+                .iter()
+                .filter(|((id, provider, _), _)| *id == self.id && *provider == self.provider)
+                .filter_map(|((_, _, domain), a)| {
+                    let a = a.upgrade().filter(|a| a.connected())?;
+                    let name = domain.clone().or_else(|| own.clone()).unwrap_or_default();
+                    Some((own.as_ref() != Some(&name), name, a))
+                })
+                .collect()
+        });
+        found.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        found.dedup_by(|a, b| a.1 == b.1);
+        found.into_iter().map(|(_, d, a)| (d, a)).collect()
+    }
+
+    /// The number of this transport instance (shared by its clones): the `endpoint` label of
+    /// its endpoints' metrics.
+    pub fn instance(&self) -> u64 {
+        self.id
     }
 
     /// This thread's endpoint actor of this transport (opened if it is not yet): for its
@@ -577,6 +609,10 @@ impl Bootstrap for Efa {
 impl Transport for Efa {
     fn name(&self) -> &'static str {
         "efa"
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
     }
 
     fn priority(&self) -> i32 {

@@ -329,6 +329,8 @@ impl EfaDriver {
         let path = self.path.clone();
         let mut f = path.borrow_mut();
         f.step = Step::PeerPipe;
+        // The endpoints count the channel's pipes now: the pipe may be handed out.
+        f.attach_over();
         if cx.core.stopping || f.failed.is_some() {
             let e = f.failed.clone().unwrap_or_else(|| cx.core.stopping_error());
             drop(f);

@@ -114,6 +114,11 @@ impl Efa {
         self
     }
 
+    /// The transport whose endpoint actors the channel posts on.
+    pub(crate) fn transport(&self) -> &EfaTransport {
+        &self.port
+    }
+
     /// See [`Efa::inline_max`].
     pub fn inline_limit(&self) -> u64 {
         self.inline_max

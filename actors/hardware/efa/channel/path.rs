@@ -153,6 +153,9 @@ pub(crate) struct Path {
     ends: Vec<Option<mpsc::UnboundedReceiver<Finished>>>,
     /// The pipe's task, woken when a link's ends are added.
     ends_waker: Option<Waker>,
+    /// Told once every link has attached to its endpoint, or the set-up has failed
+    /// ([`Path::when_attached`]).
+    attached: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 impl Path {
@@ -188,6 +191,7 @@ impl Path {
             origin,
             ends: Vec::new(),
             ends_waker: None,
+            attached: None,
         };
         (Rc::new(RefCell::new(path)), grants_rx)
     }
@@ -196,6 +200,27 @@ impl Path {
     /// pipe must be detached once it comes back).
     pub(super) fn busy(&self) -> bool {
         self.attaching > 0
+    }
+
+    /// What tells when every link has attached to its endpoint (its pipe number on it given,
+    /// so the endpoint counts the channel's pipe), or the set-up has failed, or the path is
+    /// gone; `None` if it has failed already. The pipe is handed out then (`spawn_pipe`): the
+    /// attach follows the peer's hello on the lane, which the peer sends as its pipe starts, so
+    /// waiting for it adds no round trip, and a tensor waits for more (the peer's pipe number).
+    pub(crate) fn when_attached(&mut self) -> Option<tokio::sync::oneshot::Receiver<()>> {
+        if self.failed.is_some() {
+            return None;
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.attached = Some(tx);
+        Some(rx)
+    }
+
+    /// Every link has attached, or the set-up is over without: [`Path::when_attached`] is told.
+    pub(super) fn attach_over(&mut self) {
+        if let Some(tx) = self.attached.take() {
+            let _ = tx.send(());
+        }
     }
 
     /// Link `link`'s ends, for the pipe to read.
@@ -403,6 +428,7 @@ impl Path {
         if self.failed.is_none() {
             self.failed = Some(e.clone());
         }
+        self.attach_over();
         let waiting = std::mem::take(&mut self.waiting);
         // Chunks that wait for the peer's receives are never posted.
         for l in &mut self.links {
