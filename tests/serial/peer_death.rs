@@ -16,6 +16,9 @@
 //! provider libfabric lacks here is reported skipped. `cma_buffers_of_a_frozen_reader_*` checks
 //! the cma sender's grace period: the buffers a frozen reader may still be reading stay held,
 //! whether the writer closes or the keepalive fails the pipe.
+//! `peer_killed_beside_live_pipes_on_its_endpoint_efa_efa` kills a child while a pipe to a second
+//! child shares the survivor's efa endpoint, and checks that the live pipe's writes go on
+//! completing (docs/efa.md, "A dead peer's sends on `shm`").
 //!
 //! The tests of this file hold the binary's lock ([`ONE_AT_A_TIME`]): descriptor counts are per
 //! process, so no other test may run alongside them.
