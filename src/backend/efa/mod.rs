@@ -874,8 +874,8 @@ impl Endpoint {
     /// its map but leaves each endpoint's own record of how that peer numbers it, and the AV
     /// hands the freed `fi_addr_t` to the next peer inserted: sends to that peer then go out
     /// stamped as the removed peer's, and the new peer answers them into the region of
-    /// whichever peer it knows by that number (a C program against 1.17: the message arrived,
-    /// its send never completed). Kept, the address names the same peer for the endpoint's
+    /// whichever peer it knows by that number (`scripts/shm-stall.sh`, against 1.17: the
+    /// message arrived, its send never completed). Kept, the address names the same peer for the endpoint's
     /// life, and inserting it again hands back the same `fi_addr_t`. The price: every peer
     /// an endpoint ever had keeps a slot of the provider's 256 and its region mapped until the
     /// endpoint closes.
