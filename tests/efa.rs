@@ -1369,6 +1369,54 @@ mod pipes {
         });
     }
 
+    /// A peer that vanishes (its thread's actor system stops, as a killed process's would)
+    /// while in-place writes to it are in flight and unread, beside a live pipe of the same
+    /// endpoint that writes random shapes (in-place and inline tensors) all along: the live
+    /// pipe's 400 messages arrive and its writes complete, in order, and the dead peer's writes
+    /// end. On libfabric 1.17's `shm` a send the dead peer never answered used to hold back
+    /// every later send completion of the endpoint (docs/efa.md, "A dead peer's sends on
+    /// `shm`"): the live pipe's messages arrived, its writes never completed.
+    pub fn dead_peer_spares_live_writers(provider: &str) {
+        actix::System::new().block_on(async {
+            let config = EndpointConfig::default();
+            let mut server =
+                Server::start(efa_context(provider, config), "tcp://127.0.0.1:0").await;
+            // It reads nothing: the server's writes to it stay unanswered until it vanishes.
+            let (go, doomed) = doomed_peer(provider, config, server.url.clone(), |_| {});
+            let victim = server.next().await;
+            check_backends(&victim, "efa", "efa").await;
+            let client = efa_context(provider, config).start();
+            let live_rx = client
+                .send(Connect::new(&server.url))
+                .await
+                .unwrap()
+                .expect("connect");
+            let live_tx = server.next().await;
+            let (w_to, mut victim_writes) = inbox::<WriteDone>();
+            for i in 0..4 {
+                let m = checked_message(i, &[], &[1 << 20]);
+                victim.do_send(Write::new(m).notify(w_to.clone()));
+            }
+            let live = actix::spawn(async move { stream(&live_tx, &live_rx, 400, 8, 11).await });
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            go.send(()).unwrap();
+            let _ = doomed.join();
+            within(
+                60,
+                "the live pipe's 400 messages beside the dead peer",
+                live,
+            )
+            .await
+            .expect("the live pipe");
+            within(15, "the dead peer's writes", async {
+                for _ in 0..4 {
+                    victim_writes.recv().await.expect("a write's end");
+                }
+            })
+            .await;
+        });
+    }
+
     pub fn dead_peer_spinning(provider: &str) {
         dead_peer_with(provider, super::efa::SPIN);
     }
@@ -1517,6 +1565,10 @@ fn main() {
         (
             "pipes_dead_peer_spares_the_other_pipes_spinning",
             pipes::dead_peer_spinning,
+        ),
+        (
+            "pipes_dead_peer_spares_live_writers_on_its_endpoint",
+            pipes::dead_peer_spares_live_writers,
         ),
         (
             "pipes_peer_without_goodbye_has_its_sends_refused",

@@ -16,6 +16,9 @@
 //! provider libfabric lacks here is reported skipped. `cma_buffers_of_a_frozen_reader_*` checks
 //! the cma sender's grace period: the buffers a frozen reader may still be reading stay held,
 //! whether the writer closes or the keepalive fails the pipe.
+//! `peer_killed_beside_live_pipes_on_its_endpoint_efa_efa` kills a child while a pipe to a second
+//! child shares the survivor's efa endpoint, and checks that the live pipe's writes go on
+//! completing (docs/efa.md, "A dead peer's sends on `shm`").
 //!
 //! The tests of this file hold the binary's lock ([`ONE_AT_A_TIME`]): descriptor counts are per
 //! process, so no other test may run alongside them.
@@ -27,9 +30,12 @@ use actorpipe::*;
 
 use crate::common::*;
 
-/// Selects the child mode: `<backend> <provider> <kill|freeze> listen` or `<backend> <provider>
-/// <kill|freeze> dial <url>` (`-` for the provider of a backend without one).
+/// Selects the child mode: `<backend> <provider> <kill|freeze|live> listen` or `<backend>
+/// <provider> <kill|freeze|live> dial <url>` (`-` for the provider of a backend without one;
+/// `live`: a peer that is not killed, echoing without [`ECHO_PAUSE`]).
 const CHILD_ENV: &str = "ACTORPIPE_PEER_DEATH_CHILD";
+/// The child's word for a peer that stays alive ([`CHILD_ENV`]).
+const LIVE: &str = "live";
 /// Starts the child's lines on stdout (the harness prints its own lines around them).
 const CHILD_TAG: &str = "peer-death-child:";
 /// Trials per backend (`ACTORPIPE_PEER_DEATH_TRIALS` overrides it, for a longer run by hand).
@@ -227,6 +233,12 @@ fn child_process() {
     } else {
         Death::Kill
     };
+    // A peer that stays alive beside the one killed echoes flat out.
+    let pause = if words[2] == LIVE {
+        Duration::ZERO
+    } else {
+        ECHO_PAUSE
+    };
     actix::System::new().block_on(async move {
         let builder = death.builder(b, &provider);
         let (pipe, _server) = match words[3].as_str() {
@@ -252,7 +264,9 @@ fn child_process() {
         // before the survivor's kill lands.
         while let Ok(m) = read_one(&pipe).await {
             pipe.do_send(Write::new(m));
-            tokio::time::sleep(ECHO_PAUSE).await;
+            if !pause.is_zero() {
+                tokio::time::sleep(pause).await;
+            }
         }
     });
 }
@@ -263,11 +277,13 @@ struct Peer {
 
 impl Peer {
     fn start(b: &Backend, provider: &str, death: Death, mode: &str) -> Peer {
+        Peer::start_as(b, provider, death.word(), mode)
+    }
+
+    /// A child that `word` (`kill`, `freeze`, [`LIVE`]) describes.
+    fn start_as(b: &Backend, provider: &str, word: &str, mode: &str) -> Peer {
         let mut cmd = reexec("peer_death::child_process");
-        cmd.env(
-            CHILD_ENV,
-            format!("{} {provider} {} {mode}", b.name, death.word()),
-        );
+        cmd.env(CHILD_ENV, format!("{} {provider} {word} {mode}", b.name));
         Peer {
             process: ChildProcess::spawn(cmd),
         }
@@ -781,6 +797,271 @@ fn peer_killed_mid_transfer_efa_efa() {
 #[test]
 fn peer_killed_mid_transfer_efa_efa_domains() {
     survive("efa_efa_domains", Death::Kill)
+}
+
+// ----- a killed peer beside live pipes on one endpoint ---------------------------------------
+
+/// The efa channel's pipes beside a killed peer (feature `efa`).
+#[cfg(feature = "efa")]
+mod beside_live {
+    use super::*;
+
+    /// Tensors of the live pipes' messages: one in place (over the efa channel's 8 KiB inline
+    /// limit, and over `shm`'s 4 KiB inject size, so its send waits for the receiver's answer) and
+    /// one inline.
+    const LIVE_TENSORS: [usize; 2] = [64 << 10, 4000];
+    /// Writes of a live pipe in flight at a time.
+    const LIVE_WINDOW: usize = 4;
+    /// Rounds (each [`LIVE_WINDOW`] writes and their echoes) every live pipe must complete after
+    /// the kill, within [`BOUND`].
+    const LIVE_ROUNDS: usize = 25;
+
+    /// Round trips on `pipe` (to an echoing child) until `stop` is set: [`LIVE_WINDOW`] writes of
+    /// [`LIVE_TENSORS`] at a time, then their echoes, each intact and in order, every write
+    /// completing without error. Pushes the instant each round ended to `rounds`.
+    async fn live_rounds(
+        pipe: Addr<Pipe>,
+        what: String,
+        stop: std::rc::Rc<std::cell::Cell<bool>>,
+        rounds: std::rc::Rc<std::cell::RefCell<Vec<Instant>>>,
+    ) {
+        let (w_to, mut writes) = inbox::<WriteDone>();
+        let mut id = 0u64;
+        let mut base = None;
+        while !stop.get() {
+            for k in 0..LIVE_WINDOW as u64 {
+                let m = checked_message(id + k, &[], &LIVE_TENSORS);
+                pipe.do_send(Write::new(m).notify(w_to.clone()));
+            }
+            for k in 0..LIVE_WINDOW as u64 {
+                let m = read_one(&pipe)
+                    .await
+                    .unwrap_or_else(|e| panic!("{what}: echo {}: {e}", id + k));
+                assert_eq!(verify(&m), id + k, "{what}: echoes in order");
+            }
+            for k in 0..LIVE_WINDOW as u64 {
+                let d = writes.recv().await.expect("a write's end");
+                let base = *base.get_or_insert(d.id);
+                assert_eq!(d.id - base, id + k, "{what}: write completions in order");
+                d.result
+                    .unwrap_or_else(|e| panic!("{what}: write {}: {e}", id + k));
+            }
+            id += LIVE_WINDOW as u64;
+            rounds.borrow_mut().push(Instant::now());
+        }
+    }
+
+    /// A live pipe's load, running on its own task.
+    struct Live {
+        stop: std::rc::Rc<std::cell::Cell<bool>>,
+        rounds: std::rc::Rc<std::cell::RefCell<Vec<Instant>>>,
+        done: tokio::task::JoinHandle<()>,
+    }
+
+    impl Live {
+        fn start(pipe: Addr<Pipe>, what: String) -> Live {
+            let stop = std::rc::Rc::new(std::cell::Cell::new(false));
+            let rounds = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+            let done = actix::spawn(live_rounds(pipe, what, stop.clone(), rounds.clone()));
+            Live { stop, rounds, done }
+        }
+
+        /// Rounds completed after `t`.
+        fn after(&self, t: Instant) -> usize {
+            self.rounds.borrow().iter().filter(|r| **r > t).count()
+        }
+
+        /// Waits until [`LIVE_ROUNDS`] rounds have completed after `t`; how long after `t` that
+        /// was, or `Err` with the rounds done if not within [`BOUND`] (or the load failed).
+        async fn rounds_after(&mut self, t: Instant) -> Result<Duration, usize> {
+            while t.elapsed() <= BOUND {
+                if self.after(t) >= LIVE_ROUNDS {
+                    return Ok(t.elapsed());
+                }
+                if self.done.is_finished() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err(self.after(t))
+        }
+
+        async fn stop(self) {
+            self.stop.set(true);
+            if let Err(e) = within(20, "the live load's end", self.done).await {
+                std::panic::resume_unwind(e.into_panic());
+            }
+        }
+    }
+
+    /// The efa backend with in-place tensors: a survivor context with pipes to two child processes
+    /// on its one endpoint; the child `doomed` is killed while large in-place writes to it are in
+    /// flight, and the pipe to the child `live` carries a steady load of in-place and inline tensors
+    /// all the while. The live pipe's writes must keep completing: [`LIVE_ROUNDS`] rounds of them
+    /// within [`BOUND`] of the kill (on libfabric 1.17's `shm`, a send that the dead peer never
+    /// answered used to hold back every later send completion of the endpoint, docs/efa.md, "A dead
+    /// peer's sends on `shm`": the live pipe's echoes kept coming, its writes never ended). The
+    /// dead peer's pipe fails within the bound; then a pipe to a third child, on the same endpoint,
+    /// works too. Either pipe is made first (the endpoint sends to its first peer itself).
+    async fn beside_live_trial(b: &Backend, provider: &str, t: u32) -> (Duration, Duration) {
+        use actorpipe::internal::hardware::efa::FabricStats;
+        let transport = actorpipe::transport::Efa::new(provider);
+        let channel = actorpipe::channel::Efa::over(&transport);
+        let survivor = Context::builder()
+            .without("shm")
+            .transport(std::sync::Arc::new(transport.clone()))
+            .channel(std::sync::Arc::new(channel))
+            .only_channels(&["efa", "basic"])
+            .start();
+        let connect = |url: String| {
+            let survivor = survivor.clone();
+            async move {
+                within(10, "connect", survivor.send(Connect::new(&url)))
+                    .await
+                    .unwrap()
+                    .expect("connect to a child")
+            }
+        };
+        let mut live = Peer::start_as(b, provider, LIVE, "listen");
+        let mut doomed = Peer::start(b, provider, Death::Kill, "listen");
+        let (live_url, doomed_url) = (live.url(), doomed.url());
+        // Pipes on the survivor's endpoint (control streams and the channel's links): after
+        // the first connection, and after the second, which must share the endpoint.
+        let ep = transport.endpoint_actor().expect("the survivor's endpoint");
+        let on_endpoint = || async { ep.send(FabricStats).await.unwrap().pipes };
+        let (live_pipe, doomed_pipe, one, both) = if t % 2 == 0 {
+            let l = connect(live_url).await;
+            let one = on_endpoint().await;
+            (l, connect(doomed_url).await, one, on_endpoint().await)
+        } else {
+            let d = connect(doomed_url).await;
+            let one = on_endpoint().await;
+            (connect(live_url).await, d, one, on_endpoint().await)
+        };
+        for p in [&live_pipe, &doomed_pipe] {
+            check_backends(p, "efa", "efa").await;
+        }
+        assert!(
+            one > 0 && both > one,
+            "{provider}: both pipes on the one endpoint: {one} pipes on it after the first, \
+             {both} after the second"
+        );
+        // The doomed pipe works, and its tensors go in place.
+        let m = checked_message(0, &[], &[SIZE]);
+        doomed_pipe.do_send(Write::new(m));
+        let back = within(20, "the doomed pipe's first echo", read_one(&doomed_pipe))
+            .await
+            .unwrap();
+        assert_eq!(verify(&back), 0);
+        assert_moved_by_channel(b, &doomed_pipe).await;
+
+        let mut load = Live::start(live_pipe.clone(), format!("{provider}: the live pipe"));
+        let warm = Instant::now();
+        load.rounds_after(warm)
+            .await
+            .unwrap_or_else(|n| panic!("{provider}: the live pipe before the kill: {n} rounds"));
+        assert_moved_by_channel(b, &live_pipe).await;
+
+        // Large in-place writes to the doomed child, and reads of its echoes; kill it once the
+        // first echo is back: the others are in flight both ways.
+        let (w_to, mut writes) = inbox::<WriteDone>();
+        let (r_to, mut reads) = inbox::<ReadDone>();
+        for i in 1..=IN_FLIGHT {
+            doomed_pipe.do_send(Write::new(checked_message(i, &[], &[SIZE])).notify(w_to.clone()));
+            doomed_pipe.do_send(ReadDescriptor);
+            doomed_pipe.do_send(Read::new(allocation()).notify(r_to.clone()));
+        }
+        let first = within(
+            20,
+            "the doomed pipe's first echo of the batch",
+            reads.recv(),
+        )
+        .await
+        .unwrap();
+        first.result.expect("the first echo, before the kill");
+        tokio::time::sleep(Duration::from_millis(t as u64 % 4 * 4)).await;
+        doomed.process.kill();
+        let killed = Instant::now();
+
+        let live_after = match load.rounds_after(killed).await {
+            Ok(d) => d,
+            Err(n) => {
+                let stats = ep.send(FabricStats).await.unwrap();
+                panic!(
+                    "{provider}: the live pipe completed {n} rounds of writes in the {BOUND:?} after \
+                     the kill, fewer than {LIVE_ROUNDS}: its writes stopped completing behind the \
+                     dead peer (the endpoint: {stats:?})"
+                )
+            }
+        };
+        // The dead peer's pipe: every pending write and read ends, with an error once one failed.
+        within(BOUND.as_secs() + 10, "the doomed pipe's ends", async {
+            for _ in 1..=IN_FLIGHT {
+                writes.recv().await.expect("a write's end");
+            }
+            for _ in 2..=IN_FLIGHT {
+                reads.recv().await.expect("a read's end");
+            }
+        })
+        .await;
+        let doomed_after = killed.elapsed();
+        assert!(
+            doomed_after <= BOUND,
+            "{provider}: the dead peer's pipe ended {doomed_after:?} after the kill"
+        );
+        // A new pipe on the same endpoint, to a third child, beside the live one.
+        let mut third = Peer::start_as(b, provider, LIVE, "listen");
+        let third_pipe = connect(third.url()).await;
+        check_backends(&third_pipe, "efa", "efa").await;
+        let mut next = Live::start(
+            third_pipe.clone(),
+            format!("{provider}: a pipe after the kill"),
+        );
+        let after = Instant::now();
+        next.rounds_after(after)
+            .await
+            .unwrap_or_else(|n| panic!("{provider}: a new pipe after the kill: {n} rounds"));
+        let now = Instant::now();
+        load.rounds_after(now)
+            .await
+            .unwrap_or_else(|n| panic!("{provider}: the live pipe beside the new one: {n} rounds"));
+        next.stop().await;
+        load.stop().await;
+        for p in [&live_pipe, &doomed_pipe, &third_pipe] {
+            within(5, "close", p.send(Close::because("done")))
+                .await
+                .unwrap();
+        }
+        live.process.kill();
+        third.process.kill();
+        (live_after, doomed_after)
+    }
+
+    /// [`beside_live_trial`], [`TRIALS`] times on each provider.
+    #[test]
+    fn peer_killed_beside_live_pipes_on_its_endpoint_efa_efa() {
+        let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let b = backend("efa_efa");
+        for provider in crate::efa_support::providers() {
+            if let Some(why) = crate::efa_support::missing(&provider) {
+                tell_ci(&format!(
+                    "peer_death beside live pipes on {provider}: {why}"
+                ));
+                continue;
+            }
+            actix::System::new().block_on(async {
+                warm_process(b, &provider, Death::Kill).await;
+                let mut results = Vec::new();
+                for t in 0..TRIALS {
+                    results.push(beside_live_trial(b, &provider, t).await);
+                }
+                eprintln!(
+                    "efa_efa on {provider}: {TRIALS} kills beside a live pipe: {LIVE_ROUNDS} live \
+                     rounds done (kill to the last, dead pipe ended): {results:?}"
+                );
+            });
+        }
+    }
 }
 
 // A frozen peer (SIGSTOP: a hung host, as seen from here) closes nothing; the heartbeats find it.

@@ -52,6 +52,7 @@ extern "C" {
     pub fn ap_strerror(err: c_int) -> *const c_char;
     pub fn ap_getinfo(prov: *const c_char, inject: usize, out: *mut *mut FiInfo) -> c_int;
     pub fn ap_freeinfo(info: *mut FiInfo);
+    pub fn ap_dupinfo(info: *const FiInfo) -> *mut FiInfo;
     pub fn ap_info_next(info: *mut FiInfo) -> *mut FiInfo;
     pub fn ap_info_read(info: *const FiInfo, out: *mut ApInfo);
     pub fn ap_fabric(info: *mut FiInfo, out: *mut *mut FidFabric) -> c_int;

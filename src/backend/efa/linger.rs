@@ -41,6 +41,8 @@ pub(super) fn applies(provider: &str) -> bool {
 
 /// An endpoint's libfabric objects, parked after its owner dropped it.
 pub(super) struct Parked {
+    /// The endpoints its sends to its peers went out on (`shm`), bound to its CQ and AV.
+    pub senders: Vec<*mut ffi::FidEp>,
     pub ep: *mut ffi::FidEp,
     pub cq: *mut ffi::FidCq,
     pub av: *mut ffi::FidAv,
@@ -189,9 +191,12 @@ pub(super) fn release(member: u64, domain: *mut ffi::FidDomain, fabric: *mut ffi
 }
 
 fn close(p: Parked) {
-    // SAFETY: objects of a parked endpoint, each closed once, the endpoint before the CQ and AV
-    // bound to it; no peer that could still reach its region is open (see `release`).
+    // SAFETY: objects of a parked endpoint, each closed once, its endpoints before the CQ and AV
+    // bound to them; no peer that could still reach its region is open (see `release`).
     unsafe {
+        for ep in p.senders {
+            ffi::ap_close_ep(ep);
+        }
         ffi::ap_close_ep(p.ep);
         ffi::ap_close_cq(p.cq);
         ffi::ap_close_av(p.av);

@@ -23,6 +23,8 @@ mod linger;
 pub mod regcache;
 pub mod tag;
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::ffi::{c_void, CStr, CString};
 use std::fmt;
 use std::os::fd::RawFd;
@@ -530,6 +532,85 @@ impl Drop for EpHandle {
     }
 }
 
+/// Whether endpoints of `provider` send to each peer from an endpoint of their own
+/// ([`Endpoint`]'s senders): `shm`, whose send completions queue in order behind the slowest
+/// peer (see `Senders`).
+pub fn sends_per_peer(provider: &str) -> bool {
+    provider == "shm"
+}
+
+/// One fi_info entry of our own (a copy), freed on drop.
+struct OwnedInfo {
+    ptr: *mut ffi::FiInfo,
+}
+
+impl Drop for OwnedInfo {
+    fn drop(&mut self) {
+        // SAFETY: a copy made by fi_dupinfo, freed once; nothing keeps a pointer into it (an
+        // endpoint opened with it copies what it needs).
+        unsafe { ffi::ap_freeinfo(self.ptr) }
+    }
+}
+
+/// Which endpoint an [`Endpoint`]'s sends to each peer go out on (`shm`: [`sends_per_peer`]).
+///
+/// libfabric 1.17's `shm` provider answers each send that moves more than its inject size
+/// (4 KiB: by cma, or through its bounce buffers for a receiver without cma) with a response
+/// the receiver writes into the sender's region once it has copied the message, and it reads
+/// those responses from one queue per endpoint, in order, stopping at the first entry still
+/// waiting (`smr_progress_resp`). A send that its receiver never answers (a killed peer, or
+/// one yet to post the matching receive) therefore holds back the completion of every later
+/// such send of that endpoint, to any peer, while the messages themselves arrive: one dead
+/// peer stalled every pipe of its endpoint for good. Sends up to the inject size complete at
+/// their post and need no response.
+///
+/// So the responses of each peer's sends get a queue of their own: each peer's sends go out on
+/// an endpoint of its own, opened on the same domain and bound to the main endpoint's CQ and
+/// AV, so its completions come with the others' and its `fi_addr_t`s are the AV's. Receives
+/// stay on the main endpoint, whose address is the one peers know: a receiver matches by tag
+/// and never asks which endpoint sent, so nothing changes for the peer. A stalled queue then
+/// holds back only the sends to the peer that does not answer.
+///
+/// The main endpoint sends to one peer itself (the first inserted while it has none), so an
+/// endpoint with one peer at a time opens nothing more. A peer removed from the AV (the engine
+/// removes one only once every op of its pipes has ended: none of its responses is left in
+/// the queue) gives its sending endpoint back for the next new peer. A dead peer's sends never
+/// end, so its endpoint is never handed out again. The endpoints close with the main one
+/// (parked with it where `linger` applies). Each costs an `shm` region (16 MiB of
+/// `/dev/shm`, a few MiB of it touched) and a turn of every CQ read's progress.
+struct Senders {
+    info: OwnedInfo,
+    /// The endpoint each peer's sends go out on: `None` the main one, `Some(i)` `eps[i]`.
+    lanes: HashMap<FiAddr, Option<usize>>,
+    eps: Vec<EpHandle>,
+    /// Endpoints of `eps` that no peer uses.
+    idle: Vec<usize>,
+    /// Peers whose sends the main endpoint carries: one, or more where opening an endpoint
+    /// of their own failed (they then share its queue, as before).
+    on_main: usize,
+}
+
+impl Senders {
+    /// The endpoint that sends to `dest`, if not the main one.
+    fn of(&self, dest: FiAddr) -> Option<*mut ffi::FidEp> {
+        if self.eps.is_empty() {
+            return None; // one peer at a time: no lookup on the way of every send
+        }
+        match self.lanes.get(&dest) {
+            Some(Some(i)) => Some(self.eps[*i].ptr),
+            _ => None,
+        }
+    }
+
+    /// Takes `lane` back from a peer that no longer uses it.
+    fn give_back(&mut self, lane: Option<usize>) {
+        match lane {
+            None => self.on_main = self.on_main.saturating_sub(1),
+            Some(i) => self.idle.push(i),
+        }
+    }
+}
+
 /// Why a post did not go through.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PostError {
@@ -557,10 +638,16 @@ pub struct Completion {
 
 /// An enabled RDM endpoint with its completion queue and address vector.
 ///
-/// Fields drop in order: the endpoint closes before its CQ and AV, which close before the
-/// domain.
+/// Fields drop in order: the endpoint (and its senders) close before its CQ and AV, which close
+/// before the domain.
+///
+/// On `shm` ([`sends_per_peer`]) the sends to each peer go out on an endpoint of their own, on
+/// the same CQ and AV, so that a peer that never answers its sends (a dead one) holds back no
+/// other peer's send completions: see `Senders` and docs/efa.md, "A dead peer's sends on `shm`".
 pub struct Endpoint {
     ep: EpHandle,
+    // Before the CQ and AV, which they are bound to.
+    senders: Option<RefCell<Senders>>,
     cq: Cq,
     av: Av,
     domain: Rc<Domain>,
@@ -634,8 +721,29 @@ impl Endpoint {
         if let Some(member) = domain.linger {
             linger::named(member, &name);
         }
+        let senders = if sends_per_peer(&provider) {
+            // SAFETY: info is a live fi_info entry; the copy is ours, freed on drop.
+            let copy = unsafe { ffi::ap_dupinfo(info.ptr) };
+            if copy.is_null() {
+                return Err(FabricError::new(
+                    "fi_dupinfo",
+                    &provider,
+                    constant(11) as i64,
+                ));
+            }
+            Some(RefCell::new(Senders {
+                info: OwnedInfo { ptr: copy },
+                lanes: HashMap::new(),
+                eps: Vec::new(),
+                idle: Vec::new(),
+                on_main: 0,
+            }))
+        } else {
+            None
+        };
         Ok(Endpoint {
             ep,
+            senders,
             cq,
             av,
             domain: domain.clone(),
@@ -698,10 +806,22 @@ impl Endpoint {
                 });
             }
         }
+        // The peer's sending endpoint is bound to the AV before the address goes in, so the
+        // provider maps the peer for it too.
+        let lane = self.sender_for_new_peer();
         let mut out = 0;
         // SAFETY: the provider reads one address of its own format from `name`, which holds a
         // whole one (checked above) and outlives the call.
         let ret = unsafe { ffi::ap_av_insert(self.av.ptr, name.as_ptr().cast(), &mut out) };
+        if let Some(s) = &self.senders {
+            let mut s = s.borrow_mut();
+            if ret != 0 {
+                s.give_back(lane);
+            } else if let Some(old) = s.lanes.insert(out, lane) {
+                // An address inserted twice: the provider hands back the same fi_addr_t.
+                s.give_back(old);
+            }
+        }
         if ret != 0 {
             return Err(FabricError::new(
                 "fi_av_insert",
@@ -712,8 +832,80 @@ impl Endpoint {
         Ok(out)
     }
 
-    /// Removes a peer's address from the address vector.
+    /// The endpoint a peer about to be inserted will send on ([`Senders`]): the main one if it
+    /// sends to nobody, else an idle one, else a new one. `None` (the main one) also where the
+    /// provider needs none, or where opening one fails (then that peer shares the main one's
+    /// queue of responses, as without senders).
+    fn sender_for_new_peer(&self) -> Option<usize> {
+        let s = self.senders.as_ref()?;
+        let mut s = s.borrow_mut();
+        if s.on_main == 0 {
+            s.on_main = 1;
+            return None;
+        }
+        if let Some(i) = s.idle.pop() {
+            return Some(i);
+        }
+        let mut ep = std::ptr::null_mut();
+        // SAFETY: our copy of the entry, the domain, the CQ and the AV are live; ep receives an
+        // endpoint closed on drop (or parked with ours), before the CQ and AV.
+        let ret = unsafe {
+            ffi::ap_endpoint(
+                self.domain.ptr,
+                s.info.ptr,
+                self.cq.ptr,
+                self.av.ptr,
+                &mut ep,
+            )
+        };
+        if ret != 0 {
+            let e = FabricError::new("fi_endpoint", self.provider(), ret as i64);
+            tracing::warn!(
+                "{e}: this peer's sends share the endpoint's queue of responses (a dead peer \
+                 can hold back their completions)"
+            );
+            s.on_main += 1;
+            return None;
+        }
+        s.eps.push(EpHandle { ptr: ep });
+        Some(s.eps.len() - 1)
+    }
+
+    /// How many endpoints of its own this endpoint has opened for its peers' sends (`shm`:
+    /// see [`Endpoint`]); the main endpoint sends to one peer itself.
+    pub fn send_endpoints(&self) -> usize {
+        self.senders.as_ref().map_or(0, |s| s.borrow().eps.len())
+    }
+
+    /// The endpoint that sends to `dest`.
+    fn sender(&self, dest: FiAddr) -> *mut ffi::FidEp {
+        self.senders
+            .as_ref()
+            .and_then(|s| s.borrow().of(dest))
+            .unwrap_or(self.ep.ptr)
+    }
+
+    /// Removes a peer's address from the address vector: call it only once every op with that
+    /// peer has ended.
+    ///
+    /// On `shm` ([`sends_per_peer`]) the address stays in the AV and only the peer's sending
+    /// endpoint goes back to the idle ones. libfabric 1.17's `shm` forgets a removed peer in
+    /// its map but leaves each endpoint's own record of how that peer numbers it, and the AV
+    /// hands the freed `fi_addr_t` to the next peer inserted: sends to that peer then go out
+    /// stamped as the removed peer's, and the new peer answers them into the region of
+    /// whichever peer it knows by that number (`scripts/shm-stall.sh`, against 1.17: the
+    /// message arrived, its send never completed). Kept, the address names the same peer for the endpoint's
+    /// life, and inserting it again hands back the same `fi_addr_t`. The price: every peer
+    /// an endpoint ever had keeps a slot of the provider's 256 and its region mapped until the
+    /// endpoint closes.
     pub fn remove(&self, addr: FiAddr) -> Result<(), FabricError> {
+        if let Some(s) = &self.senders {
+            let mut s = s.borrow_mut();
+            if let Some(lane) = s.lanes.remove(&addr) {
+                s.give_back(lane);
+            }
+            return Ok(());
+        }
         // SAFETY: the AV is open; removing an unknown address is an error code, not UB.
         let ret = unsafe { ffi::ap_av_remove(self.av.ptr, addr) };
         if ret != 0 {
@@ -760,8 +952,18 @@ impl Endpoint {
         context: *mut c_void,
     ) -> Result<(), PostError> {
         // SAFETY: the caller's contract above.
-        let ret =
-            unsafe { ffi::ap_tsend(self.ep.ptr, buf.cast(), len, desc, dest, tag, data, context) };
+        let ret = unsafe {
+            ffi::ap_tsend(
+                self.sender(dest),
+                buf.cast(),
+                len,
+                desc,
+                dest,
+                tag,
+                data,
+                context,
+            )
+        };
         self.post_result("fi_tsend", ret)
     }
 
@@ -773,7 +975,7 @@ impl Endpoint {
         let (ptr, len) = (buf.as_ptr().cast(), buf.len());
         // SAFETY: `buf` is a live slice for the call; an inject copies it (or sends it) before
         // returning, and keeps no pointer to it or to any context.
-        let ret = unsafe { ffi::ap_tinject(self.ep.ptr, ptr, len, dest, tag, data) };
+        let ret = unsafe { ffi::ap_tinject(self.sender(dest), ptr, len, dest, tag, data) };
         self.post_result("fi_tinject", ret)
     }
 
@@ -815,7 +1017,9 @@ impl Endpoint {
     }
 
     /// Asks the provider to cancel the operation posted with `context`; its completion then
-    /// comes with `FI_ECANCELED` (or normally, if it finished first).
+    /// comes with `FI_ECANCELED` (or normally, if it finished first). Asked of the main
+    /// endpoint, which holds every receive: the sends of a peer's own endpoint (`shm`) are
+    /// not asked, as `shm` cancels receives only.
     ///
     /// # Safety
     /// `context` is the context of an operation posted on this endpoint whose completion has
@@ -887,7 +1091,15 @@ impl Drop for Endpoint {
         // Parked, not closed: a peer of this process may still reach its region (see `linger`).
         // Nothing posts on it or reads its CQ after this, so the provider never touches the
         // memory of its pending operations again.
+        let senders = self.senders.as_ref().map_or_else(Vec::new, |s| {
+            s.borrow_mut()
+                .eps
+                .iter_mut()
+                .map(|e| std::mem::replace(&mut e.ptr, std::ptr::null_mut()))
+                .collect()
+        });
         let parked = linger::Parked {
+            senders,
             ep: std::mem::replace(&mut self.ep.ptr, std::ptr::null_mut()),
             cq: std::mem::replace(&mut self.cq.ptr, std::ptr::null_mut()),
             av: std::mem::replace(&mut self.av.ptr, std::ptr::null_mut()),

@@ -87,6 +87,9 @@ int ap_getinfo(const char *prov, size_t inject, struct fi_info **out)
 }
 
 void ap_freeinfo(struct fi_info *info) { fi_freeinfo(info); }
+/* A copy of one entry (not of the entries after it), freed with ap_freeinfo; NULL when out of
+ * memory. An endpoint keeps one to open further endpoints on its domain later. */
+struct fi_info *ap_dupinfo(const struct fi_info *info) { return fi_dupinfo(info); }
 struct fi_info *ap_info_next(struct fi_info *info) { return info->next; }
 
 void ap_info_read(const struct fi_info *info, struct ap_info *out)
@@ -149,7 +152,9 @@ int ap_av_open(struct fid_domain *domain, struct fid_av **out)
 	return fi_av_open(domain, &attr, out, NULL);
 }
 
-/* An enabled RDM endpoint bound to one CQ (sends and receives) and one AV. */
+/* An enabled RDM endpoint bound to one CQ (sends and receives) and one AV. Several endpoints
+ * may share one CQ and one AV: a read of the CQ progresses every endpoint bound to it, and an
+ * fi_addr_t of the AV names the same peer on each. */
 int ap_endpoint(struct fid_domain *domain, struct fi_info *info, struct fid_cq *cq,
 		struct fid_av *av, struct fid_ep **out)
 {
@@ -309,6 +314,7 @@ uint64_t ap_const(int which)
 	case 8: return FI_ETRUNC;
 	case 9: return FI_EIO;
 	case 10: return FI_ADDR_STR;
+	case 11: return FI_ENOMEM;
 	default: return 0;
 	}
 }

@@ -472,3 +472,182 @@ fn passthru_applies_to_rxm_over_tcp_only() {
         }
     }
 }
+
+/// A peer that does not answer its sends (it has posted no receive for them, as a dead one
+/// never will) holds back no other peer's send completions. On `shm` the responses of sends
+/// over its inject size queue in order per sending endpoint, so the endpoint sends to each peer
+/// from an endpoint of its own (docs/efa.md, "A dead peer's sends on `shm`"): without them, none
+/// of the live peer's 8 completions came while the silent peer's send waited. Either peer may be
+/// the one the main endpoint sends to. A peer removed from the AV gives its sending endpoint to
+/// the next one.
+#[test]
+fn a_peer_that_does_not_answer_holds_back_no_other_peers_send_completions() {
+    const SIZE: usize = 64 << 10;
+    const N: usize = 8;
+    for provider in providers() {
+        for silent_first in [true, false] {
+            let mut a = open(provider);
+            let mut silent = open(provider);
+            let mut live = open(provider);
+            let (at_silent, at_live) = if silent_first {
+                let s = a.insert(silent.name()).expect("insert");
+                (s, a.insert(live.name()).expect("insert"))
+            } else {
+                let l = a.insert(live.name()).expect("insert");
+                (a.insert(silent.name()).expect("insert"), l)
+            };
+            silent.insert(a.name()).expect("insert");
+            live.insert(a.name()).expect("insert");
+            if sends_per_peer(provider) {
+                assert_eq!(
+                    a.send_endpoints(),
+                    1,
+                    "{provider}: one peer sends on the main"
+                );
+            }
+            let what = format!("{provider}, silent peer inserted first: {silent_first}");
+            let payload = vec![7u8; SIZE];
+            let mut silent_inbox = vec![0u8; SIZE];
+            let mut inboxes = vec![vec![0u8; SIZE]; N];
+            // Contexts, boxed so that their addresses stay put: one per op.
+            let mut ctx: Vec<Box<[u64; 8]>> = (0..2 * N + 2).map(|_| Box::new([0; 8])).collect();
+            let addr = |c: &[u64; 8]| c.as_ptr() as u64;
+            let sent_silent = addr(&ctx[0]);
+            let sent_live: Vec<u64> = (1..=N).map(|i| addr(&ctx[i])).collect();
+            let (mut a_done, mut live_got) = (Vec::new(), 0);
+            // Reads all three CQs: `a`'s send completions into `done`, the live peer's
+            // receives counted in `got`; nothing completes at the silent peer.
+            fn progress(eps: [&mut Endpoint; 3], done: &mut Vec<u64>, got: &mut usize) {
+                let [a, s, l] = eps;
+                a.poll(|c| {
+                    c.result.as_ref().expect("a send");
+                    done.push(c.context)
+                })
+                .expect("cq");
+                s.poll(|c| panic!("{c:?}: nothing completes at the silent peer"))
+                    .expect("cq");
+                l.poll(|c| {
+                    c.result.as_ref().expect("a receive");
+                    *got += 1
+                })
+                .expect("cq");
+            }
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            let (head, rest) = ctx.split_at_mut(1);
+            loop {
+                // SAFETY: the payload and the context outlive the send's completion, which
+                // this test waits for below (or the endpoint's drop).
+                let r = unsafe {
+                    a.tsend(
+                        payload.as_ptr(),
+                        SIZE,
+                        std::ptr::null_mut(),
+                        at_silent,
+                        1,
+                        0,
+                        head[0].as_mut_ptr().cast(),
+                    )
+                };
+                match r {
+                    Ok(()) => break,
+                    Err(PostError::Again) if std::time::Instant::now() < deadline => {
+                        progress([&mut a, &mut silent, &mut live], &mut a_done, &mut live_got)
+                    }
+                    Err(e) => panic!("{what}: send to the silent peer: {e:?}"),
+                }
+            }
+            for (i, inbox) in inboxes.iter_mut().enumerate() {
+                let (send_ctx, recv_ctx) = rest.split_at_mut(N);
+                // SAFETY: the inbox and the context outlive the receive's completion (waited
+                // for below).
+                unsafe {
+                    post_recv(
+                        &live,
+                        inbox,
+                        Endpoint::any_source(),
+                        100 + i as u64,
+                        &mut recv_ctx[i],
+                    )
+                };
+                loop {
+                    // SAFETY: as the send above.
+                    let r = unsafe {
+                        a.tsend(
+                            payload.as_ptr(),
+                            SIZE,
+                            std::ptr::null_mut(),
+                            at_live,
+                            100 + i as u64,
+                            0,
+                            send_ctx[i].as_mut_ptr().cast(),
+                        )
+                    };
+                    match r {
+                        Ok(()) => break,
+                        Err(PostError::Again) if std::time::Instant::now() < deadline => {
+                            progress([&mut a, &mut silent, &mut live], &mut a_done, &mut live_got)
+                        }
+                        Err(e) => panic!("{what}: send {i} to the live peer: {e:?}"),
+                    }
+                }
+            }
+            let live_done = |done: &[u64]| sent_live.iter().filter(|c| done.contains(c)).count();
+            while (live_got < N || live_done(&a_done) < N) && std::time::Instant::now() < deadline {
+                progress([&mut a, &mut silent, &mut live], &mut a_done, &mut live_got);
+            }
+            assert_eq!(live_got, N, "{what}: the live peer's receives");
+            assert_eq!(
+                live_done(&a_done),
+                N,
+                "{what}: send completions to the live peer while the silent one has not \
+                 answered its send"
+            );
+            assert!(inboxes.iter().all(|b| b == &payload), "{what}");
+            // The silent peer answers at last: its send completes too.
+            let last = ctx.last_mut().expect("a context");
+            // SAFETY: as above.
+            unsafe { post_recv(&silent, &mut silent_inbox, Endpoint::any_source(), 1, last) };
+            while !a_done.contains(&sent_silent) {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{what}: the silent send"
+                );
+                a.poll(|c| a_done.push(c.context)).expect("cq");
+                silent.poll(|_| {}).expect("cq");
+            }
+            assert_eq!(silent_inbox, payload, "{what}");
+            // The live peer goes: a new one sends on its endpoint (or on the main one).
+            a.remove(at_live).expect("remove");
+            let mut next = open(provider);
+            let at_next = a.insert(next.name()).expect("insert");
+            next.insert(a.name()).expect("insert");
+            if sends_per_peer(provider) {
+                assert_eq!(
+                    a.send_endpoints(),
+                    1,
+                    "{what}: the live peer's endpoint again"
+                );
+            }
+            let mut inbox = vec![0u8; SIZE];
+            let (mut rctx, mut sctx) = ([0u64; 8], [0u64; 8]);
+            // SAFETY: as above.
+            unsafe { post_recv(&next, &mut inbox, Endpoint::any_source(), 9, &mut rctx) };
+            send_retrying(&mut a, &mut next, |a| {
+                // SAFETY: as above.
+                unsafe {
+                    a.tsend(
+                        payload.as_ptr(),
+                        SIZE,
+                        std::ptr::null_mut(),
+                        at_next,
+                        9,
+                        0,
+                        sctx.as_mut_ptr().cast(),
+                    )
+                }
+            });
+            reap(&mut a, 1, &mut next, 1);
+            assert_eq!(inbox, payload, "{what}");
+        }
+    }
+}
