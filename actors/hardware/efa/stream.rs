@@ -416,6 +416,7 @@ impl AsyncRead for FabricRead {
             // any in `done`). The waker stays registered either way, for an end another pass
             // hands out.
             let early = if this.inbox { this.take_early() } else { None };
+            let in_turn = early.is_some();
             let f = match early.or_else(|| this.claimed.pop_front()) {
                 Some(f) => Some(f),
                 None => match this.done.poll_recv(cx) {
@@ -435,7 +436,8 @@ impl AsyncRead for FabricRead {
                 this.error = Some(stopped());
                 continue;
             };
-            let f = match (this.inbox, f.kind, &f.result) {
+            // (A message taken early is in its turn already.)
+            let f = match (this.inbox && !in_turn, f.kind, &f.result) {
                 (true, Kind::Recv, Ok(_)) => match this.in_sequence(f) {
                     Some(f) => f,
                     None => continue,
