@@ -101,6 +101,31 @@ unsafe fn post_recv(b: &Endpoint, inbox: &mut [u8], from: FiAddr, tag: u64, ctx:
     .expect("recv");
 }
 
+/// Posts a tagged send of `msg` to `to` with context `ctx`.
+///
+/// # Safety
+/// `msg` and `ctx` must outlive the send's completion (or the endpoint).
+unsafe fn post_send(
+    a: &Endpoint,
+    msg: &[u8],
+    to: FiAddr,
+    tag: u64,
+    ctx: &mut [u64; 8],
+) -> Result<(), PostError> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        a.tsend(
+            msg.as_ptr(),
+            msg.len(),
+            std::ptr::null_mut(),
+            to,
+            tag,
+            0,
+            ctx.as_mut_ptr().cast(),
+        )
+    }
+}
+
 /// Sends with `send` from `a` to `b`, retrying while the provider answers `-FI_EAGAIN` (rxm
 /// does while it connects to a new peer), progressing both meanwhile (neither may complete
 /// anything yet).
@@ -146,15 +171,7 @@ fn tagged_message(provider: &str, mut a: Endpoint, mut b: Endpoint) {
     unsafe { post_recv(&b, &mut inbox, a_at_b, 7, &mut ctx_b) };
     // SAFETY: as above.
     send_retrying(&mut a, &mut b, |a| unsafe {
-        a.tsend(
-            msg.as_ptr(),
-            msg.len(),
-            std::ptr::null_mut(),
-            b_at_a,
-            7,
-            0,
-            ctx_a.as_mut_ptr().cast(),
-        )
+        post_send(a, &msg, b_at_a, 7, &mut ctx_a)
     });
     let (sent, got) = reap(&mut a, 1, &mut b, 1);
     let (sent, got) = (&sent[0], &got[0]);
@@ -387,15 +404,7 @@ fn a_receive_posted_too_small_completes_with_the_providers_truncation_error() {
         unsafe { post_recv(&b, &mut small, a_at_b, 5, &mut ctx_b) };
         // SAFETY: as above.
         send_retrying(&mut a, &mut b, |a| unsafe {
-            a.tsend(
-                msg.as_ptr(),
-                msg.len(),
-                std::ptr::null_mut(),
-                b_at_a,
-                5,
-                0,
-                ctx_a.as_mut_ptr().cast(),
-            )
+            post_send(a, &msg, b_at_a, 5, &mut ctx_a)
         });
         // The receiver's error; the sender may or may not see its send complete (each
         // provider decides whether a truncated delivery is the sender's error too).
