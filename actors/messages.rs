@@ -320,6 +320,14 @@ pub struct WriteDone {
     pub result: Result<(), Error>,
     /// The message, with all its buffers, for reuse.
     pub message: Message,
+    /// The tensors of `message` (their indices, in the order they came back) whose buffer is a
+    /// copy standing in for the one you handed in, which a provider still holds. Only a failed
+    /// write on the `efa` channel has any: when the provider has not let go of a tensor's
+    /// buffer within `actorpipe::efa::STAND_IN_AFTER` (200 ms) of the failure: a tensor whose
+    /// send to a peer that died was still in flight, which libfabric 1.17's providers keep
+    /// until the endpoint closes. The original is freed once the provider lets go of it or the
+    /// endpoint closes. Empty (and not allocated) otherwise.
+    pub stand_ins: Vec<usize>,
 }
 
 impl ActixMessage for Write {
@@ -337,6 +345,7 @@ impl Op for Write {
             id,
             result: Err(vanished()),
             message: Message::default(),
+            stand_ins: Vec::new(),
         }
     }
 }
@@ -420,6 +429,9 @@ pub struct ReadDone {
     pub result: Result<(), Error>,
     /// The message: the descriptor's metadata and the buffers handed in.
     pub message: Message,
+    /// The tensors of `message` whose buffer is a zeroed copy standing in for the one handed
+    /// in, which a provider still holds: as [`WriteDone::stand_ins`], for a failed read.
+    pub stand_ins: Vec<usize>,
     /// For a message with CUDA tensors: one event per device the read touched (empty for
     /// host-only messages and for reads with [`Read::data_complete`]). Wait on it
     /// ([`CudaCompletion::wait_on`](crate::cuda::CudaCompletion::wait_on) on the stream that
@@ -443,6 +455,7 @@ impl Op for Read {
             id,
             result: Err(vanished()),
             message: Message::default(),
+            stand_ins: Vec::new(),
             #[cfg(feature = "cuda")]
             cuda: Default::default(),
         }

@@ -48,6 +48,7 @@ mod actors;
 /// [`transport::Efa`] and [`channel::Efa`].
 #[cfg(feature = "efa")]
 pub mod efa {
+    pub use crate::actors::hardware::efa::channel::STAND_IN_AFTER;
     #[cfg(feature = "faults")]
     pub use crate::actors::hardware::efa::FabricFaults;
     pub use crate::actors::hardware::efa::{EndpointConfig, FabricStats};

@@ -297,6 +297,7 @@ fn read(id: u64, message: Message) -> ReadDone {
         id,
         result: Ok(()),
         message,
+        stand_ins: Vec::new(),
         #[cfg(feature = "cuda")]
         cuda: Default::default(),
     }

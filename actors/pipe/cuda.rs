@@ -16,7 +16,7 @@ impl StreamHandler<CudaDone> for Pipe {
                 index,
                 buffer,
                 result,
-            } => self.tensor_written(seq, index, buffer, result),
+            } => self.tensor_written(seq, index, buffer, result, false),
             CudaDone::Read {
                 seq,
                 index,
@@ -25,7 +25,7 @@ impl StreamHandler<CudaDone> for Pipe {
                 result,
             } => {
                 if let (Some(ReadState::Running { cuda, .. }), Some((event, stream))) =
-                    (self.tensor_read(seq, index, buffer, result), event)
+                    (self.tensor_read(seq, index, buffer, result, false), event)
                 {
                     cuda.push_on(event, &stream);
                 }

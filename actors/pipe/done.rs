@@ -35,8 +35,9 @@ impl Pipe {
                 index,
                 memory,
                 result,
+                stand_in,
             } => {
-                self.tensor_written(seq, index, memory.into_buffer(), result);
+                self.tensor_written(seq, index, memory.into_buffer(), result, stand_in);
             }
             Done::Frame {
                 ticket,
@@ -123,9 +124,10 @@ impl Pipe {
                 index,
                 memory,
                 result,
+                stand_in,
             } => {
                 let buffer = Buffer::Cpu(memory.into_vec().unwrap_or_default());
-                self.tensor_read(seq, index, buffer, result);
+                self.tensor_read(seq, index, buffer, result, stand_in);
                 self.pump_reads();
             }
         }
@@ -138,12 +140,16 @@ impl Pipe {
         index: u32,
         buffer: Buffer,
         result: Result<(), Error>,
+        stand_in: bool,
     ) {
         self.adopt();
         let err = result.err().map(|e| self.op_failed(e));
         if let Some(w) = self.writes.iter_mut().find(|w| w.seq == seq) {
             if let Some(t) = w.message.tensors.get_mut(index as usize) {
                 t.buffer = buffer;
+                if stand_in {
+                    w.stand_ins.push(index as usize);
+                }
             }
             w.tensors_out -= 1;
             if err.is_some() {
@@ -161,16 +167,24 @@ impl Pipe {
         index: u32,
         buffer: Buffer,
         result: Result<(), Error>,
+        stand_in: bool,
     ) -> Option<&mut ReadState> {
         let err = result.err().map(|e| self.op_failed(e));
         let (message, state) = self.running_read(seq)?;
-        if let Some(t) = message.tensors.get_mut(index as usize) {
-            t.buffer = buffer;
-        }
+        let present = message
+            .tensors
+            .get_mut(index as usize)
+            .map(|t| t.buffer = buffer);
         if let ReadState::Running {
-            tensors_out, error, ..
+            tensors_out,
+            error,
+            stand_ins,
+            ..
         } = state
         {
+            if stand_in && present.is_some() {
+                stand_ins.push(index as usize);
+            }
             *tensors_out -= 1;
             if err.is_some() {
                 *error = err.map(Box::new);

@@ -62,6 +62,8 @@ struct PendingWrite {
     payloads_out: bool,
     tensors_out: usize,
     error: Option<Box<Error>>,
+    /// Tensors whose buffers came back as stand-ins ([`WriteDone::stand_ins`]).
+    stand_ins: Vec<usize>,
     completer: Completer<WriteDone>,
 }
 
@@ -78,6 +80,8 @@ enum ReadState {
         payloads_out: bool,
         tensors_out: usize,
         error: Option<Box<Error>>,
+        /// Tensors whose buffers came back as stand-ins ([`ReadDone::stand_ins`]).
+        stand_ins: Vec<usize>,
         /// The events of the CUDA tensors' copies, one per device (and stream).
         #[cfg(feature = "cuda")]
         cuda: crate::cuda::CudaCompletion,

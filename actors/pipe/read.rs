@@ -309,6 +309,7 @@ impl Pipe {
                 payloads_out: payload_ticket.is_some(),
                 tensors_out,
                 error: None,
+                stand_ins: Vec::new(),
                 #[cfg(feature = "cuda")]
                 cuda: Default::default(),
             },
@@ -374,15 +375,29 @@ impl Pipe {
                 } => {
                     #[cfg(feature = "cuda")]
                     let mut cuda = crate::cuda::CudaCompletion::default();
+                    let mut stand_ins = Vec::new();
                     let result = match state {
                         ReadState::Finished(r) => r.map_err(|e| *e),
                         #[cfg(feature = "cuda")]
-                        ReadState::Running { error, cuda: c, .. } => {
+                        ReadState::Running {
+                            error,
+                            cuda: c,
+                            stand_ins: s,
+                            ..
+                        } => {
                             cuda = c;
+                            stand_ins = s;
                             error.map_or(Ok(()), |e| Err(*e))
                         }
                         #[cfg(not(feature = "cuda"))]
-                        ReadState::Running { error, .. } => error.map_or(Ok(()), |e| Err(*e)),
+                        ReadState::Running {
+                            error,
+                            stand_ins: s,
+                            ..
+                        } => {
+                            stand_ins = s;
+                            error.map_or(Ok(()), |e| Err(*e))
+                        }
                         ReadState::Waiting(_) | ReadState::Receiving(_) => {
                             unreachable!("not finished")
                         }
@@ -395,6 +410,7 @@ impl Pipe {
                         id,
                         result,
                         message,
+                        stand_ins,
                         #[cfg(feature = "cuda")]
                         cuda,
                     });

@@ -223,6 +223,7 @@ impl Pipe {
                     id,
                     result: Err(e),
                     message,
+                    stand_ins: Vec::new(),
                     #[cfg(feature = "cuda")]
                     cuda: Default::default(),
                 });

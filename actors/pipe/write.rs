@@ -77,6 +77,7 @@ impl Pipe {
             payloads_out: false,
             tensors_out: 0,
             error: None,
+            stand_ins: Vec::new(),
             completer,
         };
         let refusal = match (&self.error, &self.draining) {
@@ -364,6 +365,7 @@ impl Pipe {
                 id: w.id,
                 result,
                 message: w.message,
+                stand_ins: w.stand_ins,
             });
         }
         if completed > 0 {

@@ -363,6 +363,7 @@ impl WriteShare {
             payloads_out: whole == 0,
             tensors_out: ops - whole.max(1),
             error: None,
+            stand_ins: Vec::new(),
             completer: completer(),
         });
         l.outstanding += 1;
@@ -444,6 +445,7 @@ impl WriteShare {
             payloads_out: true,
             tensors_out: 0,
             error: None,
+            stand_ins: Vec::new(),
             completer: completer(),
         });
         l.outstanding += 1;
@@ -609,6 +611,7 @@ impl PipeWriter {
                     id,
                     result: Ok(()),
                     message,
+                    stand_ins: Vec::new(),
                 })
             }
             Direct::Handed(id) => {
@@ -650,6 +653,7 @@ impl PipeWriter {
                         origin: self.share.origin.clone(),
                     }),
                     message: handed.message,
+                    stand_ins: Vec::new(),
                 })
             }
         }

@@ -86,6 +86,8 @@ pub(crate) struct Held {
     pub error: Option<Error>,
     /// A sent cma tensor waiting for the receiver's acknowledgement.
     pub awaiting_ack: bool,
+    /// `buffer` is a copy standing in for the tensor's own, which a provider still holds.
+    pub stand_in: bool,
 }
 
 impl Held {
@@ -96,6 +98,7 @@ impl Held {
             out,
             error: None,
             awaiting_ack: false,
+            stand_in: false,
         }
     }
 }
@@ -106,6 +109,16 @@ pub(crate) type HeldKey = (bool, u64, u32);
 
 /// A whole tensor's completion for the pipe: sent (`key.0`) or received, with `result`.
 pub(crate) fn tensor_done(key: HeldKey, memory: Memory, result: Result<(), Error>) -> Done {
+    tensor_back(key, memory, result, false)
+}
+
+/// [`tensor_done`], saying whether `memory` is a copy standing in for the tensor's own.
+pub(crate) fn tensor_back(
+    key: HeldKey,
+    memory: Memory,
+    result: Result<(), Error>,
+    stand_in: bool,
+) -> Done {
     let (sending, seq, index) = key;
     if sending {
         Done::WroteTensor {
@@ -113,6 +126,7 @@ pub(crate) fn tensor_done(key: HeldKey, memory: Memory, result: Result<(), Error
             index,
             memory,
             result,
+            stand_in,
         }
     } else {
         Done::Tensor {
@@ -120,6 +134,7 @@ pub(crate) fn tensor_done(key: HeldKey, memory: Memory, result: Result<(), Error
             index,
             memory,
             result,
+            stand_in,
         }
     }
 }
@@ -131,7 +146,12 @@ pub(crate) fn released(held: &mut KeyMap<HeldKey, Held>, key: HeldKey) -> Option
         return None;
     }
     let h = held.remove(&key).expect("present");
-    Some(tensor_done(key, h.buffer, h.error.map_or(Ok(()), Err)))
+    Some(tensor_back(
+        key,
+        h.buffer,
+        h.error.map_or(Ok(()), Err),
+        h.stand_in,
+    ))
 }
 
 /// One operation over the tensor held at `key` ended with `result` (the first error stays).

@@ -303,13 +303,65 @@ impl Receipt {
         self.check(back, what, true, false)
     }
 
-    /// What a failed operation hands back on a channel that returns stand-ins: the `efa`
-    /// channel, whose provider may still touch a held tensor after a failure, hands back a copy
-    /// (a send's bytes, a receive's zeros) and leaves the original with the endpoint
-    /// (docs/efa.md, "Failure"). The same lengths, and for a write (`same_bytes`) the same bytes,
-    /// in any allocation.
-    pub fn check_stand_in(&self, back: &Message, what: &str, same_bytes: bool) {
-        self.check(back, what, false, same_bytes)
+    /// What an operation hands back when the runtime says some tensors are stand-ins
+    /// (`WriteDone::stand_ins`, `ReadDone::stand_ins`: the `efa` channel's copies of tensors a
+    /// provider still held after a failure, docs/efa.md, "Failure"). Every tensor named there
+    /// is a copy of the same length (for a write, `same_bytes`, the same bytes) in another
+    /// allocation; every other buffer is the one handed in (for a write, with the same bytes).
+    pub fn check_back(&self, back: &Message, stand_ins: &[usize], what: &str, same_bytes: bool) {
+        if stand_ins.is_empty() {
+            return self.check(back, what, true, same_bytes);
+        }
+        let mut named = stand_ins.to_vec();
+        named.sort_unstable();
+        named.dedup();
+        assert_eq!(
+            named.len(),
+            stand_ins.len(),
+            "{what}: a stand-in named twice"
+        );
+        assert_eq!(
+            back.tensors.len(),
+            self.tensors.len(),
+            "{what}: tensors back"
+        );
+        for (j, (s, t)) in self.tensors.iter().zip(&back.tensors).enumerate() {
+            let g = BufferPrint::of(&t.buffer);
+            assert_eq!(g.len, s.len, "{what}: tensor {j} back with another length");
+            if named.contains(&j) {
+                assert_ne!(
+                    g.ptr, s.ptr,
+                    "{what}: tensor {j} is called a stand-in but is the buffer handed in"
+                );
+            } else if s.len > 0 {
+                assert_eq!(
+                    g.ptr, s.ptr,
+                    "{what}: tensor {j} back is not the buffer handed in"
+                );
+            }
+            if same_bytes {
+                assert_eq!(g.sum, s.sum, "{what}: tensor {j} came back changed");
+            }
+        }
+        // Payloads never go by a channel: always the buffers handed in.
+        assert_eq!(
+            back.payloads.len(),
+            self.payloads.len(),
+            "{what}: payloads back"
+        );
+        for (j, (s, p)) in self.payloads.iter().zip(&back.payloads).enumerate() {
+            let g = BufferPrint::of_bytes(&p.data);
+            assert_eq!(g.len, s.len, "{what}: payload {j} back with another length");
+            if s.len > 0 {
+                assert_eq!(
+                    g.ptr, s.ptr,
+                    "{what}: payload {j} back is not the buffer handed in"
+                );
+            }
+            if same_bytes {
+                assert_eq!(g.sum, s.sum, "{what}: payload {j} came back changed");
+            }
+        }
     }
 
     fn check(&self, back: &Message, what: &str, same_allocation: bool, same_bytes: bool) {

@@ -200,9 +200,9 @@ fn write_filled(
         .collect()
 }
 
-/// Checks a run of write completions: in order, buffers back (those of `receipts`, unchanged;
-/// on `channel` `efa` a failed one may come back as a stand-in, `Receipt::check_stand_in`), no
-/// success after a failure.
+/// Checks a run of write completions: in order, buffers back (those of `receipts`, unchanged,
+/// but for the stand-ins each names, `Receipt::check_back`; only `channel` `efa` may return
+/// any, and only for a failed write), no success after a failure.
 async fn writes_complete_in_order(
     done: &mut tokio::sync::mpsc::UnboundedReceiver<WriteDone>,
     receipts: &[Receipt],
@@ -212,12 +212,14 @@ async fn writes_complete_in_order(
     for (i, receipt) in (0..).zip(receipts) {
         let d = within(20, "write completion", done.recv()).await.unwrap();
         assert_eq!(d.id, i, "in order");
-        match &d.result {
-            Err(_) if channel == "efa" => {
-                receipt.check_stand_in(&d.message, &format!("write {i}"), true)
-            }
-            _ => receipt.check_write(&d.message, &format!("write {i}")),
+        if channel != "efa" || d.result.is_ok() {
+            assert!(
+                d.stand_ins.is_empty(),
+                "write {i}: stand-ins {:?}",
+                d.stand_ins
+            );
         }
+        receipt.check_back(&d.message, &d.stand_ins, &format!("write {i}"), true);
         match d.result {
             Ok(()) => assert!(!failed, "no success after a failure"),
             Err(e) => {
@@ -252,10 +254,14 @@ async fn close_mid_operation_by_writer(b: &dyn Fn() -> ContextBuilder, t: &str, 
     assert_eq!(closed.error.class(), "closed");
     writes_complete_in_order(&mut done, &receipts, c).await;
     let r = within(20, "read", read).await.unwrap();
-    match &r.result {
-        Err(_) if c == "efa" => allocated.check_stand_in(&r.message, "the read", false),
-        _ => allocated.check_read(&r.message, "the read"),
+    if c != "efa" || r.result.is_ok() {
+        assert!(
+            r.stand_ins.is_empty(),
+            "the read: stand-ins {:?}",
+            r.stand_ins
+        );
     }
+    allocated.check_back(&r.message, &r.stand_ins, "the read", false);
     if r.result.is_ok() {
         assert!(r.message.tensors[0]
             .buffer
@@ -282,10 +288,14 @@ async fn close_mid_operation_by_reader(b: &dyn Fn() -> ContextBuilder, t: &str, 
     let read = rx.send(Read::new(alloc));
     rx.do_send(Close::because("reader gives up"));
     let r = within(20, "read", read).await.unwrap();
-    match &r.result {
-        Err(_) if c == "efa" => allocated.check_stand_in(&r.message, "the read", false),
-        _ => allocated.check_read(&r.message, "the read"),
+    if c != "efa" || r.result.is_ok() {
+        assert!(
+            r.stand_ins.is_empty(),
+            "the read: stand-ins {:?}",
+            r.stand_ins
+        );
     }
+    allocated.check_back(&r.message, &r.stand_ins, "the read", false);
     assert!(
         writes_complete_in_order(&mut done, &receipts, c).await,
         "4 x 16 MiB cannot all be delivered to a reader that closed after one"

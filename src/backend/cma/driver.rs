@@ -107,6 +107,7 @@ impl CmaDriver {
                     index,
                     memory: Memory::Owned(dst),
                     result: Ok(()),
+                    stand_in: false,
                 });
             }
             Err(CmaError::NotPermitted { .. }) if core.lanes.len() > DATA => {

@@ -125,12 +125,14 @@ fn finish(
         index: key.index,
         memory: src,
         result: result.clone(),
+        stand_in: false,
     });
     let _ = dst_reply.send(Done::Tensor {
         seq: key.seq,
         index: key.index,
         memory: Memory::Owned(dst),
         result,
+        stand_in: false,
     });
 }
 
@@ -154,6 +156,7 @@ pub fn send(key: Key, buffer: Memory, reply: Reply) {
                 index: key.index,
                 memory: buffer,
                 result: Err(Error::invalid("xth: tensor sent twice")),
+                stand_in: false,
             });
         }
         None => {
@@ -177,6 +180,7 @@ pub fn recv(key: Key, dst: Vec<u8>, reply: Reply, origin: &Origin) {
                 index: key.index,
                 memory: Memory::Owned(dst),
                 result: Err(Error::protocol("xth: tensor received twice", origin)),
+                stand_in: false,
             });
         }
         None => {
@@ -203,6 +207,7 @@ pub fn withdraw(key: Key, error: &Error) -> bool {
                 index: key.index,
                 memory: buffer,
                 result: Err(error.clone()),
+                stand_in: false,
             });
             true
         }
@@ -212,6 +217,7 @@ pub fn withdraw(key: Key, error: &Error) -> bool {
                 index: key.index,
                 memory: Memory::Owned(dst),
                 result: Err(error.clone()),
+                stand_in: false,
             });
             true
         }

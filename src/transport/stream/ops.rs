@@ -218,6 +218,9 @@ pub enum Done {
         memory: Memory,
         /// Outcome.
         result: Result<(), Error>,
+        /// `memory` is a copy standing in for the buffer handed in, which a provider still
+        /// holds (the `efa` channel's, after a failure: docs/efa.md, "Failure").
+        stand_in: bool,
     },
     /// [`InOp::Frame`] finished.
     Frame {
@@ -252,6 +255,9 @@ pub enum Done {
         memory: Memory,
         /// Outcome.
         result: Result<(), Error>,
+        /// `memory` is a copy standing in for the buffer handed in, which a provider still
+        /// holds (the `efa` channel's, after a failure: docs/efa.md, "Failure").
+        stand_in: bool,
     },
 }
 
@@ -301,6 +307,7 @@ impl Ticketed for OutOp {
                     index,
                     memory,
                     result,
+                    stand_in: false,
                 },
             ),
         }
@@ -379,6 +386,7 @@ impl Ticketed for InOp {
                     index,
                     memory,
                     result,
+                    stand_in: false,
                 },
             ),
         }

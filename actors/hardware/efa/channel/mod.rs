@@ -77,6 +77,14 @@ pub enum Domains {
 /// `tcp;ofi_rxm`.
 pub const INLINE_MAX: u64 = 8 << 10;
 
+/// How long a failed `efa` channel waits for the provider to let go of the tensors it holds
+/// before it hands each back as a stand-in copy ([`crate::WriteDone::stand_ins`]). The
+/// originals come back themselves whenever the provider ends their operations in time: a
+/// cancelled receive (within a few milliseconds on both providers of libfabric 1.17), a send
+/// a live peer completes. A send to a killed peer never ends on either provider until the
+/// endpoint closes, so its tensor comes back as a stand-in, this long after the failure.
+pub const STAND_IN_AFTER: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// The `efa` channel backend. See the module docs.
 #[derive(Debug, Clone)]
 pub struct Efa {

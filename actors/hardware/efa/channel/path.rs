@@ -12,6 +12,7 @@
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
+use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
@@ -20,7 +21,7 @@ use std::task::{Poll, Waker};
 use actix::Addr;
 use tokio::sync::mpsc;
 
-use super::ChannelPort;
+use super::{ChannelPort, STAND_IN_AFTER};
 use crate::actors::hardware::efa::{
     FabricDetach, FabricEndpoint, FabricQuarantine, Poster, RegionOp,
 };
@@ -156,6 +157,10 @@ pub(crate) struct Path {
     /// Told once every link has attached to its endpoint, or the set-up has failed
     /// ([`Path::when_attached`]).
     attached: Option<tokio::sync::oneshot::Sender<()>>,
+    /// Once failed with tensors held: each link's pipe as it was detached from its endpoint,
+    /// and when the tensors still held go back as stand-ins ([`STAND_IN_AFTER`]).
+    detached: Vec<(u32, Addr<FabricEndpoint>)>,
+    stand_in_at: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl Path {
@@ -192,6 +197,8 @@ impl Path {
             ends: Vec::new(),
             ends_waker: None,
             attached: None,
+            detached: Vec::new(),
+            stand_in_at: None,
         };
         (Rc::new(RefCell::new(path)), grants_rx)
     }
@@ -417,22 +424,32 @@ impl Path {
         self.release(key);
     }
 
-    /// Fails the path: waiting tensors go back with `e` now, and so do held ones: the pipes are
-    /// detached from their endpoints (their ops end with the error, in order), but a posted op
-    /// the provider cannot take back (a send to a dead peer) may hold its memory until the
-    /// endpoint closes. So a held tensor goes back as a copy (a send's bytes; a receive's,
-    /// which failed anyway, as zeros), and its own buffer is left with the endpoints
-    /// (`FabricQuarantine`, shared by every link's), dropped once each has let go of it. Later
-    /// tensors fail at once.
+    /// Fails the path: waiting tensors go back with `e` now, and so do held ones once their
+    /// ops have ended: the pipes are detached from their endpoints (their backlogged ops end
+    /// with the error, posted ones are cancelled where the provider can). A posted op the
+    /// provider cannot take back (a send to a dead peer on `shm`) would hold its memory until
+    /// the endpoint closes, so a tensor still held [`STAND_IN_AFTER`] later goes back as a
+    /// copy ([`Path::stand_ins`]). Later tensors fail at once.
     pub(super) fn fail(&mut self, e: Error) {
         if self.failed.is_none() {
             self.failed = Some(e.clone());
         }
         self.attach_over();
         let waiting = std::mem::take(&mut self.waiting);
-        // Chunks that wait for the peer's receives are never posted.
+        // Chunks that wait for the peer's receives are never posted: they end here. They are
+        // the last sends of their link, in post order.
+        let mut ended = Vec::new();
         for l in &mut self.links {
+            for _ in 0..l.unsent.len() {
+                if let Some(k) = l.sends.pop_back() {
+                    piece_ended(&mut self.held, k, Err(e.clone()));
+                    ended.push(k);
+                }
+            }
             l.unsent.clear();
+        }
+        for k in ended {
+            self.release(k);
         }
         let detach: Vec<(u32, Addr<FabricEndpoint>)> = self
             .links
@@ -451,6 +468,24 @@ impl Path {
                 reason: e.to_string(),
             });
         }
+        for h in self.held.values_mut() {
+            h.error.get_or_insert(e.clone());
+        }
+        if !self.held.is_empty() {
+            self.detached = detach;
+            self.stand_in_at = Some(Box::pin(tokio::time::sleep(STAND_IN_AFTER)));
+            // The pipe's task polls the timer with the ends.
+            if let Some(w) = self.ends_waker.take() {
+                w.wake();
+            }
+        }
+    }
+
+    /// [`STAND_IN_AFTER`] has passed since the path failed: each tensor still held goes back
+    /// as a copy of the same length (a send's bytes; a receive's, which failed anyway, as
+    /// zeros), flagged as a stand-in, and its own buffer is left with the endpoints
+    /// (`FabricQuarantine`, shared by every link's), dropped once each has let go of it.
+    fn stand_ins(&mut self) {
         let keys: Vec<HeldKey> = self.held.keys().copied().collect();
         let mut originals = Vec::new();
         for k in keys {
@@ -461,14 +496,21 @@ impl Path {
                     m => Memory::Owned(vec![0; m.len()]),
                 };
                 originals.push(std::mem::replace(&mut h.buffer, stand_in));
+                // Shared bytes are reference-counted: the clone is the caller's own.
+                h.stand_in = !matches!(h.buffer, Memory::Shared(_));
                 h.out = 0;
-                h.error.get_or_insert(e.clone());
             }
             self.release(k);
         }
+        let detached = std::mem::take(&mut self.detached);
         if !originals.is_empty() {
+            tracing::warn!(
+                tensors = originals.len(),
+                "efa channel: the provider still holds buffers of a failed pipe; \
+                 they go back as stand-in copies"
+            );
             let kept = Arc::new(Mutex::new(originals));
-            for (pipe, ep) in detach {
+            for (pipe, ep) in detached {
                 ep.do_send(FabricQuarantine {
                     pipe,
                     buffers: kept.clone(),
@@ -498,6 +540,16 @@ impl futures_core::Stream for PathEnds {
     type Item = LinkEnd;
     fn poll_next(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Option<LinkEnd>> {
         let mut p = self.0.borrow_mut();
+        if p.held.is_empty() {
+            // Every tensor of the failed path came back itself.
+            p.stand_in_at = None;
+        }
+        if let Some(t) = &mut p.stand_in_at {
+            if t.as_mut().poll(cx).is_ready() {
+                p.stand_in_at = None;
+                p.stand_ins();
+            }
+        }
         for (k, slot) in p.ends.iter_mut().enumerate() {
             let Some(rx) = slot else { continue };
             match rx.poll_recv(cx) {
