@@ -816,6 +816,7 @@ impl ContextBuilder {
         Context {
             config: Arc::new(config),
             metrics,
+            remote: crate::remote_core::Owner::new(),
         }
     }
 
@@ -847,6 +848,8 @@ fn keep_named(before: Option<Vec<String>>, names: &[&str]) -> Vec<String> {
 pub struct Context {
     config: Arc<Config>,
     metrics: Option<Result<std::net::SocketAddr, Error>>,
+    /// Its registered regions' owner: its number and notification subscribers.
+    remote: Arc<crate::remote_core::Owner>,
 }
 
 impl Context {
@@ -1000,6 +1003,13 @@ impl Handler<GetEfaStats> for Context {
             }
             Ok(out)
         })
+    }
+}
+
+impl Context {
+    /// The owner of the regions registered with this context.
+    pub(crate) fn remote_owner(&self) -> Arc<crate::remote_core::Owner> {
+        self.remote.clone()
     }
 }
 

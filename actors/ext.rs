@@ -120,6 +120,17 @@ pub trait PipeExt {
     fn info(&self) -> Call<Pipe, GetInfo, PipeInfo>;
     /// A [`PipeWriter`]: writes small messages from the caller's task (see [`GetWriter`]).
     fn writer(&self) -> Call<Pipe, GetWriter, PipeWriter>;
+    /// Reads spans of a remote region ([`RemoteRead`](super::remote::RemoteRead)); `Ok`
+    /// carries the completion, with the filled buffer.
+    fn remote_read(
+        &self,
+        read: super::remote::RemoteRead,
+    ) -> Call<Pipe, super::remote::RemoteRead, super::remote::RemoteDone>;
+    /// Writes spans into a remote region ([`RemoteWrite`](super::remote::RemoteWrite)).
+    fn remote_write(
+        &self,
+        write: super::remote::RemoteWrite,
+    ) -> Call<Pipe, super::remote::RemoteWrite, super::remote::RemoteDone>;
     /// Closes the pipe (see [`Close`]); resolves once every pending operation has completed,
     /// with the error they completed with.
     fn close(&self, how: Close) -> Call<Pipe, Close, Closed>;
@@ -176,6 +187,20 @@ impl PipeExt for Addr<Pipe> {
         call(self, GetWriter, Ok)
     }
 
+    fn remote_read(
+        &self,
+        read: super::remote::RemoteRead,
+    ) -> Call<Pipe, super::remote::RemoteRead, super::remote::RemoteDone> {
+        call(self, read, |d| d.result.clone().map(|_| d))
+    }
+
+    fn remote_write(
+        &self,
+        write: super::remote::RemoteWrite,
+    ) -> Call<Pipe, super::remote::RemoteWrite, super::remote::RemoteDone> {
+        call(self, write, |d| d.result.clone().map(|_| d))
+    }
+
     fn close(&self, how: Close) -> Call<Pipe, Close, Closed> {
         call(self, how, Ok)
     }
@@ -200,6 +225,11 @@ pub trait ContextExt {
     /// [`GetEfaStats`](super::GetEfaStats); feature `efa`).
     #[cfg(feature = "efa")]
     fn efa_stats(&self) -> Call<Context, super::GetEfaStats, Vec<super::EfaEndpointStats>>;
+    /// Registers `buffer` for remote reads and writes (see [`Register`](super::remote::Register)).
+    fn register(
+        &self,
+        buffer: impl Into<crate::message::Buffer>,
+    ) -> Call<Context, super::remote::Register, crate::remote::Region>;
 }
 
 impl ContextExt for Addr<Context> {
@@ -226,5 +256,12 @@ impl ContextExt for Addr<Context> {
     #[cfg(feature = "efa")]
     fn efa_stats(&self) -> Call<Context, super::GetEfaStats, Vec<super::EfaEndpointStats>> {
         call(self, super::GetEfaStats, |r| r)
+    }
+
+    fn register(
+        &self,
+        buffer: impl Into<crate::message::Buffer>,
+    ) -> Call<Context, super::remote::Register, crate::remote::Region> {
+        call(self, super::remote::Register::new(buffer), |r| r)
     }
 }

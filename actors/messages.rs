@@ -68,7 +68,7 @@ impl<M: Op> ActixMessage for NotifyShared<M> {
     type Result = ();
 }
 
-fn vanished() -> Error {
+pub(crate) fn vanished() -> Error {
     Error::Closed {
         reason: "the pipe actor stopped before completing the operation".into(),
         origin: Default::default(),

@@ -16,6 +16,7 @@ mod messages;
 mod pipe;
 pub(crate) mod placement;
 mod pool;
+pub(crate) mod remote;
 
 /// What the crate root re-exports: the actors an application talks to and their messages.
 pub mod api {

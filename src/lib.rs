@@ -36,6 +36,19 @@ pub mod channel;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod metrics;
+/// Registered memory and one-sided reads and writes with notifications (docs/remote.md): the
+/// owner registers a buffer with its context ([`remote::Register`], [`ContextExt::register`])
+/// and hands the region's [`remote::RegionDescriptor`] to peers; a peer reads or writes spans
+/// of it on a pipe to the owner ([`remote::RemoteRead`], [`remote::RemoteWrite`]).
+pub mod remote {
+    pub use crate::actors::remote::{
+        Direction, FromRegion, IntoRegion, Register, Remote, RemoteDone, RemoteOp, RemoteRead,
+        RemoteWrite, SubscribeNotifications,
+    };
+    pub use crate::remote_core::{Notification, Region, RegionDescriptor, Span};
+}
+#[path = "remote/mod.rs"]
+pub(crate) mod remote_core;
 pub mod transport;
 
 #[path = "../actors/mod.rs"]

@@ -49,6 +49,19 @@ pub const FALLBACKS: &str = "actorpipe_fallbacks_total";
 /// `descriptors` or `join_timeout`).
 pub const REFUSALS: &str = "actorpipe_listener_refusals_total";
 
+/// Remote-memory operations completed, by operation (`remote_read`, `remote_write`), path
+/// and outcome (`ok` or the error class) (counter).
+pub const REMOTE_OPERATIONS: &str = "actorpipe_remote_operations_total";
+/// Bytes moved by successful remote operations, by operation and path (counter).
+pub const REMOTE_BYTES: &str = "actorpipe_remote_bytes_total";
+/// Time a remote operation took, issue to completion, by operation and path (histogram,
+/// seconds).
+pub const REMOTE_SECONDS: &str = "actorpipe_remote_operation_seconds";
+/// Regions registered in this process now (gauge).
+pub const REMOTE_REGIONS: &str = "actorpipe_remote_regions";
+/// Notifications delivered to regions' owners (counter).
+pub const REMOTE_NOTIFICATIONS: &str = "actorpipe_remote_notifications_total";
+
 /// CUDA events, streams and pinned buffers created (not taken from a pool), by kind (counter).
 /// Flat in steady state.
 pub const CUDA_CREATED: &str = "actorpipe_cuda_created_total";
@@ -114,6 +127,19 @@ fn describe() {
         "Tensors that fell back from their channel's fast path."
     );
     describe_counter!(REFUSALS, "Pipes a listener turned away, by reason.");
+    describe_counter!(REMOTE_OPERATIONS, "Remote-memory operations completed.");
+    describe_counter!(
+        REMOTE_BYTES,
+        Unit::Bytes,
+        "Bytes moved by remote-memory operations."
+    );
+    describe_histogram!(
+        REMOTE_SECONDS,
+        Unit::Seconds,
+        "Time from issuing a remote-memory operation to its completion."
+    );
+    describe_gauge!(REMOTE_REGIONS, "Regions registered in this process.");
+    describe_counter!(REMOTE_NOTIFICATIONS, "Notifications delivered to owners.");
     describe_counter!(
         CUDA_CREATED,
         "CUDA events, streams and pinned buffers created rather than reused."
@@ -404,6 +430,35 @@ impl Refusal {
 /// A listener turned a pipe away.
 pub(crate) fn refused(why: Refusal) {
     counter!(REFUSALS, "reason" => why.label()).increment(1);
+}
+
+/// A remote operation `op` on `path` (empty: it found none) took `elapsed`; `bytes` on success.
+pub(crate) fn remote_finished(
+    op: &'static str,
+    path: &'static str,
+    elapsed: std::time::Duration,
+    result: Result<u64, &Error>,
+) {
+    let path = if path.is_empty() { "none" } else { path };
+    let outcome = match result {
+        Ok(bytes) => {
+            counter!(REMOTE_BYTES, "op" => op, "path" => path).increment(bytes);
+            "ok"
+        }
+        Err(e) => e.class(),
+    };
+    counter!(REMOTE_OPERATIONS, "op" => op, "path" => path, "outcome" => outcome).increment(1);
+    histogram!(REMOTE_SECONDS, "op" => op, "path" => path).record(elapsed.as_secs_f64());
+}
+
+/// Regions registered (`delta` 1) or deregistered (-1).
+pub(crate) fn remote_regions(delta: f64) {
+    gauge!(REMOTE_REGIONS).increment(delta);
+}
+
+/// A notification was delivered.
+pub(crate) fn remote_notification() {
+    counter!(REMOTE_NOTIFICATIONS).increment(1);
 }
 
 /// A tensor fell back from `channel`'s fast path.

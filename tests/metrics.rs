@@ -284,3 +284,77 @@ fn efa_backlog_gauge_is_per_endpoint() {
         wait_for((Some(0.0), Some(0.0)), "b detached").await;
     });
 }
+
+/// Remote operations on the in-process path: the counters scraped equal the operations made
+/// (nextest runs each test of this binary in a process of its own).
+#[actix::test]
+async fn remote_counters_equal_the_operations() {
+    use actorpipe::remote::{RemoteRead, RemoteWrite, Span};
+    let addr = actorpipe::metrics::serve("127.0.0.1:0".parse().unwrap()).unwrap();
+    let b = || {
+        Context::builder()
+            .only_transports(&["tcp"])
+            .only_channels(&["xth", "basic"])
+    };
+    let mut s = Server::start(b(), "tcp://127.0.0.1:0").await;
+    let (pipe, _rx) = s.dial(&b().start()).await;
+    let region = s.ctx.register(Buffer::Cpu(vec![0; 1 << 20])).await.unwrap();
+    let d = region.descriptor().clone();
+    for i in 0..5u64 {
+        let span = vec![Span::new(i * 4096, 0, 4096)];
+        pipe.remote_write(RemoteWrite::new(&d, span.clone(), vec![1; 4096]).notify_owner(*b"w"))
+            .await
+            .unwrap();
+        pipe.remote_read(RemoteRead::new(&d, span, vec![0; 4096]))
+            .await
+            .unwrap();
+    }
+    // One refused: past the region's end.
+    let bad = pipe
+        .send(RemoteRead::new(
+            &d,
+            vec![Span::new(1 << 20, 0, 1)],
+            vec![0; 1],
+        ))
+        .await
+        .unwrap();
+    assert!(bad.result.is_err());
+    let text = scrape(addr);
+    let at = |op, outcome| {
+        value(
+            &text,
+            "actorpipe_remote_operations_total",
+            &[("op", op), ("path", "xth"), ("outcome", outcome)],
+        )
+    };
+    assert_eq!(at("remote_write", "ok"), Some(5.0), "{text}");
+    assert_eq!(at("remote_read", "ok"), Some(5.0));
+    assert_eq!(
+        value(
+            &text,
+            "actorpipe_remote_operations_total",
+            &[
+                ("op", "remote_read"),
+                ("path", "xth"),
+                ("outcome", "invalid_argument")
+            ],
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(
+            &text,
+            "actorpipe_remote_bytes_total",
+            &[("op", "remote_write"), ("path", "xth")],
+        ),
+        Some(5.0 * 4096.0)
+    );
+    assert_eq!(value(&text, "actorpipe_remote_regions", &[]), Some(1.0));
+    assert_eq!(
+        value(&text, "actorpipe_remote_notifications_total", &[]),
+        Some(5.0)
+    );
+    drop(region);
+    let text = scrape(addr);
+    assert_eq!(value(&text, "actorpipe_remote_regions", &[]), Some(0.0));
+}

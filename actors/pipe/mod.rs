@@ -151,6 +151,8 @@ struct Prefetch {
 pub struct Pipe {
     id: u64,
     origin: Origin,
+    /// Remote-memory operations' numbering (`actors/remote.rs`).
+    pub(super) remote_ops: super::remote::PipeRemote,
     info: PipeInfo,
     limits: Limits,
     /// Index of the channel for CPU->CPU tensors, and its kind.
@@ -699,6 +701,21 @@ pipe_op!(Receive, next_read_id);
 pipe_op!(Close, next_read_id);
 
 impl Pipe {
+    /// What the pipe's errors name it by.
+    pub(super) fn origin(&self) -> &Origin {
+        &self.origin
+    }
+
+    /// The error the pipe failed with, if it has.
+    pub(super) fn failure(&self) -> Option<&Error> {
+        self.error.as_ref()
+    }
+
+    /// Whether a channel of that name was negotiated.
+    pub(super) fn has_channel(&self, name: &str) -> bool {
+        self.info.channels.iter().any(|c| c.name == name)
+    }
+
     /// The id the next write will get (for the `lost` completion of an awaited one).
     fn next_write_id(&self) -> u64 {
         self.share.lock().next_id

@@ -288,6 +288,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> (Addr<Pipe>,
         },
     ));
     let pipe = Pipe {
+        remote_ops: Default::default(),
         metrics,
         span,
         id,

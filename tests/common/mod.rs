@@ -303,6 +303,26 @@ impl Receipt {
         self.check(back, what, true, false)
     }
 
+    /// A write's completion: its buffers back as [`Receipt::check_back`] says; stand-ins only
+    /// for a failed write, and only where `may_stand_in` (the `efa` channel).
+    pub fn check_write_done(&self, d: &WriteDone, may_stand_in: bool, what: &str) {
+        Self::stand_ins_allowed(&d.stand_ins, d.result.is_err() && may_stand_in, what);
+        self.check_back(&d.message, &d.stand_ins, what, true);
+    }
+
+    /// A read's completion, as [`Receipt::check_write_done`] (its bytes unchecked).
+    pub fn check_read_done(&self, r: &ReadDone, may_stand_in: bool, what: &str) {
+        Self::stand_ins_allowed(&r.stand_ins, r.result.is_err() && may_stand_in, what);
+        self.check_back(&r.message, &r.stand_ins, what, false);
+    }
+
+    fn stand_ins_allowed(stand_ins: &[usize], allowed: bool, what: &str) {
+        assert!(
+            allowed || stand_ins.is_empty(),
+            "{what}: stand-ins {stand_ins:?}"
+        );
+    }
+
     /// What an operation hands back when the runtime says some tensors are stand-ins
     /// (`WriteDone::stand_ins`, `ReadDone::stand_ins`: the `efa` channel's copies of tensors a
     /// provider still held after a failure, docs/efa.md, "Failure"). Every tensor named there

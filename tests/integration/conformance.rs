@@ -212,14 +212,7 @@ async fn writes_complete_in_order(
     for (i, receipt) in (0..).zip(receipts) {
         let d = within(20, "write completion", done.recv()).await.unwrap();
         assert_eq!(d.id, i, "in order");
-        if channel != "efa" || d.result.is_ok() {
-            assert!(
-                d.stand_ins.is_empty(),
-                "write {i}: stand-ins {:?}",
-                d.stand_ins
-            );
-        }
-        receipt.check_back(&d.message, &d.stand_ins, &format!("write {i}"), true);
+        receipt.check_write_done(&d, channel == "efa", &format!("write {i}"));
         match d.result {
             Ok(()) => assert!(!failed, "no success after a failure"),
             Err(e) => {
@@ -254,14 +247,7 @@ async fn close_mid_operation_by_writer(b: &dyn Fn() -> ContextBuilder, t: &str, 
     assert_eq!(closed.error.class(), "closed");
     writes_complete_in_order(&mut done, &receipts, c).await;
     let r = within(20, "read", read).await.unwrap();
-    if c != "efa" || r.result.is_ok() {
-        assert!(
-            r.stand_ins.is_empty(),
-            "the read: stand-ins {:?}",
-            r.stand_ins
-        );
-    }
-    allocated.check_back(&r.message, &r.stand_ins, "the read", false);
+    allocated.check_read_done(&r, c == "efa", "the read");
     if r.result.is_ok() {
         assert!(r.message.tensors[0]
             .buffer
@@ -288,14 +274,7 @@ async fn close_mid_operation_by_reader(b: &dyn Fn() -> ContextBuilder, t: &str, 
     let read = rx.send(Read::new(alloc));
     rx.do_send(Close::because("reader gives up"));
     let r = within(20, "read", read).await.unwrap();
-    if c != "efa" || r.result.is_ok() {
-        assert!(
-            r.stand_ins.is_empty(),
-            "the read: stand-ins {:?}",
-            r.stand_ins
-        );
-    }
-    allocated.check_back(&r.message, &r.stand_ins, "the read", false);
+    allocated.check_read_done(&r, c == "efa", "the read");
     assert!(
         writes_complete_in_order(&mut done, &receipts, c).await,
         "4 x 16 MiB cannot all be delivered to a reader that closed after one"

@@ -89,3 +89,21 @@ fn connect_burst_dials_at_once_and_checks_every_pipe() {
     assert!(text.contains(": 12 ok"), "{text}");
     assert!(text.contains("12 of 12 pipes carried an echo"), "{text}");
 }
+
+#[test]
+fn kv_transfer_reads_blocks_one_sided_and_notifies() {
+    let out = run("kv_transfer");
+    assert!(
+        out.contains("prefill: registered 512 blocks of 64 KiB"),
+        "{out}"
+    );
+    assert!(
+        out.contains("decode: read 8 blocks (512 KiB) over xth in one batch"),
+        "{out}"
+    );
+    assert!(out.contains("prefill: notified by region"), "{out}");
+    assert!(
+        out.contains("prefill: pool of 33554432 bytes back"),
+        "{out}"
+    );
+}

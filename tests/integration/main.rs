@@ -37,6 +37,7 @@ mod negotiation;
 mod processes;
 mod protocol_doc;
 mod receive;
+mod remote;
 mod standing;
 mod topology;
 mod wire_props;

@@ -71,6 +71,12 @@ pub enum BenchCommand {
     /// Large copies on one thread and shared among the copy threads (`actorpipe::internal::copy`), one
     /// process per thread count: the floor under same-host large messages.
     Copy(CopyArgs),
+    /// One-sided reads and writes of a registered region (`actorpipe::remote`), batches of
+    /// spans, next to the raw copy of the same spans in the same run.
+    ///
+    /// --backend xth (the default, and the one path built so far): the owner and the initiator
+    /// are two contexts of this process, on two threads.
+    Remote(RemoteArgs),
     /// libfabric tagged ping-pong through the endpoint actor next to a raw ping-pong written
     /// with the same binding, on each provider (feature `efa`).
     #[cfg(feature = "efa")]
@@ -353,6 +359,30 @@ pub struct CopyArgs {
     /// run does.
     #[arg(long, hide = true)]
     pub in_process: bool,
+}
+
+/// Options of `bench remote`.
+#[derive(Debug, Clone, Args)]
+pub struct RemoteArgs {
+    /// The path: xth.
+    #[arg(long, default_value = "xth")]
+    pub backend: String,
+
+    /// Bytes per operation, comma-separated (K, M, G: KiB, MiB, GiB).
+    #[arg(long, value_name = "LIST", default_value = "4K,1M,64M",
+          value_parser = crate::units::parse_sizes)]
+    pub sizes: crate::units::Sizes,
+
+    /// Spans per operation, comma-separated: the size is cut into this many pieces, spread over
+    /// the region.
+    #[arg(long, value_name = "LIST", value_delimiter = ',', default_value = "1,64",
+          value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub batch: Vec<u32>,
+
+    /// Timed operations per row.
+    #[arg(long, value_name = "N", default_value_t = 50,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub iters: u32,
 }
 
 /// Options of `bench idle`.

@@ -27,6 +27,7 @@ mod layers;
 mod measure;
 mod plan;
 mod probe;
+mod remote;
 mod report;
 mod run;
 mod scaling;
@@ -69,6 +70,7 @@ fn bench_command(what: BenchCommand) -> Result<(), Failure> {
         BenchCommand::Idle(a) => return idle::run(&a),
         BenchCommand::Layers(a) => return layers::run(&a),
         BenchCommand::Copy(a) => return copy::run(&a),
+        BenchCommand::Remote(a) => return remote::run(&a),
         #[cfg(feature = "efa")]
         BenchCommand::Efa(a) => return efa::run(&a),
     };
