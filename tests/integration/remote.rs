@@ -1,6 +1,6 @@
 //! Remote memory (docs/remote.md): registered regions, one-sided reads and writes on a pipe to
-//! the owner, notifications, deregistration. The in-process path (`xth`: two contexts of this
-//! process), the one built so far.
+//! the owner, notifications, deregistration. One suite of cases, run on every path
+//! ([`remote_suite!`]): so far the in-process one (`xth`: two contexts of this process).
 
 use std::time::Duration;
 
@@ -13,17 +13,58 @@ use actorpipe::remote::{
 
 use crate::common::{within, Server};
 
-/// An owner context and a pipe to it from another context of this process (xth negotiated).
-async fn owner_and_pipe() -> (Server, Addr<Pipe>, Addr<Pipe>) {
-    let b = || {
-        actorpipe::Context::builder()
-            .only_transports(&["tcp"])
-            .only_channels(&["xth", "basic"])
+/// A path under test: its name (what `RemoteDone::path` says) and the contexts of both sides.
+pub struct RemotePath {
+    name: &'static str,
+    builder: fn() -> actorpipe::ContextBuilder,
+}
+
+/// Every case of the suite on one path.
+macro_rules! remote_suite {
+    ($name:ident, $path:expr; $($case:ident),* $(,)?) => {
+        mod $name {
+            use super::*;
+            const PATH: RemotePath = $path;
+            $(
+                #[actix::test]
+                async fn $case() {
+                    super::$case(&PATH).await
+                }
+            )*
+        }
     };
-    let mut s = Server::start(b(), "tcp://127.0.0.1:0").await;
-    let (tx, rx) = s.dial(&b().start()).await;
-    let info = tx.info().await.unwrap();
-    assert!(info.channels.iter().any(|c| c.name == "xth"), "{info:?}");
+}
+
+remote_suite!(xth, RemotePath {
+    name: "xth",
+    builder: || actorpipe::Context::builder().only_transports(&["tcp"]).only_channels(&["xth", "basic"]),
+};
+    random_batches_read_and_write_the_right_bytes,
+    completions_come_in_issue_order_per_kind,
+    a_notification_arrives_after_its_data,
+    forged_and_stale_descriptors_are_refused,
+    bad_batches_fail_clearly_and_the_pipe_goes_on,
+    deregistration_waits_for_copies_in_flight,
+    many_initiators_share_one_region,
+    a_failed_pipe_fails_its_remote_operations,
+    an_operation_past_its_deadline_fails_with_timeout,
+);
+
+/// An owner context and a pipe to it on path `p`; the pipe negotiated what the path needs.
+async fn owner_and_pipe(p: &RemotePath) -> (Server, Addr<Pipe>, Addr<Pipe>) {
+    let mut s = Server::start((p.builder)(), "tcp://127.0.0.1:0").await;
+    let (tx, rx) = s.dial(&(p.builder)().start()).await;
+    let region = s.ctx.register(Buffer::Cpu(vec![0; 8])).await.unwrap();
+    let d = region.descriptor().clone();
+    let probe = tx
+        .remote_read(RemoteRead::new(&d, vec![Span::whole(8)], vec![0; 8]))
+        .await;
+    assert_eq!(
+        probe.map(|d| d.path).ok(),
+        Some(p.name),
+        "{:?}",
+        tx.info().await
+    );
     (s, tx, rx)
 }
 
@@ -69,9 +110,8 @@ fn random_spans(rng: &mut Rng, n: usize, region: u64, local: u64) -> Vec<Span> {
         .collect()
 }
 
-#[actix::test]
-async fn random_batches_read_and_write_the_right_bytes() {
-    let (s, pipe, _rx) = owner_and_pipe().await;
+async fn random_batches_read_and_write_the_right_bytes(p: &RemotePath) {
+    let (s, pipe, _rx) = owner_and_pipe(p).await;
     const LEN: usize = 4 << 20;
     let mut model = pattern(1, LEN);
     let region = s.ctx.register(Buffer::Cpu(model.clone())).await.unwrap();
@@ -87,7 +127,7 @@ async fn random_batches_read_and_write_the_right_bytes() {
                 .remote_read(RemoteRead::new(&d, spans.clone(), vec![0u8; local_len]))
                 .await
                 .unwrap();
-            assert_eq!(done.path, "xth");
+            assert_eq!(done.path, p.name);
             let got = done.buffer.as_cpu().unwrap();
             for sp in &spans {
                 let (r, l, n) = (sp.remote as usize, sp.local as usize, sp.len as usize);
@@ -113,9 +153,8 @@ async fn random_batches_read_and_write_the_right_bytes() {
     assert!(region.deregister().as_cpu().unwrap() == &model[..]);
 }
 
-#[actix::test]
-async fn completions_come_in_issue_order_per_kind() {
-    let (s, pipe, _rx) = owner_and_pipe().await;
+async fn completions_come_in_issue_order_per_kind(p: &RemotePath) {
+    let (s, pipe, _rx) = owner_and_pipe(p).await;
     let region = s.ctx.register(Buffer::Cpu(vec![0; 1 << 20])).await.unwrap();
     let d = region.descriptor().clone();
     let (to, mut done) = inbox::<RemoteDone>();
@@ -127,7 +166,8 @@ async fn completions_come_in_issue_order_per_kind() {
             pipe.do_send(RemoteWrite::new(&d, span, vec![i as u8; 4096]).notify(to.clone()));
         }
     }
-    let mut next = [0u64; 2];
+    // `owner_and_pipe`'s probe was read 0.
+    let mut next = [1u64, 0];
     for _ in 0..200 {
         let r = within(10, "a completion", done.recv()).await.unwrap();
         r.result.unwrap();
@@ -135,12 +175,11 @@ async fn completions_come_in_issue_order_per_kind() {
         assert_eq!(r.id, next[k], "{:?} completions in order", r.op);
         next[k] += 1;
     }
-    assert_eq!(next, [67, 133]);
+    assert_eq!(next, [68, 133]);
 }
 
-#[actix::test]
-async fn a_notification_arrives_after_its_data() {
-    let (s, pipe, _rx) = owner_and_pipe().await;
+async fn a_notification_arrives_after_its_data(p: &RemotePath) {
+    let (s, pipe, _rx) = owner_and_pipe(p).await;
     let region = std::sync::Arc::new(s.ctx.register(Buffer::Cpu(vec![0; 8 << 20])).await.unwrap());
     let d = region.descriptor().clone();
     let (to, mut notes) = inbox::<Notification>();
@@ -181,9 +220,8 @@ fn forged(d: &RegionDescriptor) -> RegionDescriptor {
     RegionDescriptor::from_bytes(&rmp_serde::to_vec(&f).unwrap()).unwrap()
 }
 
-#[actix::test]
-async fn forged_and_stale_descriptors_are_refused() {
-    let (s, pipe, _rx) = owner_and_pipe().await;
+async fn forged_and_stale_descriptors_are_refused(p: &RemotePath) {
+    let (s, pipe, _rx) = owner_and_pipe(p).await;
     let region = s.ctx.register(Buffer::Cpu(vec![5; 4096])).await.unwrap();
     let d = region.descriptor().clone();
     let bytes = d.to_bytes();
@@ -237,9 +275,8 @@ async fn forged_and_stale_descriptors_are_refused() {
     assert_eq!(r.buffer.as_cpu().unwrap().len(), 4, "the buffer comes back");
 }
 
-#[actix::test]
-async fn bad_batches_fail_clearly_and_the_pipe_goes_on() {
-    let (s, pipe, _rx) = owner_and_pipe().await;
+async fn bad_batches_fail_clearly_and_the_pipe_goes_on(p: &RemotePath) {
+    let (s, pipe, _rx) = owner_and_pipe(p).await;
     let region = s.ctx.register(Buffer::Cpu(vec![0; 1024])).await.unwrap();
     let ro = s
         .ctx
@@ -331,9 +368,8 @@ async fn bad_batches_fail_clearly_and_the_pipe_goes_on() {
 /// Deregistration races copies in flight: a copy that started finishes before the memory comes
 /// back (the buffer holds all of its bytes), and one that comes later fails having touched
 /// nothing (the buffer holds none).
-#[actix::test]
-async fn deregistration_waits_for_copies_in_flight() {
-    let (s, pipe, _rx) = owner_and_pipe().await;
+async fn deregistration_waits_for_copies_in_flight(p: &RemotePath) {
+    let (s, pipe, _rx) = owner_and_pipe(p).await;
     const LEN: usize = 32 << 20;
     let (mut landed, mut refused) = (0, 0);
     for round in 0..12u8 {
@@ -380,13 +416,8 @@ async fn deregistration_waits_for_copies_in_flight() {
     );
 }
 
-#[actix::test]
-async fn many_initiators_share_one_region() {
-    let b = || {
-        actorpipe::Context::builder()
-            .only_transports(&["tcp"])
-            .only_channels(&["xth", "basic"])
-    };
+async fn many_initiators_share_one_region(p: &RemotePath) {
+    let b = p.builder;
     let mut s = Server::start(b(), "tcp://127.0.0.1:0").await;
     const EACH: usize = 1 << 20;
     const PEERS: usize = 6;
@@ -430,9 +461,8 @@ async fn many_initiators_share_one_region() {
     }
 }
 
-#[actix::test]
-async fn a_failed_pipe_fails_its_remote_operations() {
-    let (s, pipe, rx) = owner_and_pipe().await;
+async fn a_failed_pipe_fails_its_remote_operations(p: &RemotePath) {
+    let (s, pipe, rx) = owner_and_pipe(p).await;
     let region = s.ctx.register(Buffer::Cpu(vec![0; 64])).await.unwrap();
     let d = region.descriptor().clone();
     rx.send(Close::because("the owner goes")).await.unwrap();
@@ -453,26 +483,36 @@ async fn a_failed_pipe_fails_its_remote_operations() {
     .await;
     assert_eq!(closed.0.kind(), ErrorClass::PeerClosed, "{}", closed.0);
     assert_eq!(closed.1.as_cpu().unwrap().len(), 8);
-    // Without xth the pipe has no path to the region, and says so.
+}
+
+/// A pipe with no path to the region (between two contexts of this process, but without `xth`)
+/// says so, and moves nothing.
+#[actix::test]
+async fn a_pipe_without_a_path_says_so() {
     let b = || {
         actorpipe::Context::builder()
             .only_transports(&["tcp"])
             .only_channels(&["basic"])
     };
-    let mut s2 = Server::start(b(), "tcp://127.0.0.1:0").await;
-    let (basic, _) = s2.dial(&b().start()).await;
+    let mut s = Server::start(b(), "tcp://127.0.0.1:0").await;
+    let (basic, _) = s.dial(&b().start()).await;
+    let region = s.ctx.register(Buffer::Cpu(vec![7; 8])).await.unwrap();
+    let d = region.descriptor().clone();
     let r = basic
-        .send(RemoteRead::new(&d, vec![Span::whole(8)], vec![0; 8]))
+        .send(RemoteWrite::new(&d, vec![Span::whole(8)], vec![0; 8]))
         .await
         .unwrap();
     let e = r.result.unwrap_err();
     assert_eq!(e.kind(), ErrorClass::Unavailable, "{e}");
     assert!(e.to_string().contains("xth"), "{e}");
+    assert_eq!(r.path, "");
+    let mut now = vec![0; 8];
+    region.read_at(0, &mut now).unwrap();
+    assert_eq!(now, vec![7; 8]);
 }
 
-#[actix::test]
-async fn an_operation_past_its_deadline_fails_with_timeout() {
-    let (s, pipe, _rx) = owner_and_pipe().await;
+async fn an_operation_past_its_deadline_fails_with_timeout(p: &RemotePath) {
+    let (s, pipe, _rx) = owner_and_pipe(p).await;
     let region = s.ctx.register(Buffer::Cpu(vec![0; 8 << 20])).await.unwrap();
     let d = region.descriptor().clone();
     let late = pipe
