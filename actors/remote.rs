@@ -50,11 +50,20 @@ impl Handler<Register> for Context {
     }
 }
 
+impl ActixMessage for Notification {
+    type Result = ();
+}
+
 impl Handler<SubscribeNotifications> for Context {
     type Result = ();
 
     fn handle(&mut self, m: SubscribeNotifications, _: &mut Self::Context) {
-        self.remote_owner().subscribe(m.0);
+        let to = m.0;
+        // `do_send` ignores the mailbox's capacity: no notification is lost to a full one.
+        self.remote_owner().subscribe(Box::new(move |n| {
+            to.do_send(n);
+            to.connected()
+        }));
     }
 }
 

@@ -300,6 +300,11 @@ async fn remote_counters_equal_the_operations() {
     let (pipe, _rx) = s.dial(&b().start()).await;
     let region = s.ctx.register(Buffer::Cpu(vec![0; 1 << 20])).await.unwrap();
     let d = region.descriptor().clone();
+    let (to, _notes) = inbox::<actorpipe::remote::Notification>();
+    s.ctx
+        .send(actorpipe::remote::SubscribeNotifications(to))
+        .await
+        .unwrap();
     for i in 0..5u64 {
         let span = vec![Span::new(i * 4096, 0, 4096)];
         pipe.remote_write(RemoteWrite::new(&d, span.clone(), vec![1; 4096]).notify_owner(*b"w"))

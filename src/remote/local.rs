@@ -97,7 +97,7 @@ fn copy(e: &Entry, spans: &[Span], local: *mut u8, len: usize, way: Way) -> Resu
         ));
     };
     let pieces = spans.iter().filter(|s| s.len > 0).map(|s| {
-        // SAFETY (of the `add`s): `check_spans` put each span inside both buffers.
+        // SAFETY: `check_spans` put each span inside both buffers, so both `add`s stay in them.
         let (r, l) = unsafe {
             (
                 store.base.add(s.remote as usize),

@@ -201,15 +201,22 @@ pub struct Notification {
     pub data: Vec<u8>,
 }
 
-impl actix::Message for Notification {
-    type Result = ();
-}
+/// Where a notification goes: `false` once the subscriber is gone (it is then forgotten).
+pub(crate) type Subscriber = Box<dyn Fn(Notification) -> bool + Send>;
 
 /// A context's side of its regions: its number and who hears its notifications.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct Owner {
     pub(crate) context: u64,
-    subscribers: Mutex<Vec<actix::Recipient<Notification>>>,
+    subscribers: Mutex<Vec<Subscriber>>,
+}
+
+impl std::fmt::Debug for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Owner")
+            .field("context", &self.context)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Owner {
@@ -222,22 +229,20 @@ impl Owner {
         })
     }
 
-    pub(crate) fn subscribe(&self, to: actix::Recipient<Notification>) {
+    pub(crate) fn subscribe(&self, to: Subscriber) {
         let mut s = self.subscribers.lock().unwrap_or_else(|e| e.into_inner());
-        s.retain(|r| r.connected());
         s.push(to);
     }
 
-    /// Hands `n` to every subscriber (one mailbox hop each); none: it is dropped.
+    /// Hands `n` to every subscriber (one mailbox hop each), forgetting those gone; with none,
+    /// it is dropped.
     fn notify(&self, n: Notification) {
-        let s = self.subscribers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((last, rest)) = s.split_last() {
-            for r in rest {
-                r.do_send(n.clone());
-            }
-            last.do_send(n);
+        let mut s = self.subscribers.lock().unwrap_or_else(|e| e.into_inner());
+        let before = s.len();
+        s.retain(|deliver| deliver(n.clone()));
+        if before > 0 {
+            crate::metrics::remote_notification();
         }
-        crate::metrics::remote_notification();
     }
 }
 
