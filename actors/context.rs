@@ -39,6 +39,8 @@ pub(crate) struct Config {
     pub(crate) cma_threads: usize,
     /// The control connection's loops on the runtime's own queue, not the arbiter's `LocalSet`.
     pub(crate) loops_on_runtime: bool,
+    /// Whether pipes get a remote-memory lane (see [`ContextBuilder::remote_lane`]).
+    pub(crate) remote_lane: bool,
     /// The control connection's read loop on the runtime's own queue while a handler stands.
     pub(crate) read_loop_follows_handler: bool,
     /// The I/O threads channels' own connections (mpt lanes) run their loops on.
@@ -78,6 +80,7 @@ impl Config {
                 .iter()
                 .map(|(c, priority)| c.offer(*priority))
                 .collect(),
+            remote: self.remote_lane,
         }
     }
 
@@ -122,6 +125,7 @@ impl std::fmt::Debug for Config {
             .field("max_pending_pipes", &self.max_pending_pipes)
             .field("cma_threads", &self.cma_threads)
             .field("loops_on_runtime", &self.loops_on_runtime)
+            .field("remote_lane", &self.remote_lane)
             .field("read_loop_follows_handler", &self.read_loop_follows_handler)
             .field("io_threads", &self.io.size())
             .field("cma_inline_max", &self.cma_inline_max)
@@ -220,6 +224,7 @@ pub struct ContextBuilder {
     /// `None`: from the machine.
     cma_threads: Option<usize>,
     loops_on_runtime: bool,
+    remote_lane: bool,
     read_loop_follows_handler: bool,
     /// `None`: from the machine.
     io_threads: Option<usize>,
@@ -264,6 +269,7 @@ impl Default for ContextBuilder {
             max_pending_pipes: DEFAULT_MAX_PENDING_PIPES,
             cma_threads: None,
             loops_on_runtime: false,
+            remote_lane: true,
             read_loop_follows_handler: true,
             io_threads: None,
             cma_inline_max: None,
@@ -367,6 +373,16 @@ impl ContextBuilder {
     /// CLI's contexts).
     pub fn loops_on_runtime(mut self, on: bool) -> Self {
         self.loops_on_runtime = on;
+        self
+    }
+
+    /// Whether this context's pipes carry one-sided operations on registered memory
+    /// ([`crate::remote`]): a pipe whose two sides both say yes (the default) opens one more
+    /// connection at set-up, its remote lane, over the bootstrap transport; requests go both
+    /// ways on it and the owner of a region serves them. Off, the pipe has no lane, and its
+    /// remote operations work only between contexts of one process (`xth`).
+    pub fn remote_lane(mut self, on: bool) -> Self {
+        self.remote_lane = on;
         self
     }
 
@@ -702,6 +718,7 @@ impl ContextBuilder {
                 .cma_threads
                 .unwrap_or_else(|| crate::backend::cma::default_threads(cores)),
             loops_on_runtime: self.loops_on_runtime,
+            remote_lane: self.remote_lane,
             read_loop_follows_handler: self.read_loop_follows_handler,
             // Sized from the machine by default (none on 2 cores or fewer); no thread starts
             // until an mpt pipe has a second lane.
@@ -1042,6 +1059,7 @@ async fn dial(config: Arc<Config>, url: String) -> Result<PipeParts, Error> {
     let choice = hs.choice;
     let mut control: Option<Halves> = None;
     let mut lanes: Vec<Vec<Halves>> = choice.channels.iter().map(|_| Vec::new()).collect();
+    let mut remote = None;
     for purpose in choice.joins(&bootstrap) {
         let stream = match purpose {
             Purpose::Control => {
@@ -1073,6 +1091,7 @@ async fn dial(config: Arc<Config>, url: String) -> Result<PipeParts, Error> {
                     None => transport.connect(&url, t).await?,
                 }
             }
+            Purpose::Remote => config.transport(&bootstrap)?.connect(&url, t).await?,
         };
         let h = handshake::join(
             stream,
@@ -1088,6 +1107,7 @@ async fn dial(config: Arc<Config>, url: String) -> Result<PipeParts, Error> {
                 let size = config.lane_read_buffer(&choice.channels[channel as usize].name);
                 lanes[channel as usize].push(h.with_read_buffer(size));
             }
+            Purpose::Remote => remote = Some((h, bootstrap.clone())),
         }
     }
     // The pipe exists once the listener says it has every connection.
@@ -1097,6 +1117,7 @@ async fn dial(config: Arc<Config>, url: String) -> Result<PipeParts, Error> {
         control: control.unwrap_or(hs.halves),
         choice,
         lanes,
+        remote,
     })
 }
 

@@ -51,6 +51,7 @@ struct Pending {
     timed_out: bool,
     control: Option<Halves>,
     lanes: Vec<Vec<Option<Halves>>>,
+    remote: Option<Halves>,
     missing: usize,
     /// The transport of the bootstrap connection (the channels' joins come over it).
     bootstrap: String,
@@ -63,7 +64,7 @@ struct Pending {
 fn join_cost(config: &Config, choice: &Choice, bootstrap: &str, purpose: Purpose) -> usize {
     let transport = match purpose {
         Purpose::Control => choice.transport.as_str(),
-        Purpose::Channel { .. } => bootstrap,
+        Purpose::Channel { .. } | Purpose::Remote => bootstrap,
     };
     config.transport(transport).map_or(1, |t| t.descriptors())
 }
@@ -220,7 +221,7 @@ impl Listener {
         bootstrap: Halves,
         control: Option<Halves>,
         choice: Choice,
-        lanes: Vec<Vec<Halves>>,
+        (lanes, remote): (Vec<Vec<Halves>>, Option<(Halves, String)>),
         ctx: &mut Context<Self>,
     ) {
         let t = self.config.handshake_timeout;
@@ -232,6 +233,7 @@ impl Listener {
                 control: control.unwrap_or(bootstrap),
                 choice,
                 lanes,
+                remote,
             })
         };
         ctx.spawn(confirm.into_actor(self).map(|res, act, _| match res {
@@ -267,7 +269,7 @@ impl Listener {
         if joins.is_empty() {
             self.reserved -= cost;
             let lanes = hs.choice.channels.iter().map(|_| Vec::new()).collect();
-            self.confirm(hs.halves, None, hs.choice, lanes, ctx);
+            self.confirm(hs.halves, None, hs.choice, (lanes, None), ctx);
             return;
         }
         let token = hs.choice.token;
@@ -287,6 +289,7 @@ impl Listener {
                 timed_out: false,
                 control: None,
                 lanes,
+                remote: None,
                 missing: joins.len(),
                 bootstrap,
                 reserved: cost,
@@ -347,7 +350,8 @@ impl Listener {
                 .into_iter()
                 .map(|l| l.into_iter().flatten().collect())
                 .collect();
-            self.confirm(h, p.control, p.choice, lanes, ctx);
+            let remote = p.remote.map(|r| (r, p.bootstrap));
+            self.confirm(h, p.control, p.choice, (lanes, remote), ctx);
         }
     }
 
@@ -401,6 +405,11 @@ impl Listener {
                         return;
                     }
                 }
+            }
+            Purpose::Remote if p.choice.remote => &mut p.remote,
+            Purpose::Remote => {
+                tracing::info!(peer = %h.peer, "refused a remote lane for a pipe without one");
+                return;
             }
         };
         if slot.is_some() {

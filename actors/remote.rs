@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use actix::{Handler, Message as ActixMessage, MessageResult, Recipient};
+use actix::{Handler, Message as ActixMessage, Recipient};
 
 use super::messages::{Notify, NotifyShared, Op};
 use super::{Context, Pipe};
@@ -198,16 +198,48 @@ impl<K: Direction> Op for Remote<K> {
     }
 }
 
-/// A pipe's remote operations: the next number of each kind.
+/// A pipe's remote operations: the next number of each kind, and the lane to the peer.
 #[derive(Debug, Default)]
 pub(crate) struct PipeRemote {
-    next: [u64; 2],
+    pub(crate) next: [u64; 2],
+    /// The remote lane (both sides offered one), until the pipe fails or stops.
+    pub(crate) lane: Option<crate::remote_core::lane::Lane>,
+    /// The name of the lane's transport: the path of operations whose bytes travel on it.
+    pub(crate) transport: &'static str,
+}
+
+/// Where a finished operation goes.
+enum Reply {
+    Await(tokio::sync::oneshot::Sender<RemoteDone>),
+    To(Recipient<RemoteDone>),
+    Shared(std::sync::Arc<Recipient<RemoteDone>>),
+}
+
+impl Reply {
+    fn send(self, done: RemoteDone) {
+        match self {
+            Reply::Await(tx) => {
+                let _ = tx.send(done);
+            }
+            Reply::To(to) => to.do_send(done),
+            Reply::Shared(to) => to.do_send(done),
+        }
+    }
+}
+
+/// How an operation will run.
+enum Route {
+    /// Both ends in this process: a copy made now.
+    Here,
+    /// Over the pipe's remote lane, the owner serving it.
+    Lane(&'static str),
 }
 
 impl Pipe {
-    /// Runs a remote operation: on the in-process path (the only one built so far), a copy
-    /// made here, so it completes before the next operation starts.
-    fn remote<K: Direction>(&mut self, job: Remote<K>) -> RemoteDone {
+    /// Runs a remote operation: on the in-process path, a copy made here (so it completes
+    /// before the next operation starts); otherwise handed to the remote lane, which completes
+    /// it in issue order.
+    fn remote<K: Direction>(&mut self, job: Remote<K>, reply: Reply) {
         let op = K::OP;
         let kind = op as usize;
         let id = self.remote_ops.next[kind];
@@ -221,75 +253,121 @@ impl Pipe {
             deadline,
             ..
         } = job;
-        let chosen = self.remote_path(&region);
-        let path = *chosen.as_ref().unwrap_or(&"");
-        let result = chosen.and_then(|_| match (op, &mut buffer) {
-            (RemoteOp::Read, Buffer::Cpu(v)) => {
-                crate::remote_core::local::read(&region, &spans, v, notify)
+        let finish = move |result: Result<u64, Error>, buffer: Buffer, path: &'static str| {
+            crate::metrics::remote_finished(
+                op.label(),
+                path,
+                started.elapsed(),
+                result.as_ref().copied(),
+            );
+            RemoteDone {
+                id,
+                op,
+                bytes: *result.as_ref().unwrap_or(&0),
+                result: result.map(|_| ()),
+                buffer,
+                path,
             }
-            (RemoteOp::Write, b @ (Buffer::Cpu(_) | Buffer::Shared(_))) => {
-                let src = b.as_cpu().expect("host memory");
-                crate::remote_core::local::write(&region, &spans, src, notify)
+        };
+        let checked = self
+            .remote_route(&region)
+            .and_then(|route| match (op, &buffer) {
+                (RemoteOp::Read, Buffer::Cpu(_))
+                | (RemoteOp::Write, Buffer::Cpu(_) | Buffer::Shared(_)) => Ok(route),
+                (RemoteOp::Read, Buffer::Shared(_)) => Err(Error::invalid(
+                    "a remote read into Buffer::Shared: nothing can be written into it",
+                )),
+                #[cfg(feature = "cuda")]
+                (_, Buffer::Cuda(_)) => Err(Error::Unavailable {
+                    backend: "remote".into(),
+                    reason: "remote operations on CUDA memory are not built yet".into(),
+                }),
+            });
+        let route = match checked {
+            Ok(r) => r,
+            Err(e) => return reply.send(finish(Err(e), buffer, "")),
+        };
+        let path = match route {
+            Route::Here => "xth",
+            Route::Lane(path) => path,
+        };
+        // Bounds are checked here too, so that a bad batch fails before it travels.
+        let local = buffer.len();
+        if let Err(e) = crate::remote_core::check_spans(&spans, region.len(), local) {
+            return reply.send(finish(Err(e), buffer, path));
+        }
+        match route {
+            Route::Here => {
+                let result = match &mut buffer {
+                    Buffer::Cpu(v) if op == RemoteOp::Read => {
+                        crate::remote_core::local::read(&region, &spans, v, notify)
+                    }
+                    b => {
+                        let src = b.as_cpu().expect("host memory");
+                        crate::remote_core::local::write(&region, &spans, src, notify)
+                    }
+                };
+                // A copy cannot be interrupted: past its deadline it fails, its bytes copied.
+                let result = result.and_then(|n| match deadline {
+                    Some(d) if started.elapsed() > d => {
+                        Err(crate::remote_core::lane::timeout(d, self.origin()))
+                    }
+                    _ => Ok(n),
+                });
+                reply.send(finish(result, buffer, path));
             }
-            (RemoteOp::Read, Buffer::Shared(_)) => Err(Error::invalid(
-                "a remote read into Buffer::Shared: nothing can be written into it",
-            )),
-            #[cfg(feature = "cuda")]
-            (_, Buffer::Cuda(_)) => Err(Error::Unavailable {
-                backend: "remote".into(),
-                reason: "remote operations on CUDA memory are not built yet".into(),
-            }),
-        });
-        let elapsed = started.elapsed();
-        // A copy cannot be interrupted: past its deadline it fails, its bytes copied.
-        let result = result.and_then(|n| match deadline {
-            Some(d) if elapsed > d => Err(Error::Timeout {
-                what: "a remote operation",
-                after: d,
-                origin: self.origin().clone(),
-            }),
-            _ => Ok(n),
-        });
-        crate::metrics::remote_finished(op.label(), path, elapsed, result.as_ref().copied());
-        RemoteDone {
-            id,
-            op,
-            bytes: *result.as_ref().unwrap_or(&0),
-            result: result.map(|_| ()),
-            buffer,
-            path,
+            Route::Lane(path) => {
+                let lane = self.remote_ops.lane.as_ref().expect("routed to the lane");
+                lane.submit(crate::remote_core::lane::Job {
+                    seq: id * 2 + kind as u64,
+                    write: op == RemoteOp::Write,
+                    region,
+                    spans,
+                    buffer,
+                    notify,
+                    deadline,
+                    issued: started,
+                    cma: path == "cma",
+                    done: Box::new(move |result, buffer| reply.send(finish(result, buffer, path))),
+                });
+            }
         }
     }
 
-    /// The path to `region` from this pipe, or why there is none.
-    fn remote_path(&self, region: &RegionDescriptor) -> Result<&'static str, Error> {
+    /// The route to `region` from this pipe, or why there is none.
+    fn remote_route(&self, region: &RegionDescriptor) -> Result<Route, Error> {
         if let Some(e) = self.failure() {
             return Err(e.clone());
         }
-        let in_process = self.has_channel("xth");
-        if region.is_local() && in_process {
-            return Ok("xth");
-        }
-        Err(Error::Unavailable {
-            backend: "remote".into(),
-            reason: if region.is_local() {
-                "the region lives in this process, but the pipe did not negotiate `xth` (both \
-                 ends in one process), the only remote-memory path built so far"
-                    .into()
+        if self.has_channel("xth") {
+            // Both ends in this process: the region must be too.
+            return if region.is_local() {
+                Ok(Route::Here)
             } else {
-                "remote memory across processes is not built yet: only between contexts of \
-                 one process (docs/remote.md)"
-                    .into()
-            },
-        })
+                Err(crate::remote_core::gone(region.id()))
+            };
+        }
+        match &self.remote_ops.lane {
+            Some(lane) if self.has_channel("cma") && !lane.cma_refused() => Ok(Route::Lane("cma")),
+            Some(_) => Ok(Route::Lane(self.remote_ops.transport)),
+            None => Err(Error::Unavailable {
+                backend: "remote".into(),
+                reason: "the pipe has no remote-memory lane: one side was built with \
+                         `ContextBuilder::remote_lane(false)` or predates remote memory"
+                    .into(),
+            }),
+        }
     }
 }
 
 impl<K: Direction> Handler<Remote<K>> for Pipe {
-    type Result = MessageResult<Remote<K>>;
+    type Result = actix::ResponseFuture<RemoteDone>;
 
     fn handle(&mut self, op: Remote<K>, _: &mut Self::Context) -> Self::Result {
-        MessageResult(self.remote(op))
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let id = self.remote_ops.next[K::OP as usize];
+        self.remote(op, Reply::Await(tx));
+        Box::pin(async move { rx.await.unwrap_or_else(|_| <Remote<K> as Op>::lost(id)) })
     }
 }
 
@@ -297,7 +375,7 @@ impl<K: Direction> Handler<Notify<Remote<K>>> for Pipe {
     type Result = ();
 
     fn handle(&mut self, n: Notify<Remote<K>>, _: &mut Self::Context) {
-        n.to.do_send(self.remote(n.op));
+        self.remote(n.op, Reply::To(n.to));
     }
 }
 
@@ -305,6 +383,6 @@ impl<K: Direction> Handler<NotifyShared<Remote<K>>> for Pipe {
     type Result = ();
 
     fn handle(&mut self, n: NotifyShared<Remote<K>>, _: &mut Self::Context) {
-        n.to.do_send(self.remote(n.op));
+        self.remote(n.op, Reply::Shared(n.to));
     }
 }

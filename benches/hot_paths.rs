@@ -137,6 +137,7 @@ fn brochure(host: &str, pid: u32) -> Brochure {
             ),
             channel("xth", 300, &format!("{pid:016x}"), 0),
         ],
+        remote: false,
     }
 }
 

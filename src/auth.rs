@@ -58,10 +58,14 @@ fn mac(secret: &[u8], parts: &[&[u8]]) -> Hmac<Sha256> {
 
 fn purpose_bytes(p: Purpose) -> [u8; 9] {
     let mut b = [0u8; 9];
-    if let Purpose::Channel { channel, lane } = p {
-        b[0] = 1;
-        b[1..5].copy_from_slice(&channel.to_le_bytes());
-        b[5..9].copy_from_slice(&lane.to_le_bytes());
+    match p {
+        Purpose::Control => {}
+        Purpose::Channel { channel, lane } => {
+            b[0] = 1;
+            b[1..5].copy_from_slice(&channel.to_le_bytes());
+            b[5..9].copy_from_slice(&lane.to_le_bytes());
+        }
+        Purpose::Remote => b[0] = 2,
     }
     b
 }

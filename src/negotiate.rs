@@ -95,6 +95,10 @@ pub struct Brochure {
     pub transports: Vec<Offer>,
     /// Channels, any order.
     pub channels: Vec<ChannelOffer>,
+    /// Whether the sender serves and issues one-sided operations on registered memory over a
+    /// lane of each pipe (docs/remote.md); peers from before it say nothing, read as `false`.
+    #[serde(default)]
+    pub remote: bool,
 }
 
 /// The handshake frame each side sends first.
@@ -131,6 +135,9 @@ pub struct Choice {
     pub token: u64,
     /// The connector's answer to the listener's challenge, when it has a secret.
     pub proof: Option<serde_bytes::ByteBuf>,
+    /// Whether the pipe has a remote-memory lane (both sides offered one).
+    #[serde(default)]
+    pub remote: bool,
 }
 
 /// Why an extra connection joins a pipe.
@@ -145,6 +152,9 @@ pub enum Purpose {
         /// Connection index within the channel.
         lane: u32,
     },
+    /// It carries the pipe's one-sided operations on registered memory (requests both ways,
+    /// served by the owner of the region; docs/remote.md).
+    Remote,
 }
 
 /// First frame on a connection that joins a pipe being set up.
@@ -173,6 +183,9 @@ impl Choice {
                     lane,
                 });
             }
+        }
+        if self.remote {
+            v.push(Purpose::Remote);
         }
         v
     }
@@ -252,6 +265,7 @@ pub fn choose(connector: &Brochure, listener: &Brochure) -> Result<Choice, NoCom
         channels,
         token: 0,
         proof: None,
+        remote: connector.remote && listener.remote,
     })
 }
 
@@ -301,6 +315,7 @@ mod tests {
                 c("cma", 10, "boot-a", DevicePair::CPU),
                 c("cuda_ipc", 5, "gpu-a", CUDA),
             ],
+            remote: false,
         };
         let mut b = a.clone();
         let choice = choose(&a, &b).unwrap();
@@ -327,6 +342,7 @@ mod tests {
         let a = Brochure {
             transports: vec![t("tcp", 1, ""), t("x", 1, "")],
             channels: vec![c("basic", 0, "", DevicePair::CPU)],
+            remote: false,
         };
         // Ties are broken by name, so the order of offers does not matter.
         let mut b = a.clone();
@@ -340,6 +356,7 @@ mod tests {
         let mut a = Brochure {
             transports: vec![t("tcp", 0, ""), t("shm", 10, "h")],
             channels: vec![c("mpt", 5, "", DevicePair::CPU)],
+            remote: false,
         };
         a.channels[0].connections = 2;
         let choice = choose(&a, &a).unwrap();
@@ -365,16 +382,19 @@ mod tests {
         let a = Brochure {
             transports: vec![t("tcp", 0, "")],
             channels: vec![c("basic", 0, "", DevicePair::CPU)],
+            remote: false,
         };
         let b = Brochure {
             transports: vec![t("shm", 0, "")],
             channels: vec![],
+            remote: false,
         };
         let e = choose(&a, &b).unwrap_err();
         assert!(e.0.contains("we offer tcp, the peer offers shm"), "{e}");
         let b = Brochure {
             transports: vec![t("tcp", 0, "")],
             channels: vec![],
+            remote: false,
         };
         assert!(choose(&a, &b).unwrap_err().0.contains("cpu->cpu"));
     }

@@ -402,6 +402,8 @@ impl Pipe {
         };
         self.error = Some(e);
         self.info.closed = true;
+        // No more remote operations: those on the lane already complete there.
+        self.remote_ops.lane = None;
         self.end_stand_failed();
         // Writers write nothing more themselves: what they issue comes here, and fails.
         self.close_wire();

@@ -126,6 +126,7 @@ mod tests {
                 .collect(),
             token: 0,
             proof: None,
+            remote: false,
         }
     }
 

@@ -25,6 +25,8 @@ pub(crate) struct PipeParts {
     pub control: Halves,
     pub choice: Choice,
     pub lanes: Vec<Vec<Halves>>,
+    /// The remote-memory lane, when both sides offered one, and its transport's name.
+    pub remote: Option<(Halves, String)>,
 }
 
 /// The context's endpoint for a new pipe's `efa` channel.
@@ -75,6 +77,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> (Addr<Pipe>,
         control,
         choice,
         lanes,
+        remote,
     } = parts;
     let id = NEXT_PIPE_ID.fetch_add(1, Ordering::Relaxed);
     let backend = format!(
@@ -287,8 +290,28 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> (Addr<Pipe>,
             reply: reply.clone(),
         },
     ));
+    let remote_ops = match remote {
+        Some((h, transport)) => {
+            let (lane, loops) =
+                crate::remote_core::lane::Lane::start(h.read, h.write, origin.clone());
+            for l in loops {
+                actix::spawn(l);
+            }
+            super::super::remote::PipeRemote {
+                lane: Some(lane),
+                transport: config
+                    .transports
+                    .iter()
+                    .map(|(t, _)| t.name())
+                    .find(|n| *n == transport)
+                    .unwrap_or("lane"),
+                ..Default::default()
+            }
+        }
+        None => Default::default(),
+    };
     let pipe = Pipe {
-        remote_ops: Default::default(),
+        remote_ops,
         metrics,
         span,
         id,

@@ -78,18 +78,7 @@ pub(crate) fn copy_in(e: &Entry, spans: &[Span], src: &[u8]) -> Result<(), Error
 /// Copies `spans` between the region and the `len` bytes at `local` (read from for
 /// [`Way::In`], written to for [`Way::Out`]).
 fn copy(e: &Entry, spans: &[Span], local: *mut u8, len: usize, way: Way) -> Result<u64, Error> {
-    if way == Way::In && !e.writable {
-        return Err(Error::invalid(
-            "the region is read-only (registered as Buffer::Shared)",
-        ));
-    }
-    let total = check_spans(spans, e.len, len as u64)?;
-    // Spans that write the same bytes twice would race each other across copy threads.
-    if let Some((i, j)) = overlapping(spans, way) {
-        return Err(Error::invalid(format!(
-            "spans {i} and {j} write the same bytes"
-        )));
-    }
+    let total = validate(e, spans, len as u64, way == Way::In)?;
     let memory = e.memory.read().unwrap_or_else(|p| p.into_inner());
     let Some(store) = memory.as_ref() else {
         return Err(Error::invalid(
@@ -140,6 +129,25 @@ fn copy(e: &Entry, spans: &[Span], local: *mut u8, len: usize, way: Way) -> Resu
         }
     }
     drop(memory);
+    Ok(total)
+}
+
+/// Checks a batch against region `e` and a local buffer of `local` bytes (a write needs a
+/// writable region; no two spans may write the same bytes: they would race each other across
+/// copy threads). Returns the batch's bytes.
+pub(crate) fn validate(e: &Entry, spans: &[Span], local: u64, write: bool) -> Result<u64, Error> {
+    if write && !e.writable {
+        return Err(Error::invalid(
+            "the region is read-only (registered as Buffer::Shared)",
+        ));
+    }
+    let total = check_spans(spans, e.len, local)?;
+    let way = if write { Way::In } else { Way::Out };
+    if let Some((i, j)) = overlapping(spans, way) {
+        return Err(Error::invalid(format!(
+            "spans {i} and {j} write the same bytes"
+        )));
+    }
     Ok(total)
 }
 

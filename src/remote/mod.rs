@@ -14,6 +14,7 @@
 //! handed back (or freed) only once no copy into or out of it is running, and no later one can
 //! start.
 
+pub(crate) mod lane;
 pub(crate) mod local;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -267,6 +268,23 @@ pub(crate) struct Entry {
     owner: Arc<Owner>,
     /// `None` once deregistered. Copies hold it shared for their whole length.
     memory: RwLock<Option<Store>>,
+}
+
+impl Entry {
+    /// Runs `f` with the region's base address, holding the memory shared for its length (so
+    /// that deregistration waits for it); the "not registered" error once deregistered.
+    pub(crate) fn with_memory<R>(&self, id: u64, f: impl FnOnce(*mut u8) -> R) -> Result<R, Error> {
+        let memory = self.memory.read().unwrap_or_else(|p| p.into_inner());
+        match memory.as_ref() {
+            Some(store) => Ok(f(store.base)),
+            None => Err(gone(id)),
+        }
+    }
+
+    /// Hands a notification to the region's owner.
+    pub(crate) fn notify(&self, n: Notification) {
+        self.owner.notify(n);
+    }
 }
 
 /// The process's registered regions, by number.

@@ -54,6 +54,7 @@ async fn hand_listener(then: Then) -> String {
     let ours = Brochure {
         transports: vec![offer("tcp", vec![url.clone()])],
         channels: vec![channel("basic", 0, 0)],
+        remote: false,
     };
     actix::spawn(async move {
         let stream = acceptor.accept().await.expect("accept");
@@ -143,6 +144,7 @@ async fn a_listener_with_every_slot_taken_refuses_at_once_then_recovers() {
     let ours = Brochure {
         transports: vec![offer("tcp", vec![])],
         channels: vec![channel("basic", 0, 0), channel("mpt", 10, 2)],
+        remote: false,
     };
     let limits = Limits::default();
     let t = Duration::from_secs(5);

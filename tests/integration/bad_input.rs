@@ -29,6 +29,7 @@ fn brochure() -> Brochure {
             devices: DevicePair::CPU,
             connections: 0,
         }],
+        remote: false,
     }
 }
 

@@ -185,6 +185,7 @@ fn expected() -> Vec<Frame> {
                     addresses: vec![],
                 }],
                 channels: vec![basic(0, 0)],
+                remote: true,
             },
             nonce: nonce(),
             proof: None,
@@ -198,6 +199,7 @@ fn expected() -> Vec<Frame> {
             }],
             token: TOKEN,
             proof: None,
+            remote: true,
         }),
         Frame::Join(Join {
             token: TOKEN,
@@ -210,6 +212,11 @@ fn expected() -> Vec<Frame> {
                 channel: 0,
                 lane: 1,
             },
+            proof: None,
+        }),
+        Frame::Join(Join {
+            token: TOKEN,
+            purpose: Purpose::Remote,
             proof: None,
         }),
         Frame::Reject("no common transport".into()),

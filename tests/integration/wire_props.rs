@@ -466,6 +466,7 @@ fn valid_frame() -> impl Strategy<Value = Vec<u8>> {
             let brochure = Brochure {
                 transports,
                 channels,
+                remote: false,
             };
             let hello = Hello {
                 brochure,
@@ -497,6 +498,7 @@ fn valid_frame() -> impl Strategy<Value = Vec<u8>> {
                 channels,
                 token,
                 proof,
+                remote: false,
             };
             encode_serde(&mut f, FrameKind::Choice, &c);
             f

@@ -1,7 +1,7 @@
 //! The suites that need the process to themselves while they run, in one binary that runs one
 //! test at a time: every test holds [`ONE_AT_A_TIME`] (`cargo test --test serial`).
 //!
-//! - `peer_death` and `soak` count the process's file descriptors, memfds and mappings (and
+//! - `peer_death`, `remote_death` and `soak` count the process's file descriptors, memfds and mappings (and
 //!   `soak` its memory) before and after, so no other test may open or close any meanwhile;
 //! - `io_pool` counts the process's `actix-rt` threads: another test's arbiters or I/O pool
 //!   would be counted as its own;
@@ -25,6 +25,7 @@ mod efa_support;
 mod cma_fallback;
 mod io_pool;
 mod peer_death;
+mod remote_death;
 mod soak;
 
 /// Held by every test of this binary while it runs. Each `#[actix::test]` runs on its own thread

@@ -364,7 +364,7 @@ pub struct CopyArgs {
 /// Options of `bench remote`.
 #[derive(Debug, Clone, Args)]
 pub struct RemoteArgs {
-    /// The path: xth.
+    /// The path: xth, cma, tcp or shm (the last two: the bytes on the pipe's remote lane).
     #[arg(long, default_value = "xth")]
     pub backend: String,
 
