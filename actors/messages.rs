@@ -772,6 +772,9 @@ pub struct PipeInfo {
     /// The channels' own connections (mpt lanes, the cma side connection), with their
     /// addresses: which NIC each lane took.
     pub connections: Vec<LaneInfo>,
+    /// Where this side's one-sided operations on host memory go (`crate::remote`), or `None`
+    /// when the pipe has no path for them.
+    pub remote: Option<crate::remote::RemoteInfo>,
 }
 
 impl PipeInfo {

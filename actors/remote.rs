@@ -67,6 +67,17 @@ impl Handler<SubscribeNotifications> for Context {
     }
 }
 
+/// A pipe's path for remote-memory operations, in [`PipeInfo::remote`](crate::PipeInfo::remote).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteInfo {
+    /// The path a host-memory operation takes now (as `RemoteDone::path`): `xth` (both ends in
+    /// this process), `cma`, or the remote lane's transport (`tcp`, `shm`, …) when the bytes
+    /// travel on the lane.
+    pub path: String,
+    /// The remote lane's addresses (ours, the peer's); `None` for `xth`, which needs none.
+    pub lane: Option<(String, String)>,
+}
+
 /// Which one-sided operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RemoteOp {
@@ -206,6 +217,8 @@ pub(crate) struct PipeRemote {
     pub(crate) lane: Option<crate::remote_core::lane::Lane>,
     /// The name of the lane's transport: the path of operations whose bytes travel on it.
     pub(crate) transport: &'static str,
+    /// The lane's addresses (ours, the peer's), for `PipeInfo`.
+    pub(crate) addresses: Option<(String, String)>,
 }
 
 /// Where a finished operation goes.
@@ -334,6 +347,33 @@ impl Pipe {
         }
     }
 
+    /// What `PipeInfo::remote` says now.
+    pub(crate) fn remote_info(&self) -> Option<RemoteInfo> {
+        let path = if self.has_channel("xth") {
+            "xth"
+        } else {
+            match self.remote_route_for_host()? {
+                Route::Here => "xth",
+                Route::Lane(p) => p,
+            }
+        };
+        Some(RemoteInfo {
+            path: path.into(),
+            lane: self.remote_ops.addresses.clone(),
+        })
+    }
+
+    /// The lane route a host-memory operation to another process takes now, if any.
+    fn remote_route_for_host(&self) -> Option<Route> {
+        match &self.remote_ops.lane {
+            Some(lane) if self.has_channel("cma") && !lane.cma_refused() => {
+                Some(Route::Lane("cma"))
+            }
+            Some(_) => Some(Route::Lane(self.remote_ops.transport)),
+            None => None,
+        }
+    }
+
     /// The route to `region` from this pipe, or why there is none.
     fn remote_route(&self, region: &RegionDescriptor) -> Result<Route, Error> {
         if let Some(e) = self.failure() {
@@ -347,9 +387,8 @@ impl Pipe {
                 Err(crate::remote_core::gone(region.id()))
             };
         }
-        match &self.remote_ops.lane {
-            Some(lane) if self.has_channel("cma") && !lane.cma_refused() => Ok(Route::Lane("cma")),
-            Some(_) => Ok(Route::Lane(self.remote_ops.transport)),
+        match self.remote_route_for_host() {
+            Some(route) => Ok(route),
             None => Err(Error::Unavailable {
                 backend: "remote".into(),
                 reason: "the pipe has no remote-memory lane: one side was built with \

@@ -42,8 +42,8 @@ pub mod metrics;
 /// of it on a pipe to the owner ([`remote::RemoteRead`], [`remote::RemoteWrite`]).
 pub mod remote {
     pub use crate::actors::remote::{
-        Direction, FromRegion, IntoRegion, Register, Remote, RemoteDone, RemoteOp, RemoteRead,
-        RemoteWrite, SubscribeNotifications,
+        Direction, FromRegion, IntoRegion, Register, Remote, RemoteDone, RemoteInfo, RemoteOp,
+        RemoteRead, RemoteWrite, SubscribeNotifications,
     };
     pub use crate::remote_core::{Notification, Region, RegionDescriptor, Span};
 }

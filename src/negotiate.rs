@@ -260,12 +260,14 @@ pub fn choose(connector: &Brochure, listener: &Brochure) -> Result<Choice, NoCom
             "no channel in common for cpu->cpu tensors".into(),
         ));
     }
+    // Two contexts of one process need no lane: their remote operations are copies (`xth`).
+    let remote = connector.remote && listener.remote && !channels.iter().any(|c| c.name == "xth");
     Ok(Choice {
         transport: transport.name.clone(),
         channels,
         token: 0,
         proof: None,
-        remote: connector.remote && listener.remote,
+        remote,
     })
 }
 

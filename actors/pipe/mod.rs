@@ -750,6 +750,12 @@ impl Handler<GetInfo> for Pipe {
         info.tensors_on_control = l.sent_on_control;
         info.tensors_by_channel = l.sent_by_channel;
         info.written_by_caller = l.written_by_caller;
+        drop(l);
+        info.remote = if info.closed {
+            None
+        } else {
+            self.remote_info()
+        };
         MessageResult(info)
     }
 }

@@ -123,6 +123,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> (Addr<Pipe>,
                 })
             })
             .collect(),
+        remote: None,
     };
     // Loops leave the `LocalSet` only where the stream's readiness comes from the runtime's own
     // reactor: the efa and ibv streams are driven by actors on the arbiter's `LocalSet` (the
@@ -290,10 +291,17 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> (Addr<Pipe>,
             reply: reply.clone(),
         },
     ));
+    let lane_addresses = remote
+        .as_ref()
+        .map(|(h, _)| (h.local.clone(), h.peer.clone()));
     let remote_ops = match remote {
         Some((h, transport)) => {
-            let (lane, loops) =
-                crate::remote_core::lane::Lane::start(h.read, h.write, origin.clone());
+            let (lane, loops) = crate::remote_core::lane::Lane::start(
+                h.read,
+                h.write,
+                origin.clone(),
+                config.cma_threads,
+            );
             for l in loops {
                 actix::spawn(l);
             }
@@ -305,6 +313,7 @@ pub(crate) fn spawn_pipe(parts: PipeParts, config: &Arc<Config>) -> (Addr<Pipe>,
                     .map(|(t, _)| t.name())
                     .find(|n| *n == transport)
                     .unwrap_or("lane"),
+                addresses: lane_addresses,
                 ..Default::default()
             }
         }

@@ -208,6 +208,8 @@ struct State {
     dead: Mutex<Option<Error>>,
     /// The owner said cma is not permitted towards us.
     cma_refused: AtomicBool,
+    /// Most threads one cma copy of ours (as the owner) shares itself among.
+    cma_threads: usize,
     origin: Origin,
 }
 
@@ -256,7 +258,12 @@ impl std::fmt::Debug for Lane {
 impl Lane {
     /// Starts the lane's loops on `read` and `write`; the caller runs the futures (all three,
     /// to their end).
-    pub(crate) fn start<R, W>(read: R, write: W, origin: Origin) -> (Lane, Vec<Loop>)
+    pub(crate) fn start<R, W>(
+        read: R,
+        write: W,
+        origin: Origin,
+        cma_threads: usize,
+    ) -> (Lane, Vec<Loop>)
     where
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
@@ -264,6 +271,7 @@ impl Lane {
         let state = Arc::new(State {
             dead: Mutex::new(None),
             cma_refused: AtomicBool::new(false),
+            cma_threads,
             origin,
         });
         let out = Arc::new(Out {
@@ -519,6 +527,9 @@ async fn read_lane<R: AsyncRead + Unpin>(
     let origin = state.origin.clone();
     let mut scratch = Vec::new();
     let mut staging = Vec::new();
+    // Dropped at the peer's `CLOSE`: the answerer serves what is queued, then lets go of the
+    // write half.
+    let mut tasks = Some(tasks);
     let end: Error = loop {
         let tag = match r.read_u8().await {
             Ok(t) => t,
@@ -530,9 +541,12 @@ async fn read_lane<R: AsyncRead + Unpin>(
                     Ok(q) => q,
                     Err(e) => break e,
                 };
+                let Some(to) = &tasks else {
+                    break Error::protocol("a remote request after the peer's close", &origin);
+                };
                 match take_request(request, &mut r, &mut staging, &origin).await {
                     Ok(task) => {
-                        let _ = tasks.send(task);
+                        let _ = to.send(task);
                     }
                     Err(e) => break e,
                 }
@@ -560,8 +574,8 @@ async fn read_lane<R: AsyncRead + Unpin>(
                     break e;
                 }
             }
-            // The peer sends no more requests; the answerer serves those queued.
-            CLOSE => {}
+            // The peer sends no more requests; the answerer serves those queued, and ends.
+            CLOSE => tasks = None,
             other => break Error::protocol(format!("remote-lane frame tag {other}"), &origin),
         }
     };
@@ -703,15 +717,15 @@ async fn next_chunk<R: AsyncRead + Unpin>(
 
 /// Where a stream of the spans' bytes, in span order, has got to.
 #[derive(Default)]
-struct Cursor {
-    span: usize,
-    offset: u64,
+pub(super) struct Cursor {
+    pub(super) span: usize,
+    pub(super) offset: u64,
 }
 
 impl Cursor {
     /// Walks the next `n` bytes of the stream: calls `f(span, at, offset, len)` for each piece,
     /// `at` counting from the first of the `n` bytes, `offset` within the span.
-    fn each(&mut self, spans: &[Span], n: u64, mut f: impl FnMut(&Span, u64, u64, u64)) {
+    pub(super) fn each(&mut self, spans: &[Span], n: u64, mut f: impl FnMut(&Span, u64, u64, u64)) {
         let mut at = 0;
         while at < n && self.span < spans.len() {
             let s = &spans[self.span];
@@ -791,13 +805,15 @@ async fn serve<W: AsyncWrite + Unpin>(
     }
     let result = match q.via {
         Via::Cma { pid, addr, .. } => {
-            let (id, write) = (q.region.id(), q.write);
+            let (id, write, threads) = (q.region.id(), q.write, state.cma_threads);
             let copy = {
                 let entry = entry.clone();
                 let spans = q.spans.clone();
                 move || {
                     entry
-                        .with_memory(id, |base| vm_copy(pid, base, addr, &spans, write))
+                        .with_memory(id, |base| {
+                            super::cma::copy(pid, base, addr, &spans, write, threads)
+                        })
                         .and_then(|r| r)
                 }
             };
@@ -896,94 +912,5 @@ fn notify(entry: &Entry, q: &Request) {
             write: q.write,
             data: data.to_vec(),
         });
-    }
-}
-
-/// Copies `spans` between the region at `base` and the initiator's buffer at `addr` in process
-/// `pid`: into the region (`write`, `process_vm_readv`) or out of it (`process_vm_writev`).
-fn vm_copy(pid: i32, base: *mut u8, addr: u64, spans: &[Span], write: bool) -> Result<(), Error> {
-    const IOV_MAX: usize = 1024;
-    let max = crate::backend::cma::max_per_call();
-    let mut ours: Vec<libc::iovec> = Vec::with_capacity(IOV_MAX.min(spans.len()));
-    let mut theirs: Vec<libc::iovec> = Vec::with_capacity(IOV_MAX.min(spans.len()));
-    let mut at = Cursor::default();
-    loop {
-        ours.clear();
-        theirs.clear();
-        let mut batch = 0u64;
-        let mut walk = Cursor {
-            span: at.span,
-            offset: at.offset,
-        };
-        while walk.span < spans.len() && ours.len() < IOV_MAX && batch < max {
-            let s = &spans[walk.span];
-            let len = (s.len - walk.offset).min(max - batch);
-            if len > 0 {
-                ours.push(libc::iovec {
-                    // SAFETY: the caller checked the span inside the region at `base`.
-                    iov_base: unsafe { base.add((s.remote + walk.offset) as usize) }.cast(),
-                    iov_len: len as usize,
-                });
-                theirs.push(libc::iovec {
-                    iov_base: (addr + s.local + walk.offset) as *mut libc::c_void,
-                    iov_len: len as usize,
-                });
-                batch += len;
-            }
-            walk.offset += len;
-            if walk.offset == s.len {
-                walk.span += 1;
-                walk.offset = 0;
-            }
-        }
-        if batch == 0 {
-            return Ok(());
-        }
-        // SAFETY: `ours` names memory of the region, held by the caller's lock; `theirs` names
-        // the initiator's memory, which the kernel checks (a bad address fails with EFAULT, it
-        // cannot touch ours); both vectors live across the call.
-        let n = unsafe {
-            if write {
-                libc::process_vm_readv(
-                    pid,
-                    ours.as_ptr(),
-                    ours.len() as u64,
-                    theirs.as_ptr(),
-                    theirs.len() as u64,
-                    0,
-                )
-            } else {
-                libc::process_vm_writev(
-                    pid,
-                    ours.as_ptr(),
-                    ours.len() as u64,
-                    theirs.as_ptr(),
-                    theirs.len() as u64,
-                    0,
-                )
-            }
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            let call = if write {
-                "process_vm_readv"
-            } else {
-                "process_vm_writev"
-            };
-            return Err(match e.raw_os_error() {
-                Some(libc::EINTR) => continue,
-                Some(libc::EPERM) => Error::Unavailable {
-                    backend: "cma".into(),
-                    reason: format!("{call} towards process {pid}: {e} (ptrace restrictions)"),
-                },
-                _ => Error::invalid(format!("{call} towards process {pid}: {e}")),
-            });
-        }
-        if n == 0 {
-            return Err(Error::invalid(format!(
-                "cma towards process {pid} moved nothing: its buffer is not mapped"
-            )));
-        }
-        at.each(spans, n as u64, |_, _, _, _| {});
     }
 }

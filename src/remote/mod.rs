@@ -14,6 +14,7 @@
 //! handed back (or freed) only once no copy into or out of it is running, and no later one can
 //! start.
 
+mod cma;
 pub(crate) mod lane;
 pub(crate) mod local;
 

@@ -121,12 +121,12 @@ async fn owner_and_pipe(p: &RemotePath) -> (Server, Addr<Pipe>, Addr<Pipe>) {
     let probe = tx
         .remote_read(RemoteRead::new(&d, vec![Span::whole(8)], vec![0; 8]))
         .await;
-    assert_eq!(
-        probe.map(|d| d.path).ok(),
-        Some(p.name),
-        "{:?}",
-        tx.info().await
-    );
+    let info = tx.info().await.unwrap();
+    assert_eq!(probe.map(|d| d.path).ok(), Some(p.name), "{info:?}");
+    // PipeInfo names the path too, and the lane where there is one (none for xth).
+    let remote = info.remote.expect("a remote path");
+    assert_eq!(remote.path, p.name);
+    assert_eq!(remote.lane.is_some(), p.name != "xth", "{remote:?}");
     (s, tx, rx)
 }
 
@@ -585,6 +585,7 @@ async fn a_pipe_without_a_path_says_so() {
     assert_eq!(e.kind(), ErrorClass::Unavailable, "{e}");
     assert!(e.to_string().contains("remote_lane(false)"), "{e}");
     assert_eq!(r.path, "");
+    assert_eq!(basic.info().await.unwrap().remote, None);
     let mut now = vec![0; 8];
     region.read_at(0, &mut now).unwrap();
     assert_eq!(now, vec![7; 8]);

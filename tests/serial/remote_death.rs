@@ -8,6 +8,8 @@
 //!   (no write lands after), deregistration does not wait on anything, and no descriptor is left
 //!   behind.
 //!
+//! - pipes closed gracefully: their lanes' connections close too (both sides).
+//!
 //! The peer is this test binary run again in a child mode (`remote_death::child`, selected by
 //! `ACTORPIPE_REMOTE_DEATH_CHILD`).
 
@@ -292,4 +294,44 @@ fn remote_initiator_killed_mid_batch_cma() {
 #[test]
 fn remote_initiator_killed_mid_batch_tcp() {
     initiator_killed("tcp")
+}
+
+/// Pipes closed gracefully, after remote operations both ways, leave no lane connection behind
+/// (each side sends `CLOSE`, answers what it was asked, and lets go of its write half).
+fn closed_pipes_leave_no_lane(path: &str) {
+    alone(path, async {
+        for _ in 0..4 {
+            let mut server = Server::start(builder(path), "tcp://127.0.0.1:0").await;
+            let ctx = builder(path).start();
+            let (tx, rx) = server.dial(&ctx).await;
+            let here = ctx.register(Buffer::Cpu(vec![1; 1 << 20])).await.unwrap();
+            let there = server
+                .ctx
+                .register(Buffer::Cpu(vec![2; 1 << 20]))
+                .await
+                .unwrap();
+            let read = RemoteRead::new(
+                there.descriptor(),
+                vec![Span::whole(1 << 20)],
+                vec![0; 1 << 20],
+            );
+            assert_eq!(tx.remote_read(read).await.unwrap().path, path);
+            let write = RemoteWrite::new(here.descriptor(), vec![Span::whole(8)], vec![3; 8]);
+            assert_eq!(rx.remote_write(write).await.unwrap().path, path);
+            tx.send(Close::because("done")).await.unwrap();
+            let _ = rx.send(Close::because("done")).await;
+            drop((tx, rx, here, there, ctx, server));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+}
+
+#[test]
+fn remote_lanes_of_closed_pipes_are_closed_cma() {
+    closed_pipes_leave_no_lane("cma")
+}
+
+#[test]
+fn remote_lanes_of_closed_pipes_are_closed_tcp() {
+    closed_pipes_leave_no_lane("tcp")
 }

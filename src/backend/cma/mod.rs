@@ -476,6 +476,12 @@ fn read_remote_with(
 /// The cma reader threads: a read's shares other than the caller's go to them.
 static READERS: Pool = Pool::new("actorpipe-cma");
 
+/// The threads that share large cma copies: this channel's reads, and the remote-memory `cma`
+/// path's copies (`crate::remote_core`).
+pub(crate) fn readers() -> &'static Pool {
+    &READERS
+}
+
 /// Reads `shares` of `src` into `dst` (`src.len` bytes, covered exactly by the shares) on the
 /// calling thread and on `pool`'s threads at once: up to one thread per share, started on the
 /// first read that asks for them and kept (see [`crate::copy`]'s pool). Each share is claimed by
