@@ -14,6 +14,27 @@ use crate::backend::cma::MIN_SHARE;
 use crate::copy::Work;
 use crate::error::Error;
 
+/// Whether this process may reach the memory of process `pid` with cma: a read of its byte at
+/// `addr` (the peer's `PROBE`). The cma channel's fault injection refuses it too.
+pub(super) fn reaches(pid: i32, addr: u64) -> bool {
+    if crate::backend::cma::simulated() != crate::backend::cma::Refusal::Off {
+        return false;
+    }
+    let mut byte = 0u8;
+    let ours = libc::iovec {
+        iov_base: (&mut byte as *mut u8).cast(),
+        iov_len: 1,
+    };
+    let theirs = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: 1,
+    };
+    // SAFETY: `ours` names `byte`, alive across the call; the kernel checks `theirs` against
+    // process `pid` (a bad address fails, it cannot touch our memory).
+    let n = unsafe { libc::process_vm_readv(pid, &ours, 1, &theirs, 1, 0) };
+    n == 1
+}
+
 /// Copies `spans` between the region at `base` and `addr` in process `pid` (see the module
 /// docs), on up to `threads` threads: the caller's, and the reader threads.
 pub(super) fn copy(

@@ -57,6 +57,12 @@ pub(crate) type Loop = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + 
 const REQUEST: u8 = 1;
 const ANSWER: u8 = 2;
 const CLOSE: u8 = 3;
+const PROBE: u8 = 4;
+const PROBED: u8 = 5;
+
+/// The byte a side's `PROBE` asks the peer to read with `process_vm_readv`: whether the peer may
+/// reach this process's memory, which `cma` needs both ways.
+static PROBE_BYTE: u8 = 0x5a;
 
 /// A request, as it travels.
 #[derive(Debug, Serialize, Deserialize)]
@@ -367,6 +373,18 @@ async fn send_requests<W: AsyncWrite + Unpin>(
     state: Arc<State>,
 ) {
     let mut buf = Vec::new();
+    // First: may the peer reach our memory (cma)? Until it answers, `cma` is assumed.
+    buf.push(PROBE);
+    buf.extend_from_slice(&(std::process::id() as i32).to_le_bytes());
+    buf.extend_from_slice(&(&PROBE_BYTE as *const u8 as u64).to_le_bytes());
+    let probed = async {
+        let mut w = out.write.lock().await;
+        w.write_all(&buf).await?;
+        w.flush().await
+    };
+    if let Err(e) = probed.await {
+        state.fail(lane_gone(Some(e), &state.origin));
+    }
     while let Some(job) = jobs.recv().await {
         if state.dead().is_none() {
             if let Err(e) = send_request(&job, &out, &mut buf).await {
@@ -507,6 +525,8 @@ async fn complete<R: AsyncRead + Unpin>(
 
 /// What the reader hands the answerer.
 enum Task {
+    /// The answer to the peer's `PROBE`: whether we may reach its memory.
+    Probed(bool),
     /// An answer made already (a refusal, or a write landed by the reader).
     Answer(u64, Result<u64, Error>),
     /// A request to serve: checked, its region found.
@@ -576,6 +596,21 @@ async fn read_lane<R: AsyncRead + Unpin>(
             }
             // The peer sends no more requests; the answerer serves those queued, and ends.
             CLOSE => tasks = None,
+            PROBE => {
+                let mut b = [0u8; 12];
+                if let Err(e) = r.read_exact(&mut b).await {
+                    break lane_gone(Some(e), &origin);
+                }
+                let pid = i32::from_le_bytes(b[..4].try_into().expect("4 bytes"));
+                let addr = u64::from_le_bytes(b[4..].try_into().expect("8 bytes"));
+                if let Some(to) = &tasks {
+                    let _ = to.send(Task::Probed(super::cma::reaches(pid, addr)));
+                }
+            }
+            PROBED => match r.read_u8().await {
+                Ok(ok) => state.cma_refused.store(ok == 0, Ordering::Relaxed),
+                Err(e) => break lane_gone(Some(e), &origin),
+            },
             other => break Error::protocol(format!("remote-lane frame tag {other}"), &origin),
         }
     };
@@ -754,6 +789,14 @@ async fn answer<W: AsyncWrite + Unpin>(
     let mut stage = Vec::new();
     while let Some(task) = tasks.recv().await {
         let sent = match task {
+            Task::Probed(ok) => {
+                let mut w = out.write.lock().await;
+                async {
+                    w.write_all(&[PROBED, u8::from(ok)]).await?;
+                    w.flush().await
+                }
+                .await
+            }
             Task::Answer(seq, result) => send_answer(&out, &mut buf, seq, &result).await,
             Task::Serve {
                 request,

@@ -4,6 +4,9 @@
 //! reader thread's share. The refusal is injected (`cma::simulate`), because this machine allows
 //! the read; everything after the refused system call is the real path.
 //!
+//! The remote-memory `cma` path under the same refusal moves its operations onto the pipe's
+//! remote lane (`refused_cma_moves_remote_operations_onto_the_lane`).
+//!
 //! The switch is process-wide: the test holds the binary's lock (`crate::ONE_AT_A_TIME`), so that
 //! no other test's cma reads are refused meanwhile.
 
@@ -90,4 +93,66 @@ async fn refused_reads_fall_back_and_are_reported() {
     assert_eq!(verify(&read_one(&rx).await.unwrap()), 99);
     w.await.unwrap().result.unwrap();
     assert_eq!(rx.send(GetInfo).await.unwrap().fallbacks, fallbacks);
+}
+
+/// A pipe that negotiated cma, whose owner may not reach the initiator's memory (the refusal
+/// injected for the whole process): the lane's probe finds it, and the remote operations move
+/// their bytes on the lane instead (`PipeInfo::remote` and `RemoteDone::path` say `tcp`); they
+/// succeed, none fails as refused.
+#[actix::test]
+#[allow(clippy::await_holding_lock)]
+async fn refused_cma_moves_remote_operations_onto_the_lane() {
+    use actorpipe::remote::{RemoteRead, RemoteWrite, Span};
+    let _one = crate::ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let b = || {
+        Context::builder()
+            .only_transports(&["tcp"])
+            .only_channels(&["cma", "basic"])
+    };
+    // The contexts start (and probe cma) before the refusal, so the pipe negotiates cma; the
+    // lane's probe, at the pipe's set-up, meets the refusal.
+    let mut server = Server::start(b(), "tcp://127.0.0.1:0").await;
+    let client = b().start();
+    cma::simulate_refusal(true);
+    let (tx, _rx) = server.dial(&client).await;
+    let info = tx.send(GetInfo).await.unwrap();
+    assert_eq!(info.channel_list(), "cma (cpu->cpu)");
+    let path = within(5, "the probe's answer", async {
+        loop {
+            let info = tx.send(GetInfo).await.unwrap();
+            match info.remote.map(|r| r.path) {
+                Some(p) if p != "cma" => break p,
+                _ => tokio::time::sleep(std::time::Duration::from_millis(5)).await,
+            }
+        }
+    })
+    .await;
+    assert_eq!(path, "tcp");
+    let region = server
+        .ctx
+        .register(Buffer::Cpu(vec![5; 1 << 20]))
+        .await
+        .unwrap();
+    let d = region.descriptor().clone();
+    let read = tx
+        .remote_read(RemoteRead::new(
+            &d,
+            vec![Span::whole(1 << 20)],
+            vec![0; 1 << 20],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(read.path, "tcp");
+    assert!(read.buffer.as_cpu().unwrap().iter().all(|&b| b == 5));
+    let write = tx
+        .remote_write(RemoteWrite::new(&d, vec![Span::new(8, 0, 8)], vec![6; 8]))
+        .await
+        .unwrap();
+    assert_eq!(write.path, "tcp");
+    let mut got = [0u8; 8];
+    region.read_at(8, &mut got).unwrap();
+    assert_eq!(got, [6; 8]);
+    cma::simulate_refusal(false);
 }

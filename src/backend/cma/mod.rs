@@ -424,7 +424,8 @@ pub fn simulate_refusal(on: bool) {
     simulate(if on { Refusal::AtEntry } else { Refusal::Off });
 }
 
-fn simulated() -> Refusal {
+/// The refusal fault injection raises now ([`simulate`]).
+pub(crate) fn simulated() -> Refusal {
     match REFUSE.load(std::sync::atomic::Ordering::Relaxed) {
         0 => Refusal::Off,
         1 => Refusal::AtEntry,
