@@ -216,6 +216,9 @@ struct State {
     cma_refused: AtomicBool,
     /// Most threads one cma copy of ours (as the owner) shares itself among.
     cma_threads: usize,
+    /// Told [`ABANDON_AFTER`] after the pipe let go of the lane: the reader then stops waiting
+    /// for answers that a frozen peer may never send.
+    abandon: tokio::sync::Notify,
     origin: Origin,
 }
 
@@ -278,6 +281,7 @@ impl Lane {
             dead: Mutex::new(None),
             cma_refused: AtomicBool::new(false),
             cma_threads,
+            abandon: tokio::sync::Notify::new(),
             origin,
         });
         let out = Arc::new(Out {
@@ -309,6 +313,26 @@ impl Lane {
     /// Whether the owner refused cma towards this process (the bytes then travel on the lane).
     pub(crate) fn cma_refused(&self) -> bool {
         self.state.cma_refused.load(Ordering::Relaxed)
+    }
+}
+
+/// How long after its pipe let go of it a lane still waits for the peer's answers: a peer that
+/// is frozen (stopped, not dead) keeps its connections open and answers nothing. The cma
+/// channel's grace for a frozen reader: a cma operation's buffer must not come back while the
+/// owner may still be copying into it, which a live owner never takes this long to do.
+pub(crate) const ABANDON_AFTER: Duration = crate::backend::cma::driver::GRACE;
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        // The sender ends now (its jobs channel closes); the reader, once every answer is in or
+        // the lane has ended, or at the latest `ABANDON_AFTER` from now.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let state = self.state.clone();
+            rt.spawn(async move {
+                tokio::time::sleep(ABANDON_AFTER).await;
+                state.abandon.notify_one();
+            });
+        }
     }
 }
 
@@ -463,12 +487,14 @@ async fn send_request<W: AsyncWrite + Unpin>(
 /// Completes `job` with its answer (reading a read's bytes into its buffer). An error that
 /// ends the lane is returned, after the job is failed with it.
 async fn complete<R: AsyncRead + Unpin>(
-    mut job: Job,
+    slot: &mut Option<Job>,
     answer: Answer,
     r: &mut R,
     state: &State,
 ) -> Result<(), Error> {
     let origin = &state.origin;
+    // The job stays in `slot` while its bytes are read: a reader abandoned meanwhile finishes it.
+    let job = slot.as_mut().expect("the job being completed");
     let result = match answer.result {
         Err(f) => {
             if f.kind == FailureKind::CmaRefused {
@@ -483,7 +509,7 @@ async fn complete<R: AsyncRead + Unpin>(
                     format!("a remote read of {} bytes answered with {n}", job.total()),
                     origin,
                 );
-                job.finish(Err(e.clone()));
+                finish(slot, Err(e.clone()));
                 return Err(e);
             }
             let landed = async {
@@ -505,7 +531,7 @@ async fn complete<R: AsyncRead + Unpin>(
                 )),
                 Err(e) => {
                     let e = lane_gone(Some(e), origin);
-                    job.finish(Err(e.clone()));
+                    finish(slot, Err(e.clone()));
                     return Err(e);
                 }
             }
@@ -517,8 +543,15 @@ async fn complete<R: AsyncRead + Unpin>(
         Some(d) if job.issued.elapsed() > d => result.and(Err(timeout(d, origin))),
         _ => result,
     };
-    job.finish(result);
+    finish(slot, result);
     Ok(())
+}
+
+/// Finishes the job in `slot`.
+fn finish(slot: &mut Option<Job>, result: Result<u64, Error>) {
+    if let Some(job) = slot.take() {
+        job.finish(result);
+    }
 }
 
 // ----- the reader ------------------------------------------------------------------------
@@ -544,27 +577,58 @@ async fn read_lane<R: AsyncRead + Unpin>(
     tasks: mpsc::UnboundedSender<Task>,
     state: Arc<State>,
 ) {
+    // The job whose answer is being read, for the abandonment to finish.
+    let mut current = None;
+    let end = tokio::select! {
+        end = read_frames(&mut r, &mut sent, tasks, &state, &mut current) => end,
+        () = state.abandon.notified() => Error::PeerClosed {
+            reason: format!(
+                "the remote-memory lane was abandoned: its pipe failed or stopped {ABANDON_AFTER:?} \
+                 ago, and the peer has not answered since (frozen?)"
+            ),
+            graceful: false,
+            origin: state.origin.clone(),
+        },
+    };
+    finish(&mut current, Err(end.clone()));
+    state.fail(end.clone());
+    // Every request of this side not answered fails, in issue order, with the lane's end; the
+    // sender hands over those issued after, until the pipe lets go of the lane.
+    let end = state.dead().unwrap_or(end);
+    while let Some(job) = sent.recv().await {
+        job.finish(Err(end.clone()));
+    }
+}
+
+/// Reads the lane until it ends; returns why.
+async fn read_frames<R: AsyncRead + Unpin>(
+    r: &mut R,
+    sent: &mut mpsc::UnboundedReceiver<Job>,
+    tasks: mpsc::UnboundedSender<Task>,
+    state: &State,
+    current: &mut Option<Job>,
+) -> Error {
     let origin = state.origin.clone();
     let mut scratch = Vec::new();
     let mut staging = Vec::new();
     // Dropped at the peer's `CLOSE`: the answerer serves what is queued, then lets go of the
     // write half.
     let mut tasks = Some(tasks);
-    let end: Error = loop {
+    loop {
         let tag = match r.read_u8().await {
             Ok(t) => t,
             Err(e) => break lane_gone(Some(e), &origin),
         };
         match tag {
             REQUEST => {
-                let request: Request = match header(&mut r, &mut scratch, &origin).await {
+                let request: Request = match header(r, &mut scratch, &origin).await {
                     Ok(q) => q,
                     Err(e) => break e,
                 };
                 let Some(to) = &tasks else {
                     break Error::protocol("a remote request after the peer's close", &origin);
                 };
-                match take_request(request, &mut r, &mut staging, &origin).await {
+                match take_request(request, r, &mut staging, &origin).await {
                     Ok(task) => {
                         let _ = to.send(task);
                     }
@@ -572,7 +636,7 @@ async fn read_lane<R: AsyncRead + Unpin>(
                 }
             }
             ANSWER => {
-                let answer: Answer = match header(&mut r, &mut scratch, &origin).await {
+                let answer: Answer = match header(r, &mut scratch, &origin).await {
                     Ok(a) => a,
                     Err(e) => break e,
                 };
@@ -590,7 +654,8 @@ async fn read_lane<R: AsyncRead + Unpin>(
                     job.finish(Err(e.clone()));
                     break e;
                 }
-                if let Err(e) = complete(job, answer, &mut r, &state).await {
+                *current = Some(job);
+                if let Err(e) = complete(current, answer, r, state).await {
                     break e;
                 }
             }
@@ -613,14 +678,6 @@ async fn read_lane<R: AsyncRead + Unpin>(
             },
             other => break Error::protocol(format!("remote-lane frame tag {other}"), &origin),
         }
-    };
-    state.fail(end.clone());
-    drop(tasks);
-    // Every request of this side not answered fails, in issue order, with the lane's end; the
-    // sender hands over those issued after, until the pipe lets go of the lane.
-    let end = state.dead().unwrap_or(end);
-    while let Some(job) = sent.recv().await {
-        job.finish(Err(end.clone()));
     }
 }
 

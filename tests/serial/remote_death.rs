@@ -8,7 +8,9 @@
 //!   (no write lands after), deregistration does not wait on anything, and no descriptor is left
 //!   behind.
 //!
-//! - pipes closed gracefully: their lanes' connections close too (both sides).
+//! - pipes closed gracefully: their lanes' connections close too (both sides);
+//! - the owner frozen (SIGSTOP): every pending operation fails once the keepalive has failed
+//!   the pipe and the lane's grace (`ABANDON_AFTER`) has passed.
 //!
 //! The peer is this test binary run again in a child mode (`remote_death::child`, selected by
 //! `ACTORPIPE_REMOTE_DEATH_CHILD`).
@@ -36,10 +38,17 @@ const EACH: usize = 8 << 20;
 const IN_FLIGHT: u64 = 16;
 /// Every pending operation must complete within this long after the kill.
 const BOUND: Duration = Duration::from_secs(5);
+/// Both sides' keepalive (interval, timeout) in the frozen-owner trial.
+const KEEPALIVE: (Duration, Duration) = (Duration::from_millis(250), Duration::from_secs(2));
 
 /// Both sides' context on a path: only what it needs, so negotiation picks it.
 fn builder(path: &str) -> ContextBuilder {
-    let b = Context::builder().only_transports(&["tcp"]);
+    // `tcp+keepalive`: the same path, with a short keepalive (the frozen-owner trial).
+    let (path, b) = match path.strip_suffix("+keepalive") {
+        Some(p) => (p, Context::builder().keepalive(KEEPALIVE.0, KEEPALIVE.1)),
+        None => (path, Context::builder()),
+    };
+    let b = b.only_transports(&["tcp"]);
     match path {
         "cma" => b.only_channels(&["cma", "basic"]),
         _ => b.only_channels(&["basic"]),
@@ -118,6 +127,33 @@ fn alone(path: &str, trial: impl std::future::Future<Output = ()>) {
     });
 }
 
+/// An owner child on `path`, a context of ours, our pipe to the child, and its region.
+async fn owner_child(
+    path: &str,
+) -> (
+    ChildProcess,
+    actix::Addr<Context>,
+    actix::Addr<Pipe>,
+    RegionDescriptor,
+) {
+    let mut child = spawn_child(&format!("{path} owner"));
+    let line = match child.line(TAG, Duration::from_secs(20)) {
+        Some((_, l)) => l,
+        None => panic!("the owner printed nothing; its output:\n{}", child.tail()),
+    };
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let (url, d) = (
+        words[1],
+        RegionDescriptor::from_bytes(&unhex(words[2])).unwrap(),
+    );
+    let ctx = builder(path).start();
+    let pipe = within(10, "connect", ctx.send(Connect::new(url)))
+        .await
+        .unwrap()
+        .expect("connect to the owner");
+    (child, ctx, pipe, d)
+}
+
 fn spawn_child(spec: &str) -> ChildProcess {
     let mut cmd = reexec("remote_death::child");
     cmd.env(CHILD_ENV, spec);
@@ -127,21 +163,7 @@ fn spawn_child(spec: &str) -> ChildProcess {
 /// The owner is killed while `IN_FLIGHT` reads and writes of `EACH` bytes are pending.
 fn owner_killed(path: &str) {
     alone(path, async {
-        let mut child = spawn_child(&format!("{path} owner"));
-        let line = match child.line(TAG, Duration::from_secs(20)) {
-            Some((_, l)) => l,
-            None => panic!("the owner printed nothing; its output:\n{}", child.tail()),
-        };
-        let words: Vec<&str> = line.split_whitespace().collect();
-        let (url, d) = (
-            words[1],
-            RegionDescriptor::from_bytes(&unhex(words[2])).unwrap(),
-        );
-        let ctx = builder(path).start();
-        let pipe = within(10, "connect", ctx.send(Connect::new(url)))
-            .await
-            .unwrap()
-            .expect("connect to the owner");
+        let (mut child, ctx, pipe, d) = owner_child(path).await;
         let probe = pipe
             .remote_read(RemoteRead::new(&d, vec![Span::whole(8)], vec![0; 8]))
             .await
@@ -334,4 +356,57 @@ fn remote_lanes_of_closed_pipes_are_closed_cma() {
 #[test]
 fn remote_lanes_of_closed_pipes_are_closed_tcp() {
     closed_pipes_leave_no_lane("tcp")
+}
+
+/// The owner is frozen (SIGSTOP: its connections stay open, it answers nothing) while reads are
+/// pending: the keepalive fails the pipe, and the lane gives up on the owner `ABANDON_AFTER`
+/// (5 s) later, so every pending operation fails, in order, each with its own buffer, within the
+/// keepalive timeout, that grace and some slack. Nothing hangs.
+#[test]
+fn remote_owner_frozen_mid_batch_tcp() {
+    let path = "tcp+keepalive";
+    alone(path, async {
+        let (mut child, ctx, pipe, d) = owner_child(path).await;
+        let (to, mut done) = inbox::<RemoteDone>();
+        let mut addresses = Vec::new();
+        for i in 0..IN_FLIGHT {
+            let span = vec![Span::new((i % 8) * EACH as u64, 0, EACH as u64)];
+            let buf = vec![0u8; EACH];
+            addresses.push(buf.as_ptr() as usize);
+            pipe.do_send(RemoteRead::new(&d, span, buf).notify(to.clone()));
+        }
+        // SAFETY: kill(2) with a pid of our own child and a signal number touches no memory.
+        let r = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGSTOP) };
+        assert_eq!(r, 0, "SIGSTOP: {}", std::io::Error::last_os_error());
+        let frozen = std::time::Instant::now();
+        let limit = KEEPALIVE.1 + Duration::from_secs(5) + Duration::from_secs(5);
+        let mut failed = 0;
+        for i in 0..IN_FLIGHT {
+            let r = tokio::time::timeout(limit, done.recv())
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("{i} of {IN_FLIGHT} reads completed {limit:?} after the freeze")
+                })
+                .unwrap();
+            assert_eq!(r.id, i, "completions in order");
+            assert_eq!(
+                r.buffer.as_cpu().unwrap().as_ptr() as usize,
+                addresses[i as usize]
+            );
+            if r.result.is_err() {
+                failed += 1;
+            } else {
+                assert_eq!(failed, 0, "a success after a failure");
+            }
+        }
+        assert!(failed > 0, "the freeze landed after the batch");
+        tell_ci(&format!(
+            "remote, owner frozen (tcp): {failed} of {IN_FLIGHT} reads failed, the last {:?} \
+             after the freeze",
+            frozen.elapsed()
+        ));
+        child.kill();
+        drop(pipe);
+        drop(ctx);
+    });
 }
