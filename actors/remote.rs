@@ -12,7 +12,9 @@ use crate::message::Buffer;
 use crate::remote::{Notification, Region, RegionDescriptor, Span};
 
 /// Registers memory with the context: host memory as `Buffer::Cpu` (reads and writes) or
-/// `Buffer::Shared` (reads only). The runtime holds the buffer until the [`Region`] is
+/// `Buffer::Shared` (reads only), or device memory as `Buffer::Cuda` (feature `cuda`; memory
+/// from `cuMemAlloc`, as `CudaBuffer::alloc` makes, is exported over CUDA IPC here, once, so
+/// that peers of this host map it). The runtime holds the buffer until the [`Region`] is
 /// deregistered ([`Region::deregister`] hands it back) or dropped.
 #[derive(Debug)]
 pub struct Register {
@@ -72,7 +74,8 @@ impl Handler<SubscribeNotifications> for Context {
 pub struct RemoteInfo {
     /// The path a host-memory operation takes now (as `RemoteDone::path`): `xth` (both ends in
     /// this process), `cma`, or the remote lane's transport (`tcp`, `shm`, …) when the bytes
-    /// travel on the lane.
+    /// travel on the lane. Operations on device memory name theirs in `RemoteDone::path`:
+    /// `cuda_xth`, `cuda_ipc`, or `cuda_basic` (the owner serves it through the lane).
     pub path: String,
     /// The remote lane's addresses (ours, the peer's); `None` for `xth`, which needs none.
     pub lane: Option<(String, String)>,
@@ -107,7 +110,9 @@ pub struct Remote<K: Direction> {
     /// What to copy.
     pub spans: Vec<Span>,
     /// The local memory: host memory (`Buffer::Cpu`; a write may also copy from
-    /// `Buffer::Shared`).
+    /// `Buffer::Shared`) or device memory (`Buffer::Cuda`: copies into it or out of it follow
+    /// the work queued on its stream when the operation is issued; a read's bytes are in place
+    /// when it completes).
     pub buffer: Buffer,
     /// Bytes delivered to the owner's subscribers once the operation is done (a write's bytes
     /// in place).
@@ -181,7 +186,9 @@ pub struct RemoteDone {
     pub result: Result<(), Error>,
     /// The local buffer, back.
     pub buffer: Buffer,
-    /// The path chosen (`xth`: both ends in this process); empty if there was none.
+    /// The path chosen (`xth`, `cuda_xth`: both ends in this process; `cma`, `cuda_ipc`, or
+    /// the lane's transport, `cuda_basic` for device memory, when the owner serves it); empty
+    /// if there was none.
     pub path: &'static str,
     /// Bytes moved (the spans' total) when it succeeded.
     pub bytes: u64,
@@ -213,6 +220,8 @@ impl<K: Direction> Op for Remote<K> {
 #[derive(Debug, Default)]
 pub(crate) struct PipeRemote {
     pub(crate) next: [u64; 2],
+    /// Completions held back until those issued before them of their kind are out.
+    pub(crate) order: std::sync::Arc<std::sync::Mutex<Order>>,
     /// The remote lane (both sides offered one), until the pipe fails or stops.
     pub(crate) lane: Option<crate::remote_core::lane::Lane>,
     /// The name of the lane's transport: the path of operations whose bytes travel on it.
@@ -240,12 +249,63 @@ impl Reply {
     }
 }
 
+/// The operations finished out of turn, per kind: an operation through a mapping
+/// (`cuda_ipc`) completes when its copies have run, one served by the owner when its answer
+/// comes, so a later one may finish first; each kind's completions leave in issue order.
+#[derive(Debug, Default)]
+pub(crate) struct Order {
+    next: [u64; 2],
+    held: [std::collections::BTreeMap<u64, Held>; 2],
+}
+
+struct Held(Reply, RemoteDone);
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.1.fmt(f)
+    }
+}
+
+impl Order {
+    /// Sends `done` once every operation of its kind issued before it has been sent.
+    fn release(order: &std::sync::Mutex<Order>, reply: Reply, done: RemoteDone) {
+        let kind = done.op as usize;
+        let mut ready = Vec::new();
+        {
+            let mut o = order.lock().unwrap_or_else(|e| e.into_inner());
+            if done.id != o.next[kind] {
+                o.held[kind].insert(done.id, Held(reply, done));
+                return;
+            }
+            ready.push(Held(reply, done));
+            o.next[kind] += 1;
+            loop {
+                let next = o.next[kind];
+                match o.held[kind].remove(&next) {
+                    Some(h) => {
+                        ready.push(h);
+                        o.next[kind] += 1;
+                    }
+                    None => break,
+                }
+            }
+        }
+        for Held(reply, done) in ready {
+            reply.send(done);
+        }
+    }
+}
+
 /// How an operation will run.
 enum Route {
     /// Both ends in this process: a copy made now.
     Here,
     /// Over the pipe's remote lane, the owner serving it.
     Lane(&'static str),
+    /// Through this process's mapping of the owner's device memory (`cuda_ipc`), after its
+    /// lease over the lane.
+    #[cfg(feature = "cuda")]
+    Mapped,
 }
 
 impl Pipe {
@@ -266,6 +326,7 @@ impl Pipe {
             deadline,
             ..
         } = job;
+        let order = self.remote_ops.order.clone();
         let finish = move |result: Result<u64, Error>, buffer: Buffer, path: &'static str| {
             crate::metrics::remote_finished(
                 op.label(),
@@ -273,53 +334,45 @@ impl Pipe {
                 started.elapsed(),
                 result.as_ref().copied(),
             );
-            RemoteDone {
+            let done = RemoteDone {
                 id,
                 op,
                 bytes: *result.as_ref().unwrap_or(&0),
                 result: result.map(|_| ()),
                 buffer,
                 path,
-            }
+            };
+            Order::release(&order, reply, done);
         };
-        let checked = self
-            .remote_route(&region)
-            .and_then(|route| match (op, &buffer) {
-                (RemoteOp::Read, Buffer::Cpu(_))
-                | (RemoteOp::Write, Buffer::Cpu(_) | Buffer::Shared(_)) => Ok(route),
-                (RemoteOp::Read, Buffer::Shared(_)) => Err(Error::invalid(
+        let checked = self.remote_route(&region, &buffer).and_then(|route| {
+            if op == RemoteOp::Read && matches!(buffer, Buffer::Shared(_)) {
+                return Err(Error::invalid(
                     "a remote read into Buffer::Shared: nothing can be written into it",
-                )),
-                #[cfg(feature = "cuda")]
-                (_, Buffer::Cuda(_)) => Err(Error::Unavailable {
-                    backend: "remote".into(),
-                    reason: "remote operations on CUDA memory are not built yet".into(),
-                }),
-            });
+                ));
+            }
+            Ok(route)
+        });
         let route = match checked {
             Ok(r) => r,
-            Err(e) => return reply.send(finish(Err(e), buffer, "")),
+            Err(e) => return finish(Err(e), buffer, ""),
         };
         let path = match route {
-            Route::Here => "xth",
+            Route::Here => crate::remote_core::local::path(&region, &buffer),
             Route::Lane(path) => path,
+            #[cfg(feature = "cuda")]
+            Route::Mapped => "cuda_ipc",
         };
         // Bounds are checked here too, so that a bad batch fails before it travels.
         let local = buffer.len();
         if let Err(e) = crate::remote_core::check_spans(&spans, region.len(), local) {
-            return reply.send(finish(Err(e), buffer, path));
+            return finish(Err(e), buffer, path);
         }
         match route {
             Route::Here => {
-                let result = match &mut buffer {
-                    Buffer::Cpu(v) if op == RemoteOp::Read => {
-                        crate::remote_core::local::read(&region, &spans, v, notify)
-                    }
-                    b => {
-                        let src = b.as_cpu().expect("host memory");
-                        crate::remote_core::local::write(&region, &spans, src, notify)
-                    }
-                };
+                let write = op == RemoteOp::Write;
+                let local = crate::remote_core::local::Local::of(&mut buffer);
+                let result =
+                    crate::remote_core::local::operate(&region, &spans, local, write, notify);
                 // A copy cannot be interrupted: past its deadline it fails, its bytes copied.
                 let result = result.and_then(|n| match deadline {
                     Some(d) if started.elapsed() > d => {
@@ -327,11 +380,50 @@ impl Pipe {
                     }
                     _ => Ok(n),
                 });
-                reply.send(finish(result, buffer, path));
+                finish(result, buffer, path);
             }
-            Route::Lane(path) => {
+            _ => {
                 let lane = self.remote_ops.lane.as_ref().expect("routed to the lane");
-                lane.submit(crate::remote_core::lane::Job {
+                // Device memory of ours that the owner serves through the lane travels through
+                // host memory (an allocation per operation: this is the fallback).
+                #[cfg(feature = "cuda")]
+                let (buffer, device) = match buffer {
+                    Buffer::Cuda(b) if path != "cuda_ipc" => {
+                        let staged = if op == RemoteOp::Write {
+                            b.to_vec()
+                        } else {
+                            Ok(vec![0; b.len()])
+                        };
+                        match staged {
+                            Ok(v) => (Buffer::Cpu(v), Some(b)),
+                            Err(e) => return finish(Err(e), Buffer::Cuda(b), path),
+                        }
+                    }
+                    other => (other, None),
+                };
+                // A read lands only its spans' bytes in the device buffer.
+                #[cfg(feature = "cuda")]
+                let spans_back = if device.is_some() && op == RemoteOp::Read {
+                    spans.clone()
+                } else {
+                    Vec::new()
+                };
+                let done = move |result: Result<u64, Error>, buffer: Buffer| {
+                    #[cfg(feature = "cuda")]
+                    if let Some(b) = device {
+                        let landed = match (&result, op, buffer.as_cpu()) {
+                            (Ok(_), RemoteOp::Read, Some(v)) => land(&b, v, &spans_back),
+                            _ => Ok(()),
+                        };
+                        return finish(
+                            result.and_then(|n| landed.map(|()| n)),
+                            Buffer::Cuda(b),
+                            path,
+                        );
+                    }
+                    finish(result, buffer, path)
+                };
+                let job = crate::remote_core::lane::Job {
                     seq: id * 2 + kind as u64,
                     write: op == RemoteOp::Write,
                     region,
@@ -341,8 +433,16 @@ impl Pipe {
                     deadline,
                     issued: started,
                     cma: path == "cma",
-                    done: Box::new(move |result, buffer| reply.send(finish(result, buffer, path))),
-                });
+                    #[cfg(feature = "cuda")]
+                    lease: None,
+                    notice: false,
+                    done: Box::new(done),
+                };
+                match route {
+                    #[cfg(feature = "cuda")]
+                    Route::Mapped => lane.submit_mapped(job),
+                    _ => lane.submit(job),
+                }
             }
         }
     }
@@ -353,8 +453,8 @@ impl Pipe {
             "xth"
         } else {
             match self.remote_route_for_host()? {
-                Route::Here => "xth",
                 Route::Lane(p) => p,
+                _ => "xth",
             }
         };
         Some(RemoteInfo {
@@ -374,8 +474,8 @@ impl Pipe {
         }
     }
 
-    /// The route to `region` from this pipe, or why there is none.
-    fn remote_route(&self, region: &RegionDescriptor) -> Result<Route, Error> {
+    /// The route to `region` from this pipe for an operation on `local`, or why there is none.
+    fn remote_route(&self, region: &RegionDescriptor, local: &Buffer) -> Result<Route, Error> {
         if let Some(e) = self.failure() {
             return Err(e.clone());
         }
@@ -387,7 +487,20 @@ impl Pipe {
                 Err(crate::remote_core::gone(region.id()))
             };
         }
+        let device = region.cuda_device().is_some() || local.device() != crate::Device::Cpu;
         match self.remote_route_for_host() {
+            #[cfg(feature = "cuda")]
+            Some(_)
+                if self.has_channel("cuda_ipc")
+                    && matches!(
+                        region.memory(),
+                        crate::remote_core::Memory::Cuda { ipc: true, .. }
+                    ) =>
+            {
+                Ok(Route::Mapped)
+            }
+            // Device memory the peer serves: through host memory, on the lane.
+            Some(_) if device => Ok(Route::Lane("cuda_basic")),
             Some(route) => Ok(route),
             None => Err(Error::Unavailable {
                 backend: "remote".into(),
@@ -397,6 +510,25 @@ impl Pipe {
             }),
         }
     }
+}
+
+/// Copies each span's bytes of `staged` (host memory) to the same place of `b`.
+#[cfg(feature = "cuda")]
+fn land(b: &crate::cuda::CudaBuffer, staged: &[u8], spans: &[Span]) -> Result<(), Error> {
+    for s in spans.iter().filter(|s| s.len > 0) {
+        let at = s.local as usize;
+        // SAFETY: the spans were checked against the local buffer's length, which `staged`
+        // and `b` share; `b` holds its memory for the call, and the copy returns once done.
+        unsafe {
+            crate::remote_core::device::copy_sync(
+                b.gpu(),
+                b.device_ptr() + s.local,
+                staged[at..].as_ptr() as u64,
+                s.len as usize,
+            )?
+        };
+    }
+    Ok(())
 }
 
 impl<K: Direction> Handler<Remote<K>> for Pipe {

@@ -7,8 +7,11 @@
 //! next step once the read completes. The prefill side hears the notification after the read,
 //! and could then free or reuse those blocks.
 //!
-//! Both workers run here as two contexts of one process, the remote-memory path built so far
-//! (`xth`); host memory. Run: `cargo run --example kv_transfer`.
+//! Both workers run here as two contexts of one process. Built with feature `cuda` on a host with
+//! a GPU, the pool and the decode buffer are device memory of GPU 0 (path `cuda_xth`; between two
+//! processes of the host it would be `cuda_ipc`), and the decode step's next work goes on its
+//! buffer's stream; elsewhere both are host memory (path `xth`). Run: `cargo run --example
+//! kv_transfer` (or `--features cuda`).
 
 use actix::prelude::*;
 use actorpipe::prelude::*;
@@ -68,7 +71,7 @@ impl Handler<Start> for Prefill {
                 let pool: Vec<u8> = (0..POOL_BLOCKS)
                     .flat_map(|b| std::iter::repeat_n(block_byte(b), BLOCK as usize))
                     .collect();
-                let region = owner.register(Buffer::Cpu(pool)).await.expect("register");
+                let region = owner.register(memory(pool)).await.expect("register");
                 let descriptor = region.descriptor().to_bytes();
                 println!(
                     "prefill: registered {POOL_BLOCKS} blocks of {} KiB; descriptor {} bytes",
@@ -97,10 +100,14 @@ impl Handler<Notification> for Prefill {
         // The blocks were read: this worker may reuse them. Deregistering waits for any copy
         // still under way and hands the pool back.
         if let Some(region) = self.region.take() {
-            let pool = region.deregister();
-            println!("prefill: pool of {} bytes back", pool.len());
+            actix::spawn(async move {
+                let pool = region.deregister().await;
+                println!("prefill: pool of {} bytes back", pool.len());
+                one_done();
+            });
+        } else {
+            one_done();
         }
-        one_done();
     }
 }
 
@@ -124,7 +131,7 @@ impl Actor for Decode {
                     .enumerate()
                     .map(|(i, &b)| Span::new(b * BLOCK, i as u64 * BLOCK, BLOCK))
                     .collect();
-                let local = vec![0u8; WANTED.len() * BLOCK as usize];
+                let local = memory(vec![0u8; WANTED.len() * BLOCK as usize]);
                 let read =
                     RemoteRead::new(&region, spans, local).notify_owner("decode: read 8 blocks");
                 pipe.do_send(read.notify(me));
@@ -142,7 +149,7 @@ impl Handler<RemoteDone> for Decode {
             eprintln!("decode: the read failed: {e}");
             return System::current().stop();
         }
-        let got = d.buffer.as_cpu().expect("host memory");
+        let got = bytes(&d.buffer);
         for (i, &b) in WANTED.iter().enumerate() {
             let slot = &got[i * BLOCK as usize..(i + 1) * BLOCK as usize];
             assert!(slot.iter().all(|&x| x == block_byte(b)), "block {b}");
@@ -155,6 +162,28 @@ impl Handler<RemoteDone> for Decode {
         );
         one_done();
     }
+}
+
+/// `bytes` where the workers keep their blocks: device memory of GPU 0 where there is one (and
+/// feature `cuda`), host memory elsewhere.
+fn memory(bytes: Vec<u8>) -> Buffer {
+    #[cfg(feature = "cuda")]
+    if actorpipe::cuda::available().is_ok() {
+        let mut b = actorpipe::cuda::CudaBuffer::alloc(0, bytes.len()).expect("device memory");
+        b.copy_from_host(&bytes).expect("fill the device memory");
+        return Buffer::Cuda(b);
+    }
+    Buffer::Cpu(bytes)
+}
+
+/// What the decode step's next work would see: for device memory, a copy queued on the buffer's
+/// stream after the read (the read's bytes are in place when it completes).
+fn bytes(b: &Buffer) -> Vec<u8> {
+    #[cfg(feature = "cuda")]
+    if let Some(c) = b.as_cuda() {
+        return c.to_vec().expect("the blocks, from the device");
+    }
+    b.as_cpu().expect("host memory").to_vec()
 }
 
 fn main() {

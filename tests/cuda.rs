@@ -10,6 +10,8 @@ mod common;
 mod ipc_pipe;
 #[path = "cuda/pipe.rs"]
 mod pipe;
+#[path = "cuda/remote.rs"]
+mod remote;
 
 use std::io::{BufRead, Write as _};
 use std::process::{Command, Stdio};
@@ -118,6 +120,22 @@ fn main() {
         "pipe_cuda_basic_round_trips_between_processes",
         1,
         ipc_pipe::basic_round_trips,
+    );
+    add(
+        "remote_cuda_xth_reads_and_writes_device_memory",
+        1,
+        remote::xth,
+    );
+    add(
+        "remote_cuda_basic_serves_device_memory_on_the_lane",
+        1,
+        remote::basic,
+    );
+    add("remote_cuda_ipc_maps_the_owners_memory", 1, remote::ipc);
+    add(
+        "remote_cuda_ipc_deregistration_outwaits_a_stopped_initiator",
+        1,
+        remote::stopped_mapper,
     );
     libtest_mimic::run(&args, trials).exit();
 }
@@ -401,6 +419,8 @@ fn child(role: &str) -> Outcome {
         "ipc_recv" => ipc_receiver(),
         ipc_pipe::ECHO => ipc_pipe::echo(),
         ipc_pipe::SEND_AND_HANG => ipc_pipe::send_and_hang(),
+        remote::OWNER => remote::owner(),
+        remote::MAPPER => remote::mapper(),
         "ipc_send" => ipc_sender(),
         "ipc_open" => {
             let mut line = String::new();

@@ -24,9 +24,17 @@
 //! peer died) fails every pending request in issue order, and a cma request is never failed
 //! before the lane has ended: until then the owner may still be copying into its buffer.
 //!
+//! Device memory of the peer's on the same host (`cuda_ipc`) is mapped, not served: this side
+//! asks the owner for a lease of the region (a request whose answer carries the allocation's IPC
+//! handle), then copies through the mapping on a stream of its own (`super::device`). The owner
+//! sends `REVOKE` when the region is deregistered; this side answers `REVOKED` once its copies
+//! on the mapping have run and the mapping is closed.
+//!
 //! Frames: a tag byte, then for [`REQUEST`] and [`ANSWER`] a `u32` LE length and that many
-//! bytes of MessagePack (docs/protocol.md, "The remote lane").
+//! bytes of MessagePack, for `REVOKE` and `REVOKED` the region's number, `u64` LE
+//! (docs/protocol.md, "The remote lane").
 
+use std::collections::HashMap;
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -59,6 +67,8 @@ const ANSWER: u8 = 2;
 const CLOSE: u8 = 3;
 const PROBE: u8 = 4;
 const PROBED: u8 = 5;
+const REVOKE: u8 = 6;
+const REVOKED: u8 = 7;
 
 /// The byte a side's `PROBE` asks the peer to read with `process_vm_readv`: whether the peer may
 /// reach this process's memory, which `cma` needs both ways.
@@ -105,6 +115,12 @@ enum Via {
     /// order) right after the request; a read's after an `Ok` answer, then a status byte (0:
     /// all sent; 1: the region was deregistered part-way, what follows is zeros).
     Inline { local: u64, payload: u64 },
+    /// A lease of a region of device memory (no spans): the answer carries the allocation's
+    /// CUDA IPC handle, and the owner counts the initiator among the region's mappers.
+    Lease,
+    /// A notification of an operation the initiator made through its mapping (no spans): the
+    /// owner delivers `notify`, the data being in place already.
+    Notice,
 }
 
 /// An answer, as it travels.
@@ -113,6 +129,9 @@ struct Answer {
     seq: u64,
     /// Bytes moved, or why not.
     result: Result<u64, Failure>,
+    /// A lease's handle and place (MessagePack of `super::device::LeaseInfo`).
+    #[serde(default)]
+    lease: Option<serde_bytes::ByteBuf>,
 }
 
 /// An error, as it travels.
@@ -194,13 +213,39 @@ pub(crate) struct Job {
     pub issued: Instant,
     /// The owner copies with cma (the pipe negotiated it), or the bytes travel on the lane.
     pub cma: bool,
+    /// A lease request of the lane's own (`cuda_ipc`), completed with the owner's answer.
+    #[cfg(feature = "cuda")]
+    pub lease: Option<super::device::LeaseDone>,
+    /// A notification of the lane's own, for an operation made through a mapping.
+    pub notice: bool,
     /// Called once, with the bytes moved or the error, and the buffer back.
     pub done: Box<dyn FnOnce(Result<u64, Error>, Buffer) + Send + Sync>,
 }
 
 impl Job {
-    fn finish(self, result: Result<u64, Error>) {
+    pub(crate) fn finish(self, result: Result<u64, Error>) {
+        #[cfg(feature = "cuda")]
+        if let Some(lease) = self.lease {
+            return lease(result.and_then(|_| {
+                Err(Error::protocol(
+                    "a lease answered without its handle",
+                    &Origin::default(),
+                ))
+            }));
+        }
         (self.done)(result, self.buffer)
+    }
+
+    fn is_lease(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.lease.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    /// Whether the owner's answer is followed by the bytes read.
+    fn reads_inline(&self) -> bool {
+        !self.write && !self.cma && !self.notice && !self.is_lease()
     }
 
     fn total(&self) -> u64 {
@@ -220,6 +265,17 @@ struct State {
     /// for answers that a frozen peer may never send.
     abandon: tokio::sync::Notify,
     origin: Origin,
+    /// As the owner: the acknowledgements that deregistrations wait for, by region, until the
+    /// peer's `REVOKED` or, once the lane has ended, the peer process's exit.
+    revoking: Mutex<HashMap<u64, Vec<tokio::sync::oneshot::Sender<()>>>>,
+    /// The peer's process id, from its `PROBE` (0 until then).
+    peer_pid: std::sync::atomic::AtomicI32,
+    /// As the initiator: the peer's regions of device memory mapped here.
+    #[cfg(feature = "cuda")]
+    leases: Arc<super::device::Leases>,
+    /// Numbers of the lane's own requests.
+    #[cfg(feature = "cuda")]
+    seq: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl State {
@@ -283,6 +339,12 @@ impl Lane {
             cma_threads,
             abandon: tokio::sync::Notify::new(),
             origin,
+            revoking: Mutex::new(HashMap::new()),
+            peer_pid: std::sync::atomic::AtomicI32::new(0),
+            #[cfg(feature = "cuda")]
+            leases: Default::default(),
+            #[cfg(feature = "cuda")]
+            seq: Default::default(),
         });
         let out = Arc::new(Out {
             write: tokio::sync::Mutex::new(write),
@@ -293,7 +355,7 @@ impl Lane {
         let (tasks, tasks_rx) = mpsc::unbounded_channel();
         let loops: Vec<Loop> = vec![
             Box::pin(send_requests(jobs_rx, sent, out.clone(), state.clone())),
-            Box::pin(read_lane(read, sent_rx, tasks, state.clone())),
+            Box::pin(read_lane(read, sent_rx, tasks, out.clone(), state.clone())),
             Box::pin(answer(tasks_rx, out, state.clone())),
         ];
         (Lane { jobs, state }, loops)
@@ -313,6 +375,22 @@ impl Lane {
     /// Whether the owner refused cma towards this process (the bytes then travel on the lane).
     pub(crate) fn cma_refused(&self) -> bool {
         self.state.cma_refused.load(Ordering::Relaxed)
+    }
+
+    /// Hands `job` (on the peer's device memory, `cuda_ipc`) to the region's mapping: copied
+    /// here on the lane's stream, after the region's lease where it has none yet.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn submit_mapped(&self, job: Job) {
+        if let Some(e) = self.state.dead() {
+            return job.finish(Err(e));
+        }
+        let link = super::device::Link {
+            jobs: self.jobs.clone(),
+            leases: self.state.leases.clone(),
+            seq: self.state.seq.clone(),
+            origin: self.state.origin.clone(),
+        };
+        super::device::Leases::submit(&link, job);
     }
 }
 
@@ -337,7 +415,7 @@ impl Drop for Lane {
 }
 
 /// The error of operations on a lane that ended.
-fn lane_gone(e: Option<io::Error>, origin: &Origin) -> Error {
+pub(crate) fn lane_gone(e: Option<io::Error>, origin: &Origin) -> Error {
     Error::PeerClosed {
         reason: match e {
             Some(e) => format!("the remote-memory lane ended: {e}"),
@@ -418,7 +496,10 @@ async fn send_requests<W: AsyncWrite + Unpin>(
         // The reader completes it: with its answer, or with the lane's end.
         let _ = sent.send(job);
     }
-    // The pipe let go of the lane: no more requests from this side.
+    // The pipe let go of the lane: no more requests from this side, and no more mappings of
+    // the peer's memory (closed once the copies queued on them have run).
+    #[cfg(feature = "cuda")]
+    state.leases.clear();
     if state.dead().is_none() {
         let mut w = out.write.lock().await;
         let _ = async {
@@ -436,7 +517,11 @@ async fn send_request<W: AsyncWrite + Unpin>(
     buf: &mut Vec<u8>,
 ) -> io::Result<()> {
     let src = job.buffer.as_cpu().unwrap_or(&[]);
-    let via = if job.cma {
+    let via = if job.notice {
+        Via::Notice
+    } else if job.is_lease() {
+        Via::Lease
+    } else if job.cma {
         Via::Cma {
             pid: std::process::id() as i32,
             addr: src.as_ptr() as u64,
@@ -495,6 +580,22 @@ async fn complete<R: AsyncRead + Unpin>(
     let origin = &state.origin;
     // The job stays in `slot` while its bytes are read: a reader abandoned meanwhile finishes it.
     let job = slot.as_mut().expect("the job being completed");
+    #[cfg(feature = "cuda")]
+    if job.is_lease() {
+        let job = slot.take().expect("the lease being completed");
+        let lease = job.lease.expect("a lease");
+        let info = match (answer.result, answer.lease) {
+            (Err(f), _) => Err(f.into_error(None, origin)),
+            (Ok(_), Some(b)) => rmp_serde::from_slice(&b)
+                .map_err(|e| Error::protocol(format!("a lease that does not decode: {e}"), origin)),
+            (Ok(_), None) => Err(Error::protocol(
+                "a lease answered without its handle",
+                origin,
+            )),
+        };
+        lease(info);
+        return Ok(());
+    }
     let result = match answer.result {
         Err(f) => {
             if f.kind == FailureKind::CmaRefused {
@@ -502,7 +603,7 @@ async fn complete<R: AsyncRead + Unpin>(
             }
             Err(f.into_error(job.deadline, origin))
         }
-        Ok(n) if !job.write && !job.cma => {
+        Ok(n) if job.reads_inline() => {
             // The read's bytes follow, then the status byte.
             if n != job.total() {
                 let e = Error::protocol(
@@ -568,19 +669,29 @@ enum Task {
         entry: Arc<Entry>,
         total: u64,
         deadline: Option<Instant>,
+        /// For a lease: where the region's deregistration reaches the answerer (`REVOKE`).
+        revoke: Option<mpsc::WeakUnboundedSender<Task>>,
     },
+    /// The owner deregisters region `0`, which the peer mapped: send `REVOKE`, and hand the
+    /// acknowledgement to the peer's `REVOKED`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Revoke(u64, tokio::sync::oneshot::Sender<()>),
 }
 
-async fn read_lane<R: AsyncRead + Unpin>(
+async fn read_lane<R, W>(
     mut r: R,
     mut sent: mpsc::UnboundedReceiver<Job>,
     tasks: mpsc::UnboundedSender<Task>,
+    out: Arc<Out<W>>,
     state: Arc<State>,
-) {
+) where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
     // The job whose answer is being read, for the abandonment to finish.
     let mut current = None;
     let end = tokio::select! {
-        end = read_frames(&mut r, &mut sent, tasks, &state, &mut current) => end,
+        end = read_frames(&mut r, &mut sent, tasks, &out, &state, &mut current) => end,
         () = state.abandon.notified() => Error::PeerClosed {
             reason: format!(
                 "the remote-memory lane was abandoned: its pipe failed or stopped {ABANDON_AFTER:?} \
@@ -592,6 +703,15 @@ async fn read_lane<R: AsyncRead + Unpin>(
     };
     finish(&mut current, Err(end.clone()));
     state.fail(end.clone());
+    // Deregistrations waiting for the peer to let go of its mappings: a peer that died holds
+    // none; one that lives (frozen, or its pipe failed on our side first) may still copy
+    // through them, so the memory stays until that process has exited.
+    let waiting = std::mem::take(&mut *state.revoking.lock().unwrap_or_else(|e| e.into_inner()));
+    if !waiting.is_empty() {
+        let pid = state.peer_pid.load(Ordering::Relaxed);
+        let acks: Vec<_> = waiting.into_values().flatten().collect();
+        release_after_exit(pid, acks);
+    }
     // Every request of this side not answered fails, in issue order, with the lane's end; the
     // sender hands over those issued after, until the pipe lets go of the lane.
     let end = state.dead().unwrap_or(end);
@@ -601,13 +721,18 @@ async fn read_lane<R: AsyncRead + Unpin>(
 }
 
 /// Reads the lane until it ends; returns why.
-async fn read_frames<R: AsyncRead + Unpin>(
+async fn read_frames<R, W>(
     r: &mut R,
     sent: &mut mpsc::UnboundedReceiver<Job>,
     tasks: mpsc::UnboundedSender<Task>,
+    out: &Arc<Out<W>>,
     state: &State,
     current: &mut Option<Job>,
-) -> Error {
+) -> Error
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
     let origin = state.origin.clone();
     let mut scratch = Vec::new();
     let mut staging = Vec::new();
@@ -628,7 +753,7 @@ async fn read_frames<R: AsyncRead + Unpin>(
                 let Some(to) = &tasks else {
                     break Error::protocol("a remote request after the peer's close", &origin);
                 };
-                match take_request(request, r, &mut staging, &origin).await {
+                match take_request(request, r, &mut staging, to, &origin).await {
                     Ok(task) => {
                         let _ = to.send(task);
                     }
@@ -668,6 +793,7 @@ async fn read_frames<R: AsyncRead + Unpin>(
                 }
                 let pid = i32::from_le_bytes(b[..4].try_into().expect("4 bytes"));
                 let addr = u64::from_le_bytes(b[4..].try_into().expect("8 bytes"));
+                state.peer_pid.store(pid, Ordering::Relaxed);
                 if let Some(to) = &tasks {
                     let _ = to.send(Task::Probed(super::cma::reaches(pid, addr)));
                 }
@@ -676,9 +802,108 @@ async fn read_frames<R: AsyncRead + Unpin>(
                 Ok(ok) => state.cma_refused.store(ok == 0, Ordering::Relaxed),
                 Err(e) => break lane_gone(Some(e), &origin),
             },
+            // The owner deregisters a region we mapped: acknowledge once our copies on the
+            // mapping have run and it is closed.
+            REVOKE => match r.read_u64_le().await {
+                Ok(id) => revoked(id, out, state),
+                Err(e) => break lane_gone(Some(e), &origin),
+            },
+            // The peer let go of a region of ours: the deregistration may go on.
+            REVOKED => match r.read_u64_le().await {
+                Ok(id) => {
+                    let acks = state
+                        .revoking
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&id);
+                    for ack in acks.into_iter().flatten() {
+                        let _ = ack.send(());
+                    }
+                }
+                Err(e) => break lane_gone(Some(e), &origin),
+            },
             other => break Error::protocol(format!("remote-lane frame tag {other}"), &origin),
         }
     }
+}
+
+/// Writes a `REVOKE` or `REVOKED` frame: the tag and the region's number.
+async fn id_frame<W: AsyncWrite + Unpin>(out: &Out<W>, tag: u8, id: u64) -> io::Result<()> {
+    let mut frame = [0u8; 9];
+    frame[0] = tag;
+    frame[1..].copy_from_slice(&id.to_le_bytes());
+    let mut w = out.write.lock().await;
+    w.write_all(&frame).await?;
+    w.flush().await
+}
+
+/// Sends `acks` once process `pid` has exited (at once if it has, or if `pid` is unknown): the
+/// lane to a peer that held mappings of ours ended without its `REVOKED`.
+fn release_after_exit(pid: i32, acks: Vec<tokio::sync::oneshot::Sender<()>>) {
+    let release = move || {
+        for ack in acks {
+            let _ = ack.send(());
+        }
+    };
+    if pid <= 0 || pid == std::process::id() as i32 {
+        return release();
+    }
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as i32;
+    if fd < 0 {
+        // ESRCH: gone already. (Another error, e.g. a kernel without pidfd_open: the peer is
+        // taken at its lane's word.)
+        return release();
+    }
+    tracing::warn!(
+        pid,
+        "a peer's remote lane ended while it mapped regions of ours: their memory is kept \
+         until that process exits"
+    );
+    let watch = move || {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `p` names the pidfd opened above; it becomes readable when the process exits.
+        while unsafe { libc::poll(&mut p, 1, -1) } < 0 {}
+        // SAFETY: the descriptor opened above, closed once.
+        unsafe { libc::close(fd) };
+        release();
+    };
+    if let Err(e) = std::thread::Builder::new()
+        .name("actorpipe-peer-exit".into())
+        .spawn(watch)
+    {
+        tracing::error!("no thread to wait for a peer's exit ({e}): its regions are released now");
+    }
+}
+
+/// The owner revoked region `id`: once the copies queued on its mapping have run, closes the
+/// mapping and answers `REVOKED` (at once if it was not mapped).
+fn revoked<W: AsyncWrite + Unpin + Send + 'static>(id: u64, out: &Arc<Out<W>>, state: &State) {
+    let out = out.clone();
+    #[cfg(feature = "cuda")]
+    let pending = state.leases.revoke(id).and_then(|(stream, mapping)| {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        crate::cuda::on_stream_done(&stream, move || {
+            let _ = tx.send(());
+        })
+        .ok()
+        .map(|()| (rx, mapping))
+    });
+    #[cfg(not(feature = "cuda"))]
+    let _ = state;
+    tokio::spawn(async move {
+        #[cfg(feature = "cuda")]
+        if let Some((done, mapping)) = pending {
+            let _ = done.await;
+            // Closing synchronizes the mapping's context: off the lane's thread.
+            let _ = tokio::task::spawn_blocking(move || drop(mapping)).await;
+        }
+        let _ = id_frame(&out, REVOKED, id).await;
+    });
 }
 
 /// Checks a peer's request: its region, token, bounds and deadline.
@@ -695,7 +920,13 @@ fn check(
     let local = match q.via {
         Via::Cma { len, .. } => len,
         Via::Inline { local, .. } => local,
+        Via::Lease | Via::Notice => 0,
     };
+    if matches!(q.via, Via::Cma { .. }) && entry.is_device() {
+        return Err(Error::invalid(
+            "the region is device memory: cma cannot reach it",
+        ));
+    }
     let total = local::validate(&entry, &q.spans, local, q.write)?;
     if let Via::Inline { payload, .. } = q.via {
         if q.write && payload != total {
@@ -713,6 +944,7 @@ async fn take_request<R: AsyncRead + Unpin>(
     q: Request,
     r: &mut R,
     staging: &mut Vec<u8>,
+    tasks: &mpsc::UnboundedSender<Task>,
     origin: &Origin,
 ) -> Result<Task, Error> {
     let seq = q.seq;
@@ -725,6 +957,7 @@ async fn take_request<R: AsyncRead + Unpin>(
         return Ok(match checked {
             Err(e) => Task::Answer(seq, Err(e)),
             Ok((entry, total, deadline)) => Task::Serve {
+                revoke: matches!(q.via, Via::Lease).then(|| tasks.downgrade()),
                 request: q,
                 entry,
                 total,
@@ -745,19 +978,7 @@ async fn take_request<R: AsyncRead + Unpin>(
     while left > 0 {
         let n = next_chunk(r, &mut left, staging, origin).await?;
         if result.is_ok() {
-            let landed = entry.with_memory(q.region.id(), |base| {
-                cursor.each(&q.spans, n as u64, |s, at, offset, len| {
-                    // SAFETY: `check` put every span inside the region, whose memory the lock
-                    // held by `with_memory` keeps; `at + len <= n`, inside `staging`.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            staging.as_ptr().add(at as usize),
-                            base.add((s.remote + offset) as usize),
-                            len as usize,
-                        )
-                    }
-                })
-            });
+            let landed = move_chunk(&entry, &q, &mut cursor, staging.as_mut_ptr(), n, true);
             if let Err(e) = landed {
                 result = Err(e);
             }
@@ -773,6 +994,39 @@ async fn take_request<R: AsyncRead + Unpin>(
         }
     }
     Ok(Task::Answer(seq, result))
+}
+
+/// Moves the next `n` bytes of a request's stream of span bytes between `staged` (host memory
+/// of at least `n` bytes) and the region: into it if `into`. Holds the region for the chunk.
+fn move_chunk(
+    entry: &Entry,
+    q: &Request,
+    cursor: &mut Cursor,
+    staged: *mut u8,
+    n: usize,
+    into: bool,
+) -> Result<(), Error> {
+    entry
+        .with_memory(q.region.id(), |base| {
+            let mut moved = Ok(());
+            cursor.each(&q.spans, n as u64, |s, at, offset, len| {
+                if moved.is_ok() {
+                    // SAFETY: `check` put every span inside the region, whose memory the lock
+                    // held by `with_memory` keeps; `at + len <= n`, inside `staged`.
+                    moved = unsafe {
+                        entry.move_bytes(
+                            base,
+                            s.remote + offset,
+                            staged.add(at as usize),
+                            len as usize,
+                            into,
+                        )
+                    };
+                }
+            });
+            moved
+        })
+        .and_then(|r| r)
 }
 
 /// Reads and drops `n` bytes off the lane.
@@ -854,15 +1108,26 @@ async fn answer<W: AsyncWrite + Unpin>(
                 }
                 .await
             }
-            Task::Answer(seq, result) => send_answer(&out, &mut buf, seq, &result).await,
+            Task::Answer(seq, result) => send_answer(&out, &mut buf, seq, &result, None).await,
             Task::Serve {
                 request,
                 entry,
                 total,
                 deadline,
+                revoke,
             } => {
                 let out = (&*out, &mut buf, &mut stage);
-                serve(request, entry, total, deadline, out, &state).await
+                serve(request, entry, total, deadline, revoke, out, &state).await
+            }
+            Task::Revoke(id, ack) => {
+                state
+                    .revoking
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .entry(id)
+                    .or_default()
+                    .push(ack);
+                id_frame(&out, REVOKE, id).await
             }
         };
         if sent.is_err() {
@@ -878,10 +1143,12 @@ async fn send_answer<W: AsyncWrite + Unpin>(
     buf: &mut Vec<u8>,
     seq: u64,
     result: &Result<u64, Error>,
+    lease: Option<serde_bytes::ByteBuf>,
 ) -> io::Result<()> {
     let answer = Answer {
         seq,
         result: result.as_ref().copied().map_err(Failure::of),
+        lease,
     };
     frame(buf, ANSWER, &answer);
     let mut w = out.write.lock().await;
@@ -890,25 +1157,36 @@ async fn send_answer<W: AsyncWrite + Unpin>(
 }
 
 /// Serves a checked request: the copy, or the read's bytes, then the answer.
+#[allow(clippy::too_many_arguments)]
 async fn serve<W: AsyncWrite + Unpin>(
-    q: Request,
+    mut q: Request,
     entry: Arc<Entry>,
     total: u64,
     deadline: Option<Instant>,
+    revoke: Option<mpsc::WeakUnboundedSender<Task>>,
     (out, buf, stage): (&Out<W>, &mut Vec<u8>, &mut Vec<u8>),
     state: &State,
 ) -> io::Result<()> {
     let seq = q.seq;
     if deadline.is_some_and(|d| Instant::now() > d) {
         let left = Duration::from_micros(q.left_us.unwrap_or(0));
-        return send_answer(out, buf, seq, &Err(timeout(left, &state.origin))).await;
+        return send_answer(out, buf, seq, &Err(timeout(left, &state.origin)), None).await;
     }
     let result = match q.via {
+        Via::Lease => {
+            let leased = lease(&q, &entry, revoke);
+            let (result, info) = match leased {
+                Ok(info) => (Ok(0), Some(info)),
+                Err(e) => (Err(e), None),
+            };
+            return send_answer(out, buf, seq, &result, info).await;
+        }
+        Via::Notice => Ok(0),
         Via::Cma { pid, addr, .. } => {
             let (id, write, threads) = (q.region.id(), q.write, state.cma_threads);
             let copy = {
                 let entry = entry.clone();
-                let spans = q.spans.clone();
+                let spans = std::mem::take(&mut q.spans);
                 move || {
                     entry
                         .with_memory(id, |base| {
@@ -940,6 +1218,7 @@ async fn serve<W: AsyncWrite + Unpin>(
                 &Answer {
                     seq,
                     result: Ok(total),
+                    lease: None,
                 },
             );
             if stage.len() < CHUNK + 1 {
@@ -960,22 +1239,7 @@ async fn serve<W: AsyncWrite + Unpin>(
                 left -= n as u64;
                 let piece = &mut stage[used..used + n];
                 let copied = whole
-                    && entry
-                        .with_memory(q.region.id(), |base| {
-                            cursor.each(&q.spans, n as u64, |s, at, offset, len| {
-                                // SAFETY: `check` put every span inside the region, whose memory
-                                // the lock held by `with_memory` keeps; `at + len <= n`, inside
-                                // `piece`.
-                                unsafe {
-                                    std::ptr::copy_nonoverlapping(
-                                        base.add((s.remote + offset) as usize),
-                                        piece.as_mut_ptr().add(at as usize),
-                                        len as usize,
-                                    )
-                                }
-                            })
-                        })
-                        .is_ok();
+                    && move_chunk(&entry, &q, &mut cursor, piece.as_mut_ptr(), n, false).is_ok();
                 if !copied {
                     // Deregistered part-way: zeros from here, and the status byte says so.
                     whole = false;
@@ -1002,7 +1266,38 @@ async fn serve<W: AsyncWrite + Unpin>(
     if result.is_ok() {
         notify(&entry, &q);
     }
-    send_answer(out, buf, seq, &result).await
+    send_answer(out, buf, seq, &result, None).await
+}
+
+/// Hands the peer a lease of `entry` (device memory exported over CUDA IPC), counting it among
+/// the region's mappers: its deregistration then sends `REVOKE` through `revoke` and waits.
+fn lease(
+    q: &Request,
+    entry: &Entry,
+    revoke: Option<mpsc::WeakUnboundedSender<Task>>,
+) -> Result<serde_bytes::ByteBuf, Error> {
+    #[cfg(feature = "cuda")]
+    {
+        let info = super::device::LeaseInfo::of(entry)?;
+        let revoke = revoke.ok_or_else(|| Error::invalid("a lease after the peer's close"))?;
+        entry.lease(
+            q.region.id(),
+            Box::new(move |id, ack| match revoke.upgrade() {
+                Some(to) => to.send(Task::Revoke(id, ack)).is_ok(),
+                None => false,
+            }),
+        )?;
+        let bytes = rmp_serde::to_vec(&info).expect("a lease always serialises");
+        Ok(serde_bytes::ByteBuf::from(bytes))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (q, entry, revoke);
+        Err(Error::Unavailable {
+            backend: "cuda_ipc".into(),
+            reason: "the owner was built without the `cuda` feature".into(),
+        })
+    }
 }
 
 fn notify(entry: &Entry, q: &Request) {

@@ -2,11 +2,64 @@
 //! so a remote read or write is a copy between the region's memory and the caller's buffer,
 //! made by the caller's thread (large batches shared among the process's copy threads,
 //! `crate::copy`), holding the region's entry shared for the copy's length, so that
-//! deregistration waits for it and no copy starts after.
+//! deregistration waits for it and no copy starts after. Where either side is device memory
+//! (`cuda_xth`), the copies are the driver's, queued on the local buffer's stream (or the
+//! region's, for host memory read into or written from a region of device memory) and waited
+//! for before the region is let go.
 
 use super::{check_spans, lookup, Entry, Notification, RegionDescriptor, Span};
 use crate::copy::{copy_spans, Span as CopySpan, MAX_SPANS, NT_MIN, SHARED_MIN};
 use crate::error::Error;
+use crate::message::Buffer;
+
+/// The caller's memory in an operation: `len` bytes at `ptr` (for device memory, its device
+/// address), borrowed from its buffer for the operation.
+pub(crate) struct Local<'a> {
+    ptr: *mut u8,
+    len: usize,
+    #[cfg(feature = "cuda")]
+    device: Option<&'a crate::cuda::CudaBuffer>,
+    _buffer: std::marker::PhantomData<&'a mut Buffer>,
+}
+
+impl<'a> Local<'a> {
+    /// The memory of `buffer` (which a read may write into: `Buffer::Cpu` or `Buffer::Cuda`).
+    pub(crate) fn of(buffer: &'a mut Buffer) -> Local<'a> {
+        let len = buffer.len() as usize;
+        let ptr = match buffer {
+            Buffer::Cpu(v) => v.as_mut_ptr(),
+            Buffer::Shared(b) => b.as_ptr() as *mut u8,
+            #[cfg(feature = "cuda")]
+            Buffer::Cuda(b) => {
+                return Local {
+                    ptr: b.device_ptr() as *mut u8,
+                    len,
+                    device: Some(b),
+                    _buffer: std::marker::PhantomData,
+                }
+            }
+        };
+        Local::host(ptr, len)
+    }
+
+    fn host(ptr: *mut u8, len: usize) -> Local<'a> {
+        Local {
+            ptr,
+            len,
+            #[cfg(feature = "cuda")]
+            device: None,
+            _buffer: std::marker::PhantomData,
+        }
+    }
+
+    /// Whether it is device memory.
+    fn is_device(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.device.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+}
 
 /// Which way a copy goes.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -17,68 +70,55 @@ enum Way {
     In,
 }
 
-/// Reads `spans` of the region `d` names into `dst`; notifies its owner with `notify` after.
-/// Returns the bytes copied.
-pub(crate) fn read(
+/// Reads `spans` of the region `d` names into `local` (or writes them from it, `write`);
+/// notifies its owner with `notify` after, once the bytes are in place. Returns the bytes
+/// copied.
+pub(crate) fn operate(
     d: &RegionDescriptor,
     spans: &[Span],
-    dst: &mut [u8],
+    local: Local<'_>,
+    write: bool,
     notify: Option<Vec<u8>>,
 ) -> Result<u64, Error> {
-    operate(d, spans, (dst.as_mut_ptr(), dst.len()), Way::Out, notify)
-}
-
-/// Writes `src`'s `spans` into the region `d` names; notifies its owner with `notify` once
-/// the bytes are in place. Returns the bytes copied.
-pub(crate) fn write(
-    d: &RegionDescriptor,
-    spans: &[Span],
-    src: &[u8],
-    notify: Option<Vec<u8>>,
-) -> Result<u64, Error> {
-    operate(
-        d,
-        spans,
-        (src.as_ptr() as *mut u8, src.len()),
-        Way::In,
-        notify,
-    )
-}
-
-/// A peer's copy `way` between the region `d` names and `local`, then its notification.
-fn operate(
-    d: &RegionDescriptor,
-    spans: &[Span],
-    (local, len): (*mut u8, usize),
-    way: Way,
-    notify: Option<Vec<u8>>,
-) -> Result<u64, Error> {
+    let way = if write { Way::In } else { Way::Out };
     let e = lookup(d)?;
-    let n = copy(&e, spans, local, len, way)?;
+    let n = copy(&e, spans, local, way)?;
     if let Some(data) = notify {
         e.owner.notify(Notification {
             region: d.id,
-            write: way == Way::In,
+            write,
             data,
         });
     }
     Ok(n)
 }
 
+/// The path a copy between a region and `local` takes: `cuda_xth` where either is device
+/// memory.
+pub(crate) fn path(d: &RegionDescriptor, local: &Buffer) -> &'static str {
+    let device = d.cuda_device().is_some() || local.device() != crate::message::Device::Cpu;
+    if device {
+        "cuda_xth"
+    } else {
+        "xth"
+    }
+}
+
 /// The owner's own read of its region.
 pub(crate) fn copy_out(e: &Entry, spans: &[Span], dst: &mut [u8]) -> Result<(), Error> {
-    copy(e, spans, dst.as_mut_ptr(), dst.len(), Way::Out).map(|_| ())
+    copy(e, spans, Local::host(dst.as_mut_ptr(), dst.len()), Way::Out).map(|_| ())
 }
 
 /// The owner's own write into its region.
 pub(crate) fn copy_in(e: &Entry, spans: &[Span], src: &[u8]) -> Result<(), Error> {
-    copy(e, spans, src.as_ptr() as *mut u8, src.len(), Way::In).map(|_| ())
+    let local = Local::host(src.as_ptr() as *mut u8, src.len());
+    copy(e, spans, local, Way::In).map(|_| ())
 }
 
-/// Copies `spans` between the region and the `len` bytes at `local` (read from for
-/// [`Way::In`], written to for [`Way::Out`]).
-fn copy(e: &Entry, spans: &[Span], local: *mut u8, len: usize, way: Way) -> Result<u64, Error> {
-    let total = validate(e, spans, len as u64, way == Way::In)?;
+/// Copies `spans` between the region and `local` (read from for [`Way::In`], written to for
+/// [`Way::Out`]).
+fn copy(e: &Entry, spans: &[Span], local: Local<'_>, way: Way) -> Result<u64, Error> {
+    let total = validate(e, spans, local.len as u64, way == Way::In)?;
     let memory = e.memory.read().unwrap_or_else(|p| p.into_inner());
     let Some(store) = memory.as_ref() else {
         return Err(Error::invalid(
@@ -90,7 +130,7 @@ fn copy(e: &Entry, spans: &[Span], local: *mut u8, len: usize, way: Way) -> Resu
         let (r, l) = unsafe {
             (
                 store.base.add(s.remote as usize),
-                local.add(s.local as usize),
+                local.ptr.add(s.local as usize),
             )
         };
         let (src, dst) = match way {
@@ -103,6 +143,21 @@ fn copy(e: &Entry, spans: &[Span], local: *mut u8, len: usize, way: Way) -> Resu
             len: s.len as usize,
         }
     });
+    if e.is_device() || local.is_device() {
+        #[cfg(feature = "cuda")]
+        {
+            let stream = match (local.device, &store.buffer) {
+                (Some(b), _) | (None, Buffer::Cuda(b)) => b.stream().clone(),
+                _ => unreachable!("one side is device memory"),
+            };
+            // SAFETY: each piece lies inside the region's memory, held by the shared lock
+            // until the copies have run (`copy_pieces` waits for the stream), and inside the
+            // caller's buffer, borrowed for the call.
+            unsafe { super::device::copy_pieces(&stream, pieces)? };
+        }
+        drop(memory);
+        return Ok(total);
+    }
     if (total as usize) < SHARED_MIN {
         for p in pieces {
             // SAFETY: each span lies inside the region's memory, held by the shared lock for

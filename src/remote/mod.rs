@@ -15,6 +15,8 @@
 //! start.
 
 mod cma;
+#[cfg(feature = "cuda")]
+pub(crate) mod device;
 pub(crate) mod lane;
 pub(crate) mod local;
 
@@ -48,6 +50,22 @@ pub struct RegionDescriptor {
     token: [u64; 2],
     len: u64,
     writable: bool,
+    /// Where the region's bytes are.
+    #[serde(default)]
+    memory: Memory,
+}
+
+/// Where a region's bytes are: host memory, or device memory of the owner's GPU `device`
+/// (`ipc`: exportable over CUDA IPC, `cuMemAlloc` memory; pool memory is not, and is served by
+/// the owner through the remote lane).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum Memory {
+    #[default]
+    Host,
+    Cuda {
+        device: u32,
+        ipc: bool,
+    },
 }
 
 impl std::fmt::Debug for RegionDescriptor {
@@ -59,6 +77,7 @@ impl std::fmt::Debug for RegionDescriptor {
             .field("id", &self.id)
             .field("len", &self.len)
             .field("writable", &self.writable)
+            .field("memory", &self.memory)
             .finish_non_exhaustive()
     }
 }
@@ -74,10 +93,25 @@ impl RegionDescriptor {
         self.len == 0
     }
 
-    /// Whether the region takes remote writes (host memory registered as `Buffer::Cpu`; a
-    /// `Buffer::Shared` region is read-only).
+    /// Whether the region takes remote writes (host memory registered as `Buffer::Cpu`, or
+    /// device memory; a `Buffer::Shared` region is read-only).
     pub fn is_writable(&self) -> bool {
         self.writable
+    }
+
+    /// The owner's GPU when the region is device memory (`Buffer::Cuda`); `None` for host
+    /// memory.
+    pub fn cuda_device(&self) -> Option<u32> {
+        match self.memory {
+            Memory::Host => None,
+            Memory::Cuda { device, .. } => Some(device),
+        }
+    }
+
+    /// Where the region's bytes are.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn memory(&self) -> Memory {
+        self.memory
     }
 
     /// The region's number, unique within its owner's process.
@@ -248,15 +282,16 @@ impl Owner {
     }
 }
 
-/// A registered region's memory, as the table holds it: the buffer and where its bytes are.
+/// A registered region's memory, as the table holds it: the buffer and where its bytes are
+/// (for device memory, the device address).
 struct Store {
     buffer: Buffer,
     base: *mut u8,
 }
 
-// SAFETY: `base` points into `buffer`'s heap memory, which moves with it; the table only
-// copies through it while holding the entry's lock shared, and takes the buffer out only
-// holding it exclusively.
+// SAFETY: `base` points into `buffer`'s memory (heap or device), which moves with it; the
+// table only copies through it while holding the entry's lock shared, and takes the buffer out
+// only holding it exclusively.
 unsafe impl Send for Store {}
 // SAFETY: as above: shared access copies through `base` only.
 unsafe impl Sync for Store {}
@@ -269,7 +304,22 @@ pub(crate) struct Entry {
     owner: Arc<Owner>,
     /// `None` once deregistered. Copies hold it shared for their whole length.
     memory: RwLock<Option<Store>>,
+    /// The device, for device memory: copies into and out of it are the driver's.
+    #[cfg(feature = "cuda")]
+    gpu: Option<Arc<crate::cuda::Gpu>>,
+    /// The allocation exported over CUDA IPC, for device memory that can be.
+    #[cfg(feature = "cuda")]
+    pub(crate) exported: Option<crate::backend::cuda_ipc::ipc::Exported>,
+    /// The peers (remote lanes) that mapped the region over CUDA IPC: each is told to let go
+    /// of its mapping at deregistration, which waits for their acknowledgements. Taken with
+    /// `memory` held (shared to add, exclusively to take), so no lease is handed out after.
+    leases: Mutex<Vec<Holder>>,
 }
+
+/// A peer that holds a mapping of a region: called with the region's number and the sender
+/// of the acknowledgement once it has let go; `false` if the peer is gone already (its lane
+/// ended: a dead process holds no mapping, a live one closed its mappings with its lane).
+pub(crate) type Holder = Box<dyn FnOnce(u64, tokio::sync::oneshot::Sender<()>) -> bool + Send>;
 
 impl Entry {
     /// Runs `f` with the region's base address, holding the memory shared for its length (so
@@ -285,6 +335,61 @@ impl Entry {
     /// Hands a notification to the region's owner.
     pub(crate) fn notify(&self, n: Notification) {
         self.owner.notify(n);
+    }
+
+    /// Whether the region is device memory.
+    pub(crate) fn is_device(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.gpu.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    /// Records a peer's lease (its mapping over CUDA IPC), unless the region was deregistered.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn lease(&self, id: u64, holder: Holder) -> Result<(), Error> {
+        let memory = self.memory.read().unwrap_or_else(|p| p.into_inner());
+        if memory.is_none() {
+            return Err(gone(id));
+        }
+        self.leases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(holder);
+        Ok(())
+    }
+
+    /// Copies `len` bytes between `offset` of the region, whose memory starts at `base`, and
+    /// host memory at `host`: into the region if `into`, out of it otherwise.
+    ///
+    /// # Safety
+    /// The caller holds the memory (inside [`Entry::with_memory`], which gave `base`); the span
+    /// lies inside the region (checked), and `host` is valid for `len` bytes.
+    pub(crate) unsafe fn move_bytes(
+        &self,
+        base: *mut u8,
+        offset: u64,
+        host: *mut u8,
+        len: usize,
+        into: bool,
+    ) -> Result<(), Error> {
+        // SAFETY: the caller's contract puts `offset..offset + len` inside the region.
+        let at = unsafe { base.add(offset as usize) };
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.gpu {
+            let (dst, src) = if into { (at, host) } else { (host, at) };
+            // SAFETY: both ranges are valid for `len` bytes (the caller's contract), one of
+            // them device memory of `gpu`; `cuMemcpy` returns once the bytes are in place.
+            return unsafe { device::copy_sync(gpu, dst as u64, src as u64, len) };
+        }
+        let (dst, src) = if into {
+            (at, host as *const u8)
+        } else {
+            (host, at as *const u8)
+        };
+        // SAFETY: as above; a region's memory is never the caller's own buffer.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+        Ok(())
     }
 }
 
@@ -341,15 +446,27 @@ impl Region {
     /// Registers `buffer` for `owner`'s context.
     pub(crate) fn register(buffer: Buffer, owner: Arc<Owner>) -> Result<Region, Error> {
         static NEXT: AtomicU64 = AtomicU64::new(1);
-        let (base, writable) = match &buffer {
-            Buffer::Cpu(v) => (v.as_ptr() as *mut u8, true),
-            Buffer::Shared(b) => (b.as_ptr() as *mut u8, false),
+        #[cfg(feature = "cuda")]
+        let mut device = None;
+        let (base, writable, memory) = match &buffer {
+            Buffer::Cpu(v) => (v.as_ptr() as *mut u8, true, Memory::Host),
+            Buffer::Shared(b) => (b.as_ptr() as *mut u8, false, Memory::Host),
             #[cfg(feature = "cuda")]
-            Buffer::Cuda(_) => {
-                return Err(Error::Unavailable {
-                    backend: "remote".into(),
-                    reason: "registering CUDA memory is not built yet (docs/remote.md)".into(),
-                })
+            Buffer::Cuda(b) => {
+                // Exported once, here: a peer of this host maps the allocation (cuda_ipc);
+                // memory that cannot be exported (a stream-ordered pool's) is served by the
+                // owner through the remote lane instead.
+                let exported = if b.is_empty() {
+                    None
+                } else {
+                    crate::backend::cuda_ipc::ipc::export(b.gpu(), b.device_ptr())?.ok()
+                };
+                let memory = Memory::Cuda {
+                    device: b.device(),
+                    ipc: exported.is_some(),
+                };
+                device = Some((b.gpu().clone(), exported));
+                (b.device_ptr() as *mut u8, true, memory)
             }
         };
         let len = buffer.len();
@@ -363,6 +480,12 @@ impl Region {
             token,
             len,
             writable,
+            memory,
+        };
+        #[cfg(feature = "cuda")]
+        let (gpu, exported) = match device {
+            Some((g, e)) => (Some(g), e),
+            None => (None, None),
         };
         let entry = Arc::new(Entry {
             token,
@@ -370,6 +493,11 @@ impl Region {
             writable,
             owner,
             memory: RwLock::new(Some(Store { buffer, base })),
+            #[cfg(feature = "cuda")]
+            gpu,
+            #[cfg(feature = "cuda")]
+            exported,
+            leases: Mutex::new(Vec::new()),
         });
         table()
             .lock()
@@ -396,7 +524,8 @@ impl Region {
 
     /// Copies `dst.len()` bytes at `offset` of the region into `dst` (the owner's own access:
     /// peers may be copying at the same time; bytes a peer writes meanwhile may or may not be
-    /// seen, as with any shared memory).
+    /// seen, as with any shared memory). For device memory it is a copy by the driver that
+    /// returns once the bytes are in `dst`.
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), Error> {
         let span = Span::new(offset, 0, dst.len() as u64);
         local::copy_out(&self.entry, &[span], dst)
@@ -410,33 +539,73 @@ impl Region {
     }
 
     /// Deregisters the region and hands its memory back: copies in progress finish first (this
-    /// waits for them), and every later operation on the descriptor fails with
-    /// [`Error::InvalidArgument`] ("region N is not registered").
-    pub fn deregister(self) -> Buffer {
-        self.take().unwrap_or(Buffer::Cpu(Vec::new()))
+    /// waits for them), peers that mapped device memory over CUDA IPC let go of their mappings
+    /// first (this waits for their acknowledgements, or their lanes' end), and every later
+    /// operation on the descriptor fails with [`Error::InvalidArgument`] ("region N is not
+    /// registered").
+    pub async fn deregister(self) -> Buffer {
+        let (store, acks) = self.take();
+        for ack in acks {
+            // An error is the peer's lane gone: it holds no mapping any more.
+            let _ = ack.await;
+        }
+        store.map_or(Buffer::Cpu(Vec::new()), |s| s.buffer)
     }
 
-    /// Takes the memory out (once; `None` after).
-    fn take(&self) -> Option<Buffer> {
+    /// Takes the memory out (once; `None` after), and the acknowledgements to wait for before
+    /// the memory may be reused or freed.
+    fn take(&self) -> (Option<Store>, Vec<tokio::sync::oneshot::Receiver<()>>) {
         table()
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.descriptor.id);
         // Waits for every copy holding the memory shared; none starts after (the entry is out
         // of the table, and a copy that found it before sees `None`).
-        let store = self
-            .entry
-            .memory
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()?;
+        let mut memory = self.entry.memory.write().unwrap_or_else(|e| e.into_inner());
+        let Some(store) = memory.take() else {
+            return (None, Vec::new());
+        };
+        let holders =
+            std::mem::take(&mut *self.entry.leases.lock().unwrap_or_else(|e| e.into_inner()));
+        drop(memory);
+        let mut acks = Vec::with_capacity(holders.len());
+        for holder in holders {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            if holder(self.descriptor.id, tx) {
+                acks.push(rx);
+            }
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.entry.gpu {
+            // Copies this process queued on the memory (the owner's own, `cuda_xth`) have run.
+            let _ = gpu.synchronize();
+        }
         crate::metrics::remote_regions(-1.0);
-        Some(store.buffer)
+        (Some(store), acks)
     }
 }
 
 impl Drop for Region {
     fn drop(&mut self) {
-        drop(self.take());
+        let (store, acks) = self.take();
+        if acks.is_empty() {
+            return drop(store);
+        }
+        // Peers still map the memory: it is freed once they have let go, off this thread (the
+        // acknowledgements come through remote lanes that may run on it).
+        let keep = move || {
+            for ack in acks {
+                let _ = ack.blocking_recv();
+            }
+            drop(store);
+        };
+        if std::thread::Builder::new()
+            .name("actorpipe-revoke".into())
+            .spawn(keep)
+            .is_err()
+        {
+            // The closure (and the memory) went with the failed spawn.
+            tracing::error!("no thread to wait for a region's revocation: its memory was freed");
+        }
     }
 }

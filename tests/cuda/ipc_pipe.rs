@@ -373,7 +373,7 @@ pub fn measure() -> Outcome {
 // ----- the child's side ----------------------------------------------------------------------
 
 /// Connects to the parent's listener (`ACTORPIPE_CUDA_URL`).
-async fn connect() -> Result<(Addr<Context>, Addr<Pipe>), Failed> {
+pub(super) async fn connect() -> Result<(Addr<Context>, Addr<Pipe>), Failed> {
     common::die_with_parent();
     let url = std::env::var("ACTORPIPE_CUDA_URL").map_err(fail)?;
     let ctx = Context::builder().start();

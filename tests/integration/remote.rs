@@ -212,7 +212,7 @@ async fn random_batches_read_and_write_the_right_bytes(p: &RemotePath) {
             assert!(now == model, "round {round}: the region after the write");
         }
     }
-    assert!(region.deregister().as_cpu().unwrap() == &model[..]);
+    assert!(region.deregister().await.as_cpu().unwrap() == &model[..]);
 }
 
 async fn completions_come_in_issue_order_per_kind(p: &RemotePath) {
@@ -272,8 +272,15 @@ async fn a_notification_arrives_after_its_data(p: &RemotePath) {
     assert_eq!((n.write, n.data), (false, b"r".to_vec()));
 }
 
-/// The descriptor's fields, as its bytes hold them.
-type Fields = (u8, String, u64, u64, [u64; 2], u64, bool);
+/// The descriptor's fields, as its bytes hold them (the last: where the memory is).
+type Fields = (u8, String, u64, u64, [u64; 2], u64, bool, Memory);
+
+/// Where a region's memory is, as a descriptor holds it.
+#[derive(serde::Serialize, serde::Deserialize)]
+enum Memory {
+    Host,
+    Cuda { device: u32, ipc: bool },
+}
 
 /// A descriptor with another token: the same bytes, the token's words changed.
 fn forged(d: &RegionDescriptor) -> RegionDescriptor {
@@ -325,7 +332,7 @@ async fn forged_and_stale_descriptors_are_refused(p: &RemotePath) {
     pipe.remote_write(RemoteWrite::new(&d, vec![Span::whole(4)], vec![1; 4]))
         .await
         .unwrap();
-    let back = region.deregister();
+    let back = region.deregister().await;
     assert_eq!(&back.as_cpu().unwrap()[..5], &[1, 1, 1, 1, 5]);
     let r = pipe
         .send(RemoteRead::new(&d, vec![Span::whole(4)], vec![0; 4]))
@@ -454,7 +461,10 @@ async fn deregistration_waits_for_copies_in_flight(p: &RemotePath) {
         let pause = step * (round as u32 % 6);
         let back = std::thread::spawn(move || {
             std::thread::sleep(pause);
-            region.deregister()
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap();
+            rt.block_on(region.deregister())
         });
         if round >= 6 {
             tokio::time::sleep(Duration::from_millis(8)).await;

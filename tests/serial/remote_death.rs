@@ -282,7 +282,7 @@ fn initiator_killed(path: &str) {
         // Every write landed whole, chunk by chunk in span order: each 8 MiB block holds one
         // fill (a cut write leaves a prefix of its fill on the older one's).
         let started = Instant::now();
-        let back = region.deregister();
+        let back = region.deregister().await;
         assert!(
             started.elapsed() < Duration::from_secs(1),
             "{path}: deregistration waited {:?}",

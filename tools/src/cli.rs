@@ -364,7 +364,8 @@ pub struct CopyArgs {
 /// Options of `bench remote`.
 #[derive(Debug, Clone, Args)]
 pub struct RemoteArgs {
-    /// The path: xth, cma, tcp or shm (the last two: the bytes on the pipe's remote lane).
+    /// The path: xth, cma, tcp or shm (the last two: the bytes on the pipe's remote lane);
+    /// with feature `cuda`, cuda_xth or cuda_ipc (device memory on GPU 0).
     #[arg(long, default_value = "xth")]
     pub backend: String,
 

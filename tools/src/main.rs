@@ -28,6 +28,8 @@ mod measure;
 mod plan;
 mod probe;
 mod remote;
+#[cfg(feature = "cuda")]
+mod remote_gpu;
 mod report;
 mod run;
 mod scaling;
@@ -45,6 +47,9 @@ fn main() {
     // The echoing side of `bench channel --backend cuda_ipc` (never returns there).
     #[cfg(feature = "cuda")]
     cuda::echo_child();
+    // The owner's side of `bench remote --backend cuda_ipc` (never returns there).
+    #[cfg(feature = "cuda")]
+    remote_gpu::owner_child();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Info { json } => {

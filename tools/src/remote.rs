@@ -31,15 +31,40 @@ use crate::report::{emit, Provenance};
 use crate::units::{gb_per_s, human_size};
 
 /// Untimed operations before the timed ones.
-const WARMUP: u32 = 3;
+pub(crate) const WARMUP: u32 = 3;
 
-struct Row {
-    op: &'static str,
-    size: u64,
-    batch: u32,
-    path: &'static str,
-    ours: Duration,
-    raw: Duration,
+pub(crate) struct Row {
+    pub op: &'static str,
+    pub size: u64,
+    pub batch: u32,
+    pub path: &'static str,
+    pub ours: Duration,
+    pub raw: Duration,
+}
+
+impl Row {
+    /// A row of the medians of `ours` and `raw`.
+    pub(crate) fn of(
+        op: &'static str,
+        size: u64,
+        batch: u32,
+        path: &'static str,
+        ours: Vec<Duration>,
+        raw: Vec<Duration>,
+    ) -> Row {
+        let p50 = |mut v: Vec<Duration>| {
+            v.sort_unstable();
+            v[v.len() / 2]
+        };
+        Row {
+            op,
+            size,
+            batch,
+            path,
+            ours: p50(ours),
+            raw: p50(raw),
+        }
+    }
 }
 
 /// What `--backend` names: the path, the pipe's transport, its channels, and the raw path.
@@ -65,9 +90,16 @@ fn path_of(name: &str) -> Result<(&'static str, &'static [&'static str], &'stati
             &["basic"],
             "the same bytes two-sided over a basic pipe on shm",
         ),
+        #[cfg(feature = "cuda")]
+        "cuda_xth" | "cuda_ipc" => ("tcp", &[], crate::remote_gpu::raw_path(name)),
         other => {
             return Err(bad(format!(
-                "bench remote --backend {other}: one of xth, cma, tcp, shm"
+                "bench remote --backend {other}: one of xth, cma, tcp, shm{}",
+                if cfg!(feature = "cuda") {
+                    ", cuda_xth, cuda_ipc"
+                } else {
+                    " (cuda_xth and cuda_ipc need feature `cuda`)"
+                }
             )))
         }
     })
@@ -76,6 +108,13 @@ fn path_of(name: &str) -> Result<(&'static str, &'static [&'static str], &'stati
 pub fn run(args: &RemoteArgs) -> Result<(), Failure> {
     let (_, _, raw_path) = path_of(&args.backend)?;
     let here = Provenance::here();
+    #[cfg(feature = "cuda")]
+    let rows = if args.backend.starts_with("cuda_") {
+        actix::System::new().block_on(crate::remote_gpu::measure(args))?
+    } else {
+        actix::System::new().block_on(measure(args))?
+    };
+    #[cfg(not(feature = "cuda"))]
     let rows = actix::System::new().block_on(measure(args))?;
     let mut t = String::new();
     t += "actorpipe bench remote: one-sided reads and writes of a registered region, next to the raw copy\n";
@@ -83,9 +122,17 @@ pub fn run(args: &RemoteArgs) -> Result<(), Failure> {
     t += &format!("  date:     {}\n", here.date);
     t += &format!("  command:  {}\n", here.command);
     t += &format!(
-        "  path {}: owner and initiator are two contexts of this process; raw: {raw_path}; \
-         median of {} operations after {WARMUP}\n\n",
-        args.backend, args.iters
+        "  path {}: owner and initiator are {}; raw: {raw_path}; median of {} operations after \
+         {WARMUP}\n\n",
+        args.backend,
+        if args.backend == "cuda_ipc" {
+            "two processes, the region on GPU 0, the local buffer on GPU 0"
+        } else if args.backend == "cuda_xth" {
+            "two contexts of this process, the region and the local buffer on GPU 0"
+        } else {
+            "two contexts of this process"
+        },
+        args.iters
     );
     t += "| op | size | spans | path | p50 | GB/s | raw p50 | raw GB/s | time / raw |\n";
     t += "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |\n";
@@ -108,7 +155,7 @@ pub fn run(args: &RemoteArgs) -> Result<(), Failure> {
 
 /// `batch` spans moving `size` bytes in all: piece `i` from slot `i` of the region (spread
 /// over it, `stride` apart) to offset `i * piece` of the local buffer.
-fn spans(size: u64, batch: u32, stride: u64) -> Vec<Span> {
+pub(crate) fn spans(size: u64, batch: u32, stride: u64) -> Vec<Span> {
     let piece = size / batch as u64;
     (0..batch as u64)
         .map(|i| Span::new(i * stride, i * piece, piece))
@@ -206,18 +253,7 @@ async fn measure(args: &RemoteArgs) -> Result<Vec<Row>, Failure> {
                         raw_two_sided(from, to, size, args.iters).await?
                     }
                 };
-                let p50 = |mut v: Vec<Duration>| {
-                    v.sort_unstable();
-                    v[v.len() / 2]
-                };
-                rows.push(Row {
-                    op,
-                    size,
-                    batch,
-                    path,
-                    ours: p50(ours),
-                    raw: p50(raw),
-                });
+                rows.push(Row::of(op, size, batch, path, ours, raw));
             }
             // The last write's bytes are in the region: check one span.
             let s = batch_spans[batch as usize - 1];
