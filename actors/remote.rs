@@ -220,6 +220,8 @@ impl<K: Direction> Op for Remote<K> {
 #[derive(Debug, Default)]
 pub(crate) struct PipeRemote {
     pub(crate) next: [u64; 2],
+    /// The metrics' `peer` label (empty until the first operation).
+    pub(crate) peer: &'static str,
     /// Completions held back until those issued before them of their kind are out.
     pub(crate) order: std::sync::Arc<std::sync::Mutex<Order>>,
     /// The remote lane (both sides offered one), until the pipe fails or stops.
@@ -327,10 +329,15 @@ impl Pipe {
             ..
         } = job;
         let order = self.remote_ops.order.clone();
+        if self.remote_ops.peer.is_empty() {
+            self.remote_ops.peer = crate::metrics::peer_label(self.peer());
+        }
+        let peer = self.remote_ops.peer;
         let finish = move |result: Result<u64, Error>, buffer: Buffer, path: &'static str| {
             crate::metrics::remote_finished(
                 op.label(),
                 path,
+                peer,
                 started.elapsed(),
                 result.as_ref().copied(),
             );
@@ -555,5 +562,55 @@ impl<K: Direction> Handler<NotifyShared<Remote<K>>> for Pipe {
 
     fn handle(&mut self, n: NotifyShared<Remote<K>>, _: &mut Self::Context) {
         self.remote(n.op, Reply::Shared(n.to));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn done(op: RemoteOp, id: u64) -> RemoteDone {
+        RemoteDone {
+            id,
+            op,
+            result: Ok(()),
+            buffer: Buffer::Cpu(Vec::new()),
+            path: "test",
+            bytes: 0,
+        }
+    }
+
+    /// Completions that finish out of turn (a `cuda_ipc` copy behind a lane operation, say)
+    /// leave in issue order per kind, and one kind never waits for the other.
+    #[test]
+    fn order_releases_each_kind_in_issue_order() {
+        let order = std::sync::Mutex::new(Order::default());
+        let mut rx = Vec::new();
+        let mut replies = Vec::new();
+        for _ in 0..4 {
+            let (tx, r) = tokio::sync::oneshot::channel();
+            replies.push(Some(Reply::Await(tx)));
+            rx.push(r);
+        }
+        let (wtx, mut wrx) = tokio::sync::oneshot::channel();
+        // Reads 2, 1 and 3 finish before read 0; write 0 finishes meanwhile.
+        for id in [2u64, 1, 3] {
+            let reply = replies[id as usize].take().unwrap();
+            Order::release(&order, reply, done(RemoteOp::Read, id));
+        }
+        Order::release(&order, Reply::Await(wtx), done(RemoteOp::Write, 0));
+        assert_eq!(
+            wrx.try_recv().map(|d| d.id).ok(),
+            Some(0),
+            "the write waited"
+        );
+        for r in &mut rx {
+            assert!(r.try_recv().is_err(), "a read left before read 0");
+        }
+        Order::release(&order, replies[0].take().unwrap(), done(RemoteOp::Read, 0));
+        for (i, r) in rx.iter_mut().enumerate() {
+            assert_eq!(r.try_recv().map(|d| d.id).ok(), Some(i as u64));
+        }
+        assert!(order.lock().unwrap().held.iter().all(|h| h.is_empty()));
     }
 }

@@ -436,19 +436,55 @@ pub(crate) fn refused(why: Refusal) {
 pub(crate) fn remote_finished(
     op: &'static str,
     path: &'static str,
+    peer: &'static str,
     elapsed: std::time::Duration,
     result: Result<u64, &Error>,
 ) {
     let path = if path.is_empty() { "none" } else { path };
     let outcome = match result {
         Ok(bytes) => {
-            counter!(REMOTE_BYTES, "op" => op, "path" => path).increment(bytes);
+            counter!(REMOTE_BYTES, "op" => op, "path" => path, "peer" => peer).increment(bytes);
             "ok"
         }
         Err(e) => e.class(),
     };
-    counter!(REMOTE_OPERATIONS, "op" => op, "path" => path, "outcome" => outcome).increment(1);
-    histogram!(REMOTE_SECONDS, "op" => op, "path" => path).record(elapsed.as_secs_f64());
+    counter!(REMOTE_OPERATIONS, "op" => op, "path" => path, "peer" => peer, "outcome" => outcome)
+        .increment(1);
+    histogram!(REMOTE_SECONDS, "op" => op, "path" => path, "peer" => peer)
+        .record(elapsed.as_secs_f64());
+}
+
+/// Distinct `peer` label values a process gives out; later peers share `other`.
+pub const PEER_LABELS: usize = 64;
+
+/// The `peer` label of a pipe's remote operations: the peer's address without its port
+/// (`tcp://10.0.0.7`; a connection's own port would make a series per connection), at most
+/// [`PEER_LABELS`] distinct values per process, then `other`, so that the label stays bounded.
+pub(crate) fn peer_label(peer: &str) -> &'static str {
+    static SEEN: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+    let host = match peer.rsplit_once(':') {
+        // `scheme://host:port`, `scheme://[v6]:port`: drop a numeric port.
+        Some((head, port))
+            if head.contains("://")
+                && !head.ends_with('/')
+                && !port.is_empty()
+                && port.bytes().all(|b| b.is_ascii_digit()) =>
+        {
+            head
+        }
+        _ => peer,
+    };
+    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(l) = seen.iter().find(|l| **l == host) {
+        return l;
+    }
+    if seen.len() >= PEER_LABELS {
+        return "other";
+    }
+    // Bounded: at most PEER_LABELS strings are kept for the life of the process.
+    let l: &'static str = Box::leak(host.to_string().into_boxed_str());
+    seen.push(l);
+    l
 }
 
 /// Regions registered (`delta` 1) or deregistered (-1).
@@ -488,6 +524,23 @@ pub(crate) fn cuda_ipc_open(delta: f64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peer_labels_drop_ports_and_stay_bounded() {
+        assert_eq!(peer_label("tcp://10.9.8.7:41234"), "tcp://10.9.8.7");
+        assert_eq!(peer_label("tcp://10.9.8.7:5000"), "tcp://10.9.8.7");
+        assert_eq!(
+            peer_label("tcp://[fe80::1%eth0]:99"),
+            "tcp://[fe80::1%eth0]"
+        );
+        assert_eq!(peer_label("shm://actorpipe-1234"), "shm://actorpipe-1234");
+        // Past the bound, every new peer is `other`; the ones seen keep their label.
+        for i in 0..PEER_LABELS {
+            peer_label(&format!("tcp://10.1.{}.{}:1", i / 256, i % 256));
+        }
+        assert_eq!(peer_label("tcp://192.0.2.1:7"), "other");
+        assert_eq!(peer_label("tcp://10.9.8.7:1"), "tcp://10.9.8.7");
+    }
 
     #[test]
     fn addresses_default_to_loopback() {

@@ -333,6 +333,24 @@ async fn remote_counters_equal_the_operations() {
         )
     };
     assert_eq!(at("remote_write", "ok"), Some(5.0), "{text}");
+    // Per peer: the peer's address without its port (one series per peer, not per connection).
+    let peer = pipe.info().await.unwrap().peer;
+    let host = peer.rsplit_once(':').map_or(peer.as_str(), |(h, _)| h);
+    assert!(host.starts_with("tcp://127.0.0.1"), "{peer}");
+    assert_eq!(
+        value(
+            &text,
+            "actorpipe_remote_operations_total",
+            &[
+                ("op", "remote_write"),
+                ("path", "xth"),
+                ("peer", host),
+                ("outcome", "ok")
+            ],
+        ),
+        Some(5.0),
+        "{text}"
+    );
     assert_eq!(at("remote_read", "ok"), Some(5.0));
     assert_eq!(
         value(

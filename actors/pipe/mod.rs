@@ -708,6 +708,11 @@ impl Pipe {
         &self.origin
     }
 
+    /// The peer's address.
+    pub(super) fn peer(&self) -> &str {
+        &self.info.peer
+    }
+
     /// The error the pipe failed with, if it has.
     pub(super) fn failure(&self) -> Option<&Error> {
         self.error.as_ref()

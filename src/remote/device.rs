@@ -351,7 +351,7 @@ impl Leases {
 /// when nothing else of the lane is in flight and its buffer's stream has no work queued (so
 /// that the wait cannot hang on a user's stream): the two thread hops to the waiter and back
 /// cost about 17 µs (measured on the H200 host: a 64 MiB read at 1.40x the raw copy through
-/// the waiter, 1.0x here), and the wait is bounded by the copy (4 GiB: about 2 ms at the
+/// the waiter, 1.09x here), and the wait is bounded by the copy (4 GiB: about 2 ms at the
 /// device's rate), as an in-process copy holds its pipe's thread.
 const WAIT_HERE_BELOW: u64 = 4 << 30;
 
