@@ -215,15 +215,59 @@ fn overlapping(spans: &[Span], way: Way) -> Option<(usize, usize)> {
         Way::Out => s.local,
         Way::In => s.remote,
     };
-    let mut ranges: Vec<(u64, u64, usize)> = spans
-        .iter()
-        .enumerate()
-        .filter(|(_, s)| s.len > 0)
-        .map(|(i, s)| (dst(s), dst(s) + s.len, i))
-        .collect();
-    ranges.sort_unstable();
-    ranges
-        .windows(2)
-        .find(|w| w[1].0 < w[0].1)
-        .map(|w| (w[0].2.min(w[1].2), w[0].2.max(w[1].2)))
+    // Spans whose destinations come in order, each past the one before (a KV read gathering
+    // into consecutive slots), cannot overlap: one pass, no allocation.
+    let mut end = 0u64;
+    let in_order = spans.iter().filter(|s| s.len > 0).all(|s| {
+        let ok = dst(s) >= end;
+        end = dst(s) + s.len;
+        ok
+    });
+    if in_order {
+        return None;
+    }
+    // Otherwise sort the destinations, in a buffer of this thread's that is reused.
+    thread_local! {
+        static RANGES: std::cell::RefCell<Vec<(u64, u64, usize)>> =
+            const { std::cell::RefCell::new(Vec::new()) };
+    }
+    RANGES.with_borrow_mut(|ranges| {
+        ranges.clear();
+        ranges.extend(
+            spans
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.len > 0)
+                .map(|(i, s)| (dst(s), dst(s) + s.len, i)),
+        );
+        ranges.sort_unstable();
+        ranges
+            .windows(2)
+            .find(|w| w[1].0 < w[0].1)
+            .map(|w| (w[0].2.min(w[1].2), w[0].2.max(w[1].2)))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlapping_destinations_are_found_in_any_order() {
+        let s = |local, len| Span::new(0, local, len);
+        // In order and disjoint (the one pass), out of order and disjoint (the sort).
+        assert_eq!(overlapping(&[s(0, 4), s(4, 4), s(8, 1)], Way::Out), None);
+        assert_eq!(overlapping(&[s(8, 4), s(0, 4), s(4, 4)], Way::Out), None);
+        // Overlaps: in order, out of order, and one hidden behind an empty span.
+        assert_eq!(overlapping(&[s(0, 4), s(3, 4)], Way::Out), Some((0, 1)));
+        assert_eq!(overlapping(&[s(8, 4), s(0, 9)], Way::Out), Some((0, 1)));
+        assert_eq!(
+            overlapping(&[s(0, 4), s(9, 0), s(2, 1)], Way::Out),
+            Some((0, 2))
+        );
+        // A write checks the region's side, not the local buffer's.
+        let w = [Span::new(0, 0, 4), Span::new(2, 8, 4)];
+        assert_eq!(overlapping(&w, Way::In), Some((0, 1)));
+        assert_eq!(overlapping(&w, Way::Out), None);
+    }
 }
