@@ -193,7 +193,8 @@ impl Leases {
             Some(Slot::Leasing(queued)) => queued.push(job),
             None => {
                 let l = link.clone();
-                let done: LeaseDone = Box::new(move |r| Leases::leased(&l, id, r));
+                let len = job.region.len();
+                let done: LeaseDone = Box::new(move |r| Leases::leased(&l, id, len, r));
                 let lease = link.request(&job, Some(done), None);
                 regions.insert(id, Slot::Leasing(vec![job]));
                 drop(regions);
@@ -206,8 +207,8 @@ impl Leases {
 
     /// The owner answered the lease of region `id`: map it and run the queued operations, or
     /// fail them in order.
-    fn leased(link: &Link, id: u64, r: Result<LeaseInfo, Error>) {
-        let mapped = r.and_then(|info| link.leases.map(&info));
+    fn leased(link: &Link, id: u64, len: u64, r: Result<LeaseInfo, Error>) {
+        let mapped = r.and_then(|info| link.leases.map(&info, len));
         let mut regions = link
             .leases
             .regions
@@ -239,17 +240,26 @@ impl Leases {
         }
     }
 
-    /// Opens (or finds open) the allocation of a lease.
-    fn map(&self, info: &LeaseInfo) -> Result<Mapping, Error> {
+    /// Opens (or finds open) the allocation of a lease of a region of `len` bytes.
+    fn map(&self, info: &LeaseInfo, len: u64) -> Result<Mapping, Error> {
         let handle: [u8; HANDLE_LEN] = info.handle.as_slice().try_into().map_err(|_| {
             Error::protocol(
                 format!("a CUDA IPC handle of {} bytes", info.handle.len()),
                 &Origin::default(),
             )
         })?;
-        if info.offset > info.size {
+        // Every copy through the mapping stays inside the region, checked against the
+        // descriptor's length: the region must lie inside the allocation.
+        if info
+            .offset
+            .checked_add(len)
+            .is_none_or(|end| end > info.size)
+        {
             return Err(Error::protocol(
-                "a lease whose region starts past its allocation",
+                format!(
+                    "a lease placing a region of {len} bytes at {} of an allocation of {}",
+                    info.offset, info.size
+                ),
                 &Origin::default(),
             ));
         }

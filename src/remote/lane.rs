@@ -1269,6 +1269,25 @@ async fn serve<W: AsyncWrite + Unpin>(
     send_answer(out, buf, seq, &result, None).await
 }
 
+/// The lane of a peer that mapped a region of ours, as the region's entry holds it: a weak
+/// handle on the answerer's queue, so that it does not keep the lane open.
+#[cfg(feature = "cuda")]
+struct LaneHolder(mpsc::WeakUnboundedSender<Task>);
+
+#[cfg(feature = "cuda")]
+impl super::Holder for LaneHolder {
+    fn gone(&self) -> bool {
+        self.0.strong_count() == 0
+    }
+
+    fn revoke(self: Box<Self>, id: u64, ack: tokio::sync::oneshot::Sender<()>) -> bool {
+        match self.0.upgrade() {
+            Some(to) => to.send(Task::Revoke(id, ack)).is_ok(),
+            None => false,
+        }
+    }
+}
+
 /// Hands the peer a lease of `entry` (device memory exported over CUDA IPC), counting it among
 /// the region's mappers: its deregistration then sends `REVOKE` through `revoke` and waits.
 fn lease(
@@ -1280,13 +1299,7 @@ fn lease(
     {
         let info = super::device::LeaseInfo::of(entry)?;
         let revoke = revoke.ok_or_else(|| Error::invalid("a lease after the peer's close"))?;
-        entry.lease(
-            q.region.id(),
-            Box::new(move |id, ack| match revoke.upgrade() {
-                Some(to) => to.send(Task::Revoke(id, ack)).is_ok(),
-                None => false,
-            }),
-        )?;
+        entry.lease(q.region.id(), Box::new(LaneHolder(revoke)))?;
         let bytes = rmp_serde::to_vec(&info).expect("a lease always serialises");
         Ok(serde_bytes::ByteBuf::from(bytes))
     }

@@ -313,13 +313,19 @@ pub(crate) struct Entry {
     /// The peers (remote lanes) that mapped the region over CUDA IPC: each is told to let go
     /// of its mapping at deregistration, which waits for their acknowledgements. Taken with
     /// `memory` held (shared to add, exclusively to take), so no lease is handed out after.
-    leases: Mutex<Vec<Holder>>,
+    leases: Mutex<Vec<Box<dyn Holder>>>,
 }
 
-/// A peer that holds a mapping of a region: called with the region's number and the sender
-/// of the acknowledgement once it has let go; `false` if the peer is gone already (its lane
-/// ended: a dead process holds no mapping, a live one closed its mappings with its lane).
-pub(crate) type Holder = Box<dyn FnOnce(u64, tokio::sync::oneshot::Sender<()>) -> bool + Send>;
+/// A peer that holds a mapping of a region (its remote lane).
+pub(crate) trait Holder: Send {
+    /// Whether its lane has ended (a dead process holds no mapping, a live one closed its
+    /// mappings with its lane): it need not be told, and is forgotten.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn gone(&self) -> bool;
+    /// Tells it to let go of region `id`, handing it the acknowledgement to send once it has;
+    /// `false` if it is gone already.
+    fn revoke(self: Box<Self>, id: u64, ack: tokio::sync::oneshot::Sender<()>) -> bool;
+}
 
 impl Entry {
     /// Runs `f` with the region's base address, holding the memory shared for its length (so
@@ -347,15 +353,16 @@ impl Entry {
 
     /// Records a peer's lease (its mapping over CUDA IPC), unless the region was deregistered.
     #[cfg(feature = "cuda")]
-    pub(crate) fn lease(&self, id: u64, holder: Holder) -> Result<(), Error> {
+    pub(crate) fn lease(&self, id: u64, holder: Box<dyn Holder>) -> Result<(), Error> {
         let memory = self.memory.read().unwrap_or_else(|p| p.into_inner());
         if memory.is_none() {
             return Err(gone(id));
         }
-        self.leases
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(holder);
+        let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
+        // Peers whose lanes ended are forgotten, so that a long-lived region leased by many
+        // short-lived pipes keeps only the live ones.
+        leases.retain(|h| !h.gone());
+        leases.push(holder);
         Ok(())
     }
 
@@ -571,7 +578,7 @@ impl Region {
         let mut acks = Vec::with_capacity(holders.len());
         for holder in holders {
             let (tx, rx) = tokio::sync::oneshot::channel();
-            if holder(self.descriptor.id, tx) {
+            if holder.revoke(self.descriptor.id, tx) {
                 acks.push(rx);
             }
         }
