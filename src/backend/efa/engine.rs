@@ -99,6 +99,19 @@ pub struct Region {
     pub len: usize,
 }
 
+/// Where an RMA op ([`Engine::post_rma`]) reaches into its peer's memory: `addr` of the
+/// peer's registration `key` (its virtual address, or its offset in the registration where
+/// the provider lacks `FI_MR_VIRT_ADDR`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rma {
+    /// Write the op's region there (else read from there into it).
+    pub write: bool,
+    /// The target address.
+    pub addr: u64,
+    /// The target registration's key.
+    pub key: u64,
+}
+
 /// An operation's end, in the pipe's order.
 #[derive(Debug)]
 pub struct Finished {
@@ -192,10 +205,38 @@ struct Live {
     cached: bool,
     /// One of the inbox's receives (its `pipe` is [`INBOX`]).
     inbox: bool,
+    /// An RMA op (a send in its pipe's order): the peer's memory it reads or writes.
+    rma: Option<Rma>,
     id: u64,
     state: State,
     // Dropped when the op ends, after the provider is done with the memory.
     _mr: Option<Mr>,
+}
+
+impl Live {
+    /// An op on caller memory (`post_region`, `post_rma`).
+    fn in_place(
+        pipe: u32,
+        kind: Kind,
+        tag: u64,
+        region: Region,
+        rma: Option<Rma>,
+        id: u64,
+    ) -> Live {
+        Live {
+            pipe,
+            kind,
+            tag,
+            mem: Vec::new(),
+            region: Some(region),
+            cached: false,
+            inbox: false,
+            rma,
+            id,
+            state: State::Posted,
+            _mr: None,
+        }
+    }
 }
 
 struct Slot {
@@ -246,6 +287,9 @@ pub struct Engine {
     // First field: dropped (closed) before the slots' memory and the registrations.
     ep: Endpoint,
     regs: RegCache,
+    /// Registrations of memory that peers read and write ([`Engine::register_remote`]).
+    remote: HashMap<u64, Mr>,
+    next_remote: u64,
     register_all: bool,
     slots: Vec<Slot>,
     free: Vec<usize>,
@@ -285,6 +329,8 @@ impl Engine {
             inject_limit,
             ep,
             regs: RegCache::default(),
+            remote: HashMap::new(),
+            next_remote: 0,
             register_all: false,
             slots: Vec::new(),
             free: Vec::new(),
@@ -436,6 +482,7 @@ impl Engine {
                     region: None,
                     cached: false,
                     inbox: true,
+                    rma: None,
                     id: 0,
                     state: State::Backlog,
                     _mr: None,
@@ -591,6 +638,7 @@ impl Engine {
             region: None,
             cached: false,
             inbox: false,
+            rma: None,
             id: op.id,
             state: State::Posted,
             _mr: None,
@@ -673,19 +721,69 @@ impl Engine {
         id: u64,
         out: &mut impl FnMut(Finished),
     ) {
-        let live = Live {
-            pipe,
-            kind,
-            tag,
-            mem: Vec::new(),
-            region: Some(region),
-            cached: false,
-            inbox: false,
-            id,
-            state: State::Posted,
-            _mr: None,
-        };
+        self.post_live(Live::in_place(pipe, kind, tag, region, None, id), out);
+    }
+
+    /// Posts an RMA op for `pipe`: reads `rma`'s peer memory into `region`, or writes `region`
+    /// there, in the order of the pipe's sends; its [`Finished`] (kind [`Kind::Send`]) hands back
+    /// an empty `mem` and the bytes moved. A write's end says its bytes are in the peer's memory
+    /// (delivery complete).
+    ///
+    /// # Safety
+    /// As [`Engine::post_region`]: the region's bytes stay allocated, and untouched by anyone
+    /// else, until the op's [`Finished`] has come out.
+    pub unsafe fn post_rma(
+        &mut self,
+        pipe: u32,
+        rma: Rma,
+        region: Region,
+        id: u64,
+        out: &mut impl FnMut(Finished),
+    ) {
+        let live = Live::in_place(pipe, Kind::Send, 0, region, Some(rma), id);
         self.post_live(live, out);
+    }
+
+    /// Registers `len` bytes at `base` for peers to read and write with RMA: answers a handle
+    /// for [`Engine::release_remote`], the key peers name it by, and the address of its first
+    /// byte in their RMA ops (the virtual address, or 0 where the provider counts offsets).
+    ///
+    /// # Safety
+    /// The memory stays allocated until the registration is released (or the engine dropped),
+    /// and peers may write into it meanwhile.
+    pub unsafe fn register_remote(
+        &mut self,
+        base: usize,
+        len: usize,
+    ) -> Result<(u64, u64, u64), FabricError> {
+        // SAFETY: the caller's contract.
+        let mr = unsafe {
+            self.ep
+                .domain()
+                .register_remote(base as *const u8, len.max(1))
+        }?;
+        self.stats.registrations += 1;
+        let handle = self.next_remote;
+        self.next_remote += 1;
+        let key = mr.key();
+        self.remote.insert(handle, mr);
+        let addr = if self.ep.domain().attributes().virt_addr {
+            base as u64
+        } else {
+            0
+        };
+        Ok((handle, key, addr))
+    }
+
+    /// Closes a registration of [`Engine::register_remote`]: peers' RMA ops naming its key fail
+    /// from now on.
+    pub fn release_remote(&mut self, handle: u64) {
+        self.remote.remove(&handle);
+    }
+
+    /// Registrations for peers' RMA open now.
+    pub fn remote_registrations(&self) -> usize {
+        self.remote.len()
     }
 
     fn post_live(&mut self, mut live: Live, out: &mut impl FnMut(Finished)) {
@@ -886,7 +984,7 @@ impl Engine {
             return Err(PostError::Again);
         }
         let len = l.region.map_or(l.mem.len(), |r| r.len);
-        if l.kind == Kind::Send && len > 0 && len <= self.inject_limit {
+        if l.kind == Kind::Send && l.rma.is_none() && len > 0 && len <= self.inject_limit {
             let bytes = match l.region {
                 // SAFETY: `post_region`'s contract keeps the region's bytes allocated and
                 // unwritten until the op's end, which is after this call.
@@ -942,6 +1040,11 @@ impl Engine {
         // closed (it drops first).
         let r = unsafe {
             match l.kind {
+                Kind::Send if l.rma.is_some() => {
+                    let rma = l.rma.expect("matched");
+                    self.ep
+                        .rma(rma.write, ptr, len, desc, peer, rma.addr, rma.key, ctx)
+                }
                 Kind::Send => {
                     let (wire, data) = tag::on_the_wire(l.tag);
                     self.ep.tsend(ptr, len, desc, peer, wire, data, ctx)

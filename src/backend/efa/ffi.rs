@@ -50,7 +50,12 @@ extern "C" {
     pub fn ap_version() -> u32;
     pub fn ap_header_version() -> u32;
     pub fn ap_strerror(err: c_int) -> *const c_char;
-    pub fn ap_getinfo(prov: *const c_char, inject: usize, out: *mut *mut FiInfo) -> c_int;
+    pub fn ap_getinfo(
+        prov: *const c_char,
+        inject: usize,
+        rma: c_int,
+        out: *mut *mut FiInfo,
+    ) -> c_int;
     pub fn ap_freeinfo(info: *mut FiInfo);
     pub fn ap_dupinfo(info: *const FiInfo) -> *mut FiInfo;
     pub fn ap_info_next(info: *mut FiInfo) -> *mut FiInfo;
@@ -126,5 +131,26 @@ extern "C" {
         out: *mut *mut FidMr,
         desc: *mut *mut c_void,
     ) -> c_int;
+    pub fn ap_mr_key(mr: *mut FidMr) -> u64;
+    pub fn ap_read(
+        ep: *mut FidEp,
+        buf: *mut c_void,
+        len: usize,
+        desc: *mut c_void,
+        src: u64,
+        addr: u64,
+        key: u64,
+        context: *mut c_void,
+    ) -> isize;
+    pub fn ap_write(
+        ep: *mut FidEp,
+        buf: *const c_void,
+        len: usize,
+        desc: *mut c_void,
+        dest: u64,
+        addr: u64,
+        key: u64,
+        context: *mut c_void,
+    ) -> isize;
     pub fn ap_const(which: c_int) -> u64;
 }

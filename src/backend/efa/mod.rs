@@ -228,6 +228,12 @@ pub struct Attributes {
     /// Whether endpoint addresses are NUL-terminated strings (`FI_ADDR_STR`: shm) rather than
     /// fixed-size binary addresses.
     pub string_addresses: bool,
+    /// Whether the endpoints read and write their peers' registered memory (`FI_RMA`: the
+    /// `efa` remote-memory path).
+    pub rma: bool,
+    /// Whether an RMA operation names the target's memory by its virtual address
+    /// (`FI_MR_VIRT_ADDR`); otherwise by its offset in the registration.
+    pub virt_addr: bool,
 }
 
 /// The inject size [`InfoList::get`] asks a provider for when its default is smaller: a
@@ -272,7 +278,12 @@ impl InfoList {
         Ok(list)
     }
 
+    /// Entries with RMA where the provider offers it (the remote-memory path), else without.
     fn get_with(provider: Option<&str>, inject: usize) -> Result<InfoList, FabricError> {
+        Self::get_caps(provider, inject, true).or_else(|_| Self::get_caps(provider, inject, false))
+    }
+
+    fn get_caps(provider: Option<&str>, inject: usize, rma: bool) -> Result<InfoList, FabricError> {
         let name = provider
             .map(CString::new)
             .transpose()
@@ -288,6 +299,7 @@ impl InfoList {
             ffi::ap_getinfo(
                 name.as_ref().map_or(std::ptr::null(), |n| n.as_ptr()),
                 inject,
+                i32::from(rma),
                 &mut head,
             )
         };
@@ -353,6 +365,8 @@ impl Info<'_> {
             rx_size: raw.rx_size,
             mr_local: raw.mr_mode & constant(1) != 0,
             string_addresses: raw.addr_format as u64 == constant(10),
+            rma: raw.caps & constant(12) != 0,
+            virt_addr: raw.mr_mode & constant(13) != 0,
         }
     }
 }
@@ -430,9 +444,22 @@ impl Domain {
         addr: *const u8,
         len: usize,
     ) -> Result<Mr, FabricError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.register_with(addr, len, constant(4) | constant(5)) }
+    }
+
+    /// Registers `len` bytes at `addr` with `access`.
+    ///
+    /// # Safety
+    /// As [`Domain::register`].
+    unsafe fn register_with(
+        self: &Rc<Self>,
+        addr: *const u8,
+        len: usize,
+        access: u64,
+    ) -> Result<Mr, FabricError> {
         let mut mr = std::ptr::null_mut();
         let mut desc = std::ptr::null_mut();
-        let access = constant(4) | constant(5);
         // SAFETY: the caller keeps the memory alive; mr and desc receive the registration.
         let ret = unsafe { ffi::ap_mr_reg(self.ptr, addr.cast(), len, access, &mut mr, &mut desc) };
         if ret != 0 {
@@ -447,6 +474,24 @@ impl Domain {
             desc,
             _domain: self.clone(),
         })
+    }
+}
+
+impl Domain {
+    /// Registers `len` bytes at `addr` for peers to read and write with RMA (the owner's side
+    /// of the `efa` remote-memory path); [`Mr::key`] is what they name it by.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until the [`Mr`] is dropped, and be reached by nobody but
+    /// its owner and the provider meanwhile (peers write into it).
+    pub unsafe fn register_remote(
+        self: &Rc<Self>,
+        addr: *const u8,
+        len: usize,
+    ) -> Result<Mr, FabricError> {
+        let access = constant(14) | constant(15) | constant(16) | constant(17);
+        // SAFETY: the caller's contract.
+        unsafe { self.register_with(addr, len, access) }
     }
 }
 
@@ -474,6 +519,12 @@ impl Mr {
     /// The local descriptor to pass with a post.
     pub fn desc(&self) -> *mut c_void {
         self.desc
+    }
+
+    /// The key peers name this registration by in RMA operations.
+    pub fn key(&self) -> u64 {
+        // SAFETY: a live registration.
+        unsafe { ffi::ap_mr_key(self.ptr) }
     }
 }
 
@@ -965,6 +1016,37 @@ impl Endpoint {
             )
         };
         self.post_result("fi_tsend", ret)
+    }
+
+    /// Posts an RMA read of `len` bytes at `addr` of `peer`'s registration `key` into `buf`
+    /// (`fi_read`), or with `write` an RMA write of `buf` there (`fi_writemsg`, delivery
+    /// complete: its completion says the bytes are in the peer's memory).
+    ///
+    /// # Safety
+    /// As [`Endpoint::tsend`], with `buf..buf+len` writable (a read) and not otherwise accessed
+    /// until the completion.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn rma(
+        &self,
+        write: bool,
+        buf: *mut u8,
+        len: usize,
+        desc: *mut c_void,
+        peer: FiAddr,
+        addr: u64,
+        key: u64,
+        context: *mut c_void,
+    ) -> Result<(), PostError> {
+        let ep = self.sender(peer);
+        // SAFETY: the caller's contract above.
+        let ret = unsafe {
+            if write {
+                ffi::ap_write(ep, buf.cast(), len, desc, peer, addr, key, context)
+            } else {
+                ffi::ap_read(ep, buf.cast(), len, desc, peer, addr, key, context)
+            }
+        };
+        self.post_result(if write { "fi_write" } else { "fi_read" }, ret)
     }
 
     /// Sends `buf` (at most [`Attributes::inject_size`] bytes) to `dest`, tagged `tag`, as an

@@ -20,6 +20,7 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
 #include <rdma/fi_tagged.h>
 
 /* One completion, success or error (mirrored in ffi.rs as ApCompletion). */
@@ -54,8 +55,9 @@ uint32_t ap_header_version(void) { return FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_
 const char *ap_strerror(int err) { return fi_strerror(err); }
 
 /* RDM endpoints with tagged messages, for provider `prov` (NULL: any); with `inject` > 0,
- * only those that can inject (fi_tinject) at least that many bytes. */
-int ap_getinfo(const char *prov, size_t inject, struct fi_info **out)
+ * only those that can inject (fi_tinject) at least that many bytes; with `rma`, only those
+ * that also read and write registered memory of their peers (FI_RMA, remote memory). */
+int ap_getinfo(const char *prov, size_t inject, int rma, struct fi_info **out)
 {
 	struct fi_info *hints = fi_allocinfo();
 	int ret;
@@ -63,6 +65,8 @@ int ap_getinfo(const char *prov, size_t inject, struct fi_info **out)
 		return -FI_ENOMEM;
 	hints->ep_attr->type = FI_EP_RDM;
 	hints->caps = FI_TAGGED | FI_MSG;
+	if (rma)
+		hints->caps |= FI_RMA | FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
 	/* We can hand every provider the scratch space it may ask for in op_context. */
 	hints->mode = FI_CONTEXT | FI_CONTEXT2;
 	/* The registration rules we honour (see docs/efa.md). FI_MR_ENDPOINT is not offered:
@@ -299,6 +303,38 @@ int ap_mr_reg(struct fid_domain *domain, const void *buf, size_t len, uint64_t a
 	return 0;
 }
 
+/* The key a peer names registration `mr` by in its RMA operations. */
+uint64_t ap_mr_key(struct fid_mr *mr) { return fi_mr_key(mr); }
+
+/* Reads `len` bytes of the peer `src`'s registration `key` at `addr` into `buf` (fi_read): the
+ * completion says they are in `buf`. */
+ssize_t ap_read(struct fid_ep *ep, void *buf, size_t len, void *desc, uint64_t src,
+		uint64_t addr, uint64_t key, void *context)
+{
+	return fi_read(ep, buf, len, desc, src, addr, key, context);
+}
+
+/* Writes `len` bytes at `buf` into the peer `dest`'s registration `key` at `addr`. Delivery
+ * complete: the completion comes once the bytes are in the target's memory, not merely sent
+ * (a remote write's completion says its bytes are visible to the region's owner). */
+ssize_t ap_write(struct fid_ep *ep, const void *buf, size_t len, void *desc, uint64_t dest,
+		 uint64_t addr, uint64_t key, void *context)
+{
+	struct iovec iov = { .iov_base = (void *)buf, .iov_len = len };
+	struct fi_rma_iov rma = { .addr = addr, .len = len, .key = key };
+	struct fi_msg_rma msg = {
+		.msg_iov = &iov,
+		.desc = &desc,
+		.iov_count = 1,
+		.addr = dest,
+		.rma_iov = &rma,
+		.rma_iov_count = 1,
+		.context = context,
+		.data = 0,
+	};
+	return fi_writemsg(ep, &msg, FI_DELIVERY_COMPLETE | FI_COMPLETION);
+}
+
 /* libfabric constants the Rust side needs, so no number is copied by hand. */
 uint64_t ap_const(int which)
 {
@@ -315,6 +351,12 @@ uint64_t ap_const(int which)
 	case 9: return FI_EIO;
 	case 10: return FI_ADDR_STR;
 	case 11: return FI_ENOMEM;
+	case 12: return FI_RMA;
+	case 13: return FI_MR_VIRT_ADDR;
+	case 14: return FI_READ;
+	case 15: return FI_WRITE;
+	case 16: return FI_REMOTE_READ;
+	case 17: return FI_REMOTE_WRITE;
 	default: return 0;
 	}
 }

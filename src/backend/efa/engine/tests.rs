@@ -1054,3 +1054,117 @@ fn the_inbox_hands_each_message_to_its_pipe() {
         assert_eq!(ends[0].result.as_ref().err(), Some(&e));
     }
 }
+
+/// RMA on each provider: a peer reads and writes memory registered for it, in pieces, the
+/// ends in post order (a write's once its bytes are in the target's memory); the registration
+/// closed, the next op fails its pipe. The target only progresses its engine.
+#[test]
+fn rma_reads_and_writes_registered_memory_then_fails_once_it_is_closed() {
+    for provider in providers() {
+        let (mut a, pa, mut b, _) = pair(provider);
+        if !b.attributes().rma {
+            eprintln!("skipped on {provider}: the provider offers no RMA here");
+            continue;
+        }
+        let len = 3 << 20;
+        let mut target: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+        // SAFETY: `target` outlives the registration (released below, before it drops).
+        let (handle, key, addr) = unsafe { b.register_remote(target.as_mut_ptr() as usize, len) }
+            .expect("register for RMA");
+        let mut local = vec![0u8; len];
+        let mut ends = Vec::new();
+        let region = |buf: &mut Vec<u8>, offset: usize, n: usize| Region {
+            base: buf.as_mut_ptr() as usize,
+            buffer_len: buf.len(),
+            offset,
+            len: n,
+        };
+        // Read the first 2 MiB in two pieces; write 1 MiB of ours at 2 MiB.
+        for (i, (at, n)) in [(0usize, 1usize << 20), (1 << 20, 1 << 20)]
+            .into_iter()
+            .enumerate()
+        {
+            let r = Rma {
+                write: false,
+                addr: addr + at as u64,
+                key,
+            };
+            // SAFETY: `local` outlives the op's end, read below.
+            unsafe {
+                a.post_rma(pa, r, region(&mut local, at, n), i as u64, &mut |f| {
+                    ends.push(f)
+                })
+            };
+        }
+        let ours: Vec<u8> = (0..1usize << 20).map(|i| (i * 13 + 1) as u8).collect();
+        local[2 << 20..].copy_from_slice(&ours);
+        let w = Rma {
+            write: true,
+            addr: addr + (2u64 << 20),
+            key,
+        };
+        // SAFETY: as above.
+        unsafe {
+            a.post_rma(pa, w, region(&mut local, 2 << 20, 1 << 20), 2, &mut |f| {
+                ends.push(f)
+            })
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while ends.len() < 3 && std::time::Instant::now() < deadline {
+            a.progress(&mut |f| ends.push(f)).expect("progress");
+            b.progress(&mut |_| {}).expect("progress");
+        }
+        let ids: Vec<u64> = ends.iter().map(|f| f.id).collect();
+        assert_eq!(ids, [0, 1, 2], "{provider}: ends in post order");
+        for f in &ends {
+            assert_eq!(
+                f.result.as_ref().ok(),
+                Some(&(1usize << 20)),
+                "{provider}: {f:?}"
+            );
+            assert_eq!(f.kind, Kind::Send);
+        }
+        let expected: Vec<u8> = (0..2usize << 20).map(|i| (i * 7 + 3) as u8).collect();
+        assert!(
+            local[..2 << 20] == expected[..],
+            "{provider}: the read's bytes"
+        );
+        assert!(
+            target[2 << 20..] == ours[..],
+            "{provider}: the write's bytes, at its end"
+        );
+        assert_eq!(b.remote_registrations(), 1);
+        b.release_remote(handle);
+        assert_eq!(b.remote_registrations(), 0);
+        // The key is gone: the next read fails (its pipe with it), and nothing lands. Not on
+        // `shm`, which copies with process_vm_readv and checks no key: there the remote path's
+        // revocation handshake (docs/remote.md) is all that keeps a peer out after
+        // deregistration, and this trial says so if that ever changes.
+        local[..4096].fill(0);
+        let r = Rma {
+            write: false,
+            addr,
+            key,
+        };
+        ends.clear();
+        // SAFETY: as above.
+        unsafe { a.post_rma(pa, r, region(&mut local, 0, 4096), 3, &mut |f| ends.push(f)) };
+        while ends.is_empty() && std::time::Instant::now() < deadline {
+            a.progress(&mut |f| ends.push(f)).expect("progress");
+            b.progress(&mut |_| {}).expect("progress");
+        }
+        let checks_keys = provider != "shm";
+        assert_eq!(
+            ends.first().map(|f| f.result.is_err()),
+            Some(checks_keys),
+            "{provider}: a read of a closed registration: {ends:?}"
+        );
+        if checks_keys {
+            assert!(
+                local[..4096].iter().all(|&x| x == 0),
+                "{provider}: nothing landed"
+            );
+        }
+        drop(target);
+    }
+}
