@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use super::lane::Job;
-use super::Span;
+use super::{RegionDescriptor, Span};
 use crate::backend::cuda_ipc::ipc::{self, Opened, HANDLE_LEN};
 use crate::cuda::{check, driver_error, gpu, sys, CudaStream, Gpu};
 use crate::error::{Error, Origin};
@@ -102,13 +102,29 @@ struct Mapping {
     opened: Arc<Opened>,
     /// Where the region starts in the mapping.
     offset: u64,
+    /// The descriptor the owner leased it for: operations that name the region by another
+    /// (a forged token or length) never reach the mapping.
+    descriptor: RegionDescriptor,
 }
 
 /// A region's state on the initiator.
 enum Slot {
-    /// Its lease was asked for: the operations issued meanwhile, in order.
-    Leasing(Vec<Job>),
+    /// Its lease was asked for with this descriptor: the operations issued meanwhile, in order.
+    Leasing(RegionDescriptor, Vec<Job>),
     Mapped(Arc<Mapping>),
+}
+
+/// The error of an operation whose descriptor is not the one its region was leased for: spans
+/// are checked against the descriptor's length here, and the mapping was granted for the
+/// leased one's, so any other is refused before a copy.
+fn not_leased(d: &RegionDescriptor) -> Error {
+    Error::Unauthenticated {
+        reason: format!(
+            "region {}: the descriptor is not the one the owner leased the region for",
+            d.id()
+        ),
+        origin: Origin::default(),
+    }
 }
 
 /// The initiator's leases on one lane: the regions it mapped, the allocations behind them (two
@@ -185,18 +201,23 @@ impl Leases {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         match regions.get_mut(&id) {
-            Some(Slot::Mapped(m)) => {
+            Some(Slot::Mapped(m)) if m.descriptor == job.region => {
                 let m = m.clone();
                 drop(regions);
                 copy(link, &m, job);
             }
-            Some(Slot::Leasing(queued)) => queued.push(job),
+            Some(Slot::Leasing(d, queued)) if *d == job.region => queued.push(job),
+            Some(_) => {
+                drop(regions);
+                let e = not_leased(&job.region);
+                job.finish(Err(e));
+            }
             None => {
                 let l = link.clone();
-                let len = job.region.len();
-                let done: LeaseDone = Box::new(move |r| Leases::leased(&l, id, len, r));
+                let d = job.region.clone();
+                let done: LeaseDone = Box::new(move |r| Leases::leased(&l, &d, r));
                 let lease = link.request(&job, Some(done), None);
-                regions.insert(id, Slot::Leasing(vec![job]));
+                regions.insert(id, Slot::Leasing(job.region.clone(), vec![job]));
                 drop(regions);
                 if let Err(mpsc::error::SendError(lease)) = link.jobs.send(lease) {
                     lease.finish(Err(super::lane::lane_gone(None, &link.origin)));
@@ -207,15 +228,16 @@ impl Leases {
 
     /// The owner answered the lease of region `id`: map it and run the queued operations, or
     /// fail them in order.
-    fn leased(link: &Link, id: u64, len: u64, r: Result<LeaseInfo, Error>) {
-        let mapped = r.and_then(|info| link.leases.map(&info, len));
+    fn leased(link: &Link, d: &RegionDescriptor, r: Result<LeaseInfo, Error>) {
+        let id = d.id();
+        let mapped = r.and_then(|info| link.leases.map(&info, d));
         let mut regions = link
             .leases
             .regions
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         let queued = match regions.remove(&id) {
-            Some(Slot::Leasing(q)) => q,
+            Some(Slot::Leasing(_, q)) => q,
             Some(Slot::Mapped(m)) => {
                 regions.insert(id, Slot::Mapped(m));
                 Vec::new()
@@ -241,7 +263,8 @@ impl Leases {
     }
 
     /// Opens (or finds open) the allocation of a lease of a region of `len` bytes.
-    fn map(&self, info: &LeaseInfo, len: u64) -> Result<Mapping, Error> {
+    fn map(&self, info: &LeaseInfo, d: &RegionDescriptor) -> Result<Mapping, Error> {
+        let len = d.len();
         let handle: [u8; HANDLE_LEN] = info.handle.as_slice().try_into().map_err(|_| {
             Error::protocol(
                 format!("a CUDA IPC handle of {} bytes", info.handle.len()),
@@ -283,6 +306,7 @@ impl Leases {
         Ok(Mapping {
             opened,
             offset: info.offset,
+            descriptor: d.clone(),
         })
     }
 
@@ -346,7 +370,7 @@ impl Leases {
     pub(crate) fn clear(&self) {
         let regions = std::mem::take(&mut *self.regions.lock().unwrap_or_else(|e| e.into_inner()));
         for (_, slot) in regions {
-            if let Slot::Leasing(queued) = slot {
+            if let Slot::Leasing(_, queued) = slot {
                 for job in queued {
                     job.finish(Err(super::lane::lane_gone(None, &Origin::default())));
                 }

@@ -1297,6 +1297,17 @@ fn lease(
 ) -> Result<serde_bytes::ByteBuf, Error> {
     #[cfg(feature = "cuda")]
     {
+        // The initiator checks spans against the descriptor's length, so the lease is granted
+        // only for the region's own.
+        if q.region.len() != entry.len {
+            return Err(Error::Unauthenticated {
+                reason: format!(
+                    "region {}: the descriptor's length is not the region's",
+                    q.region.id()
+                ),
+                origin: Origin::default(),
+            });
+        }
         let info = super::device::LeaseInfo::of(entry)?;
         let revoke = revoke.ok_or_else(|| Error::invalid("a lease after the peer's close"))?;
         entry.lease(q.region.id(), Box::new(LaneHolder(revoke)))?;
