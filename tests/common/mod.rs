@@ -829,3 +829,25 @@ pub async fn check_backends(p: &Addr<Pipe>, transport: &str, channel: &str) {
         info.channels
     );
 }
+
+/// A region descriptor's fields, in order (its MessagePack form): version, owner, context, id,
+/// token, length, writable, memory.
+pub type DescriptorFields = (u8, String, u64, u64, [u64; 2], u64, bool, DescriptorMemory);
+
+/// Where a region's memory is, as a descriptor holds it.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub enum DescriptorMemory {
+    Host,
+    Cuda { device: u32, ipc: bool },
+}
+
+/// `d` with its fields changed by `edit`: a forged descriptor, as a peer could make one.
+pub fn forge(
+    d: &actorpipe::remote::RegionDescriptor,
+    edit: impl FnOnce(&mut DescriptorFields),
+) -> actorpipe::remote::RegionDescriptor {
+    let mut f: DescriptorFields =
+        rmp_serde::from_slice(&d.to_bytes()).expect("the descriptor's fields");
+    edit(&mut f);
+    actorpipe::remote::RegionDescriptor::from_bytes(&rmp_serde::to_vec(&f).unwrap()).unwrap()
+}

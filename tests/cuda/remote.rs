@@ -29,27 +29,6 @@ pub const MAPPER: &str = "remote_mapper";
 const REGION: usize = 64 << 20;
 const OWNER_SEED: u64 = 0x5eed;
 
-/// The fields of a descriptor, in order (its MessagePack form).
-type Fields = (u8, String, u64, u64, [u64; 2], u64, bool, DescMemory);
-
-/// Where a region's memory is, as a descriptor holds it.
-#[derive(serde::Serialize, serde::Deserialize)]
-enum DescMemory {
-    Host,
-    Cuda { device: u32, ipc: bool },
-}
-
-/// `d` with its token changed (`token`) or its length doubled.
-fn forge(d: &RegionDescriptor, token: bool) -> RegionDescriptor {
-    let mut f: Fields = rmp_serde::from_slice(&d.to_bytes()).expect("the descriptor's fields");
-    if token {
-        f.4[1] ^= 1;
-    } else {
-        f.5 *= 2;
-    }
-    RegionDescriptor::from_bytes(&rmp_serde::to_vec(&f).unwrap()).unwrap()
-}
-
 /// Which memory a trial's local buffers are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mem {
@@ -308,8 +287,8 @@ pub fn ipc() -> Outcome {
         // must not reach the mapping (the spans are checked against the descriptor's length).
         // (The forged length's span lies past the region's real end.)
         for (what, bad, at) in [
-            ("token", forge(&d, true), 0),
-            ("length", forge(&d, false), REGION as u64),
+            ("token", common::forge(&d, |f| f.4[1] ^= 1), 0),
+            ("length", common::forge(&d, |f| f.5 *= 2), REGION as u64),
         ] {
             let past = Span::new(at, 0, 4096);
             let done = pipe

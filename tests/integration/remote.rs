@@ -273,20 +273,9 @@ async fn a_notification_arrives_after_its_data(p: &RemotePath) {
 }
 
 /// The descriptor's fields, as its bytes hold them (the last: where the memory is).
-type Fields = (u8, String, u64, u64, [u64; 2], u64, bool, Memory);
-
-/// Where a region's memory is, as a descriptor holds it.
-#[derive(serde::Serialize, serde::Deserialize)]
-enum Memory {
-    Host,
-    Cuda { device: u32, ipc: bool },
-}
-
 /// A descriptor with another token: the same bytes, the token's words changed.
 fn forged(d: &RegionDescriptor) -> RegionDescriptor {
-    let mut f: Fields = rmp_serde::from_slice(&d.to_bytes()).expect("the descriptor's fields");
-    f.4[1] ^= 1;
-    RegionDescriptor::from_bytes(&rmp_serde::to_vec(&f).unwrap()).unwrap()
+    crate::common::forge(d, |f| f.4[1] ^= 1)
 }
 
 async fn forged_and_stale_descriptors_are_refused(p: &RemotePath) {
@@ -296,7 +285,9 @@ async fn forged_and_stale_descriptors_are_refused(p: &RemotePath) {
     let bytes = d.to_bytes();
     assert!(bytes.len() < 128, "a descriptor of {} bytes", bytes.len());
     assert_eq!(RegionDescriptor::from_bytes(&bytes).unwrap(), d);
-    let token = rmp_serde::from_slice::<Fields>(&bytes).unwrap().4;
+    let token = rmp_serde::from_slice::<crate::common::DescriptorFields>(&bytes)
+        .unwrap()
+        .4;
     let shown = format!("{d:?}");
     for w in token {
         let (dec, hex) = (w.to_string(), format!("{w:x}"));

@@ -33,9 +33,8 @@ use actix::prelude::*;
 use tokio::sync::mpsc;
 
 use super::{FabricEndpoint, RegionOp};
-use crate::backend::efa::engine::{Engine, Finished, Op, Region, Rma};
+use crate::backend::efa::engine::{Engine, Finished, Op};
 use crate::backend::efa::FabricError;
-use crate::error::Error;
 use crate::keymap::KeyMap;
 use crate::transport::stream::Memory;
 
@@ -372,66 +371,6 @@ impl Poster {
         for &pipe in pipes {
             engine.refuse_sends(pipe, e.clone(), &mut |f| deliver(sinks, f));
         }
-    }
-
-    /// Posts RMA ops for `pipe` (the `efa` remote-memory path), as [`Poster::post`] does: each
-    /// reads its peer's memory into its region, or writes its region there.
-    ///
-    /// # Safety
-    /// As [`Poster::post_regions`], for each op's region.
-    pub unsafe fn post_rma(&self, pipe: u32, ops: &[(Rma, Region, u64)]) {
-        let kick = {
-            let mut c = lock(&self.core);
-            if c.closed {
-                return;
-            }
-            let Core { engine, sinks, .. } = &mut *c;
-            for &(rma, region, id) in ops {
-                // SAFETY: this function's contract is `post_rma`'s.
-                unsafe { engine.post_rma(pipe, rma, region, id, &mut |f| deliver(sinks, f)) };
-            }
-            c.after_post()
-        };
-        if kick {
-            self.signal.raise();
-        }
-    }
-
-    /// Registers memory for peers' RMA on the endpoint's domain (see
-    /// [`Engine::register_remote`]): its handle, key and base address in peers' ops.
-    ///
-    /// # Safety
-    /// [`Engine::register_remote`]'s.
-    pub unsafe fn register_remote(
-        &self,
-        base: usize,
-        len: usize,
-    ) -> Result<(u64, u64, u64), Error> {
-        let mut c = lock(&self.core);
-        if c.closed {
-            return Err(Error::Unavailable {
-                backend: "efa".into(),
-                reason: "the endpoint has closed".into(),
-            });
-        }
-        // SAFETY: the caller's contract.
-        unsafe { c.engine.register_remote(base, len) }
-            .map_err(|e| super::fabric_error(e, &crate::error::Origin::default()))
-    }
-
-    /// Closes a registration of [`Poster::register_remote`].
-    pub fn release_remote(&self, handle: u64) {
-        lock(&self.core).engine.release_remote(handle);
-    }
-
-    /// The endpoint's address, as peers insert it.
-    pub fn name(&self) -> Vec<u8> {
-        lock(&self.core).engine.endpoint().name().to_vec()
-    }
-
-    /// What the endpoint's provider says of its domain.
-    pub fn attributes(&self) -> crate::backend::efa::Attributes {
-        lock(&self.core).engine.attributes().clone()
     }
 
     /// Posts ops that move caller memory in place, as [`Poster::post`] does.

@@ -744,23 +744,25 @@ impl Engine {
         self.post_live(live, out);
     }
 
-    /// Registers `len` bytes at `base` for peers to read and write with RMA: answers a handle
+    /// Registers `len` bytes at `base` for peers to read with RMA, and to write if `writable`
+    /// (a write into a registration without it fails at the initiator): answers a handle
     /// for [`Engine::release_remote`], the key peers name it by, and the address of its first
     /// byte in their RMA ops (the virtual address, or 0 where the provider counts offsets).
     ///
     /// # Safety
     /// The memory stays allocated until the registration is released (or the engine dropped),
-    /// and peers may write into it meanwhile.
+    /// and peers may write into it meanwhile if `writable`.
     pub unsafe fn register_remote(
         &mut self,
         base: usize,
         len: usize,
+        writable: bool,
     ) -> Result<(u64, u64, u64), FabricError> {
         // SAFETY: the caller's contract.
         let mr = unsafe {
             self.ep
                 .domain()
-                .register_remote(base as *const u8, len.max(1))
+                .register_remote(base as *const u8, len, writable)
         }?;
         self.stats.registrations += 1;
         let handle = self.next_remote;
@@ -1039,17 +1041,15 @@ impl Engine {
         // or touched until the op's completion has been read (`complete`), or the endpoint
         // closed (it drops first).
         let r = unsafe {
-            match l.kind {
-                Kind::Send if l.rma.is_some() => {
-                    let rma = l.rma.expect("matched");
-                    self.ep
-                        .rma(rma.write, ptr, len, desc, peer, rma.addr, rma.key, ctx)
-                }
-                Kind::Send => {
+            match (l.kind, l.rma) {
+                (Kind::Send, Some(rma)) => self
+                    .ep
+                    .rma(rma.write, ptr, len, desc, peer, rma.addr, rma.key, ctx),
+                (Kind::Send, None) => {
                     let (wire, data) = tag::on_the_wire(l.tag);
                     self.ep.tsend(ptr, len, desc, peer, wire, data, ctx)
                 }
-                Kind::Recv => {
+                (Kind::Recv, _) => {
                     // The inbox's receives match any message of the stream: pipe and sequence
                     // ignored.
                     let ignore = if l.inbox {

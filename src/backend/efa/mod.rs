@@ -262,15 +262,7 @@ impl InfoList {
             .all(|i| i.attributes().inject_size < INJECT_WANTED as u64);
         if provider.is_some() && short {
             if let Ok(more) = Self::get_with(provider, INJECT_WANTED) {
-                let names = |l: &InfoList| -> Vec<(String, String, String)> {
-                    l.iter()
-                        .map(|i| {
-                            let a = i.attributes();
-                            (a.provider, a.fabric, a.domain)
-                        })
-                        .collect()
-                };
-                if names(&more) == names(&list) {
+                if more.names() == list.names() {
                     return Ok(more);
                 }
             }
@@ -278,9 +270,25 @@ impl InfoList {
         Ok(list)
     }
 
-    /// Entries with RMA where the provider offers it (the remote-memory path), else without.
+    /// The entries with RMA (the remote-memory path) where asking for it leaves the list as it
+    /// is: the same (provider, fabric, domain) entries in the same order. A provider or domain
+    /// without RMA is never dropped for it: then no entry gets it.
     fn get_with(provider: Option<&str>, inject: usize) -> Result<InfoList, FabricError> {
-        Self::get_caps(provider, inject, true).or_else(|_| Self::get_caps(provider, inject, false))
+        let plain = Self::get_caps(provider, inject, false)?;
+        match Self::get_caps(provider, inject, true) {
+            Ok(rma) if rma.names() == plain.names() => Ok(rma),
+            _ => Ok(plain),
+        }
+    }
+
+    /// Each entry's (provider, fabric, domain), in order.
+    fn names(&self) -> Vec<(String, String, String)> {
+        self.iter()
+            .map(|i| {
+                let a = i.attributes();
+                (a.provider, a.fabric, a.domain)
+            })
+            .collect()
     }
 
     fn get_caps(provider: Option<&str>, inject: usize, rma: bool) -> Result<InfoList, FabricError> {
@@ -478,18 +486,22 @@ impl Domain {
 }
 
 impl Domain {
-    /// Registers `len` bytes at `addr` for peers to read and write with RMA (the owner's side
-    /// of the `efa` remote-memory path); [`Mr::key`] is what they name it by.
+    /// Registers `len` bytes at `addr` for peers to read with RMA, and to write if `writable`
+    /// (the owner's side of the `efa` remote-memory path); [`Mr::key`] is what they name it by.
     ///
     /// # Safety
-    /// The memory must stay allocated until the [`Mr`] is dropped, and be reached by nobody but
-    /// its owner and the provider meanwhile (peers write into it).
+    /// The memory must stay allocated until the [`Mr`] is dropped, and (if `writable`) be
+    /// reached by nobody but its owner and the provider meanwhile (peers write into it).
     pub unsafe fn register_remote(
         self: &Rc<Self>,
         addr: *const u8,
         len: usize,
+        writable: bool,
     ) -> Result<Mr, FabricError> {
-        let access = constant(14) | constant(15) | constant(16) | constant(17);
+        let mut access = constant(14) | constant(15) | constant(16);
+        if writable {
+            access |= constant(17);
+        }
         // SAFETY: the caller's contract.
         unsafe { self.register_with(addr, len, access) }
     }
